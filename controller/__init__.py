@@ -1,0 +1,1 @@
+"""Control plane: configuration, Ray placement, request routing, gRPC server and the CLI."""

@@ -1,0 +1,1 @@
+"""Decode worker: continuous-batching decode with MagicDec-style speculative decoding."""

@@ -1,0 +1,66 @@
+"""Attention over the paged KV cache, behind one small backend interface.
+
+A backend implements ``forward(q, k, v, k_cache, v_cache, meta) -> out`` (shapes in
+:class:`TorchAttentionBackend`). :class:`PagedAttentionContext` adapts a backend to the model's
+AttentionContext: for each layer it writes the new keys/values into the cache, then attends.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from modeling.attention.metadata import AttentionMetadata, physical_runs
+from modeling.attention.torch_backend import TorchAttentionBackend
+from modeling.kv_cache import PagedKVCache
+
+BACKENDS = ("torch", "flash", "auto")
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "PagedAttentionContext",
+    "TorchAttentionBackend",
+    "make_backend",
+    "physical_runs",
+]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+def make_backend(name: str, device: torch.device | str, block_size: int) -> AttentionBackend:
+    """'torch' | 'flash' | 'auto' (flash on CUDA when installed and the block size allows, else torch)."""
+    from modeling.attention.flash_backend import FLASH_BLOCK_MULTIPLE, FlashAttentionBackend, flash_attn_available
+
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend: unknown {name!r}; allowed: {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if name == "flash":
+        if device.type != "cuda":
+            raise ValueError("attention_backend: 'flash' runs on CUDA only; use 'torch' on CPU")
+        return FlashAttentionBackend(block_size)
+    if name == "auto" and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0 and flash_attn_available():
+        return FlashAttentionBackend(block_size)
+    return TorchAttentionBackend()
+
+
+class PagedAttentionContext:
+    """The model's AttentionContext for one step over a paged cache."""
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, backend: AttentionBackend):
+        self.cache = cache
+        self.meta = meta
+        self.backend = backend
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer, self.meta.slot_mapping, k, v)
+        k_cache, v_cache = self.cache.layer(layer)
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta)

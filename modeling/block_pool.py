@@ -1,0 +1,139 @@
+"""KV block allocation: a pool of fixed-size blocks with reference counts, and per-sequence block tables.
+
+Pure Python (no torch), so schedulers and allocators are tested on plain objects. A block holds
+``block_size`` consecutive token positions of one sequence for every layer; the tensors themselves
+live in :class:`modeling.kv_cache.PagedKVCache`.
+
+Allocation prefers low block ids and, when a sequence grows, the block right after its last one: long
+runs of physically contiguous blocks let attention read a sequence's KV as zero-copy views.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from modeling.errors import OutOfBlocksError
+
+
+class BlockPool:
+    """A fixed set of KV blocks: free list, reference counts.
+
+    Invariant: a block is free iff its reference count is 0; ``num_free`` counts exactly those.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refcount = [0] * num_blocks
+        # Min-heap of candidate free ids; may hold stale entries (checked against _refcount on pop).
+        self._heap = list(range(num_blocks))
+        self._num_free = num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self._num_free
+
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` positions."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self._num_free
+
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
+        """Take ``num_blocks`` free blocks (refcount 1), preferring ``after + 1, after + 2, ...``.
+
+        Raises OutOfBlocksError (taking nothing) when fewer are free.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks: must be >= 0, got {num_blocks}")
+        if num_blocks > self._num_free:
+            raise OutOfBlocksError(f"need {num_blocks} KV blocks, {self._num_free} free of {self.num_blocks}")
+        out: list[int] = []
+        nxt = None if after is None else after + 1
+        while len(out) < num_blocks:
+            if nxt is not None and nxt < self.num_blocks and self._refcount[nxt] == 0:
+                block = nxt
+            else:
+                block = self._pop_lowest_free()
+            self._refcount[block] = 1
+            self._num_free -= 1
+            out.append(block)
+            nxt = block + 1
+        return out
+
+    def incref(self, blocks: list[int]) -> None:
+        """Share already-allocated blocks (e.g. a common prefix)."""
+        for b in blocks:
+            if self._refcount[b] <= 0:
+                raise ValueError(f"block {b} is free; only allocated blocks can be shared")
+        for b in blocks:
+            self._refcount[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; blocks reaching 0 return to the free list."""
+        for b in blocks:
+            if self._refcount[b] <= 0:
+                raise ValueError(f"block {b} freed more often than allocated")
+        for b in blocks:
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                self._num_free += 1
+                heapq.heappush(self._heap, b)
+        if len(self._heap) > 4 * self.num_blocks:
+            self._heap = [b for b in range(self.num_blocks) if self._refcount[b] == 0]
+
+    def _pop_lowest_free(self) -> int:
+        while True:
+            block = heapq.heappop(self._heap)
+            if self._refcount[block] == 0:
+                return block
+
+
+@dataclass
+class BlockTable:
+    """The blocks of one sequence, in order: token position p lives in ``blocks[p // block_size]``."""
+
+    block_size: int
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def ensure_capacity(self, pool: BlockPool, num_tokens: int) -> list[int]:
+        """Grow to hold ``num_tokens`` positions; returns the newly added blocks."""
+        need = pool.blocks_for_tokens(num_tokens) - len(self.blocks)
+        if need <= 0:
+            return []
+        new = pool.allocate(need, after=self.blocks[-1] if self.blocks else None)
+        self.blocks.extend(new)
+        return new
+
+    def truncate(self, pool: BlockPool, num_tokens: int) -> None:
+        """Release the blocks beyond what ``num_tokens`` positions need (KV rollback)."""
+        keep = pool.blocks_for_tokens(num_tokens)
+        if keep < len(self.blocks):
+            pool.free(self.blocks[keep:])
+            del self.blocks[keep:]
+
+    def release(self, pool: BlockPool) -> None:
+        pool.free(self.blocks)
+        self.blocks = []
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Flat cache slot (block * block_size + offset) of each position in [start, end)."""
+        bs = self.block_size
+        return [self.blocks[p // bs] * bs + p % bs for p in range(start, end)]

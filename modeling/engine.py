@@ -1,0 +1,249 @@
+"""The single-process reference engine: continuous batching, chunked prefill, paged KV.
+
+It is the colocated baseline for every later comparison and the correctness oracle for the
+disaggregated system. ``step()`` reads as the skeleton of a serving loop: schedule, run, sample, emit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from modeling.attention import make_backend
+from modeling.block_pool import BlockPool, BlockTable
+from modeling.checkpoint import LoadedModel, load_model
+from modeling.errors import InvalidRequestError
+from modeling.kv_cache import KVCacheSpec, PagedKVCache
+from modeling.runner import ModelRunner, StepInput
+from modeling.sampling import RequestSampler, SamplingParams
+from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
+from modeling.sequence import FinishReason, Sequence, find_stop_string
+from modeling.tokenizer import IncrementalDecoder, TextTokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine instance. ``kv_cache_tokens`` sizes the block pool."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_tokens: int = 65536
+    token_budget: int = 512
+    max_num_seqs: int = 64
+    attention_backend: str = "auto"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_tokens", "token_budget", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens: must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: new tokens and text, and the finish state."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, as returned by :meth:`ReferenceEngine.generate`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    ttft_s: float = 0.0  # arrival to first token
+    tpot_s: float = 0.0  # mean time per output token after the first
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    decoder: IncrementalDecoder | None
+    arrival: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    text: str = ""  # decoded output so far, cut at a stop string
+    sent: int = 0  # characters of ``text`` already emitted
+
+
+class ReferenceEngine:
+    """Colocated prefill + decode in one process."""
+
+    def __init__(self, model: LoadedModel | str, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, config.device)
+        mc = self.loaded.config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.tokenizer = _try_tokenizer(self.loaded.path)
+        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size, self.loaded.dtype)
+        num_blocks = config.kv_cache_tokens // config.block_size
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.cache = PagedKVCache(spec, num_blocks, self.loaded.device)
+        backend = make_backend(config.attention_backend, self.loaded.device, config.block_size)
+        self.runner = ModelRunner(self.loaded.model, self.cache, backend)
+        self.scheduler = ChunkedPrefillScheduler(SchedulerConfig(config.token_budget, config.max_num_seqs), self.pool)
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequestError naming the field."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        vocab = self.loaded.config.vocab_size
+        params.validate(vocab_size=vocab)
+        prompt_ids = self._prompt_ids(prompt)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer.json in the model directory")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens leave no room to generate within the context of {self.max_model_len}"
+            )
+        if self.pool.blocks_for_tokens(len(prompt_ids) + 1) > self.pool.num_blocks:
+            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens exceed the KV cache ({self.config.kv_cache_tokens} tokens)")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            sampler=RequestSampler(params),
+            eos_token_ids=frozenset(self.loaded.eos_token_ids),
+            block_table=BlockTable(self.config.block_size),
+            max_model_len=min(self.max_model_len, self.pool.num_blocks * self.config.block_size),
+        )
+        decoder = self.tokenizer.stream() if self.tokenizer is not None else None
+        self._requests[request_id] = _Request(seq, decoder, arrival=time.perf_counter())
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its KV; False if unknown or already finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None or req.seq.is_finished:
+            return False
+        self.scheduler.finish(req.seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, sample, emit deltas."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.run([self._step_input(c) for c in chunks])
+        return self._process(chunks, logits)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[Completion]:
+        """Run prompts to completion (all submitted at once: continuous batching does the rest)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    req = self._requests.pop(out.request_id)
+                    n_out = len(req.seq.output_ids)
+                    done[out.request_id] = Completion(
+                        out.request_id, req.seq.prompt_ids, req.seq.output_ids, req.text, out.finish_reason,
+                        ttft_s=req.first_token_at - req.arrival,
+                        tpot_s=(req.finished_at - req.first_token_at) / max(1, n_out - 1),
+                    )
+        return [done[i] for i in ids]
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "text prompts need a tokenizer.json; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.loaded.config.vocab_size
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequestError(f"prompt_token_ids[{i}]", f"must be an integer in [0, {vocab}), got {t!r}")
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return ids
+
+    @staticmethod
+    def _step_input(chunk: ScheduledChunk) -> StepInput:
+        seq = chunk.seq
+        return StepInput(
+            token_ids=seq.tokens[chunk.start : chunk.start + chunk.num_tokens],
+            start=chunk.start,
+            block_table=seq.block_table.blocks,
+            num_logits=1 if chunk.sample else 0,
+        )
+
+    def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        row = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            token = seq.sampler.choose(logits[row])
+            row += 1
+            reason = seq.append_token(token)
+            outputs.append(self._emit(self._requests[seq.request_id], token, reason))
+        return outputs
+
+    def _emit(self, req: _Request, token: int, reason: FinishReason | None) -> RequestOutput:
+        """Turn a sampled token into a delta, applying stop strings.
+
+        Text that could still be the start of a stop string is held back until it cannot be."""
+        seq = req.seq
+        now = time.perf_counter()
+        if not req.first_token_at:
+            req.first_token_at = now
+        new_text = ""
+        if req.decoder is not None:
+            stops = seq.sampler.params.stop
+            delta = req.decoder.push([token])
+            if reason is not None:
+                delta += req.decoder.flush()
+            full = req.text + delta
+            stop_at = find_stop_string(full, stops, len(delta))
+            if stop_at >= 0:
+                full = full[:stop_at]
+                reason = FinishReason.STOP
+            req.text = full
+            holdback = 0 if reason is not None or not stops else max(len(s) for s in stops) - 1
+            emit_upto = max(req.sent, len(full) - holdback)
+            new_text = full[req.sent : emit_upto]
+            req.sent = emit_upto
+        if reason is not None:
+            req.finished_at = now
+            self.scheduler.finish(seq, reason)
+        return RequestOutput(seq.request_id, [token], new_text, reason is not None, reason)
+
+
+def _try_tokenizer(path: str) -> TextTokenizer | None:
+    import os
+
+    from modeling.tokenizer import TOKENIZER_FILE
+
+    return TextTokenizer(path) if os.path.isfile(os.path.join(path, TOKENIZER_FILE)) else None

@@ -1,0 +1,74 @@
+"""The paged KV cache tensors.
+
+Layout: one tensor ``kv`` of shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = keys, 1 = values). Per layer, keys and values are each [num_blocks, block_size, Hkv, D]: the
+paged layout flash-attn's ``flash_attn_with_kvcache`` reads, and a run of consecutive blocks is one
+contiguous [n_tokens, Hkv, D] slab. kv_transfer moves ``kv[layer, :, blocks]`` layer by layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of a paged KV cache; two caches can exchange blocks iff their specs match."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def blocks_in(self, memory_bytes: int) -> int:
+        """How many blocks fit in ``memory_bytes``."""
+        return memory_bytes // self.bytes_per_block
+
+
+class PagedKVCache:
+    """Preallocated KV storage for ``num_blocks`` blocks of ``spec.block_size`` tokens."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # kv: [L, 2, num_blocks, block_size, Hkv, D]
+        self.kv = torch.zeros(
+            spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=spec.dtype, device=device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of one layer, each [num_blocks, block_size, Hkv, D]."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens. slots: int64 [T] flat slot ids; k, v: [T, Hkv, D]."""
+        kf = self.kv[layer, 0].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        vf = self.kv[layer, 1].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        kf.index_copy_(0, slots, k.to(kf.dtype))
+        vf.index_copy_(0, slots, v.to(vf.dtype))
+
+    def read_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """KV of some blocks of one layer: [2, n, block_size, Hkv, D] (a copy)."""
+        return self.kv[layer].index_select(1, blocks)
+
+    def write_blocks(self, layer: int, blocks: torch.Tensor, data: torch.Tensor) -> None:
+        """Inverse of read_blocks: data [2, n, block_size, Hkv, D]."""
+        self.kv[layer].index_copy_(1, blocks, data.to(self.kv.dtype))

@@ -1,0 +1,88 @@
+"""Runs the model for one step over the paged KV cache.
+
+Shared by the reference engine, the prefill worker and the decode worker: each builds a list of
+:class:`StepInput` (which tokens of which sequence to compute, where its blocks are), and gets back
+logits for the last ``num_logits`` positions of each input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modeling.attention import AttentionBackend, AttentionMetadata, PagedAttentionContext
+from modeling.kv_cache import PagedKVCache
+from modeling.model import CausalLM
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Compute ``token_ids`` at positions ``start .. start + len - 1`` of a sequence whose KV lives in
+    ``block_table`` (large enough for them). ``num_logits``: how many final positions need logits
+    (1 to sample the next token, k + 1 to verify k drafts, 0 for a mid-prompt chunk).
+    ``positions`` overrides the RoPE positions (drafts may re-index); default start + i."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int = 1
+    positions: list[int] | None = None
+
+
+class ModelRunner:
+    """Owns nothing but references: the model, its cache, the attention backend."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend):
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.device = cache.device
+        self.block_size = cache.spec.block_size
+
+    def build(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None):
+        """Flatten inputs into (input_ids [T], positions [T], metadata, logit row indices)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        for inp in inputs:
+            n = len(inp.token_ids)
+            ids.extend(inp.token_ids)
+            positions.extend(inp.positions if inp.positions is not None else range(inp.start, inp.start + n))
+            table = inp.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(inp.start, inp.start + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(inp.start + n)
+            logit_rows.extend(range(query_start[-1] - inp.num_logits, query_start[-1]))
+        meta = AttentionMetadata(
+            query_start=query_start,
+            seq_lens=seq_lens,
+            block_tables=[inp.block_table for inp in inputs],
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_size=bs,
+            sink_len=sink_len,
+            window_starts=window_starts,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta,
+            logit_rows,
+        )
+
+    @torch.inference_mode()
+    def run(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None) -> torch.Tensor:
+        """Compute the step; returns float32 logits [sum(num_logits), vocab] in input order."""
+        if not inputs:
+            return torch.empty(0, self.model.config.vocab_size)
+        input_ids, positions, meta, logit_rows = self.build(inputs, sink_len, window_starts)
+        ctx = PagedAttentionContext(self.cache, meta, self.backend)
+        hidden = self.model(input_ids, positions, ctx)
+        if not logit_rows:
+            return torch.empty(0, self.model.config.vocab_size)
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)
+        return self.model.logits(hidden.index_select(0, rows))

@@ -1,0 +1,85 @@
+"""A generation request's token state and its stop conditions (no torch here)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from modeling.block_pool import BlockTable
+from modeling.sampling import RequestSampler
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled or failed
+
+
+@dataclass
+class Sequence:
+    """Tokens of one request. Invariant: ``num_computed <= len(tokens)``; the KV of
+    ``tokens[:num_computed]`` is in the cache at ``block_table``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampler: RequestSampler
+    eos_token_ids: frozenset[int]
+    block_table: BlockTable
+    max_model_len: int
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV must still be computed (1 while decoding: the last sampled token)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int) -> FinishReason | None:
+        """Record a sampled token; return why the sequence must stop, if it must."""
+        self.tokens.append(token)
+        params = self.sampler.params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= params.max_tokens or len(self.tokens) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], new_chars: int) -> int:
+    """Index in ``text`` where the earliest stop string starts, looking only where the last
+    ``new_chars`` characters could complete one; -1 if none."""
+    if not stops:
+        return -1
+    best = -1
+    for s in stops:
+        start = max(0, len(text) - new_chars - len(s) + 1)
+        i = text.find(s, start)
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best

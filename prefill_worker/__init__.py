@@ -1,0 +1,1 @@
+"""Prefill worker: chunked prefill over a paged KV cache, handing each prompt's KV to kv_transfer."""

@@ -1,0 +1,1 @@
+"""The public gRPC API (magicserve/v1/*.proto) and its generated stubs."""

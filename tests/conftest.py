@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random HF checkpoints built on the fly (no downloads), thread pinning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests use tiny tensors: one thread avoids OpenMP oversubscription on small CI machines.
+torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+from tests.checkpoints import TINY_CONFIGS, build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """Factory: name in TINY_CONFIGS -> directory of a saved tiny HF checkpoint (with tokenizer)."""
+    cache: dict[str, str] = {}
+
+    def make(name: str) -> str:
+        if name not in cache:
+            cache[name] = build_checkpoint(name, str(tmp_path_factory.mktemp(name)))
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoint_dir):
+    return checkpoint_dir("llama_gqa")
+
+
+def pytest_report_header(config):
+    return f"torch {torch.__version__}, threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}, cpus {os.cpu_count()}"
