@@ -20,8 +20,9 @@ from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.runner import ModelRunner, StepInput
 from modeling.sampling import RequestSampler, SamplingParams
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
-from modeling.sequence import FinishReason, Sequence, find_stop_string
-from modeling.tokenizer import IncrementalDecoder, TextTokenizer
+from modeling.output import OutputStream
+from modeling.sequence import FinishReason, Sequence
+from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,10 @@ class Completion:
 @dataclass
 class _Request:
     seq: Sequence
-    decoder: IncrementalDecoder | None
+    stream: OutputStream
     arrival: float = 0.0
     first_token_at: float = 0.0
     finished_at: float = 0.0
-    text: str = ""  # decoded output so far, cut at a stop string
-    sent: int = 0  # characters of ``text`` already emitted
 
 
 class ReferenceEngine:
@@ -89,7 +88,7 @@ class ReferenceEngine:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, config.device)
         mc = self.loaded.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.tokenizer = _try_tokenizer(self.loaded.path)
+        self.tokenizer = load_tokenizer_if_present(self.loaded.path)
         spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size, self.loaded.dtype)
         num_blocks = config.kv_cache_tokens // config.block_size
         self.pool = BlockPool(num_blocks, config.block_size)
@@ -127,8 +126,8 @@ class ReferenceEngine:
             block_table=BlockTable(self.config.block_size),
             max_model_len=min(self.max_model_len, self.pool.num_blocks * self.config.block_size),
         )
-        decoder = self.tokenizer.stream() if self.tokenizer is not None else None
-        self._requests[request_id] = _Request(seq, decoder, arrival=time.perf_counter())
+        stream = OutputStream.for_sequence(seq, self.tokenizer)
+        self._requests[request_id] = _Request(seq, stream, arrival=time.perf_counter())
         self.scheduler.add(seq)
         return request_id
 
@@ -164,7 +163,7 @@ class ReferenceEngine:
                     req = self._requests.pop(out.request_id)
                     n_out = len(req.seq.output_ids)
                     done[out.request_id] = Completion(
-                        out.request_id, req.seq.prompt_ids, req.seq.output_ids, req.text, out.finish_reason,
+                        out.request_id, req.seq.prompt_ids, req.seq.output_ids, req.stream.text, out.finish_reason,
                         ttft_s=req.first_token_at - req.arrival,
                         tpot_s=(req.finished_at - req.first_token_at) / max(1, n_out - 1),
                     )
@@ -212,38 +211,13 @@ class ReferenceEngine:
         return outputs
 
     def _emit(self, req: _Request, token: int, reason: FinishReason | None) -> RequestOutput:
-        """Turn a sampled token into a delta, applying stop strings.
-
-        Text that could still be the start of a stop string is held back until it cannot be."""
+        """Turn a sampled token into a delta (stop strings applied by the output stream)."""
         seq = req.seq
         now = time.perf_counter()
         if not req.first_token_at:
             req.first_token_at = now
-        new_text = ""
-        if req.decoder is not None:
-            stops = seq.sampler.params.stop
-            delta = req.decoder.push([token])
-            if reason is not None:
-                delta += req.decoder.flush()
-            full = req.text + delta
-            stop_at = find_stop_string(full, stops, len(delta))
-            if stop_at >= 0:
-                full = full[:stop_at]
-                reason = FinishReason.STOP
-            req.text = full
-            holdback = 0 if reason is not None or not stops else max(len(s) for s in stops) - 1
-            emit_upto = max(req.sent, len(full) - holdback)
-            new_text = full[req.sent : emit_upto]
-            req.sent = emit_upto
+        new_text, reason = req.stream.push([token], reason)
         if reason is not None:
             req.finished_at = now
             self.scheduler.finish(seq, reason)
         return RequestOutput(seq.request_id, [token], new_text, reason is not None, reason)
-
-
-def _try_tokenizer(path: str) -> TextTokenizer | None:
-    import os
-
-    from modeling.tokenizer import TOKENIZER_FILE
-
-    return TextTokenizer(path) if os.path.isfile(os.path.join(path, TOKENIZER_FILE)) else None

@@ -80,3 +80,8 @@ class IncrementalDecoder:
         full = self._tokenizer.decode(self._ids[self._context_start :])
         self._emitted = len(self._ids)
         return full[len(prefix) :] if full.startswith(prefix) else ""
+
+
+def load_tokenizer_if_present(directory: str) -> TextTokenizer | None:
+    """The checkpoint's tokenizer, or None when it has no tokenizer.json (token-id-only use)."""
+    return TextTokenizer(directory) if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)) else None

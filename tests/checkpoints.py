@@ -27,14 +27,15 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def build_checkpoint(name: str, directory: str, seed: int = 0) -> str:
-    """Save a random tiny model of family ``name`` plus a byte-level BPE tokenizer into ``directory``."""
+def build_checkpoint(name: str, directory: str, seed: int = 0, vocab: int = VOCAB) -> str:
+    """Save a random tiny model of family ``name`` into ``directory``, with a byte-level BPE tokenizer
+    when ``vocab`` is the default (a smaller vocabulary gives a token-ids-only checkpoint)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(TINY_CONFIGS[name])
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(
-        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         max_position_embeddings=1024, eos_token_id=1, bos_token_id=0, **spec,
     )
     torch.manual_seed(seed)
@@ -47,7 +48,8 @@ def build_checkpoint(name: str, directory: str, seed: int = 0) -> str:
             elif "bias" in str(p):
                 p.normal_(0.0, 0.1)
     model.save_pretrained(directory, safe_serialization=True)
-    write_tokenizer(directory)
+    if vocab == VOCAB:
+        write_tokenizer(directory)
     return directory
 
 

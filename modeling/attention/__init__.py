@@ -15,7 +15,7 @@ from modeling.attention.metadata import AttentionMetadata, physical_runs
 from modeling.attention.torch_backend import TorchAttentionBackend
 from modeling.kv_cache import PagedKVCache
 
-BACKENDS = ("torch", "flash", "auto")
+BACKENDS = ("torch", "flash", "cpu", "auto")
 
 __all__ = [
     "AttentionBackend",
@@ -37,7 +37,11 @@ class AttentionBackend(Protocol):
 
 
 def make_backend(name: str, device: torch.device | str, block_size: int) -> AttentionBackend:
-    """'torch' | 'flash' | 'auto' (flash on CUDA when installed and the block size allows, else torch)."""
+    """'torch' | 'flash' | 'cpu' | 'auto'.
+
+    'cpu' is the C++ CPU kernel (JIT-built on first use); 'auto' picks flash on CUDA when installed and
+    the block size allows, the cpu kernel on CPU when it builds, else torch."""
+    from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_available, cpu_kernel_error
     from modeling.attention.flash_backend import FLASH_BLOCK_MULTIPLE, FlashAttentionBackend, flash_attn_available
 
     if name not in BACKENDS:
@@ -47,8 +51,16 @@ def make_backend(name: str, device: torch.device | str, block_size: int) -> Atte
         if device.type != "cuda":
             raise ValueError("attention_backend: 'flash' runs on CUDA only; use 'torch' on CPU")
         return FlashAttentionBackend(block_size)
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend: 'cpu' runs on CPU only, got device {device}")
+        if not cpu_kernel_available():
+            raise ValueError(f"attention_backend: 'cpu' kernel unavailable ({cpu_kernel_error()}); use 'torch'")
+        return CpuPagedAttentionBackend()
     if name == "auto" and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0 and flash_attn_available():
         return FlashAttentionBackend(block_size)
+    if name == "auto" and device.type == "cpu" and cpu_kernel_available():
+        return CpuPagedAttentionBackend()
     return TorchAttentionBackend()
 
 

@@ -1,0 +1,210 @@
+"""Drafters: propose k tokens per sequence cheaply, attending only to a sparse KV view.
+
+Both drafters attend to the first ``sink_tokens`` tokens plus the most recent ones (StreamingLLM), so a
+draft step costs O(budget) KV reads per sequence whatever the context length.
+
+* :class:`SelfSparseDrafter` runs the target model itself over a sparse view of the target's own paged
+  KV (built from the full KV at no cost: the view is just which cached positions attention reads). Draft
+  steps write their (sparse-quality) KV into the target cache at the speculative positions; the
+  verification pass then overwrites those positions with target-quality KV, so the view always holds
+  target-quality KV for accepted tokens, and the window slides with every step.
+* :class:`DraftModelDrafter` runs a separate small model with its own cache; blocks that fall out of the
+  window are freed, so its memory stays at about ``budget`` tokens per sequence.
+
+RoPE positions: keys are cached after rotation at their original positions, so draft queries use their
+original positions too (``draft_positions='original'``); re-indexing queries into the compressed view
+(``'reindexed'``) skews every query-key distance and is kept only to measure that cost
+(benchmarks/results/spec_decode.md records acceptance under both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from decode_worker.config import SpeculationConfig
+from modeling.block_pool import BlockPool, BlockTable
+from modeling.runner import ModelRunner, StepInput
+from modeling.sampling import sample_from, target_probs
+from modeling.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    """k draft tokens per sequence and, for sampling requests, the draft distributions q [k, V]."""
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None]
+
+
+class Drafter(Protocol):
+    name: str
+
+    def admit(self, seq: Sequence) -> None:
+        """Build draft state for a sequence whose target KV is complete up to ``seq.num_computed``."""
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's draft state."""
+
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        """Draft k tokens after each sequence's last token. The target cache must already have room
+        for positions up to ``len(seq.tokens) + k - 1``."""
+
+    def on_verified(self, seq: Sequence, num_valid: int) -> None:
+        """After verification: draft state beyond the first ``num_valid`` tokens is stale."""
+
+    def kv_tokens_read(self, seq_len: int, step: int) -> int:
+        """KV tokens one draft step reads for a sequence of ``seq_len`` tokens (for the cost model)."""
+
+
+def window_start(config: SpeculationConfig, context: int) -> int:
+    """First non-sink position a draft query at position ``context`` sees, keeping the view at
+    ``budget`` prefix tokens (sink + window). Never beyond ``context`` (the metadata invariant)."""
+    return min(context, max(config.sink_tokens, context - config.window))
+
+
+def choose_draft_tokens(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal, step: int) -> list[int]:
+    """Pick one draft token per sequence from draft logits [B, V]: argmax for greedy requests, a sample
+    from the request's processed distribution otherwise (recorded for rejection sampling)."""
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    out = []
+    for b, seq in enumerate(seqs):
+        params = seq.sampler.params
+        if params.greedy:
+            tok = greedy[b]
+        else:
+            q = target_probs(logits[b : b + 1], params)[0]
+            tok = sample_from(q, seq.sampler.generator)
+            prev = proposal.probs[b]
+            proposal.probs[b] = q.unsqueeze(0) if prev is None else torch.cat([prev, q.unsqueeze(0)])
+        proposal.tokens[b].append(tok)
+        out.append(tok)
+    return out
+
+
+class SelfSparseDrafter:
+    """The target model over a sink + window view of its own KV (MagicDec self-speculation)."""
+
+    name = "self_sparse"
+
+    def __init__(self, runner: ModelRunner, config: SpeculationConfig):
+        self.runner = runner
+        self.config = config
+
+    def admit(self, seq: Sequence) -> None:
+        pass  # the view is built from the target KV on the fly
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def on_verified(self, seq: Sequence, num_valid: int) -> None:
+        pass  # verification rewrote every kept position with target KV
+
+    def kv_tokens_read(self, seq_len: int, step: int) -> int:
+        return min(seq_len, self.config.budget) + step + 1
+
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        proposal = Proposal([[] for _ in seqs], [None] * len(seqs))
+        first = [len(s.tokens) - 1 for s in seqs]  # position of each sequence's last (uncomputed) token
+        starts = [window_start(self.config, p) for p in first]
+        last = [s.tokens[-1] for s in seqs]
+        for step in range(k):
+            inputs = [
+                StepInput([last[b]], first[b] + step, seq.block_table.blocks,
+                          positions=[self._position(first[b], starts[b]) + step])
+                for b, seq in enumerate(seqs)
+            ]
+            logits = self.runner.run(inputs, sink_len=self.config.sink_tokens, window_starts=starts)
+            last = choose_draft_tokens(seqs, logits, proposal, step)
+        return proposal
+
+    def _position(self, pos: int, start: int) -> int:
+        if self.config.draft_positions == "original" or start <= self.config.sink_tokens:
+            return pos
+        return self.config.sink_tokens + (pos - start)  # index within the compressed view
+
+
+@dataclass
+class _DraftState:
+    table: BlockTable
+    computed: int = 0  # leading tokens whose draft KV is cached
+    evicted: set[int] = field(default_factory=set)  # indices of table entries already freed
+
+
+class DraftModelDrafter:
+    """A small draft model with its own StreamingLLM-style paged cache."""
+
+    name = "draft_model"
+
+    # Sentinel block id left in a table slot whose block was evicted; never read (outside the view).
+    _EVICTED = 0
+
+    def __init__(self, runner: ModelRunner, pool: BlockPool, config: SpeculationConfig, prefill_chunk: int = 512):
+        self.runner = runner
+        self.pool = pool
+        self.config = config
+        # chunks no longer than the window keep the cache at about sink + 2 * window tokens
+        self.prefill_chunk = max(1, min(prefill_chunk, config.window))
+        self._states: dict[str, _DraftState] = {}
+
+    def kv_tokens_read(self, seq_len: int, step: int) -> int:
+        return min(seq_len, self.config.budget) + step + 1
+
+    def admit(self, seq: Sequence) -> None:
+        state = _DraftState(BlockTable(self.pool.block_size))
+        self._states[seq.request_id] = state
+        # Streaming prefill of everything but the last token: each chunk sees sink + window + itself.
+        target = len(seq.tokens) - 1
+        while state.computed < target:
+            n = min(self.prefill_chunk, target - state.computed)
+            self._forward([seq], [seq.tokens[state.computed : state.computed + n]], num_logits=0)
+
+    def release(self, seq: Sequence) -> None:
+        state = self._states.pop(seq.request_id, None)
+        if state is not None:
+            self._free(state, range(len(state.table.blocks)))
+            state.table.blocks = []
+
+    def on_verified(self, seq: Sequence, num_valid: int) -> None:
+        state = self._states[seq.request_id]
+        state.computed = min(state.computed, num_valid)
+
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        proposal = Proposal([[] for _ in seqs], [None] * len(seqs))
+        # first step catches each sequence up on tokens the draft has not seen (accepted + new token)
+        feeds = [s.tokens[self._states[s.request_id].computed :] for s in seqs]
+        for step in range(k):
+            logits = self._forward(seqs, feeds, num_logits=1)
+            feeds = [[t] for t in choose_draft_tokens(seqs, logits, proposal, step)]
+        return proposal
+
+    def _forward(self, seqs: list[Sequence], feeds: list[list[int]], num_logits: int) -> torch.Tensor:
+        inputs, starts = [], []
+        for seq, feed in zip(seqs, feeds):
+            state = self._states[seq.request_id]
+            start = window_start(self.config, state.computed)
+            state.table.ensure_capacity(self.pool, state.computed + len(feed))
+            self._evict_before(state, start)
+            inputs.append(StepInput(feed, state.computed, state.table.blocks, num_logits=num_logits))
+            starts.append(start)
+        logits = self.runner.run(inputs, sink_len=self.config.sink_tokens, window_starts=starts)
+        for seq, feed in zip(seqs, feeds):
+            self._states[seq.request_id].computed += len(feed)
+        return logits
+
+    def _evict_before(self, state: _DraftState, start: int) -> None:
+        """Free blocks wholly between the sink and ``start``: no future view can reach them."""
+        bs = self.pool.block_size
+        first = -(-self.config.sink_tokens // bs)  # blocks overlapping the sink stay
+        last = start // bs  # blocks [first, last) lie entirely below start
+        self._free(state, range(first, last))
+
+    def _free(self, state: _DraftState, indices) -> None:
+        doomed = [i for i in indices if i < len(state.table.blocks) and i not in state.evicted]
+        if doomed:
+            self.pool.free([state.table.blocks[i] for i in doomed])
+            for i in doomed:
+                state.table.blocks[i] = self._EVICTED
+                state.evicted.add(i)
