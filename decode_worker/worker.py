@@ -13,13 +13,14 @@ parameters and stop conditions.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from decode_worker.config import DecodeWorkerConfig
+from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
@@ -461,6 +462,38 @@ class DecodeWorker:
                         t.release(self.pool)
         self.target_cost.fit()
         self.draft_cost.fit()
+
+    def set_speculation(self, spec: SpeculationConfig) -> None:
+        """Switch speculation settings between steps (planner updates, benchmarks). The drafter is
+        rebuilt; cost models and the acceptance estimate carry over unless the drafter kind changes."""
+        live = [lv.seq for lv in self._live.values()]
+        for seq in live:
+            self.drafter.release(seq)
+        kind_changed = spec.drafter != self.config.speculation.drafter
+        self.config = dataclasses.replace(self.config, speculation=spec)
+        self.drafter = self._make_drafter(self.runner.backend)
+        if kind_changed:
+            self.draft_cost = LinearCostModel()
+            self.acceptance = AcceptanceEstimator()
+        slo = spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None
+        self.policy = AdaptiveK(spec.max_k, self.target_cost, self.draft_cost, self.acceptance, slo)
+        for seq in live:
+            self.drafter.admit(seq)
+
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Cut a running sequence back to its first ``num_tokens`` tokens (at least prompt + 1),
+        dropping the KV of later positions; its text stream restarts from there."""
+        live = self._live[request_id]
+        seq = live.seq
+        if not seq.num_prompt < num_tokens <= len(seq.tokens):
+            raise ValueError(f"num_tokens: must be in ({seq.num_prompt}, {len(seq.tokens)}], got {num_tokens}")
+        del seq.tokens[num_tokens:]
+        seq.num_computed = min(seq.num_computed, num_tokens - 1)
+        seq.block_table.truncate(self.pool, num_tokens)
+        self.drafter.on_verified(seq, seq.num_computed)
+        live.stream = OutputStream.for_sequence(seq, self.tokenizer)
+        live.stream.push(seq.output_ids, None)
+        live.stats = RequestStats()
 
     def status(self) -> dict:
         """Queue lengths, memory and metrics (GetClusterStatus reads this)."""

@@ -1,0 +1,233 @@
+"""MagicDec's table on the bundled model: speculative vs autoregressive decoding on one decode worker.
+
+For each batch x prefix cell the prompts (held-out standard-library source, never trained on) are
+prefilled once; every configuration then decodes from the same state (``DecodeWorker.rewind``):
+k = 0 (autoregressive), fixed k = 1..5 for each draft budget, and the adaptive policy. Reported per
+configuration: throughput, per-token latency, acceptance rate, mean accepted length, draft/target and
+verify/target time ratios, and the speedup over k = 0 on the same worker and prompts.
+
+    python benchmarks/spec_decode.py                  # full grid -> benchmarks/results/spec_decode.*
+    python benchmarks/spec_decode.py --batches 4 --prefixes 1024 --ks 0 2 --budgets 256 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
+from decode_worker.config import DecodeWorkerConfig, SpeculationConfig  # noqa: E402
+from decode_worker.worker import DecodeWorker  # noqa: E402
+from modeling.sampling import SamplingParams  # noqa: E402
+from modeling.tokenizer import TextTokenizer  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SINK_TOKENS = 16
+
+
+def heldout_tokens(tokenizer: TextTokenizer, need: int) -> list[int]:
+    """Token ids of held-out corpus files (the default model never trained on them), concatenated."""
+    from scripts._corpus import EOS_TOKEN, load_documents, split_documents
+    from scripts.train_default_model import TrainConfig
+
+    _, heldout = split_documents(load_documents(), TrainConfig().holdout_permille)
+    ids: list[int] = []
+    for doc in heldout:
+        ids.extend(tokenizer.encode(doc.text + EOS_TOKEN))
+        if len(ids) >= need:
+            break
+    return ids
+
+
+def make_prompts(corpus: list[int], batch: int, prefix: int) -> list[list[int]]:
+    """``batch`` windows of ``prefix`` tokens spread evenly over the corpus (overlapping if short)."""
+    stride = max(1, (len(corpus) - prefix) // max(1, batch))
+    return [corpus[i * stride : i * stride + prefix] for i in range(batch)]
+
+
+def decode_run(worker: DecodeWorker, ids: list[str], start_len: int, steps: int, k: int | None) -> dict:
+    """Rewind every sequence to ``start_len`` tokens, run ``steps`` decode steps, measure."""
+    for rid in ids:
+        worker.rewind(rid, start_len)
+    m0 = dict(draft=worker.metrics.draft_tokens, acc=worker.metrics.accepted_tokens,
+              seq_steps=worker.metrics.seq_spec_steps, dt=worker.metrics.draft_time_s, vt=worker.metrics.verify_time_s)
+    tokens, ks = 0, []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        before = worker.metrics.k_counts.copy()
+        deltas = worker.step(k)
+        tokens += sum(len(d.token_ids) for d in deltas)
+        ks.extend(kk for kk, c in worker.metrics.k_counts.items() if c != before.get(kk, 0))
+    elapsed = time.perf_counter() - t0
+    m = worker.metrics
+    draft, acc = m.draft_tokens - m0["draft"], m.accepted_tokens - m0["acc"]
+    seq_steps = m.seq_spec_steps - m0["seq_steps"]
+    return {
+        "tokens_per_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps, "tokens": tokens,
+        "acceptance_rate": acc / draft if draft else 0.0,
+        "mean_accepted_length": acc / seq_steps if seq_steps else 0.0,
+        "draft_time_s": m.draft_time_s - m0["dt"], "verify_time_s": m.verify_time_s - m0["vt"],
+        "elapsed_s": elapsed, "mean_k": statistics.mean(ks) if ks else 0.0,
+    }
+
+
+def median_run(worker, ids, start_len, steps, k, repeats) -> dict:
+    runs = [decode_run(worker, ids, start_len, steps, k) for _ in range(repeats)]
+    runs.sort(key=lambda r: r["tokens_per_s"])
+    return runs[len(runs) // 2]
+
+
+def run_cell(worker: DecodeWorker, prompts, args) -> list[dict]:
+    """All configurations for one batch x prefix cell."""
+    params = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    ids = [f"p{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        worker.add_local(rid, p, params)
+    start_len = len(prompts[0]) + 1
+    batch = len(prompts)
+    rows = []
+    base_spec = SpeculationConfig(drafter="self_sparse", budget=args.budgets[0], sink_tokens=SINK_TOKENS, k_policy="fixed", k=0)
+    worker.set_speculation(base_spec)
+    ar = median_run(worker, ids, start_len, args.steps, 0, args.repeats)
+    ar_step = ar["step_ms"] / 1e3
+    for budget in args.budgets:
+        configs = [("fixed", k) for k in args.ks if k > 0] + [("adaptive", None)]
+        for policy, k in configs:
+            spec = SpeculationConfig(drafter="self_sparse", budget=budget, sink_tokens=SINK_TOKENS, k_policy=policy,
+                                     k=k or 0, max_k=max(args.ks))
+            worker.set_speculation(spec)
+            if policy == "adaptive":  # let the acceptance estimate settle on this cell first
+                decode_run(worker, ids, start_len, 4, None)
+            r = median_run(worker, ids, start_len, args.steps, k, args.repeats)
+            row = {"batch": batch, "prefix": len(prompts[0]), "budget": budget, "policy": policy, "k": k,
+                   **r, "speedup": r["tokens_per_s"] / ar["tokens_per_s"]}
+            if k:
+                # per pass: draft step vs plain target step; verify pass vs plain target step
+                row["draft_over_target"] = r["draft_time_s"] / (args.steps * k) / ar_step
+                row["verify_over_target"] = r["verify_time_s"] / args.steps / ar_step
+            rows.append(row)
+    rows.insert(0, {"batch": batch, "prefix": len(prompts[0]), "budget": None, "policy": "autoregressive", "k": 0,
+                    **ar, "speedup": 1.0})
+    for rid in ids:
+        worker.abort(rid)
+    return rows
+
+
+def rope_measurement(worker: DecodeWorker, prompts, steps: int) -> dict:
+    """Acceptance with original vs re-indexed draft query positions (same cell, k = 3, budget 256)."""
+    params = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    ids = [f"rope{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        worker.add_local(rid, p, params)
+    out = {}
+    for mode in ("original", "reindexed"):
+        worker.set_speculation(SpeculationConfig(drafter="self_sparse", budget=256, sink_tokens=SINK_TOKENS,
+                                                 k_policy="fixed", k=3, draft_positions=mode))
+        out[mode] = decode_run(worker, ids, len(prompts[0]) + 1, steps, 3)["acceptance_rate"]
+    for rid in ids:
+        worker.abort(rid)
+    return out
+
+
+def write_outputs(rows: list[dict], meta: dict, rope: dict | None, out: str) -> None:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "rope_positions": rope}, f, indent=2)
+    with open(out + ".md", "w") as f:
+        f.write(f"# Speculative decoding on the bundled model\n\n`{meta['command']}`  \n"
+                f"{meta['model']} ({meta['dtype']}), {meta['threads']} threads on {meta['machine']}; "
+                f"{meta['steps']} decode steps per run, median of {meta['repeats']} runs; greedy; "
+                f"sink {SINK_TOKENS} tokens.\n\n"
+                "| batch | prefix | budget | policy | k | tok/s | ms/token | accept | mean acc. len | draft/target | verify/target | speedup |\n"
+                "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        for r in rows:
+            per_tok = r["step_ms"] / max(1e-9, r["tokens"] / (r["batch"] * meta["steps"]))
+            f.write(f"| {r['batch']} | {r['prefix']} | {r['budget'] or '-'} | {r['policy']} | "
+                    f"{r['k'] if r['k'] is not None else 'auto %.1f' % r['mean_k']} | {r['tokens_per_s']:.1f} | "
+                    f"{per_tok:.2f} | {r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | "
+                    f"{r.get('draft_over_target', float('nan')):.3f} | {r.get('verify_over_target', float('nan')):.2f} | "
+                    f"{r['speedup']:.2f} |\n")
+        if rope:
+            f.write(f"\nDraft RoPE positions (batch {rope['batch']}, prefix {rope['prefix']}, k 3, budget 256): "
+                    f"acceptance {rope['original']:.2f} with original positions vs {rope['reindexed']:.2f} re-indexed.\n")
+
+
+def plot(rows: list[dict], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    prefixes = sorted({r["prefix"] for r in rows})
+    for prefix in prefixes:
+        cells = sorted({r["batch"] for r in rows if r["prefix"] == prefix})
+        best = [max(r["speedup"] for r in rows if r["prefix"] == prefix and r["batch"] == b) for b in cells]
+        adaptive = [max((r["speedup"] for r in rows if r["prefix"] == prefix and r["batch"] == b and r["policy"] == "adaptive"), default=float("nan")) for b in cells]
+        line, = ax.plot(cells, best, marker="o", label=f"prefix {prefix}: best fixed k")
+        ax.plot(cells, adaptive, marker="x", linestyle="--", color=line.get_color(), label=f"prefix {prefix}: adaptive")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over autoregressive decoding")
+    ax.set_title("Self-speculation with a sparse-KV draft (bundled model, CPU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    max_tokens = max(args.batches) * (max(args.prefixes) + 64 * (max(args.ks) + 1) * args.steps)
+    worker = DecodeWorker(args.model, DecodeWorkerConfig(
+        dtype=args.dtype, kv_cache_tokens=max_tokens + 4096, max_num_seqs=max(args.batches) + 8,
+        attention_backend=args.attention_backend, prefill_chunk=2048,
+        speculation=SpeculationConfig(drafter="self_sparse", sink_tokens=SINK_TOKENS, k_policy="fixed", k=0)))
+    corpus = heldout_tokens(worker.tokenizer, max(args.prefixes) * 4)
+    print(f"model {args.model}; backend {worker.runner.backend.name}; held-out corpus {len(corpus)} tokens")
+    rows: list[dict] = []
+    cells = [(b, p) for p in args.prefixes for b in args.batches]
+    for batch, prefix in tqdm(cells, desc="cells"):
+        cell_rows = run_cell(worker, make_prompts(corpus, batch, prefix), args)
+        rows.extend(cell_rows)
+        best = max(cell_rows, key=lambda r: r["speedup"])
+        tqdm.write(f"batch {batch:>3} prefix {prefix:>6}: AR {cell_rows[0]['tokens_per_s']:.1f} tok/s, best "
+                   f"{best['policy']} k={best['k']} budget={best['budget']} speedup {best['speedup']:.2f}")
+    rope_cell = (min(4, max(args.batches)), min(4096, max(args.prefixes)))
+    rope = rope_measurement(worker, make_prompts(corpus, *rope_cell), args.steps)
+    rope.update(batch=rope_cell[0], prefix=rope_cell[1])
+    meta = {"model": os.path.basename(os.path.normpath(args.model)), "dtype": args.dtype, "threads": args.threads,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
+            "backend": worker.runner.backend.name, "steps": args.steps, "repeats": args.repeats,
+            "command": "python benchmarks/spec_decode.py " + " ".join(sys.argv[1:])}
+    write_outputs(rows, meta, rope, args.out)
+    plot(rows, args.out)
+    print(f"wrote {args.out}.json/.md/.png")
+
+
+if __name__ == "__main__":
+    main()
