@@ -1,0 +1,310 @@
+"""The cluster configuration: one frozen, typed tree loaded from YAML.
+
+Every component receives only its sub-config. Loading fails on the first problem with the field path
+and the reason, e.g. ``decode.speculation.k: must be in [0, 16], got -1`` or
+``prefill.instnaces: unknown field; allowed: instances, ...``. The schema is documented field by field
+in ``cluster_configs/README.md``; ``cluster_configs/local.yaml`` is the embedded default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from decode_worker.config import SpeculationConfig
+from modeling.checkpoint import DTYPES
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster_configs")
+LOCAL_CONFIG = os.path.join(CONFIG_DIR, "local.yaml")
+
+
+class ConfigError(ValueError):
+    """An invalid cluster config; the message starts with the field path."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = ""  # local HF checkpoint dir; relative paths resolve against the config file's directory
+    dtype: str = "bfloat16"
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = []
+        if not self.path:
+            errs.append(("path", "required (a local Hugging Face checkpoint directory)"))
+        if self.dtype not in DTYPES:
+            errs.append(("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class RaySection:
+    address: str = ""  # "" = start a local Ray; "auto" / "host:port" = existing cluster; "ray://host:10001" = client
+    num_cpus: int | None = None  # local Ray only
+    num_gpus: int | None = None  # local Ray only: logical GPUs to declare (placement tests on CPU)
+    namespace: str = "magicserve"
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = []
+        for name in ("num_cpus", "num_gpus"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                errs.append((name, f"must be >= 0, got {v}"))
+        if self.address and not re.fullmatch(r"auto|(ray://)?[\w.\-]+:\d+", self.address):
+            errs.append(("address", f"must be empty, 'auto', 'host:port' or 'ray://host:port', got {self.address!r}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    """One pool of instances (prefill or decode)."""
+
+    instances: int = 1
+    tensor_parallel: int = 1
+    devices_per_instance: int = 0  # GPUs per instance; 0 = CPU
+    cpus_per_instance: float = 1.0
+    threads: int = 1  # torch threads per worker (keep workers from oversubscribing cores)
+    kv_cache_tokens: int = 65536
+    block_size: int = 16
+    attention_backend: str = "auto"
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = []
+        for name in ("instances", "tensor_parallel", "threads", "kv_cache_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        if self.devices_per_instance < 0:
+            errs.append(("devices_per_instance", f"must be >= 0, got {self.devices_per_instance}"))
+        if self.devices_per_instance and self.devices_per_instance % self.tensor_parallel:
+            errs.append(("devices_per_instance", f"must be a multiple of tensor_parallel ({self.tensor_parallel})"))
+        if self.tensor_parallel > 1 and self.devices_per_instance == 0:
+            errs.append(("tensor_parallel", "tensor parallelism needs GPUs (devices_per_instance > 0)"))
+        if self.cpus_per_instance <= 0:
+            errs.append(("cpus_per_instance", f"must be > 0, got {self.cpus_per_instance}"))
+        if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
+            errs.append(("attention_backend", f"must be one of auto, torch, cpu, flash, got {self.attention_backend!r}"))
+        if self.kv_cache_tokens < self.block_size:
+            errs.append(("kv_cache_tokens", f"must be >= block_size ({self.block_size})"))
+        return errs
+
+
+@dataclass(frozen=True)
+class PrefillSection(PoolSection):
+    chunk_tokens: int = 512  # token budget per prefill step (chunked prefill)
+    max_batch_prompts: int = 16
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = super().check()
+        for name in ("chunk_tokens", "max_batch_prompts"):
+            if getattr(self, name) < 1:
+                errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class DecodeSection(PoolSection):
+    kv_cache_tokens: int = 262144
+    max_num_seqs: int = 64
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = super().check()
+        if self.max_num_seqs < 1:
+            errs.append(("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class KVTransferSection:
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 30.0
+    rendezvous_host: str = "127.0.0.1"
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.backend not in ("auto", "gloo", "nccl"):
+            errs.append(("backend", f"must be one of auto, gloo, nccl, got {self.backend!r}"))
+        if self.timeout_s <= 0:
+            errs.append(("timeout_s", f"must be > 0, got {self.timeout_s}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class SLOSection:
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 200.0
+    attainment: float = 0.9
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = [(n, f"must be > 0, got {getattr(self, n)}") for n in ("ttft_ms", "tpot_ms") if getattr(self, n) <= 0]
+        if not 0 < self.attainment <= 1:
+            errs.append(("attainment", f"must be in (0, 1], got {self.attainment}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    host: str = "127.0.0.1"  # localhost unless configured
+    port: int = 50051
+    tls_cert: str = ""  # PEM files; both or neither
+    tls_key: str = ""
+    auth_token_env: str = ""  # name of an environment variable holding a bearer token ("" = no auth)
+    max_message_bytes: int = 4 * 1024 * 1024
+    workers: int = 16  # gRPC server threads
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = []
+        if not 0 <= self.port <= 65535:
+            errs.append(("port", f"must be in [0, 65535], got {self.port}"))
+        if bool(self.tls_cert) != bool(self.tls_key):
+            errs.append(("tls_cert", "tls_cert and tls_key must be given together"))
+        local = self.host in ("127.0.0.1", "localhost", "::1")
+        if not local and not (self.tls_cert and self.auth_token_env):
+            errs.append(("host", f"binding {self.host!r} (not localhost) requires tls_cert/tls_key and auth_token_env"))
+        if self.max_message_bytes < 1024:
+            errs.append(("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}"))
+        if self.workers < 1:
+            errs.append(("workers", f"must be >= 1, got {self.workers}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class LimitsSection:
+    max_prompt_tokens: int = 8000
+    max_tokens: int = 4096
+    max_concurrent_requests: int = 64  # admitted (prefilling, transferring or decoding) at once
+    max_queue_length: int = 256  # waiting beyond that; more get RESOURCE_EXHAUSTED
+    request_timeout_s: float = 600.0
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = []
+        for name in ("max_prompt_tokens", "max_tokens", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        if self.max_queue_length < 0:
+            errs.append(("max_queue_length", f"must be >= 0, got {self.max_queue_length}"))
+        if self.request_timeout_s <= 0:
+            errs.append(("request_timeout_s", f"must be > 0, got {self.request_timeout_s}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The whole tree. ``source`` is the file it came from (relative paths resolve against it)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    ray: RaySection = field(default_factory=RaySection)
+    prefill: PrefillSection = field(default_factory=PrefillSection)
+    decode: DecodeSection = field(default_factory=DecodeSection)
+    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
+    slo: SLOSection = field(default_factory=SLOSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    source: str = ""
+
+    @property
+    def model_path(self) -> str:
+        """The model directory, resolved against the config file's directory."""
+        if os.path.isabs(self.model.path) or not self.source:
+            return self.model.path
+        return os.path.normpath(os.path.join(os.path.dirname(self.source), self.model.path))
+
+
+def load_config(path: str = LOCAL_CONFIG, overrides: dict | None = None) -> ClusterConfig:
+    """Read and validate a YAML cluster config (``overrides`` is merged over it, e.g. from the CLI)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    if overrides:
+        raw = _merge(raw, overrides)
+    config = parse_config(raw)
+    return dataclasses.replace(config, source=os.path.abspath(path))
+
+
+def parse_config(raw: dict) -> ClusterConfig:
+    """Validate a config mapping (already parsed); raises ConfigError naming the field path."""
+    raw = dict(raw)
+    raw.pop("source", None)
+    return _build(ClusterConfig, raw, "")
+
+
+def to_dict(config) -> dict:
+    """The config as plain data (for YAML output, e.g. by the planner)."""
+    out = dataclasses.asdict(config)
+    out.pop("source", None)
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _build(cls, raw, path: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{_join(path, unknown[0])}: unknown field; allowed: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {name: _convert(hints[name], raw[name], _join(path, name)) for name in raw}
+    try:
+        obj = cls(**values)
+    except ValueError as err:  # nested configs that validate themselves (SpeculationConfig)
+        msg = str(err)
+        leaf = path.rsplit(".", 1)[-1]
+        if path and msg.startswith(leaf + "."):
+            msg = path[: len(path) - len(leaf)] + msg
+        raise ConfigError(msg) from None
+    for name, reason in getattr(obj, "check", lambda: [])():
+        raise ConfigError(f"{_join(path, name)}: {reason}")
+    return obj
+
+
+def _convert(hint, value, path: str):
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, path)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported field type {hint}")
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
