@@ -1,8 +1,12 @@
 """The ``magicserve`` command line.
 
 Subcommands:
-  run    generate locally with the single-process reference engine (no server), streaming to stdout
-  demo   run a few prompts on the bundled default model and print TTFT / TPOT
+  serve     bring up the cluster of a config (Ray, both pools, KV channels) and serve gRPC
+  generate  a gRPC client: stream a completion to the terminal
+  status    a gRPC client: print the cluster's instances, queues, KV memory and acceptance rates
+  demo      start the embedded default (cluster_configs/local.yaml), stream a few prompts, print
+            TTFT / TPOT / acceptance, shut down
+  run       generate locally with the single-process reference engine (no server, no Ray)
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import sys
 import time
 
+from controller.config import LOCAL_CONFIG
 from controller.defaults import DEFAULT_MODEL_DIR, DEMO_PROMPTS
 from modeling.errors import MagicServeError
 
@@ -31,17 +36,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051", help="host:port of a magicserve server")
+    p.add_argument("--token-env", default="MAGICSERVE_TOKEN", help="environment variable holding the bearer token")
+    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to connect with TLS")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="magicserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="generate locally with the reference engine")
+    serve = sub.add_parser("serve", help="serve a cluster config over gRPC")
+    serve.add_argument("--config", default=LOCAL_CONFIG, help="cluster config YAML (default: the embedded local.yaml)")
+    serve.add_argument("--port", type=int, default=None, help="override server.port")
+    gen = sub.add_parser("generate", help="stream a completion from a server")
+    _add_client_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--prompt", required=True)
+    status = sub.add_parser("status", help="show a server's cluster status")
+    _add_client_args(status)
+    demo = sub.add_parser("demo", help="start the embedded default cluster and stream a few prompts")
+    demo.add_argument("--config", default=LOCAL_CONFIG)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    run = sub.add_parser("run", help="generate locally with the reference engine (no server)")
     _add_engine_args(run)
     _add_sampling_args(run)
     run.add_argument("--prompt", required=True)
-    demo = sub.add_parser("demo", help="stream a few prompts on the bundled model")
-    _add_engine_args(demo)
-    demo.add_argument("--max-tokens", type=int, default=48)
     return parser
 
 
@@ -71,30 +92,133 @@ def cmd_run(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    from modeling.sampling import SamplingParams
+def cmd_serve(args) -> int:
+    import asyncio
 
-    print(f"magicserve demo: reference engine, model {args.model}, {args.dtype} on {args.device}")
+    from controller.config import load_config
+    from controller.server import serve_forever
+
+    overrides = {"server": {"port": args.port}} if args.port is not None else None
+    config = load_config(args.config, overrides)
+
+    def ready(port: int) -> None:
+        print(f"magicserve: serving {config.model_path} on {config.server.host}:{port} "
+              f"({config.prefill.instances} prefill, {config.decode.instances} decode); Ctrl-C to stop", flush=True)
+
+    asyncio.run(serve_forever(config, ready_callback=ready))
+    return 0
+
+
+def _client(args):
+    import os
+
+    from controller.client import Client
+
+    return Client(args.address, token=os.environ.get(args.token_env) or None, tls_ca=args.tls_ca)
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    with _client(args) as client:
+        try:
+            for chunk in client.generate_stream(
+                    args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stop=args.stop):
+                if chunk.finish_reason is None:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                else:
+                    u = chunk.usage
+                    print(f"\n[{chunk.finish_reason}: {u['completion_tokens']} tokens, TTFT {u['ttft_ms']:.0f} ms, "
+                          f"TPOT {u['mean_tpot_ms']:.1f} ms, accepted drafts {u['accepted_draft_tokens']}/{u['draft_tokens']}]",
+                          file=sys.stderr)
+        except grpc.RpcError as err:
+            print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_status(args) -> int:
+    import grpc
+
+    with _client(args) as client:
+        try:
+            st = client.status()
+        except grpc.RpcError as err:
+            print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print(f"model {st.model}: {st.running_requests} running, {st.queued_requests} queued")
+    print(f"{'instance':<12} {'role':<8} {'device':<8} {'alive':<6} {'queue':>5} {'running':>7} {'free KV blocks':>16} {'accept':>7}")
+    for i in st.instances:
+        print(f"{i.name:<12} {i.role:<8} {i.device:<8} {str(i.alive):<6} {i.queue_length:>5} {i.running:>7} "
+              f"{i.free_kv_blocks:>7}/{i.total_kv_blocks:<8} {i.acceptance_rate:>7.2f}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Bring up the embedded cluster in this process, stream the demo prompts over real gRPC."""
+    import asyncio
+    import threading
+
+    from controller.client import Client
+    from controller.config import load_config
+    from controller.server import serve_forever
+
+    config = load_config(args.config, {"server": {"port": 0}})
+    print(f"magicserve demo: {config.prefill.instances} prefill + {config.decode.instances} decode instance(s) "
+          f"on a local Ray cluster, model {config.model_path}")
     start = time.perf_counter()
-    engine = _engine(args)
-    print(f"loaded in {time.perf_counter() - start:.1f}s\n")
-    params = SamplingParams(max_tokens=args.max_tokens)
-    results = engine.generate(list(DEMO_PROMPTS), params)
-    for prompt, out in zip(DEMO_PROMPTS, results):
-        print(f"--- prompt ({len(out.prompt_ids)} tokens) ---\n{prompt}\033[1m{out.text}\033[0m")
-        print(f"    [{len(out.token_ids)} tokens, finish={out.finish_reason.value}, "
-              f"TTFT {out.ttft_s * 1000:.0f} ms, TPOT {out.tpot_s * 1000:.1f} ms]\n")
-    n = sum(len(r.token_ids) for r in results)
-    elapsed = time.perf_counter() - start
-    print(f"{len(results)} requests, {n} tokens in {elapsed:.1f}s (batched: all prompts ran concurrently)")
+    ready: list[int] = []
+    state: dict = {}
+
+    def run_server() -> None:
+        async def main() -> None:
+            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await serve_forever(config, ready_callback=ready.append, stop_event=state["stop"])
+        try:
+            asyncio.run(main())
+        except Exception as err:  # surfaced to the main thread below
+            state["error"] = err
+
+    thread = threading.Thread(target=run_server, name="magicserve-server", daemon=True)
+    thread.start()
+    while not ready and thread.is_alive():
+        time.sleep(0.1)
+    if not ready:
+        raise RuntimeError(f"cluster failed to start: {state.get('error')}")
+    print(f"cluster up in {time.perf_counter() - start:.1f}s, gRPC on 127.0.0.1:{ready[0]}\n")
+    try:
+        with Client(f"127.0.0.1:{ready[0]}") as client:
+            for prompt in DEMO_PROMPTS:
+                print(f"--- prompt ---\n{prompt}", end="")
+                sys.stdout.write("\033[1m")
+                for chunk in client.generate_stream(prompt, max_tokens=args.max_tokens):
+                    if chunk.finish_reason is None:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+                    else:
+                        u = chunk.usage
+                        acc = u["accepted_draft_tokens"] / u["draft_tokens"] if u["draft_tokens"] else 0.0
+                        print(f"\033[0m\n    [{u['completion_tokens']} tokens, finish={chunk.finish_reason}, "
+                              f"TTFT {u['ttft_ms']:.0f} ms, TPOT {u['mean_tpot_ms']:.1f} ms, "
+                              f"draft acceptance {acc:.0%} ({u['accepted_draft_tokens']}/{u['draft_tokens']})]\n")
+    finally:
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+        thread.join(timeout=60)
+    print(f"demo done in {time.perf_counter() - start:.1f}s; cluster shut down")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "demo": cmd_demo, "run": cmd_run}
     try:
-        return {"run": cmd_run, "demo": cmd_demo}[args.command](args)
-    except (MagicServeError, ValueError) as err:
+        return commands[args.command](args)
+    except (MagicServeError, ValueError, RuntimeError) as err:
         print(f"magicserve: error: {err}", file=sys.stderr)
         return 2
 

@@ -45,6 +45,9 @@ class DecodeRequest:
     prompt_ids: tuple[int, ...]
     first_token: int
     params: SamplingParams
+    # the request's generator state after the first token (FirstToken.sampler_state), so a seeded
+    # request continues the very random stream a colocated engine would use
+    sampler_state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,9 @@ class DecodeWorker:
         if table is None:
             raise InvalidRequestError("request_id", f"{request.request_id!r} has no reserved blocks")
         seq = self._new_sequence(request.request_id, list(request.prompt_ids), request.params, table)
+        if request.sampler_state:
+            state = torch.frombuffer(bytearray(request.sampler_state), dtype=torch.uint8)
+            seq.sampler.generator.set_state(state)
         seq.num_computed = len(seq.prompt_ids)
         return self._start(seq, request.first_token)
 

@@ -1,0 +1,215 @@
+"""Ray actors around the prefill and decode workers.
+
+Each actor owns its worker and runs the worker's loop on a background thread; the router talks to it
+through small methods (submit, reserve, admit, abort, poll, status) that take the worker's lock.
+Outputs are batched: ``poll`` returns everything produced since the previous poll (token deltas of a
+whole decode step travel in one Ray call, never one call per token).
+
+The classes are plain; ``ray_actor_class`` wraps them with ``ray.remote`` (threaded, restartable).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+log = logging.getLogger("magicserve.actors")
+
+# How long the loop thread sleeps when its worker has nothing to do.
+_IDLE_SLEEP_S = 0.002
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    """The decode side gave up on receiving a request's KV (its reservation is released)."""
+
+    request_id: str
+    reason: str
+    retryable: bool
+
+
+@dataclass(frozen=True)
+class WorkerCrashed:
+    """The worker loop raised; the actor stops serving (the router treats it as dead)."""
+
+    reason: str
+
+
+class _LoopActor:
+    """Runs ``self._step()`` on a thread whenever ``self._has_work()``; collects outputs in an outbox."""
+
+    def _start_loop(self, name: str) -> None:
+        self._lock = threading.RLock()
+        self._outbox: list = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._crashed: str | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                with self._lock:
+                    produced = self._step()
+            except Exception:  # a crashed loop must be visible to the router, not silent
+                self._crashed = traceback.format_exc()
+                log.error("worker loop crashed:\n%s", self._crashed)
+                self._emit([WorkerCrashed(self._crashed)])
+                return
+            if produced:
+                self._emit(produced)
+            else:
+                time.sleep(_IDLE_SLEEP_S)
+
+    def _emit(self, items: list) -> None:
+        with self._cond:
+            self._outbox.extend(items)
+            self._cond.notify_all()
+
+    def poll(self, timeout_s: float = 0.05) -> list:
+        """Everything produced since the last poll (waits up to ``timeout_s`` for something)."""
+        with self._cond:
+            if not self._outbox:
+                self._cond.wait(timeout_s)
+            out, self._outbox = self._outbox, []
+        return out
+
+    def ping(self) -> str:
+        if self._crashed:
+            raise RuntimeError(f"worker loop crashed: {self._crashed}")
+        return self.instance_id
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=5)
+
+
+class PrefillActor(_LoopActor):
+    """A prefill instance: chunked prefill, first tokens, KV sent to decode instances."""
+
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1):
+        import torch
+
+        from prefill_worker.worker import PrefillWorker
+
+        torch.set_num_threads(threads)
+        self.instance_id = instance_id
+        self.worker = PrefillWorker(model_path, config, instance_id)
+        self._start_loop(f"prefill-loop-{instance_id}")
+
+    def connect(self, decode_id: str, host: str, port: int, generation: int = 0) -> None:
+        """Form the KV channel to a decode instance (blocks until it joins; not under the loop lock)."""
+        from kv_transfer.channel import Rendezvous
+
+        self.worker.connect(decode_id, Rendezvous(host, port), generation)
+
+    def submit(self, request) -> None:
+        with self._lock:
+            self.worker.add_request(request)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            return self.worker.abort(request_id)
+
+    def status(self) -> dict:
+        with self._lock:
+            w = self.worker
+            return {"name": self.instance_id, "role": "prefill", "device": str(w.loaded.device),
+                    "queue_length": len(w.scheduler.waiting), "running": len(w.scheduler.running),
+                    "free_kv_blocks": w.pool.num_free, "total_kv_blocks": w.pool.num_blocks}
+
+    def _has_work(self) -> bool:
+        return self.worker.has_work()
+
+    def _step(self) -> list:
+        if not self.worker.has_work() and not self.worker.sender.pending():
+            return []
+        out = self.worker.step()
+        return [] if out.empty else [out]
+
+
+class DecodeActor(_LoopActor):
+    """A decode instance: receives KV, admits sequences when their KV is complete, speculates."""
+
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None):
+        import torch
+
+        from decode_worker.worker import DecodeWorker
+        from kv_transfer.channel import TransferConfig
+        from kv_transfer.descriptors import KVFingerprint
+        from kv_transfer.heads import HeadRange
+        from kv_transfer.receiver import KVReceiver
+
+        torch.set_num_threads(threads)
+        self.instance_id = instance_id
+        self.worker = DecodeWorker(model_path, config)
+        mc = self.worker.loaded.config
+        fingerprint = KVFingerprint.of(mc, config.block_size, self.worker.loaded.dtype)
+        self.receiver = KVReceiver(self.worker.cache, self.worker, instance_id, fingerprint,
+                                   HeadRange(0, mc.num_key_value_heads), transfer_config or TransferConfig())
+        self._arrived: set[str] = set()  # KV complete, waiting for the router's admit
+        self._to_admit: dict = {}  # DecodeRequest waiting for its KV
+        self._start_loop(f"decode-loop-{instance_id}")
+
+    def connect(self, prefill_id: str, host: str, port: int, generation: int = 0) -> None:
+        from kv_transfer.channel import Rendezvous
+
+        self.receiver.connect(prefill_id, Rendezvous(host, port), generation)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        with self._lock:
+            return self.receiver.reserve(request_id, num_tokens)
+
+    def admit(self, request) -> None:
+        """Start decoding ``request`` as soon as its KV has arrived (now, if it already has)."""
+        with self._lock:
+            self._to_admit[request.request_id] = request
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            self._to_admit.pop(request_id, None)
+            if request_id in self._arrived:
+                self._arrived.discard(request_id)
+                self.worker.release_reservation(request_id)
+                return True
+            if request_id in self.receiver.reserved():
+                self.receiver.release(request_id)
+                return True
+            return self.worker.abort(request_id)
+
+    def status(self) -> dict:
+        with self._lock:
+            w = self.worker
+            m = w.metrics.summary()
+            return {"name": self.instance_id, "role": "decode", "device": str(w.loaded.device),
+                    "queue_length": len(self._to_admit), "running": w.num_running,
+                    "free_kv_blocks": w.pool.num_free, "total_kv_blocks": w.pool.num_blocks,
+                    "acceptance_rate": m["acceptance_rate"], "mean_accepted_length": m["mean_accepted_length"],
+                    "tokens_generated": m["tokens"]}
+
+    def _step(self) -> list:
+        produced: list = []
+        events = self.receiver.poll()
+        for kv in events.completed:
+            self._arrived.add(kv.request_id)
+        for f in events.failed:
+            self._to_admit.pop(f.request_id, None)
+            produced.append(TransferFailed(f.request_id, str(f.error), f.error.retryable))
+        for rid in [r for r in self._to_admit if r in self._arrived]:
+            self._arrived.discard(rid)
+            produced.extend(self.worker.admit(self._to_admit.pop(rid)))
+        if self.worker.has_work():
+            produced.extend(self.worker.step())
+        return produced
+
+
+def ray_actor_class(cls, max_restarts: int = 3):
+    """``ray.remote`` version of an actor class: threaded (poll / submit run beside the loop) and
+    restarted by Ray if its process dies."""
+    import ray
+
+    return ray.remote(max_concurrency=16, max_restarts=max_restarts, max_task_retries=0)(cls)

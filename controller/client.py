@@ -1,0 +1,161 @@
+"""Python client library for magicserve's gRPC API, sync and asyncio.
+
+    from controller.client import Client
+    with Client("127.0.0.1:50051") as c:
+        for chunk in c.generate_stream("def add(a, b):", max_tokens=32):
+            print(chunk.text, end="")
+        result = c.generate("import os", max_tokens=16, temperature=0.8, seed=1)
+
+``AsyncClient`` has the same methods as coroutines / async iterators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.magicserve.v1 import magicserve_pb2 as pb
+from protos.magicserve.v1 import magicserve_pb2_grpc as pb_grpc
+
+FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass
+class Chunk:
+    """One streamed message: new token ids and text, or the final one (finish_reason set)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+@dataclass
+class Result:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: dict = field(default_factory=dict)
+
+
+def build_request(prompt: str | list[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float | None = None,
+                  top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False, request_id: str = "",
+                  ttft_target_ms: float | None = None, tpot_target_ms: float | None = None,
+                  priority: int = 0) -> pb.GenerateRequest:
+    sampling = pb.SamplingParameters(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                     stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos)
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    req = pb.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.ids.extend(prompt)
+    if ttft_target_ms is not None:
+        req.ttft_target_ms = ttft_target_ms
+    if tpot_target_ms is not None:
+        req.tpot_target_ms = tpot_target_ms
+    return req
+
+
+def usage_dict(u: pb.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "ttft_ms": u.ttft_ms,
+            "mean_tpot_ms": u.mean_tpot_ms, "draft_tokens": u.draft_tokens,
+            "accepted_draft_tokens": u.accepted_draft_tokens}
+
+
+def to_chunk(resp: pb.GenerateResponse) -> Chunk:
+    if resp.WhichOneof("kind") == "delta":
+        return Chunk(list(resp.delta.token_ids), resp.delta.text)
+    return Chunk([], "", FINISH_NAMES.get(resp.final.finish_reason, "unspecified"), usage_dict(resp.final.usage))
+
+
+def to_result(res: pb.GenerateResult) -> Result:
+    return Result(res.request_id, list(res.token_ids), res.text, FINISH_NAMES.get(res.finish_reason, "unspecified"),
+                  usage_dict(res.usage))
+
+
+def _credentials(tls_ca: str | None):
+    if tls_ca is None:
+        return None
+    with open(tls_ca, "rb") as f:
+        return grpc.ssl_channel_credentials(f.read())
+
+
+def _metadata(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class Client:
+    """Blocking client. ``token``: bearer token; ``tls_ca``: CA certificate (PEM) for TLS."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None, tls_ca: str | None = None):
+        creds = _credentials(tls_ca)
+        self._channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+        self._stub = pb_grpc.MagicServeStub(self._channel)
+        self._metadata = _metadata(token)
+
+    def generate_stream(self, prompt, **kwargs):
+        """Yields Chunks; the last one carries finish_reason and usage. Closing the iterator cancels."""
+        call = self._stub.Generate(build_request(prompt, **kwargs), metadata=self._metadata)
+        try:
+            for resp in call:
+                yield to_chunk(resp)
+        finally:
+            call.cancel()
+
+    def generate(self, prompt, **kwargs) -> Result:
+        return to_result(self._stub.GenerateUnary(build_request(prompt, **kwargs), metadata=self._metadata))
+
+    def status(self) -> pb.ClusterStatus:
+        return self._stub.GetClusterStatus(pb.ClusterStatusRequest(), metadata=self._metadata)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client with the same methods."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None, tls_ca: str | None = None):
+        creds = _credentials(tls_ca)
+        self._channel = grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.MagicServeStub(self._channel)
+        self._metadata = _metadata(token)
+
+    async def generate_stream(self, prompt, **kwargs):
+        call = self._stub.Generate(build_request(prompt, **kwargs), metadata=self._metadata)
+        try:
+            async for resp in call:
+                yield to_chunk(resp)
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt, **kwargs) -> Result:
+        return to_result(await self._stub.GenerateUnary(build_request(prompt, **kwargs), metadata=self._metadata))
+
+    async def status(self) -> pb.ClusterStatus:
+        return await self._stub.GetClusterStatus(pb.ClusterStatusRequest(), metadata=self._metadata)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

@@ -1,0 +1,240 @@
+"""The gRPC front end: magicserve.v1.MagicServe, standard health checking and server reflection.
+
+Every request field is validated here (INVALID_ARGUMENT naming the field) before the router sees it;
+token ids and text are the only client input that reaches workers, as typed values (nothing is ever
+unpickled). Binds 127.0.0.1 unless configured; a non-local bind needs TLS and a bearer token
+(enforced by the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import re
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controller.config import ClusterConfig
+from controller.router import Delta, Final, Router, RouterError
+from modeling.errors import InvalidRequestError
+from modeling.sampling import SamplingParams
+from modeling.tokenizer import TextTokenizer
+from protos.magicserve.v1 import magicserve_pb2 as pb
+from protos.magicserve.v1 import magicserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("magicserve.server")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._\-]{1,64}")
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MagicServe"].full_name
+
+
+class RequestValidator:
+    """Turns a GenerateRequest into (prompt ids, SamplingParams) or raises InvalidRequestError."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, max_prompt_tokens: int, max_tokens: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_tokens = max_tokens
+
+    def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        which = req.WhichOneof("input")
+        if which is None:
+            raise InvalidRequestError("input", "set exactly one of prompt or prompt_token_ids")
+        if which == "prompt":
+            if not req.prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            ids = self.tokenizer.encode(req.prompt)
+        else:
+            ids = list(req.prompt_token_ids.ids)
+            for i, t in enumerate(ids):
+                if t >= self.vocab_size:
+                    raise InvalidRequestError(f"prompt_token_ids.ids[{i}]", f"must be < {self.vocab_size}, got {t}")
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids" if which != "prompt" else "prompt", "must not be empty")
+        if len(ids) > self.max_prompt_tokens:
+            raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed the limit of {self.max_prompt_tokens}")
+        return ids
+
+    def sampling(self, req: pb.GenerateRequest) -> SamplingParams:
+        if not req.HasField("sampling"):
+            raise InvalidRequestError("sampling", "required (at least sampling.max_tokens)")
+        s = req.sampling
+        if s.max_tokens < 1 or s.max_tokens > self.max_tokens:
+            raise InvalidRequestError("sampling.max_tokens", f"must be in [1, {self.max_tokens}], got {s.max_tokens}")
+        params = SamplingParams(
+            max_tokens=int(s.max_tokens), temperature=float(s.temperature), top_k=int(s.top_k),
+            top_p=float(s.top_p) if s.HasField("top_p") and s.top_p != 0 else 1.0,
+            seed=int(s.seed) if s.HasField("seed") else None,
+            stop=tuple(s.stop), stop_token_ids=tuple(int(t) for t in s.stop_token_ids), ignore_eos=bool(s.ignore_eos),
+        )
+        try:
+            return params.validate(self.vocab_size)
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"sampling.{err.field}", err.reason) from None
+
+    def targets(self, req: pb.GenerateRequest) -> None:
+        for name in ("ttft_target_ms", "tpot_target_ms"):
+            if req.HasField(name) and not getattr(req, name) > 0:
+                raise InvalidRequestError(name, f"must be > 0, got {getattr(req, name)}")
+        if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
+            raise InvalidRequestError("request_id", "letters, digits, '.', '_', '-' only; at most 64 characters")
+
+
+class MagicServeServicer(pb_grpc.MagicServeServicer):
+    def __init__(self, router: Router, validator: RequestValidator, status_fn, model_name: str):
+        self.router = router
+        self.validator = validator
+        self.status_fn = status_fn
+        self.model_name = model_name
+
+    async def _start(self, request, context):
+        try:
+            ids = self.validator.prompt_ids(request)
+            params = self.validator.sampling(request)
+            self.validator.targets(request)
+        except InvalidRequestError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        rid = request.request_id or self.router.new_request_id()
+        return rid, ids, params
+
+    async def Generate(self, request, context):
+        rid, ids, params = await self._start(request, context)
+        try:
+            async for item in self.router.generate(rid, ids, params):
+                yield _to_response(rid, item)
+        except RouterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+
+    async def GenerateUnary(self, request, context):
+        rid, ids, params = await self._start(request, context)
+        token_ids, text, final = [], [], None
+        try:
+            async for item in self.router.generate(rid, ids, params):
+                if isinstance(item, Delta):
+                    token_ids.extend(item.token_ids)
+                    text.append(item.text)
+                else:
+                    final = item
+        except RouterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        return pb.GenerateResult(request_id=rid, token_ids=token_ids, text="".join(text),
+                                 finish_reason=_FINISH.get(final.finish_reason, 0), usage=_usage(final))
+
+    async def GetClusterStatus(self, request, context):
+        statuses = await self.status_fn()
+        q = self.router.queue_stats()
+        return pb.ClusterStatus(
+            instances=[pb.InstanceStatus(
+                name=s["name"], role=s["role"], device=s.get("device", ""), alive=s.get("alive", True),
+                queue_length=s.get("queue_length", 0), running=s.get("running", 0),
+                free_kv_blocks=s.get("free_kv_blocks", 0), total_kv_blocks=s.get("total_kv_blocks", 0),
+                acceptance_rate=s.get("acceptance_rate", 0.0), mean_accepted_length=s.get("mean_accepted_length", 0.0),
+                tokens_generated=s.get("tokens_generated", 0)) for s in statuses],
+            queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name)
+
+
+def _usage(final: Final | None) -> pb.Usage:
+    if final is None:
+        return pb.Usage()
+    return pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                    ttft_ms=final.ttft_s * 1e3, mean_tpot_ms=final.mean_tpot_s * 1e3,
+                    draft_tokens=final.draft_tokens, accepted_draft_tokens=final.accepted_tokens)
+
+
+def _to_response(rid: str, item) -> pb.GenerateResponse:
+    if isinstance(item, Delta):
+        return pb.GenerateResponse(request_id=rid, delta=pb.TokenDelta(token_ids=item.token_ids, text=item.text))
+    return pb.GenerateResponse(request_id=rid, final=pb.GenerateFinal(
+        finish_reason=_FINISH.get(item.finish_reason, 0), usage=_usage(item)))
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` (health checks stay open)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if not hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+            async def deny(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            return grpc.unary_unary_rpc_method_handler(deny)
+        return await continuation(details)
+
+
+async def start_server(config: ClusterConfig, servicer: MagicServeServicer) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start the gRPC server; returns (server, bound port, health servicer)."""
+    sc = config.server
+    interceptors = []
+    if sc.auth_token_env:
+        token = os.environ.get(sc.auth_token_env, "")
+        if not token:
+            raise ValueError(f"server.auth_token_env: environment variable {sc.auth_token_env} is empty or unset")
+        interceptors.append(BearerTokenInterceptor(token))
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", sc.max_message_bytes),
+        ("grpc.max_send_message_length", sc.max_message_bytes),
+    ])
+    pb_grpc.add_MagicServeServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+    address = f"{sc.host}:{sc.port}" if ":" not in sc.host else f"[{sc.host}]:{sc.port}"
+    if sc.tls_cert:
+        with open(sc.tls_key, "rb") as k, open(sc.tls_cert, "rb") as c:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"server.port: cannot bind {address}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: asyncio.Event | None = None) -> None:
+    """Bring up the cluster and serve until ``stop_event`` (or SIGINT/SIGTERM); drains on the way out."""
+    import signal
+
+    from controller.cluster import Cluster
+    from modeling.checkpoint import load_config as load_model_config
+
+    cluster = Cluster(config)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, cluster.start)
+    try:
+        tokenizer = TextTokenizer(config.model_path)
+        mc = load_model_config(config.model_path)
+        router = Router(cluster.prefill, cluster.decode, config.limits.max_concurrent_requests,
+                        config.limits.max_queue_length, config.limits.request_timeout_s, rewire=cluster.rewire)
+        router.start()
+        validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens)
+        servicer = MagicServeServicer(router, validator, cluster.statuses, os.path.basename(config.model_path))
+        server, port, health_servicer = await start_server(config, servicer)
+        log.info("serving magicserve.v1 on %s:%d", config.server.host, port)
+        if ready_callback is not None:
+            ready_callback(port)
+        stop_event = stop_event or asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop_event.set)
+            except (NotImplementedError, RuntimeError):
+                pass  # not the main thread
+        await stop_event.wait()
+        log.info("shutting down: draining in-flight requests")
+        await health_servicer.enter_graceful_shutdown()
+        await router.stop(drain_timeout_s=30.0)
+        await server.stop(grace=5.0)
+    finally:
+        cluster.shutdown()
