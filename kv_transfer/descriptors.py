@@ -1,0 +1,167 @@
+"""Messages of the KV transfer protocol: the KV fingerprint, the per-transfer descriptor sent in the
+handshake, piece lists and replies. All are frozen dataclasses encoded as JSON (never pickle).
+
+Block ids here are the *receiver's*; the sender's own block ids never leave the sender.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from kv_transfer.errors import FingerprintMismatchError
+from kv_transfer.heads import HeadRange
+from modeling.config import ModelConfig
+from modeling.kv_cache import KVCacheSpec
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class KVFingerprint:
+    """What two ends must agree on to exchange KV blocks. ``num_kv_heads`` is the model's total
+    (a TP shard's cache holds a range of them)."""
+
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @staticmethod
+    def of(config: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVFingerprint":
+        fp = config.fingerprint()
+        return KVFingerprint(
+            model_type=fp["model_type"], hidden_size=fp["hidden_size"], vocab_size=fp["vocab_size"],
+            num_layers=fp["num_hidden_layers"], num_kv_heads=fp["num_key_value_heads"], head_dim=fp["head_dim"],
+            block_size=block_size, dtype=_DTYPE_NAMES[dtype],
+        )
+
+    def check_cache(self, spec: KVCacheSpec, heads: HeadRange) -> None:
+        """Raise ValueError naming the field if a cache shard holding ``heads`` does not fit this layout."""
+        expect = {"num_layers": self.num_layers, "num_kv_heads": heads.size, "head_dim": self.head_dim,
+                  "block_size": self.block_size, "dtype": self.dtype}
+        got = {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+               "block_size": spec.block_size, "dtype": _DTYPE_NAMES.get(spec.dtype, str(spec.dtype))}
+        for name, want in expect.items():
+            if got[name] != want:
+                raise ValueError(f"cache.{name}: expected {want} for heads [{heads.start}, {heads.end}), "
+                                 f"got {got[name]}")
+        if heads.end > self.num_kv_heads:
+            raise ValueError(f"heads: [{heads.start}, {heads.end}) exceeds num_kv_heads ({self.num_kv_heads})")
+
+    def require_same(self, other: "KVFingerprint", request_id: str | None = None) -> None:
+        """Raise FingerprintMismatchError listing every field that differs (``ours`` vs ``theirs``)."""
+        diffs = [f"{f.name}: ours {getattr(self, f.name)!r}, peer {getattr(other, f.name)!r}"
+                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        if diffs:
+            raise FingerprintMismatchError("KV layout mismatch, refusing transfer (" + "; ".join(diffs) + ")",
+                                           request_id)
+
+
+@dataclass(frozen=True)
+class PeerHello:
+    """Exchanged once when a pair channel forms: who is at the other end and its KV layout."""
+
+    instance_id: str
+    role: str  # "prefill" | "decode"
+    fingerprint: KVFingerprint
+    heads: HeadRange  # heads the peer's cache shard holds
+
+
+@dataclass(frozen=True)
+class TransferDescriptor:
+    """Handshake of one transfer leg (sender -> receiver).
+
+    ``dst_block_ids``: the receiver blocks reserved for the prompt (first ``ceil(num_tokens /
+    block_size)`` are written), or None to ask the receiver to reserve now (it answers BUSY when full).
+    ``heads``: the global KV heads this leg carries (a sub-range of the receiver's shard)."""
+
+    request_id: str
+    transfer_id: int
+    fingerprint: KVFingerprint
+    num_tokens: int
+    heads: HeadRange
+    dst_block_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id: must not be empty")
+        if self.num_tokens < 1:
+            raise ValueError(f"num_tokens: must be >= 1, got {self.num_tokens}")
+        if self.dst_block_ids is not None:
+            object.__setattr__(self, "dst_block_ids", tuple(self.dst_block_ids))
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.fingerprint.block_size)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Blocks ``[block_start, block_start + block_count)`` of transfer ``transfer_id`` (indices into
+    the prompt's block list), for every layer."""
+
+    transfer_id: int
+    block_start: int
+    block_count: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Receiver -> sender about one transfer: ACCEPT (with the blocks it will write), BUSY (no room
+    now: retry later or elsewhere), REFUSE (with the reason), DONE (all bytes are in the cache: the
+    sender may free its blocks)."""
+
+    kind: str
+    transfer_id: int
+    block_ids: tuple[int, ...] = ()
+    reason: str = ""
+    retryable: bool = False
+
+    KINDS = ("accept", "busy", "refuse", "done")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"kind: unknown {self.kind!r}; allowed: {', '.join(self.KINDS)}")
+        object.__setattr__(self, "block_ids", tuple(self.block_ids))
+
+
+# -- JSON codec ------------------------------------------------------------------------------------
+
+def encode(obj: Any) -> bytes:
+    """A protocol dataclass (or a list of them) -> UTF-8 JSON bytes."""
+    if isinstance(obj, list):
+        return json.dumps([asdict(o) for o in obj], separators=(",", ":")).encode()
+    return json.dumps(asdict(obj), separators=(",", ":")).encode()
+
+
+def decode_hello(data: bytes) -> PeerHello:
+    raw = json.loads(data)
+    return PeerHello(raw["instance_id"], raw["role"], KVFingerprint(**raw["fingerprint"]), HeadRange(**raw["heads"]))
+
+
+def decode_descriptor(data: bytes) -> TransferDescriptor:
+    raw = json.loads(data)
+    ids = raw.get("dst_block_ids")
+    return TransferDescriptor(
+        request_id=str(raw["request_id"]), transfer_id=int(raw["transfer_id"]),
+        fingerprint=KVFingerprint(**raw["fingerprint"]), num_tokens=int(raw["num_tokens"]),
+        heads=HeadRange(**raw["heads"]), dst_block_ids=None if ids is None else tuple(int(b) for b in ids),
+    )
+
+
+def decode_pieces(data: bytes) -> list[Piece]:
+    return [Piece(int(p["transfer_id"]), int(p["block_start"]), int(p["block_count"])) for p in json.loads(data)]
+
+
+def decode_reply(data: bytes) -> Reply:
+    raw = json.loads(data)
+    return Reply(raw["kind"], int(raw["transfer_id"]), tuple(raw.get("block_ids", ())), raw.get("reason", ""),
+                 bool(raw.get("retryable", False)))

@@ -1,0 +1,392 @@
+"""The sending half of KV transfer (runs in the prefill worker).
+
+Life of one transfer (one prompt; one *leg* per receiving decode rank):
+
+    begin()      -> DESCRIPTOR to each receiver            (leg: hello)
+    reply ACCEPT -> pieces may flow                        (leg: accepted)   BUSY -> re-ask later
+    open_group() -> PIECES frame per channel, then send_layer(i) after layer i is written
+    flush()      -> pieces whose blocks were ready before the leg was accepted, all layers at once
+    reply DONE   -> every byte is in the receiver's cache  (leg: done); all legs done -> blocks may go
+
+Threads: the owner (prefill loop) posts every send, in protocol order; per channel, a reply thread
+reads the receiver's frames and a completion thread waits for posted sends in FIFO order (gloo
+completes a send once the peer has posted its recv). Threads only record events; the owner applies
+them in :meth:`KVSender.poll`, which also enforces ``timeout_s``: a leg with no progress for that long
+fails, its channel is aborted (the peer sees it at once) and the transfer is reported as a retryable
+:class:`TransferError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+from kv_transfer.blocks import send_region
+from kv_transfer.channel import (DESCRIPTOR, PIECES, PREFILL_RANK, REPLY, PairChannel, PendingSend, Rendezvous,
+                                  TransferConfig)
+from kv_transfer.descriptors import KVFingerprint, PeerHello, Piece, Reply, TransferDescriptor, decode_reply, encode
+from kv_transfer.errors import TransferError
+from kv_transfer.heads import HeadRange
+from modeling.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class LegTarget:
+    """Where one leg goes: decode instance ``peer``, carrying global ``heads``; ``dst_block_ids``
+    reserved there by the router (None: the receiver reserves at handshake time)."""
+
+    peer: str
+    heads: HeadRange
+    dst_block_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TransferFailure:
+    """A transfer that will not complete; its blocks have been (or are being) released."""
+
+    request_id: str
+    error: TransferError
+
+
+@dataclass
+class SenderEvents:
+    done: list[str] = field(default_factory=list)  # request ids whose KV every receiver acknowledged
+    failed: list[TransferFailure] = field(default_factory=list)
+
+
+@dataclass
+class _Leg:
+    request_id: str
+    peer: str
+    descriptor: TransferDescriptor
+    heads_local: slice
+    state: str = "hello"  # hello | busy | accepted | done | failed
+    dst_blocks: list[int] = field(default_factory=list)
+    blocks_sent: int = 0
+    sends_pending: int = 0
+    last_progress: float = field(default_factory=time.monotonic)
+    retry_at: float = 0.0
+
+
+@dataclass
+class _Transfer:
+    request_id: str
+    num_tokens: int
+    src_blocks: list[int]
+    legs: list[_Leg]
+    ready_blocks: int = 0
+
+
+class _PeerLink:
+    """A channel plus its reply and completion threads."""
+
+    def __init__(self, channel: PairChannel, events: "queue.Queue[tuple]"):
+        self.channel = channel
+        self.events = events
+        self.completions: "queue.Queue[tuple[PendingSend, _Leg | None] | None]" = queue.Queue()
+        self._count_lock = threading.Lock()  # guards _Leg.sends_pending (owner and completion thread)
+        name = channel.peer.instance_id
+        threading.Thread(target=self._read_replies, name=f"kv-replies-{name}", daemon=True).start()
+        threading.Thread(target=self._complete_sends, name=f"kv-sends-{name}", daemon=True).start()
+
+    def _read_replies(self) -> None:
+        try:
+            while True:
+                kind, payload = self.channel.recv_frame()
+                if kind != REPLY:
+                    raise TransferError(f"protocol error: unexpected frame kind {kind}", retryable=True)
+                self.events.put(("reply", self.channel.peer.instance_id, decode_reply(payload)))
+        except Exception as err:  # noqa: BLE001 - a malformed frame must fail the channel, not hang it
+            failure = err if isinstance(err, TransferError) else TransferError(f"protocol error: {err!r}", True)
+            self.channel.abort(str(failure))
+            self.events.put(("broken", self.channel.peer.instance_id, failure, self.channel))
+
+    def _complete_sends(self) -> None:
+        while True:
+            item = self.completions.get()
+            if item is None:
+                return
+            pending, leg = item
+            try:
+                pending.wait()
+            except TransferError as err:
+                self.events.put(("broken", self.channel.peer.instance_id, err, self.channel))
+                return
+            if leg is not None:
+                with self._count_lock:
+                    leg.sends_pending -= 1
+                leg.last_progress = time.monotonic()
+
+    def post(self, pending: PendingSend, leg: _Leg | None) -> None:
+        if leg is not None:
+            with self._count_lock:
+                leg.sends_pending += 1
+        self.completions.put((pending, leg))
+
+
+class KVSender:
+    """Sends prompts' KV from one cache (or TP shard holding ``heads``) to decode instances."""
+
+    def __init__(self, cache: PagedKVCache, instance_id: str, fingerprint: KVFingerprint, heads: HeadRange,
+                 config: TransferConfig = TransferConfig()):
+        fingerprint.check_cache(cache.spec, heads)
+        self.cache = cache
+        self.instance_id = instance_id
+        self.fingerprint = fingerprint
+        self.heads = heads
+        self.config = config
+        self._links: dict[str, _PeerLink] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._events: "queue.Queue[tuple]" = queue.Queue()
+        self._stash = SenderEvents()  # events applied outside poll(), returned by the next poll()
+        self._ids = itertools.count(1)
+
+    # -- pairs ------------------------------------------------------------------------------------
+
+    def connect(self, decode_id: str, rendezvous: Rendezvous, generation: int = 0) -> PeerHello:
+        """Form the pair channel to decode instance ``decode_id`` (blocks until it joins; the decode
+        side calls :meth:`KVReceiver.connect` with this instance's id). Returns the peer's hello."""
+        store = rendezvous.connect(self.config.connect_timeout_s)
+        hello = PeerHello(self.instance_id, "prefill", self.fingerprint, self.heads)
+        channel = PairChannel.open(store, self.instance_id, decode_id, PREFILL_RANK, hello, self.cache.device,
+                                   self.config, generation)
+        self._links[decode_id] = _PeerLink(channel, self._events)
+        return channel.peer
+
+    def connected(self, decode_id: str) -> bool:
+        link = self._links.get(decode_id)
+        return link is not None and link.channel.broken is None
+
+    # -- transfers --------------------------------------------------------------------------------
+
+    def begin(self, request_id: str, num_tokens: int, src_blocks: list[int], targets: list[LegTarget]) -> None:
+        """Announce a prompt's KV (``num_tokens`` positions in ``src_blocks``) to its receivers.
+        Raises TransferError (retryable) if a target has no working channel."""
+        if request_id in self._transfers:
+            raise ValueError(f"request_id: {request_id!r} is already transferring")
+        if not targets:
+            raise ValueError("targets: need at least one receiver")
+        nblocks = -(-num_tokens // self.fingerprint.block_size)
+        if len(src_blocks) < nblocks:
+            raise ValueError(f"src_blocks: {num_tokens} tokens need {nblocks} blocks, got {len(src_blocks)}")
+        legs = []
+        for t in targets:
+            if not self.connected(t.peer):
+                raise TransferError(f"no working channel to {t.peer}", retryable=True, request_id=request_id)
+            if t.dst_block_ids is not None and len(t.dst_block_ids) < nblocks:
+                raise ValueError(f"dst_block_ids: {num_tokens} tokens need {nblocks} blocks, "
+                                 f"got {len(t.dst_block_ids)}")
+            desc = TransferDescriptor(
+                request_id, next(self._ids), self.fingerprint, num_tokens, t.heads,
+                None if t.dst_block_ids is None else tuple(t.dst_block_ids[:nblocks]),
+            )
+            legs.append(_Leg(request_id, t.peer, desc, self.heads.local(t.heads)))
+        self._transfers[request_id] = _Transfer(request_id, num_tokens, list(src_blocks[:nblocks]), legs)
+        for leg in legs:
+            self._send_descriptor(leg)
+
+    def open_group(self, ready: dict[str, int]) -> "StreamGroup":
+        """Start one forward pass's worth of pieces. ``ready[request_id]``: how many of its blocks
+        will hold final KV once this forward has written them (layer by layer). Call
+        ``send_layer(i)`` after layer ``i`` is written, then ``close()``."""
+        for rid, n in ready.items():
+            tr = self._transfers.get(rid)
+            if tr is not None:
+                tr.ready_blocks = max(tr.ready_blocks, min(n, len(tr.src_blocks)))
+        self._await_handshakes([rid for rid, n in ready.items() if n > 0])
+        return StreamGroup(self, self._collect_pieces(list(ready)))
+
+    def flush(self) -> None:
+        """Send, all layers at once, every accepted leg's ready blocks not yet sent."""
+        group = StreamGroup(self, self._collect_pieces(list(self._transfers)))
+        for layer in range(self.fingerprint.num_layers):
+            group.send_layer(layer)
+        group.close()
+
+    def poll(self) -> SenderEvents:
+        """Apply replies and failures, re-ask BUSY receivers, enforce timeouts, flush backlog.
+        Call regularly from the owner thread; returns finished and failed transfers (forgotten here:
+        the caller frees the blocks)."""
+        out, self._stash = self._stash, SenderEvents()
+        while True:
+            try:
+                self._apply(self._events.get_nowait(), out)
+            except queue.Empty:
+                break
+        self._check_deadlines(out)
+        self._retry_busy()
+        self.flush()
+        return out
+
+    def pending(self) -> int:
+        """Transfers not yet finished."""
+        return len(self._transfers)
+
+    def close(self) -> None:
+        """Abort every channel (pending transfers fail on both ends)."""
+        for link in self._links.values():
+            link.channel.abort("sender closed")
+            link.completions.put(None)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _apply(self, event: tuple, out: SenderEvents) -> None:
+        if event[0] == "reply":
+            self._on_reply(event[1], event[2], out)
+        else:
+            self._on_broken(event[1], event[2], out, event[3])
+
+    def _await_handshakes(self, request_ids: list[str]) -> None:
+        """Wait (at most ``handshake_wait_s``) for the replies to descriptors that carry router-reserved
+        blocks (the receiver answers those at once), so a prompt whose only chunk is about to run can
+        stream layer by layer instead of waiting for the next step. Events go to the next poll()."""
+        deadline = time.monotonic() + self.config.handshake_wait_s
+        while True:
+            waiting = [leg for rid in request_ids if rid in self._transfers for leg in self._transfers[rid].legs
+                       if leg.state == "hello" and leg.descriptor.dst_block_ids is not None]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            try:
+                self._apply(self._events.get(timeout=left), self._stash)
+            except queue.Empty:
+                return
+
+    def _send_descriptor(self, leg: _Leg) -> None:
+        link = self._links[leg.peer]
+        leg.state = "hello"
+        leg.last_progress = time.monotonic()
+        try:
+            link.post(link.channel.send_frame(DESCRIPTOR, encode(leg.descriptor), wait=False), None)
+        except TransferError as err:
+            self._events.put(("broken", leg.peer, err, link.channel))
+
+    def _collect_pieces(self, request_ids: list[str]) -> dict[str, list[tuple[_Leg, Piece]]]:
+        """Per peer, the (leg, piece) pairs covering each accepted leg's ready-but-unsent blocks."""
+        by_peer: dict[str, list[tuple[_Leg, Piece]]] = {}
+        for rid in request_ids:
+            tr = self._transfers.get(rid)
+            if tr is None:
+                continue
+            for leg in tr.legs:
+                if leg.state == "accepted" and tr.ready_blocks > leg.blocks_sent:
+                    piece = Piece(leg.descriptor.transfer_id, leg.blocks_sent, tr.ready_blocks - leg.blocks_sent)
+                    by_peer.setdefault(leg.peer, []).append((leg, piece))
+                    leg.blocks_sent = tr.ready_blocks
+        return by_peer
+
+    def _on_reply(self, peer: str, reply: Reply, out: SenderEvents) -> None:
+        leg = self._find_leg(peer, reply.transfer_id)
+        if leg is None:
+            return  # a transfer that already failed here
+        leg.last_progress = time.monotonic()
+        if reply.kind == "accept":
+            leg.state = "accepted"
+            leg.dst_blocks = list(reply.block_ids)
+        elif reply.kind == "busy":
+            leg.state = "busy"
+            leg.retry_at = time.monotonic() + self.config.retry_interval_s
+        elif reply.kind == "refuse":
+            self._fail(leg.request_id, TransferError(f"refused by {peer}: {reply.reason}", reply.retryable,
+                                                     leg.request_id), out)
+        elif reply.kind == "done":
+            leg.state = "done"
+            tr = self._transfers[leg.request_id]
+            if all(lg.state == "done" for lg in tr.legs):
+                del self._transfers[leg.request_id]
+                out.done.append(leg.request_id)
+
+    def _on_broken(self, peer: str, err: TransferError, out: SenderEvents, channel: PairChannel) -> None:
+        link = self._links.get(peer)
+        if link is None or link.channel is not channel:
+            return  # an older channel to this peer (re-formed since): its transfers already failed
+        channel.abort(str(err))
+        for tr in list(self._transfers.values()):
+            if any(leg.peer == peer for leg in tr.legs):
+                self._fail(tr.request_id, TransferError(f"channel to {peer} failed: {err}", True, tr.request_id), out)
+
+    def _check_deadlines(self, out: SenderEvents) -> None:
+        now = time.monotonic()
+        for tr in list(self._transfers.values()):
+            for leg in tr.legs:
+                waiting_on_peer = leg.state == "hello" or (
+                    leg.state == "accepted" and (leg.sends_pending > 0 or leg.blocks_sent == len(tr.src_blocks)))
+                if waiting_on_peer and now - leg.last_progress > self.config.timeout_s:
+                    channel = self._links[leg.peer].channel
+                    channel.abort(f"no progress for {self.config.timeout_s}s")
+                    self._on_broken(leg.peer, TransferError(
+                        f"{leg.peer} made no progress for {self.config.timeout_s}s", True, tr.request_id), out, channel)
+                    break
+
+    def _retry_busy(self) -> None:
+        now = time.monotonic()
+        for tr in self._transfers.values():
+            for leg in tr.legs:
+                if leg.state == "busy" and now >= leg.retry_at:
+                    self._send_descriptor(leg)
+
+    def _fail(self, request_id: str, err: TransferError, out: SenderEvents) -> None:
+        if self._transfers.pop(request_id, None) is not None:
+            out.failed.append(TransferFailure(request_id, err))
+
+    def _find_leg(self, peer: str, transfer_id: int) -> _Leg | None:
+        for tr in self._transfers.values():
+            for leg in tr.legs:
+                if leg.peer == peer and leg.descriptor.transfer_id == transfer_id:
+                    return leg
+        return None
+
+
+class StreamGroup:
+    """Pieces of one forward pass, sent layer by layer (see :meth:`KVSender.open_group`).
+
+    Wire order per channel: one PIECES frame, then for each layer, for each piece, K then V."""
+
+    def __init__(self, sender: KVSender, pieces: dict[str, list[tuple[_Leg, Piece]]]):
+        self.sender = sender
+        self.pieces = pieces
+        self.next_layer = 0
+        for peer, items in pieces.items():
+            link = sender._links[peer]
+            try:
+                link.post(link.channel.send_frame(PIECES, encode([p for _, p in items]), wait=False), None)
+            except TransferError as err:
+                sender._events.put(("broken", peer, err, link.channel))
+
+    @property
+    def empty(self) -> bool:
+        return not self.pieces
+
+    def send_layer(self, layer: int) -> None:
+        """Post layer ``layer`` of every piece (its KV must be written). Layers go in order."""
+        if layer != self.next_layer:
+            raise ValueError(f"layer: expected {self.next_layer}, got {layer}")
+        self.next_layer += 1
+        kv = self.sender.cache.kv
+        for peer, items in self.pieces.items():
+            link = self.sender._links[peer]
+            if link.channel.broken is not None:
+                continue
+            for leg, piece in items:
+                tr = self.sender._transfers.get(leg.request_id)
+                if tr is None:
+                    continue
+                blocks = tr.src_blocks[piece.block_start : piece.block_start + piece.block_count]
+                try:
+                    for kv_index in (0, 1):
+                        link.post(send_region(link.channel, kv, layer, kv_index, blocks, leg.heads_local), leg)
+                except TransferError as err:
+                    self.sender._events.put(("broken", peer, err, link.channel))
+                    break
+
+    def close(self) -> None:
+        """Check every layer went out; a half-sent group leaves the stream unusable, so abort."""
+        if self.pieces and self.next_layer != self.sender.fingerprint.num_layers:
+            for peer in self.pieces:
+                channel = self.sender._links[peer].channel
+                channel.abort("forward pass ended before every layer was sent")
+                self.sender._events.put(("broken", peer, TransferError("incomplete piece group", True), channel))

@@ -1,0 +1,77 @@
+"""Typed messages between the controller's router and a prefill worker (DESIGN principle 4).
+
+In: :class:`PrefillRequest` (token ids, never raw client input). Out, per step: a
+:class:`PrefillStepOutput` with the first tokens sampled this step, the prompts whose KV the decode
+side has acknowledged, and failures the router can act on (``retryable``: try again, elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modeling.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where the prompt's KV goes: decode instance ``decode_id``; ``block_ids`` reserved there by the
+    router, or None to let the receiver reserve when the transfer starts (it may answer BUSY: the
+    prefill worker then holds the KV and re-asks until there is room)."""
+
+    decode_id: str
+    block_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.decode_id:
+            raise ValueError("destination.decode_id: must not be empty")
+        if self.block_ids is not None:
+            object.__setattr__(self, "block_ids", tuple(self.block_ids))
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """One prompt to prefill. ``arrival_time`` (time.perf_counter() clock of this process) defaults to
+    when the worker receives it; TTFT is measured from it. ``destination`` None: no KV hand-off (the
+    blocks are freed right after the first token; profiling and colocated use)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    destination: KVDestination | None
+    arrival_time: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The first generated token. ``sampler_state``: the request's generator state after sampling it
+    (raw bytes of ``torch.Generator.get_state()``), so a seeded request continues on the decode side
+    exactly as in a single process."""
+
+    request_id: str
+    token_id: int
+    ttft_s: float
+    num_prompt_tokens: int
+    sampler_state: bytes = b""
+
+
+@dataclass(frozen=True)
+class PrefillFailure:
+    """A request this worker gave up on (its blocks are freed)."""
+
+    request_id: str
+    reason: str
+    retryable: bool
+
+
+@dataclass
+class PrefillStepOutput:
+    first_tokens: list[FirstToken] = field(default_factory=list)
+    transferred: list[str] = field(default_factory=list)  # KV acknowledged by the decode side
+    failed: list[PrefillFailure] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.first_tokens or self.transferred or self.failed)
