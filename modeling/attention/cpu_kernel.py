@@ -3,9 +3,12 @@
 The source is ``csrc/paged_attention.cpp``; :func:`load_cpu_kernel` builds it with
 ``torch.utils.cpp_extension.load`` (``-O3 -march=native``) into torch's extension cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<py>_<torch>/``), so only the first
-use on a machine compiles (~a minute); later processes load the cached ``.so``. The build is rerun
-automatically when the source or flags change. ``-march=native`` ties the cached build to the host CPU:
-a cache directory shared between different CPUs needs ``TORCH_EXTENSIONS_DIR`` set per host.
+use on a machine compiles (~25 s on a 2-core machine); later processes load the cached ``.so``. The build is rerun
+automatically when the source or flags change. ``-march=native`` ties a build to the host CPU, so the
+extension name carries a hash of the CPU's feature flags: hosts sharing a cache directory but differing
+in CPU features get separate builds (and never load code with instructions they lack).
+
+Set ``MAGICSERVE_DISABLE_CPU_KERNEL=1`` to skip the kernel (``auto`` then resolves to torch).
 
 :class:`CpuPagedAttentionBackend` runs the kernel for steps whose longest query block is at most
 ``max_q_len`` tokens (decode, k+1 verification) and hands longer steps (prefill chunks) to
@@ -14,9 +17,11 @@ a cache directory shared between different CPUs needs ``TORCH_EXTENSIONS_DIR`` s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -30,8 +35,8 @@ from modeling.attention.torch_backend import TorchAttentionBackend
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_EXT_NAME = "magicserve_paged_attention"
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17"]
+_EXT_BASE_NAME = "magicserve_paged_attention"
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
 # Steps whose longest per-sequence query block exceeds this go to the torch backend.
 DEFAULT_MAX_Q_LEN = 16
 
@@ -39,6 +44,21 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
 _build_seconds: float | None = None
+
+
+def _cpu_fingerprint() -> str:
+    """Short hash of the CPU model and feature flags (what -march=native compiles for)."""
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "model name", "Features")):
+                    text += line
+                if line.strip() == "":  # the first processor is enough
+                    break
+    except OSError:
+        pass
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 def load_cpu_kernel() -> ModuleType:
@@ -58,7 +78,7 @@ def load_cpu_kernel() -> ModuleType:
         t0 = time.perf_counter()
         try:
             _module = cpp_extension.load(
-                name=_EXT_NAME,
+                name=f"{_EXT_BASE_NAME}_{_cpu_fingerprint()}",
                 sources=[str(_SOURCE)],
                 extra_cflags=_CFLAGS,
                 extra_ldflags=[],

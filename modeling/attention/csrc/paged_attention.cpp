@@ -28,8 +28,14 @@
 // counter by at::parallel_for workers (longest first); a final pass merges each sequence's chunks by
 // their running (max, sum) -- the log-sum-exp merge -- and writes the output in q's dtype.
 //
-// The fast path needs AVX-512F and D % 16 == 0 (bf16 QK^T uses AVX512-BF16 dot products when the
-// compiler targets them); otherwise a portable scalar path with the same structure runs.
+// Inner loops (AVX-512F, D % 16 == 0): QK^T computes 16 partial-dot vectors per row (one per key) and
+// reduces them with one transposing tree (reduce16); the softmax uses lazy rescaling (the running max
+// only moves when a score exceeds it by > 2^8) and per-lane row sums; P @ V keeps up to 4 rows' outputs
+// in registers per pass over the tile's V rows. With AVX512-BF16 (bf16 caches), QK^T uses VDPBF16PS on
+// the raw bf16 q/k, and P @ V rounds P to bf16 (as GPU flash attention does) to use VDPBF16PS on pairs
+// of keys. The next kPrefetchTiles tiles are software-prefetched (blocks are scattered in memory).
+// Without AVX-512 or for other D, a portable scalar path with the same structure runs.
+// Accumulation is always fp32.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -55,13 +61,15 @@ namespace {
 
 constexpr int kTile = 16;          // keys per tile (one zmm of scores)
 constexpr int kMinChunk = 512;     // never split a sequence into chunks shorter than this
-#ifndef MS_PREFETCH_TILES
+// Build-time switches (pass -D... in extra_cflags to experiment):
+#ifndef MS_PREFETCH_TILES  // software prefetch distance in tiles (0 = off)
 #define MS_PREFETCH_TILES 2
 #endif
-#ifndef MS_PREFETCH_LOCALITY
-#define MS_PREFETCH_LOCALITY 3
+#ifndef MS_BF16_PV  // bf16 P @ V with bf16 dot products (1) or in fp32 FMAs (0)
+#define MS_BF16_PV 1
 #endif
 constexpr int kPrefetchTiles = MS_PREFETCH_TILES;  // tiles resolved and prefetched ahead of the one being computed
+constexpr float kLazyRescale = 8.f;  // log2 units: probabilities may reach 2^8 before m is moved
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -110,6 +118,8 @@ struct Workspace {
   std::vector<uint16_t> qraw; // [Hkv][R][D] raw bf16 query rows (AVX512-BF16 path, unscaled)
   std::vector<float> probs;   // [R][kTile] scores, then probabilities of the current tile
   std::vector<uint8_t> live;  // [R] row sees at least one key of the current tile
+  std::vector<uint16_t> pbf;  // [R][kTile] probabilities as bf16 (bf16 P @ V path)
+  std::vector<float> lsum;    // [Hkv][R][kTile] per-lane partial row sums (AVX-512 path)
 };
 
 // Position of visible-list index idx.
@@ -151,7 +161,8 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// 2^x for x <= 0 (x = -inf gives ~0; callers zero masked lanes anyway). Degree-7 Taylor on [-0.5, 0.5].
+// 2^x for x <= 127 (x -> -inf gives ~0; callers zero masked lanes anyway). Degree-7 Taylor of 2^f on
+// f in [-0.5, 0.5] (relative error ~1e-8), then scaled by 2^round(x).
 inline __m512 exp2_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
   __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -185,7 +196,49 @@ inline void pv_rows(float* const* acc, const float* const* probs, const T* const
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
 }
+#if defined(__AVX512BF16__)
+// bf16 variant: acc[rb] += sum_j p[rb][j] * V[j] with VDPBF16PS over key pairs (j, j+1).
+// pbf[rb][j / 2] holds the bf16 pair (p_j, p_j+1). unpacklo/hi_epi16 of rows j, j+1 interleave them per
+// 128-bit lane, so accumulator vector 2c (lo) / 2c+1 (hi) lane i holds output dim
+// 32c + 8 * (i / 4) + i % 4 (+ 4 for hi); unpermute_bf16_pv_row restores the natural order.
+template <int NC, int RB>
+inline void pv_rows_bf16(float* const* acc, const uint32_t* const* pbf, const c10::BFloat16* const* vrow, int n) {
+  __m512 a[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_loadu_ps(acc[r] + 16 * c);
+  for (int j = 0; j < n; j += 2) {
+    __m512i lo[NC / 2], hi[NC / 2];
+    for (int c = 0; c < NC / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(vrow[j] + 32 * c);
+      const __m512i y = j + 1 < n ? _mm512_loadu_si512(vrow[j + 1] + 32 * c) : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(x, y);
+      hi[c] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pbf[r][j / 2]));
+      for (int c = 0; c < NC / 2; ++c) {
+        a[r][2 * c] = _mm512_dpbf16_ps(a[r][2 * c], (__m512bh)lo[c], pp);
+        a[r][2 * c + 1] = _mm512_dpbf16_ps(a[r][2 * c + 1], (__m512bh)hi[c], pp);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
+}
+#endif
 #endif  // MS_HAVE_AVX512
+
+// Inverse of pv_rows_bf16's lane order for one accumulator row of D (a multiple of 32) floats.
+inline void unpermute_bf16_pv_row(float* row, int D) {
+  float tmp[32];
+  for (int c = 0; c < D; c += 32) {
+    for (int i = 0; i < 16; ++i) {
+      tmp[8 * (i / 4) + i % 4] = row[c + i];
+      tmp[8 * (i / 4) + 4 + i % 4] = row[c + 16 + i];
+    }
+    std::memcpy(row + c, tmp, sizeof(tmp));
+  }
+}
 
 // The cache rows of one tile of (up to kTile) keys, for KV head 0.
 template <typename T>
@@ -228,7 +281,7 @@ template <typename T>
 inline void prefetch_span(const T* p, int64_t count) {
   const char* c = reinterpret_cast<const char*>(p);
   const char* end = reinterpret_cast<const char*>(p + count);
-  for (; c < end; c += 64) __builtin_prefetch(c, 0, MS_PREFETCH_LOCALITY);
+  for (; c < end; c += 64) __builtin_prefetch(c, 0, 3);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -242,16 +295,23 @@ void run_item(const Problem<T>& P, const Item& it, Workspace& ws) {
   const int H = P.Hkv, G = P.G, Q = s.q_len, R = G * Q;
   constexpr bool kUseDpbf16 =
 #if MS_HAVE_AVX512 && defined(__AVX512BF16__)
-      NC > 0 && std::is_same<T, c10::BFloat16>::value;
+      NC > 0 && NC % 2 == 0 && std::is_same<T, c10::BFloat16>::value;  // 32 bf16 per dot product
 #else
       false;
 #endif
+  // bf16 P @ V with AVX512-BF16 dot products (P rounded to bf16 as GPU flash attention does); the
+  // accumulator rows are then kept in the lane order of pv_rows_bf16 and put back in order at the end.
+  constexpr bool kBf16PV = kUseDpbf16 && MS_BF16_PV;
 
   // Query rows of this sequence, laid out [h][r = g * Q + qi][D].
   ws.qbuf.resize(static_cast<size_t>(H) * R * D);
   if (kUseDpbf16) ws.qraw.resize(static_cast<size_t>(H) * R * D);
   ws.probs.resize(static_cast<size_t>(R) * kTile);
   ws.live.resize(R);
+  if (kBf16PV) ws.pbf.resize(static_cast<size_t>(R) * kTile);
+#if MS_HAVE_AVX512
+  ws.lsum.assign(static_cast<size_t>(H) * R * kTile, 0.f);
+#endif
   for (int h = 0; h < H; ++h)
     for (int g = 0; g < G; ++g)
       for (int qi = 0; qi < Q; ++qi) {
@@ -304,16 +364,12 @@ void run_item(const Problem<T>& P, const Item& it, Workspace& ws) {
           if constexpr (kUseDpbf16) {
 #if defined(__AVX512BF16__)
             const uint16_t* qr = ws.qraw.data() + (static_cast<size_t>(h) * R + r) * D;
-            __m512bh qv[NC / 2 > 0 ? NC / 2 : 1];
+            __m512bh qv[NC / 2 > 0 ? NC / 2 : 1];  // the row's query, raw bf16
             for (int c = 0; c < NC / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
             for (int j = 0; j < kTile; ++j) {
               const c10::BFloat16* kr = kptr[j] + koff;
               __m512 a = _mm512_setzero_ps();
               for (int c = 0; c < NC / 2; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
-              if constexpr (NC % 2) {  // odd number of 16-wide chunks: last one in fp32
-                a = _mm512_fmadd_ps(load16<T>(reinterpret_cast<const T*>(qr) + 16 * (NC - 1)),
-                                    load16<T>(kptr[j] + koff + 16 * (NC - 1)), a);
-              }
               part[j] = a;
             }
 #endif
@@ -353,46 +409,87 @@ void run_item(const Problem<T>& P, const Item& it, Workspace& ws) {
         }
       }
 
-      // ---- online softmax: probs <- exp2(scores - m_new); l, m updated; acc rescaled
+      // ---- online softmax: probs <- exp2(scores - m); l, m updated; acc rescaled when m moves
       float* m = mrow + h * R;
-      float* l = lrow + h * R;
       float* a_h = acc + static_cast<size_t>(h) * R * D;
       for (int r = 0; r < R; ++r) {
         float* pr = probs + r * kTile;
 #if MS_HAVE_AVX512
+        // Lazy rescaling: m only moves when a score exceeds it by more than kLazyRescale (so
+        // probabilities stay <= 2^kLazyRescale); the row sum is kept per lane in lsum and reduced once
+        // at the end of the item. Both save horizontal reductions in the common case.
         const __m512 sv = _mm512_loadu_ps(pr);
-        const float tile_max = _mm512_reduce_max_ps(sv);
+        float* lv = ws.lsum.data() + (static_cast<size_t>(h) * R + r) * kTile;
+        if (_mm512_cmp_ps_mask(sv, _mm512_set1_ps(m[r] + kLazyRescale), _CMP_GT_OQ)) {
+          const float m_new = _mm512_reduce_max_ps(sv);     // > m[r] + kLazyRescale, finite
+          const float alpha = std::exp2(m[r] - m_new);      // 0 when m[r] == -inf
+          _mm512_storeu_ps(lv, _mm512_mul_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(alpha)));
+          float* ar = a_h + static_cast<size_t>(r) * D;
+          for (int d = 0; d < D; ++d) ar[d] *= alpha;
+          m[r] = m_new;
+        }
+        const __mmask16 vis = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+        ws.live[r] = vis != 0;
+        if (!vis) continue;  // this row sees none of the tile's keys
+        const __m512 p = _mm512_maskz_mov_ps(vis, exp2_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m[r]))));
+        _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), p));
+        if constexpr (kBf16PV) {
+#if defined(__AVX512BF16__)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.pbf.data() + r * kTile), (__m256i)_mm512_cvtneps_pbh(p));
+#endif
+        } else {
+          _mm512_storeu_ps(pr, p);
+        }
 #else
         float tile_max = kNegInf;
         for (int j = 0; j < kTile; ++j) tile_max = std::max(tile_max, pr[j]);
-#endif
         ws.live[r] = tile_max != kNegInf;
         if (!ws.live[r]) continue;  // this row sees none of the tile's keys
         const float m_new = std::max(m[r], tile_max);
-        const float alpha = std::exp2(m[r] - m_new);  // 0 when m[r] == -inf
-#if MS_HAVE_AVX512
-        const __mmask16 vis = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
-        const __m512 p = _mm512_maskz_mov_ps(vis, exp2_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-        _mm512_storeu_ps(pr, p);
-        const float psum = _mm512_reduce_add_ps(p);
-#else
+        const float alpha = m_new == m[r] ? 1.f : std::exp2(m[r] - m_new);  // 0 when m[r] == -inf
         float psum = 0.f;
         for (int j = 0; j < kTile; ++j) {
           pr[j] = pr[j] == kNegInf ? 0.f : std::exp2(pr[j] - m_new);
           psum += pr[j];
         }
-#endif
+        float* l = lrow + h * R;
         l[r] = l[r] * alpha + psum;
         m[r] = m_new;
         if (alpha != 1.f) {
           float* ar = a_h + static_cast<size_t>(r) * D;
           for (int d = 0; d < D; ++d) ar[d] *= alpha;
         }
+#endif
       }
 
       // ---- acc[r] += sum_j probs[r][j] * v_j
 #if MS_HAVE_AVX512
-      if constexpr (NC > 0) {
+      if constexpr (kBf16PV) {
+#if defined(__AVX512BF16__)
+        const T* vrow[kTile];
+        for (int j = 0; j < n; ++j) vrow[j] = vptr[j] + voff;
+        float* grp_acc[4];
+        const uint32_t* grp_p[4];
+        int cnt = 0;
+        auto flush = [&]() {
+          switch (cnt) {
+            case 1: pv_rows_bf16<NC, 1>(grp_acc, grp_p, vrow, n); break;
+            case 2: pv_rows_bf16<NC, 2>(grp_acc, grp_p, vrow, n); break;
+            case 3: pv_rows_bf16<NC, 3>(grp_acc, grp_p, vrow, n); break;
+            case 4: pv_rows_bf16<NC, 4>(grp_acc, grp_p, vrow, n); break;
+            default: break;
+          }
+          cnt = 0;
+        };
+        for (int r = 0; r < R; ++r) {
+          if (!ws.live[r]) continue;
+          grp_acc[cnt] = a_h + static_cast<size_t>(r) * D;
+          grp_p[cnt] = reinterpret_cast<const uint32_t*>(ws.pbf.data() + r * kTile);
+          if (++cnt == 4) flush();
+        }
+        flush();
+#endif
+      } else if constexpr (NC > 0) {
         const T* vrow[kTile];
         for (int j = 0; j < n; ++j) vrow[j] = vptr[j] + voff;
         // live rows in groups of up to 4 (accumulators held in registers)
@@ -431,6 +528,12 @@ void run_item(const Problem<T>& P, const Item& it, Workspace& ws) {
         }
       }
     }
+  }
+#if MS_HAVE_AVX512
+  for (int r = 0; r < H * R; ++r) lrow[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(ws.lsum.data() + r * kTile));
+#endif
+  if constexpr (kBf16PV) {
+    for (int r = 0; r < H * R; ++r) unpermute_bf16_pv_row(acc + static_cast<size_t>(r) * D, D);
   }
 }
 
@@ -496,7 +599,7 @@ void run(Problem<T>& P, T* out, int64_t o_s0, int64_t o_s1) {
   const int B = static_cast<int>(P.seqs.size());
   at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      if (P.seqs[b].n_items > 0) merge_sequence(P, P.seqs[b], out, o_s0, o_s1);
+      if (P.seqs[b].q_len > 0) merge_sequence(P, P.seqs[b], out, o_s0, o_s1);  // no items: zeros
   });
 }
 
