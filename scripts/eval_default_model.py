@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""Evaluate the bundled default model on the held-out stdlib files.
+
+    PYTHONPATH=. python scripts/eval_default_model.py [--model models/stdlib-llama-15m]
+
+Two held-out sets, both from the deterministic split of ``scripts/_corpus.py`` (files never trained on):
+
+* **stream**: all held-out files concatenated (each followed by ``<|endoftext|>``), first
+  ``--stream-tokens`` tokens. For each context L the same tokens are cut into non-overlapping windows of L,
+  so the perplexities at 512 / 2K / 4K / 8K score exactly the same tokens.
+* **long files**: held-out files with at least 8192 tokens, first 8192 tokens of each, again cut into
+  non-overlapping windows of L for the perplexity. The loss-by-position curves (PNG) average over
+  overlapping windows starting every L/4 tokens (``--curve-overlap``), so that each stretch of text is
+  seen at several positions and the curve measures the effect of position, not of file layout.
+
+The model runs through the project's own loader (``modeling.checkpoint.load_model``) under bf16 autocast,
+as in training. Writes ``benchmarks/results/default_model_eval.{json,md}`` and
+``default_model_loss_by_position.png``, plus greedy samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _corpus import EOS_TOKEN, load_documents, split_documents  # noqa: E402
+
+from modeling.checkpoint import load_model  # noqa: E402
+from modeling.model import CausalLM  # noqa: E402
+from modeling.tokenizer import TextTokenizer  # noqa: E402
+
+DEFAULT_MODEL = os.path.join(REPO, "models", "stdlib-llama-15m")
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+CONTEXTS = (512, 2048, 4096, 8192)
+HOLDOUT_PERMILLE = 40  # must match TrainConfig.holdout_permille
+BUCKET_EDGES = (0, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
+# Prompts end before the newline: byte-level BPE merges a newline with the next line's indentation
+# ("\n   " is one token), so a prompt ending in a bare "\n" would force a split never seen in training.
+PROMPTS = (
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main(argv):",
+    'class Stack:\n    """A simple LIFO stack."""\n\n    def __init__(self):',
+    'def read_config(path):\n    """Read a configuration file and return a dict."""',
+)
+
+
+@dataclass
+class ContextResult:
+    """Figures of one context length on one set."""
+
+    context: int
+    windows: int
+    tokens: int
+    loss: float
+    perplexity: float
+    bucket_loss: list[float | None]  # mean loss per BUCKET_EDGES bucket (None past the context)
+
+
+def token_losses(model: CausalLM, ids: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    """Per-token next-token loss [S-1] of one window ids [S] (cross-entropy in chunks)."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.forward_dense(ids[None, :-1])[0]
+    targets = ids[1:]
+    parts = [F.cross_entropy(logits[i : i + chunk].float(), targets[i : i + chunk], reduction="none")
+             for i in range(0, targets.numel(), chunk)]
+    return torch.cat(parts)
+
+
+def evaluate_windows(model: CausalLM, sequences: list[np.ndarray], context: int, stride: int | None = None) -> ContextResult:
+    """Score windows of ``context`` tokens cut from each sequence.
+
+    Perplexity uses the non-overlapping windows (starts at multiples of ``context``), so every context length
+    scores the same tokens. The loss-by-position buckets use all windows, starting every ``stride`` tokens
+    (default: ``context``): overlapping windows put each piece of text at several positions, so the curve
+    shows the effect of position rather than of what happens to sit at the top of the files.
+    A window of L tokens scores L-1 predictions; position p in the buckets is the index of the predicted
+    token, i.e. it had p tokens of context.
+    """
+    stride = stride or context
+    sums = np.zeros(len(BUCKET_EDGES) - 1)
+    counts = np.zeros(len(BUCKET_EDGES) - 1)
+    positions = np.arange(1, context)
+    bucket = np.searchsorted(BUCKET_EDGES, positions, side="right") - 1
+    total, n, windows = 0.0, 0, 0
+    for seq in sequences:
+        for start in range(0, len(seq) - context + 1, stride):
+            ids = torch.from_numpy(seq[start : start + context].astype(np.int64))
+            losses = token_losses(model, ids).numpy().astype(np.float64)
+            np.add.at(sums, bucket, losses)
+            np.add.at(counts, bucket, 1)
+            if start % context == 0:
+                total += losses.sum()
+                n += losses.size
+                windows += 1
+    loss = total / n
+    buckets = [float(s / c) if c else None for s, c in zip(sums, counts)]
+    return ContextResult(context, windows, n, loss, math.exp(loss), buckets)
+
+
+def build_sets(tok: TextTokenizer, stream_tokens: int, min_long: int) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """(stream, long files, description) from the held-out split."""
+    _, held = split_documents(load_documents(), HOLDOUT_PERMILLE)
+    eos = tok._tok.token_to_id(EOS_TOKEN)
+    encoded = [(d.path, np.asarray(tok.encode(d.text), dtype=np.int32)) for d in held]
+    stream = np.concatenate([np.append(ids, eos) for _, ids in encoded])
+    stream = stream[: (min(stream_tokens, stream.size) // min_long) * min_long]
+    long_files = [(p, ids[:min_long]) for p, ids in encoded if ids.size >= min_long]
+    info = {
+        "heldout_files": len(held),
+        "heldout_tokens": int(sum(ids.size + 1 for _, ids in encoded)),
+        "stream_tokens": int(stream.size),
+        "long_files": [p for p, _ in long_files],
+        "long_file_tokens": min_long,
+    }
+    return [stream], [ids for _, ids in long_files], info
+
+
+def greedy(model: CausalLM, tok: TextTokenizer, prompt: str, max_new: int, eos_ids: tuple[int, ...]) -> str:
+    """Greedy continuation of ``prompt`` (full recompute each step; short prompts only)."""
+    ids = tok.encode(prompt)
+    for _ in range(max_new):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            nxt = int(model.forward_dense(torch.tensor([ids]))[0, -1].argmax())
+        if nxt in eos_ids:
+            break
+        ids.append(nxt)
+    return tok.decode(ids)
+
+
+def falls_until(curve: list[float | None], limit: int) -> bool:
+    """True when the bucket means from position 256 up to ``limit`` never rise by more than 0.01 nat."""
+    vals = [v for edge, v in zip(BUCKET_EDGES, curve) if v is not None and 256 <= edge < limit]
+    return all(b <= a + 0.01 for a, b in zip(vals, vals[1:])) and vals[-1] < vals[0]
+
+
+def plot(results: dict[str, list[ContextResult]], path: str) -> None:
+    """Loss by position bucket, one line per context, for the long-file set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mids = [(a + b) / 2 for a, b in zip(BUCKET_EDGES, BUCKET_EDGES[1:])]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results["long_files"]:
+        xs = [m for m, v in zip(mids, r.bucket_loss) if v is not None]
+        ys = [v for v in r.bucket_loss if v is not None]
+        ax.plot(xs, ys, marker="o", ms=3, label=f"context {r.context} (ppl {r.perplexity:.2f})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position in window (tokens of context), bucket midpoint")
+    ax.set_ylabel("mean next-token loss (nats)")
+    ax.set_title("stdlib-llama: held-out loss by position (held-out files of 8K+ tokens)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_markdown(report: dict, path: str) -> None:
+    """Human-readable tables of the report."""
+    lines = [f"# Default model evaluation: `{report['model']}`", "",
+             f"Held-out split: {report['sets']['heldout_files']} stdlib files "
+             f"({report['sets']['heldout_tokens']} tokens), never trained on. bf16 autocast on CPU, "
+             f"{report['eval_seconds']:.0f} s.", ""]
+    for name, title in (("stream", f"All held-out files as one stream (first {report['sets']['stream_tokens']} tokens)"),
+                        ("long_files", f"Held-out files with >= 8192 tokens ({len(report['sets']['long_files'])} files, "
+                                       "first 8192 tokens each)")):
+        lines += [f"## {title}", "", "| context | windows | tokens scored | loss (nats/token) | perplexity |",
+                  "|---:|---:|---:|---:|---:|"]
+        for r in report[name]:
+            lines.append(f"| {r['context']} | {r['windows']} | {r['tokens']} | {r['loss']:.4f} | {r['perplexity']:.3f} |")
+        lines.append("")
+    lines += ["## Mean loss by position (long files)", "",
+              f"Windows of each context start every context/{report['curve_overlap']} tokens of the long files "
+              "(overlapping), one 8192-token window per file for context 8192.", "",
+              "| positions | " + " | ".join(f"ctx {r['context']}" for r in report["long_files"]) + " |",
+              "|---|" + "---:|" * len(report["long_files"])]
+    for i, (a, b) in enumerate(zip(BUCKET_EDGES, BUCKET_EDGES[1:])):
+        cells = [r["bucket_loss"][i] for r in report["long_files"]]
+        if all(c is None for c in cells):
+            continue
+        lines.append(f"| {a}-{b - 1} | " + " | ".join("" if c is None else f"{c:.3f}" for c in cells) + " |")
+    lines += ["", f"Loss keeps falling with position up to 4K (context 4096 curve): "
+                  f"**{report['loss_falls_to_4k']}**", "", "## Greedy samples", ""]
+    for s in report["samples"]:
+        lines += ["```python", s["output"], "```", ""]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory")
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="context lengths")
+    parser.add_argument("--stream-tokens", type=int, default=131072, help="tokens of the held-out stream")
+    parser.add_argument("--curve-overlap", type=int, default=4,
+                        help="long-file windows for the position curve start every context/N tokens")
+    parser.add_argument("--max-new", type=int, default=96, help="tokens per greedy sample")
+    parser.add_argument("--out-dir", default=RESULTS, help="where the json/md/png go")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    loaded = load_model(args.model, dtype="float32")
+    tok = TextTokenizer(args.model)
+    longest = max(args.contexts)
+    stream, long_files, sets = build_sets(tok, args.stream_tokens, longest)
+    print(f"sets: {sets['stream_tokens']} stream tokens, {len(long_files)} long files", flush=True)
+    results: dict[str, list[ContextResult]] = {"stream": [], "long_files": []}
+    for name, seqs in (("long_files", long_files), ("stream", stream)):
+        for ctx in args.contexts:
+            stride = max(ctx // args.curve_overlap, 1) if name == "long_files" else ctx
+            r = evaluate_windows(loaded.model, seqs, ctx, stride)
+            results[name].append(r)
+            print(f"{name:10s} ctx {ctx:5d}: loss {r.loss:.4f} ppl {r.perplexity:.3f} "
+                  f"({r.windows} windows, {time.time() - t0:.0f}s)", flush=True)
+    samples = [{"prompt": p, "output": greedy(loaded.model, tok, p, args.max_new, loaded.eos_token_ids)}
+               for p in PROMPTS]
+    curve_4k = next((r.bucket_loss for r in results["long_files"] if r.context == 4096), None)
+    report = {
+        "model": os.path.relpath(os.path.abspath(args.model), REPO),
+        "parameters": loaded.config.num_parameters(),
+        "sets": sets,
+        "bucket_edges": list(BUCKET_EDGES),
+        "stream": [asdict(r) for r in results["stream"]],
+        "long_files": [asdict(r) for r in results["long_files"]],
+        "curve_overlap": args.curve_overlap,
+        "loss_falls_to_4k": bool(curve_4k and falls_until(curve_4k, 4096)),
+        "samples": samples,
+        "eval_seconds": time.time() - t0,
+        "torch": torch.__version__,
+        "dtype": "bf16 autocast (weights bf16 on disk)",
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "default_model_eval.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    write_markdown(report, os.path.join(args.out_dir, "default_model_eval.md"))
+    plot(results, os.path.join(args.out_dir, "default_model_loss_by_position.png"))
+    for s in samples:
+        print("-" * 60 + "\n" + s["output"])
+    print(f"done in {report['eval_seconds']:.0f}s; loss falls to 4K: {report['loss_falls_to_4k']}")
+
+
+if __name__ == "__main__":
+    main()
