@@ -17,10 +17,13 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
@@ -128,7 +131,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
         "torch": torch.__version__, "copy_bandwidth_gbps": bandwidth / 1e9, "dtype": "bfloat16",
         "params_m": config.num_parameters() / 1e6, "block_size": args.block_size, "repeats": args.repeats,
-        "command": "python benchmarks/decode_step.py " + " ".join(os.sys.argv[1:]),
+        "command": "python benchmarks/decode_step.py " + " ".join(sys.argv[1:]),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

@@ -207,7 +207,7 @@ def main() -> None:
         dtype=args.dtype, kv_cache_tokens=max_tokens + 4096, max_num_seqs=max(args.batches) + 8,
         attention_backend=args.attention_backend, prefill_chunk=2048,
         speculation=SpeculationConfig(drafter="self_sparse", sink_tokens=SINK_TOKENS, k_policy="fixed", k=0)))
-    corpus = heldout_tokens(worker.tokenizer, max(args.prefixes) * 4)
+    corpus = heldout_tokens(worker.tokenizer, max(args.batches) * max(args.prefixes))
     print(f"model {args.model}; backend {worker.runner.backend.name}; held-out corpus {len(corpus)} tokens")
     rows: list[dict] = []
     cells = [(b, p) for p in args.prefixes for b in args.batches]
