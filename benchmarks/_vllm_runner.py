@@ -33,14 +33,16 @@ def main():
 
     results = []
     for mode in ("plain", "ngram"):
+        # no prefix caching: the timed runs repeat the same prompts and must each prefill them
         kwargs = dict(model=job["model"], dtype="bfloat16", max_model_len=job["max_model_len"], enforce_eager=True,
-                      max_num_seqs=job["max_num_seqs"])
+                      max_num_seqs=job["max_num_seqs"], enable_prefix_caching=False)
         if mode == "ngram":
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         llm = LLM(**kwargs)
         for cell in job["cells"]:
             prompts = cell["prompts"]
+            timed_generate(llm, prompts, 2, 1)  # warm-up
             t_prefill, _ = timed_generate(llm, prompts, 1, job["repeats"])
             t_full, tokens = timed_generate(llm, prompts, job["max_tokens"], job["repeats"])
             decoded = len(prompts) * (job["max_tokens"] - 1)

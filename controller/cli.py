@@ -16,7 +16,7 @@ import sys
 import time
 
 from controller.config import LOCAL_CONFIG
-from controller.defaults import DEFAULT_MODEL_DIR, DEMO_PROMPTS
+from controller.defaults import DEFAULT_MODEL_DIR, DEMO_PROMPTS, DEMO_SAMPLING
 from modeling.errors import MagicServeError
 
 
@@ -193,7 +193,7 @@ def cmd_demo(args) -> int:
             for prompt in DEMO_PROMPTS:
                 print(f"--- prompt ---\n{prompt}", end="")
                 sys.stdout.write("\033[1m")
-                for chunk in client.generate_stream(prompt, max_tokens=args.max_tokens):
+                for chunk in client.generate_stream(prompt, max_tokens=args.max_tokens, **DEMO_SAMPLING):
                     if chunk.finish_reason is None:
                         sys.stdout.write(chunk.text)
                         sys.stdout.flush()
