@@ -39,7 +39,8 @@ class WorkerCrashed:
 
 
 class _LoopActor:
-    """Runs ``self._step()`` on a thread whenever ``self._has_work()``; collects outputs in an outbox."""
+    """Runs ``self._step()`` on a thread (an idle step returns nothing and the thread sleeps briefly);
+    collects outputs in an outbox."""
 
     def _start_loop(self, name: str) -> None:
         self._lock = threading.RLock()
@@ -121,9 +122,6 @@ class PrefillActor(_LoopActor):
             return {"name": self.instance_id, "role": "prefill", "device": str(w.loaded.device),
                     "queue_length": len(w.scheduler.waiting), "running": len(w.scheduler.running),
                     "free_kv_blocks": w.pool.num_free, "total_kv_blocks": w.pool.num_blocks}
-
-    def _has_work(self) -> bool:
-        return self.worker.has_work()
 
     def _step(self) -> list:
         if not self.worker.has_work() and not self.worker.sender.pending():

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
-from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter
+from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from modeling.attention import make_backend
@@ -457,7 +457,7 @@ class DecodeWorker:
                         self.target_cost.observe(PassShape(b, b * (ctx + k + 1), b * (k + 1)), time.perf_counter() - t0)
                     if self.config.speculation.drafter == "self_sparse":
                         spec = self.config.speculation
-                        starts = [min(ctx, max(spec.sink_tokens, ctx - spec.window))] * b
+                        starts = [window_start(spec, ctx)] * b
                         inputs = [StepInput([1], ctx, t.blocks) for t in tables]
                         t0 = time.perf_counter()
                         self.runner.run(inputs, sink_len=spec.sink_tokens, window_starts=starts)
