@@ -1,4 +1,4 @@
-"""Ray actors around the prefill and decode workers.
+"""Ray actors around the prefill and decode workers, and the colocated reference engine.
 
 Each actor owns its worker and runs the worker's loop on a background thread; the router talks to it
 through small methods (submit, reserve, admit, abort, poll, status) that take the worker's lock.
@@ -15,6 +15,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modeling.sampling import SamplingParams
 
 log = logging.getLogger("magicserve.actors")
 
@@ -36,6 +40,22 @@ class WorkerCrashed:
     """The worker loop raised; the actor stops serving (the router treats it as dead)."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class ColocatedRequest:
+    """One request for a colocated instance: prefill and decode both run there (no KV hand-off)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+def _scheduler_status(instance_id: str, role: str, worker) -> dict:
+    """Status of a worker with a chunked-prefill ``scheduler`` and a block ``pool``."""
+    return {"name": instance_id, "role": role, "device": str(worker.loaded.device),
+            "queue_length": len(worker.scheduler.waiting), "running": len(worker.scheduler.running),
+            "free_kv_blocks": worker.pool.num_free, "total_kv_blocks": worker.pool.num_blocks}
 
 
 class _LoopActor:
@@ -118,10 +138,7 @@ class PrefillActor(_LoopActor):
 
     def status(self) -> dict:
         with self._lock:
-            w = self.worker
-            return {"name": self.instance_id, "role": "prefill", "device": str(w.loaded.device),
-                    "queue_length": len(w.scheduler.waiting), "running": len(w.scheduler.running),
-                    "free_kv_blocks": w.pool.num_free, "total_kv_blocks": w.pool.num_blocks}
+            return _scheduler_status(self.instance_id, "prefill", self.worker)
 
     def _step(self) -> list:
         if not self.worker.has_work() and not self.worker.sender.pending():
@@ -203,6 +220,50 @@ class DecodeActor(_LoopActor):
         if self.worker.has_work():
             produced.extend(self.worker.step())
         return produced
+
+
+class ColocatedActor(_LoopActor):
+    """A colocated instance: the single-process reference engine (chunked prefill and decode share each
+    step's token budget; no KV transfer, no speculation). Every step yields one ``TokenDelta`` per
+    request that sampled a token; a request's first delta carries its first token."""
+
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1):
+        import torch
+
+        from modeling.engine import ReferenceEngine
+
+        torch.set_num_threads(threads)
+        self.instance_id = instance_id
+        self.engine = ReferenceEngine(model_path, config)
+        self._tokens_generated = 0
+        self._start_loop(f"colocated-loop-{instance_id}")
+
+    def submit(self, request: ColocatedRequest) -> None:
+        with self._lock:
+            self.engine.add_request(list(request.prompt_ids), request.params, request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            return self.engine.abort(request_id)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {**_scheduler_status(self.instance_id, "colocated", self.engine),
+                    "tokens_generated": self._tokens_generated}
+
+    def _step(self) -> list:
+        from decode_worker.worker import TokenDelta
+
+        if not self.engine.has_unfinished():
+            return []
+        deltas = []
+        for out in self.engine.step():
+            if out.finished:
+                self.engine.release(out.request_id)
+            self._tokens_generated += len(out.new_token_ids)
+            reason = out.finish_reason.value if out.finish_reason is not None else None
+            deltas.append(TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, reason))
+        return deltas
 
 
 def ray_actor_class(cls, max_restarts: int = 3):

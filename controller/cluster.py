@@ -3,7 +3,8 @@
 Prefill and decode instances land on separate resource sets: each pool gets its own placement group
 (one bundle per instance, ``{"CPU": cpus_per_instance, "GPU": devices_per_instance}``), so the two
 pools never share a GPU. The controller process hosts the TCP store that every (prefill, decode) pair
-uses to form its KV channel.
+uses to form its KV channel. In ``mode: colocated`` there is one pool, ``colocated`` (placed the same
+way), of reference-engine instances, and no KV channels.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import asyncio
 import logging
 import os
 
-from controller.actors import DecodeActor, PrefillActor, ray_actor_class
+from controller.actors import ColocatedActor, DecodeActor, PrefillActor, ray_actor_class
 from controller.config import ClusterConfig
 from controller.router import Instance
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import Rendezvous, TransferConfig
+from modeling.engine import EngineConfig
 from prefill_worker.config import PrefillWorkerConfig
 
 log = logging.getLogger("magicserve.cluster")
@@ -28,22 +30,27 @@ class ClusterError(RuntimeError):
     pass
 
 
+def _pool_settings(cfg: ClusterConfig, pool) -> dict:
+    """The worker settings every pool section gives the same way."""
+    return dict(dtype=cfg.model.dtype, device="cuda" if pool.devices_per_instance else "cpu",
+                block_size=pool.block_size, kv_cache_tokens=pool.kv_cache_tokens,
+                attention_backend=pool.attention_backend)
+
+
 def prefill_worker_config(cfg: ClusterConfig) -> PrefillWorkerConfig:
     p = cfg.prefill
-    return PrefillWorkerConfig(
-        dtype=cfg.model.dtype, device="cuda" if p.devices_per_instance else "cpu", block_size=p.block_size,
-        kv_cache_tokens=p.kv_cache_tokens, token_budget=p.chunk_tokens, max_num_seqs=p.max_batch_prompts,
-        attention_backend=p.attention_backend, transfer=transfer_config(cfg),
-    )
+    return PrefillWorkerConfig(**_pool_settings(cfg, p), token_budget=p.chunk_tokens, max_num_seqs=p.max_batch_prompts,
+                               transfer=transfer_config(cfg))
 
 
 def decode_worker_config(cfg: ClusterConfig) -> DecodeWorkerConfig:
     d = cfg.decode
-    return DecodeWorkerConfig(
-        dtype=cfg.model.dtype, device="cuda" if d.devices_per_instance else "cpu", block_size=d.block_size,
-        kv_cache_tokens=d.kv_cache_tokens, max_num_seqs=d.max_num_seqs, attention_backend=d.attention_backend,
-        speculation=d.speculation,
-    )
+    return DecodeWorkerConfig(**_pool_settings(cfg, d), max_num_seqs=d.max_num_seqs, speculation=d.speculation)
+
+
+def colocated_engine_config(cfg: ClusterConfig) -> EngineConfig:
+    c = cfg.colocated
+    return EngineConfig(**_pool_settings(cfg, c), token_budget=c.chunk_tokens, max_num_seqs=c.max_num_seqs)
 
 
 def transfer_config(cfg: ClusterConfig) -> TransferConfig:
@@ -54,14 +61,16 @@ class Cluster:
     """Owns the Ray connection, placement groups, actors and the KV rendezvous store."""
 
     def __init__(self, config: ClusterConfig):
-        if config.prefill.block_size != config.decode.block_size:
+        disaggregated = config.mode == "disaggregated"
+        if disaggregated and config.prefill.block_size != config.decode.block_size:
             raise ClusterError("decode.block_size: must equal prefill.block_size (KV moves block by block)")
-        if config.prefill.tensor_parallel > 1 or config.decode.tensor_parallel > 1:
+        if any(p.tensor_parallel > 1 for p in config.pools.values()):
             raise ClusterError("tensor_parallel: sharded model execution is not available yet; use 1 "
                                "(KV transfer already reshards heads between TP degrees)")
         self.config = config
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
+        self.colocated: list[Instance] = []
         self._groups = []
         self._store = None
         self.rendezvous: Rendezvous | None = None
@@ -76,6 +85,19 @@ class Cluster:
         model = self.config.model_path
         if not os.path.isdir(model):
             raise ClusterError(f"model.path: {model} is not a directory")
+        if self.config.mode == "colocated":
+            self._start_colocated(model)
+        else:
+            self._start_disaggregated(model)
+        log.info("cluster up: %s", self.config.describe_pools())
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.prefill + self.decode + self.colocated
+
+    def _start_disaggregated(self, model: str) -> None:
+        import ray
+
         self._store, self.rendezvous = Rendezvous.host_store(self.config.kv_transfer.rendezvous_host)
         pcfg, dcfg = prefill_worker_config(self.config), decode_worker_config(self.config)
         self.prefill = self._start_pool("prefill", self.config.prefill, PrefillActor,
@@ -83,9 +105,16 @@ class Cluster:
         self.decode = self._start_pool("decode", self.config.decode, DecodeActor,
                                        lambda name: (model, dcfg, name, self.config.decode.threads,
                                                      transfer_config(self.config)))
-        ray.get([i.handle.ping.remote() for i in self.prefill + self.decode])
+        ray.get([i.handle.ping.remote() for i in self.instances])
         self._connect_all()
-        log.info("cluster up: %d prefill, %d decode instances", len(self.prefill), len(self.decode))
+
+    def _start_colocated(self, model: str) -> None:
+        import ray
+
+        ecfg = colocated_engine_config(self.config)
+        self.colocated = self._start_pool("colocated", self.config.colocated, ColocatedActor,
+                                          lambda name: (model, ecfg, name, self.config.colocated.threads))
+        ray.get([i.handle.ping.remote() for i in self.instances])
 
     def _init_ray(self, ray) -> None:
         rc = self.config.ray
@@ -94,7 +123,7 @@ class Cluster:
         if rc.address:
             ray.init(address=rc.address, namespace=rc.namespace, log_to_driver=True)
         else:
-            pools = (self.config.prefill, self.config.decode)
+            pools = self.config.pools.values()
             need_cpus = sum(p.instances * p.cpus_per_instance for p in pools)
             need_gpus = sum(p.instances * p.devices_per_instance for p in pools)
             ray.init(num_cpus=rc.num_cpus if rc.num_cpus is not None else max(need_cpus, os.cpu_count() or 1),
@@ -156,7 +185,7 @@ class Cluster:
 
     async def statuses(self) -> list[dict]:
         out = []
-        for inst in self.prefill + self.decode:
+        for inst in self.instances:
             try:
                 st = await asyncio.wait_for(inst.handle.status.remote(), 5.0) if inst.alive else None
             except Exception:
@@ -171,7 +200,7 @@ class Cluster:
     def shutdown(self) -> None:
         import ray
 
-        for inst in self.prefill + self.decode:
+        for inst in self.instances:
             try:
                 ray.kill(inst.handle, no_restart=True)
             except Exception:

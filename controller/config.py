@@ -4,6 +4,11 @@ Every component receives only its sub-config. Loading fails on the first problem
 and the reason, e.g. ``decode.speculation.k: must be in [0, 16], got -1`` or
 ``prefill.instnaces: unknown field; allowed: instances, ...``. The schema is documented field by field
 in ``cluster_configs/README.md``; ``cluster_configs/local.yaml`` is the embedded default.
+
+``mode`` picks the serving system: ``disaggregated`` (prefill and decode pools, KV transfer, speculative
+decoding) or ``colocated`` (the ``colocated`` pool: instances of the single-process reference engine, the
+baseline the disaggregated system is compared against; the prefill, decode and kv_transfer sections are
+then unused).
 """
 
 from __future__ import annotations
@@ -20,12 +25,19 @@ import yaml
 from decode_worker.config import SpeculationConfig
 from modeling.checkpoint import DTYPES
 
+MODES = ("disaggregated", "colocated")
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster_configs")
 LOCAL_CONFIG = os.path.join(CONFIG_DIR, "local.yaml")
 
 
 class ConfigError(ValueError):
     """An invalid cluster config; the message starts with the field path."""
+
+
+def _at_least_one(section, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(field, reason) for each of ``names`` whose value is below 1."""
+    return [(n, f"must be >= 1, got {getattr(section, n)}") for n in names if getattr(section, n) < 1]
 
 
 @dataclass(frozen=True)
@@ -74,10 +86,7 @@ class PoolSection:
     attention_backend: str = "auto"
 
     def check(self) -> list[tuple[str, str]]:
-        errs = []
-        for name in ("instances", "tensor_parallel", "threads", "kv_cache_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        errs = _at_least_one(self, ("instances", "tensor_parallel", "threads", "kv_cache_tokens", "block_size"))
         if self.devices_per_instance < 0:
             errs.append(("devices_per_instance", f"must be >= 0, got {self.devices_per_instance}"))
         if self.devices_per_instance and self.devices_per_instance % self.tensor_parallel:
@@ -99,11 +108,7 @@ class PrefillSection(PoolSection):
     max_batch_prompts: int = 16
 
     def check(self) -> list[tuple[str, str]]:
-        errs = super().check()
-        for name in ("chunk_tokens", "max_batch_prompts"):
-            if getattr(self, name) < 1:
-                errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
-        return errs
+        return super().check() + _at_least_one(self, ("chunk_tokens", "max_batch_prompts"))
 
 
 @dataclass(frozen=True)
@@ -113,10 +118,19 @@ class DecodeSection(PoolSection):
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def check(self) -> list[tuple[str, str]]:
-        errs = super().check()
-        if self.max_num_seqs < 1:
-            errs.append(("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}"))
-        return errs
+        return super().check() + _at_least_one(self, ("max_num_seqs",))
+
+
+@dataclass(frozen=True)
+class ColocatedSection(PoolSection):
+    """The pool of ``mode: colocated``: each instance runs chunked prefill and decode in one batch."""
+
+    kv_cache_tokens: int = 262144
+    chunk_tokens: int = 512  # token budget per step (decode tokens and prefill chunks together)
+    max_num_seqs: int = 64
+
+    def check(self) -> list[tuple[str, str]]:
+        return super().check() + _at_least_one(self, ("chunk_tokens", "max_num_seqs"))
 
 
 @dataclass(frozen=True)
@@ -182,10 +196,7 @@ class LimitsSection:
     request_timeout_s: float = 600.0
 
     def check(self) -> list[tuple[str, str]]:
-        errs = []
-        for name in ("max_prompt_tokens", "max_tokens", "max_concurrent_requests"):
-            if getattr(self, name) < 1:
-                errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
+        errs = _at_least_one(self, ("max_prompt_tokens", "max_tokens", "max_concurrent_requests"))
         if self.max_queue_length < 0:
             errs.append(("max_queue_length", f"must be >= 0, got {self.max_queue_length}"))
         if self.request_timeout_s <= 0:
@@ -197,15 +208,33 @@ class LimitsSection:
 class ClusterConfig:
     """The whole tree. ``source`` is the file it came from (relative paths resolve against it)."""
 
+    mode: str = "disaggregated"
     model: ModelSection = field(default_factory=ModelSection)
     ray: RaySection = field(default_factory=RaySection)
     prefill: PrefillSection = field(default_factory=PrefillSection)
     decode: DecodeSection = field(default_factory=DecodeSection)
+    colocated: ColocatedSection = field(default_factory=ColocatedSection)
     kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
     slo: SLOSection = field(default_factory=SLOSection)
     server: ServerSection = field(default_factory=ServerSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     source: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.mode not in MODES:
+            return [("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")]
+        return []
+
+    @property
+    def pools(self) -> dict[str, PoolSection]:
+        """The pools this mode runs, by role: prefill and decode, or colocated."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def describe_pools(self) -> str:
+        """E.g. ``1 prefill + 1 decode instance(s)`` or ``2 colocated instance(s)``."""
+        return " + ".join(f"{p.instances} {role}" for role, p in self.pools.items()) + " instance(s)"
 
     @property
     def model_path(self) -> str:

@@ -2,6 +2,10 @@
 
     queued -> prefilling -> transferring -> decoding -> finished | failed | cancelled
 
+A colocated request (prefill and decode on one instance, ``kv_transfer=False``) has no hand-off:
+
+    queued -> prefilling -> decoding -> finished | failed | cancelled
+
 Any live state may also go to failed or cancelled. Every transition is checked against this table,
 timestamped, logged, and counted, so a request never disappears silently: ``StateCounters`` always
 sums to the number of requests ever created.
@@ -39,6 +43,7 @@ _FORWARD = {
     RequestState.TRANSFERRING: {RequestState.DECODING, RequestState.QUEUED, RequestState.FINISHED},
     RequestState.DECODING: {RequestState.FINISHED, RequestState.QUEUED},  # QUEUED: re-run, nothing streamed
 }
+_FORWARD_COLOCATED = {**_FORWARD, RequestState.PREFILLING: {RequestState.DECODING, RequestState.QUEUED}}
 _ENDINGS = {RequestState.FAILED, RequestState.CANCELLED}
 
 
@@ -68,10 +73,12 @@ class StateCounters:
 
 @dataclass
 class RequestRecord:
-    """One request's lifecycle. ``history`` holds (state, monotonic time) for each state entered."""
+    """One request's lifecycle. ``history`` holds (state, monotonic time) for each state entered;
+    ``kv_transfer`` False: a colocated request, which goes from prefilling straight to decoding."""
 
     request_id: str
     counters: StateCounters
+    kv_transfer: bool = True
     state: RequestState = RequestState.QUEUED
     history: list[tuple[RequestState, float]] = field(default_factory=list)
     error: str = ""
@@ -87,7 +94,8 @@ class RequestRecord:
         old = self.state
         if old.terminal:
             raise InvalidTransition(f"request {self.request_id}: already {old.value}, cannot become {new.value}")
-        if new not in _FORWARD.get(old, set()) and new not in _ENDINGS:
+        forward = _FORWARD if self.kv_transfer else _FORWARD_COLOCATED
+        if new not in forward.get(old, set()) and new not in _ENDINGS:
             raise InvalidTransition(f"request {self.request_id}: {old.value} -> {new.value} is not allowed")
         self.state = new
         self.history.append((new, time.monotonic()))

@@ -6,6 +6,9 @@ One request, end to end (``Router.generate``):
     instance  ->  prefill on the least-loaded prefill instance (KV streams to the reserved blocks)
     ->  first token  ->  decode instance admits the sequence once its KV is complete  ->  deltas
 
+``ColocatedRouter`` serves the same API from colocated instances (the reference engine: prefill and decode
+in one instance, no KV transfer); it shares everything with ``Router`` but placement.
+
 A failure before anything was streamed re-runs the request elsewhere (up to ``MAX_RETRIES``); after
 that the request fails with UNAVAILABLE. Nothing is dropped silently: every request ends in finished,
 failed or cancelled, and the counters say how many are where.
@@ -20,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from controller.actors import TransferFailed, WorkerCrashed
+from controller.actors import ColocatedRequest, TransferFailed, WorkerCrashed
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from decode_worker.worker import DecodeRequest, TokenDelta
 from modeling.sampling import SamplingParams
@@ -45,7 +48,7 @@ class Instance:
     """A worker actor as the router sees it."""
 
     name: str
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "colocated"
     handle: object
     alive: bool = True
     generation: int = 0  # bumped when the actor restarts and its KV channels are re-formed
@@ -81,7 +84,7 @@ class _Active:
     events: asyncio.Queue
     arrival: float
     prefill: Instance | None = None
-    decode: Instance | None = None
+    decode: Instance | None = None  # colocated: the instance that runs the request
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     tokens_streamed: int = 0
@@ -93,10 +96,13 @@ class _Active:
 class Router:
     """Routes requests over the prefill and decode instances (asyncio; one per controller)."""
 
+    kv_transfer = True  # requests go prefilling -> transferring -> decoding
+
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_concurrent: int, max_queue: int,
                  request_timeout_s: float = 600.0, rewire=None):
         self.prefill = prefill
         self.decode = decode
+        self.instances = prefill + decode  # every instance the router polls
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -112,7 +118,7 @@ class Router:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        for inst in self.prefill + self.decode:
+        for inst in self.instances:
             self._tasks.append(asyncio.get_running_loop().create_task(self._poll_instance(inst)))
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
@@ -138,8 +144,8 @@ class Router:
         if request_id in self._active:
             raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already running")
         await self._admit()
-        active = _Active(RequestRecord(request_id, self.counters), list(prompt_ids), params, asyncio.Queue(),
-                         time.perf_counter())
+        record = RequestRecord(request_id, self.counters, self.kv_transfer)
+        active = _Active(record, list(prompt_ids), params, asyncio.Queue(), time.perf_counter())
         self._active[request_id] = active
         try:
             await self._place(active)
@@ -197,12 +203,15 @@ class Router:
         decode.assigned.add(rid)
         prefill.assigned.add(rid)
         request = PrefillRequest(rid, tuple(active.prompt_ids), active.params, KVDestination(decode.name, tuple(blocks)))
-        try:
-            await prefill.handle.submit.remote(request)
-        except Exception as err:  # the prefill actor died between choosing and submitting
-            await self._retry_or_fail(active, f"prefill {prefill.name} unreachable: {err}")
-            return
+        await self._submit(active, prefill, request)
+
+    async def _submit(self, active: _Active, inst: Instance, request) -> None:
+        """Hand the request to the instance that prefills it (re-placed if the actor is gone)."""
         active.record.to(RequestState.PREFILLING)
+        try:
+            await inst.handle.submit.remote(request)
+        except Exception as err:  # the actor died between choosing and submitting
+            await self._retry_or_fail(active, f"{inst.role} {inst.name} unreachable: {err}")
 
     async def _reserve_decode(self, rid: str, num_tokens: int):
         for inst in sorted((d for d in self.decode if d.alive), key=lambda d: len(d.assigned)):
@@ -333,7 +342,7 @@ class Router:
         rid = active.record.request_id
         if not active.record.state.terminal:
             self._cancel_active(active, "stream closed")
-        for inst in self.prefill + self.decode:
+        for inst in self.instances:
             inst.assigned.discard(rid)
         self._active.pop(rid, None)
         self._slots.release()
@@ -404,3 +413,32 @@ class Router:
     def queue_stats(self) -> dict:
         snap = self.counters.snapshot()
         return {"waiting": self._waiting, "active": len(self._active), "states": snap}
+
+
+class ColocatedRouter(Router):
+    """Routes requests over colocated instances, each running prefill and decode (the reference engine):
+    ``queued -> prefilling -> decoding -> finished``. Admission, streaming, cancellation, timeouts,
+    retries before anything was streamed and instance failover are ``Router``'s; placement is one
+    least-loaded pick, and the instance's first delta for a request carries its first token."""
+
+    kv_transfer = False
+
+    def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0):
+        # the instances stand where decode instances do: each holds its requests' KV until they end
+        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s)
+
+    async def _place(self, active: _Active) -> None:
+        rid = active.record.request_id
+        inst = self._least_loaded(self.decode)
+        if inst is None:
+            raise RouterError("UNAVAILABLE", "no colocated instance is alive")
+        active.decode = inst
+        inst.assigned.add(rid)
+        await self._submit(active, inst, ColocatedRequest(rid, tuple(active.prompt_ids), active.params))
+
+    def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
+        if active.record.state is RequestState.PREFILLING:  # the first token: prefill is done
+            active.record.to(RequestState.DECODING)
+            active.first_token_at = time.perf_counter()
+        active.first_delta_pending = False  # nothing was streamed ahead of this delta
+        return super()._on_delta(active, delta)

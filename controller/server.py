@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controller.config import ClusterConfig
-from controller.router import Delta, Final, Router, RouterError
+from controller.router import ColocatedRouter, Delta, Final, Router, RouterError
 from modeling.errors import InvalidRequestError
 from modeling.sampling import SamplingParams
 from modeling.tokenizer import TextTokenizer
@@ -203,6 +203,16 @@ async def start_server(config: ClusterConfig, servicer: MagicServeServicer) -> t
     return server, port, health_servicer
 
 
+def build_router(config: ClusterConfig, cluster) -> Router:
+    """The router of the config's mode over a started cluster's instances."""
+    lim = config.limits
+    if config.mode == "colocated":
+        return ColocatedRouter(cluster.colocated, lim.max_concurrent_requests, lim.max_queue_length,
+                               lim.request_timeout_s)
+    return Router(cluster.prefill, cluster.decode, lim.max_concurrent_requests, lim.max_queue_length,
+                  lim.request_timeout_s, rewire=cluster.rewire)
+
+
 async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: asyncio.Event | None = None) -> None:
     """Bring up the cluster and serve until ``stop_event`` (or SIGINT/SIGTERM); drains on the way out."""
     import signal
@@ -216,8 +226,7 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
     try:
         tokenizer = TextTokenizer(config.model_path)
         mc = load_model_config(config.model_path)
-        router = Router(cluster.prefill, cluster.decode, config.limits.max_concurrent_requests,
-                        config.limits.max_queue_length, config.limits.request_timeout_s, rewire=cluster.rewire)
+        router = build_router(config, cluster)
         router.start()
         validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens)
         servicer = MagicServeServicer(router, validator, cluster.statuses, os.path.basename(config.model_path))

@@ -139,6 +139,13 @@ class ReferenceEngine:
         self.scheduler.finish(req.seq, FinishReason.ABORT)
         return True
 
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (for callers that stream ``step()`` outputs; ``generate`` does it
+        itself). Its KV was freed when it finished; its id may be used again afterwards."""
+        req = self._requests.get(request_id)
+        if req is not None and req.seq.is_finished:
+            del self._requests[request_id]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

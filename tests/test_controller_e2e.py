@@ -6,70 +6,35 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 import time
 
 import grpc
 import pytest
 
 from controller.client import AsyncClient, Client
-from controller.config import parse_config
-from controller.server import serve_forever
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
 from tests.checkpoints import VOCAB
-
-def prompts_of(lengths, seed):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
+from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_alive, wait_all_free
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
     """1 prefill + 2 decode instances, each pinned to one torch thread."""
-    cfg = parse_config({
-        "model": {"path": llama_dir, "dtype": "float32"},
-        "ray": {"num_cpus": 6, "num_gpus": 0},
-        "prefill": {"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 64},
-        "decode": {"instances": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
-                   "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
-        "server": {"port": 0},
-        "kv_transfer": {"timeout_s": 5},
-        "limits": {"max_concurrent_requests": 8, "max_queue_length": 4, "max_tokens": 512, "max_prompt_tokens": 600},
-    })
-    ready, state = [], {}
-
-    def run():
-        async def main():
-            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
-            await serve_forever(cfg, ready_callback=ready.append, stop_event=state["stop"])
-        try:
-            asyncio.run(main())
-        except Exception as err:
-            state["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.time() + 180
-    while not ready and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.1)
-    assert ready, f"server did not start: {state.get('error')}"
-    yield f"127.0.0.1:{ready[0]}"
-    state["loop"].call_soon_threadsafe(state["stop"].set)
-    thread.join(timeout=60)
+    cfg = e2e_config(
+        llama_dir,
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 64},
+        decode={"instances": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
+                "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
+        kv_transfer={"timeout_s": 5},
+    )
+    with running_server(cfg) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
-
-
-def stream_ids(address, prompt, **kw):
-    with Client(address) as c:
-        chunks = list(c.generate_stream(prompt, **kw))
-    return [t for ch in chunks for t in ch.token_ids], chunks[-1]
 
 
 def test_concurrent_streams_equal_reference_greedy(server, reference):
@@ -101,21 +66,6 @@ def test_seeded_sampling_is_reproducible(server):
     assert a == b
     c, _ = stream_ids(server, prompt, **{**kw, "seed": 4321})
     assert c != a
-
-
-def free_blocks(address):
-    with Client(address) as c:
-        return {i.name: (i.free_kv_blocks, i.total_kv_blocks) for i in c.status().instances}
-
-
-def wait_all_free(address, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        blocks = free_blocks(address)
-        if all(free == total for free, total in blocks.values()):
-            return blocks
-        time.sleep(0.2)
-    return free_blocks(address)
 
 
 def test_cancellation_frees_kv_on_both_workers(server):
@@ -204,11 +154,4 @@ def test_killed_decode_actor_does_not_take_the_service_down(server, reference):
         assert out == exp or out == "UNAVAILABLE", out  # a request is either served exactly or told why
     # the service keeps serving, and the restarted actor rejoins
     assert stream_ids(server, prompts[0], max_tokens=20, ignore_eos=True)[0] == expected[0][:20]
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        with Client(server) as c:
-            if all(i.alive for i in c.status().instances):
-                break
-        time.sleep(1)
-    with Client(server) as c:
-        assert all(i.alive for i in c.status().instances)
+    assert wait_all_alive(server)

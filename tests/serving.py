@@ -1,0 +1,93 @@
+"""Helpers for end-to-end tests: a real server (``serve_forever`` on a local Ray cluster) in a thread,
+random prompts, and small gRPC client calls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+from controller.client import Client
+from controller.config import ClusterConfig, parse_config
+from controller.server import serve_forever
+from tests.checkpoints import VOCAB
+
+
+def prompts_of(lengths, seed):
+    """Random token-id prompts of the given lengths (reproducible by seed)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def e2e_config(model_dir: str, **sections) -> ClusterConfig:
+    """A config for end-to-end tests: float32 model, local Ray, any free port, small limits (8 running,
+    4 queued); ``sections`` replace whole top-level sections or set ``mode``."""
+    raw = {"model": {"path": model_dir, "dtype": "float32"}, "ray": {"num_cpus": 6, "num_gpus": 0},
+           "server": {"port": 0},
+           "limits": {"max_concurrent_requests": 8, "max_queue_length": 4, "max_tokens": 512, "max_prompt_tokens": 600}}
+    return parse_config({**raw, **sections})
+
+
+@contextlib.contextmanager
+def running_server(cfg, start_timeout_s: float = 180.0):
+    """Serve ``cfg`` (use ``server.port: 0``) on a background thread; yields ``127.0.0.1:PORT`` and
+    drains and shuts the cluster down on exit."""
+    ready, state = [], {}
+
+    def run():
+        async def main():
+            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await serve_forever(cfg, ready_callback=ready.append, stop_event=state["stop"])
+        try:
+            asyncio.run(main())
+        except Exception as err:
+            state["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.time() + start_timeout_s
+    while not ready and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.1)
+    assert ready, f"server did not start: {state.get('error')}"
+    try:
+        yield f"127.0.0.1:{ready[0]}"
+    finally:
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+        thread.join(timeout=60)
+
+
+def stream_ids(address, prompt, **kw):
+    """Stream a completion; returns (all token ids, the final chunk)."""
+    with Client(address) as c:
+        chunks = list(c.generate_stream(prompt, **kw))
+    return [t for ch in chunks for t in ch.token_ids], chunks[-1]
+
+
+def free_blocks(address):
+    with Client(address) as c:
+        return {i.name: (i.free_kv_blocks, i.total_kv_blocks) for i in c.status().instances}
+
+
+def wait_all_alive(address, timeout=120.0) -> bool:
+    """Wait until the server reports every instance alive (e.g. a killed actor restarted and rejoined)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with Client(address) as c:
+            if all(i.alive for i in c.status().instances):
+                return True
+        time.sleep(0.5)
+    return False
+
+
+def wait_all_free(address, timeout=20.0):
+    """Wait until every instance's KV blocks are all free; returns {name: (free, total)}."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        blocks = free_blocks(address)
+        if all(free == total for free, total in blocks.values()):
+            return blocks
+        time.sleep(0.2)
+    return free_blocks(address)

@@ -1,0 +1,161 @@
+"""Colocated mode end to end: a real local Ray cluster of two reference-engine instances behind the same
+gRPC API, real gRPC over localhost. Outputs equal the single-process reference engine's, streaming and
+cancellation work as in disaggregated mode, status reports colocated instances, a bad ``mode`` is a
+ConfigError naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+
+import grpc
+import pytest
+
+from controller.client import AsyncClient, Client
+from controller.config import CONFIG_DIR, LOCAL_CONFIG, ConfigError, load_config, parse_config
+from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.sampling import SamplingParams
+from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_alive, wait_all_free
+
+INSTANCES = 2
+KV_TOKENS = 4096
+BLOCK = 16
+
+
+# -- config (no cluster) ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw,message", [
+    ({"mode": "both"}, "mode: must be one of disaggregated, colocated, got 'both'"),
+    ({"mode": 1}, "mode: must be a string, got 1"),
+    ({"mode": "colocated", "colocated": {"chunk_tokens": 0}}, "colocated.chunk_tokens: must be >= 1, got 0"),
+    ({"colocated": {"speculation": {}}}, "colocated.speculation: unknown field; allowed: instances,"),
+])
+def test_bad_mode_and_colocated_fields_are_config_errors(raw, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"model": {"path": "m"}, **raw})
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_local_colocated_uses_the_cores_of_local_yaml():
+    disagg = load_config(LOCAL_CONFIG)
+    colo = load_config(os.path.join(CONFIG_DIR, "local-colocated.yaml"))
+    assert disagg.mode == "disaggregated" and colo.mode == "colocated"
+    assert list(colo.pools) == ["colocated"] and colo.model_path == disagg.model_path
+
+    def cores(cfg):
+        return sum(p.instances * p.threads for p in cfg.pools.values())
+
+    assert cores(colo) == cores(disagg) == 2
+
+
+# -- served (one cluster for the module) ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    """Two colocated instances, one torch thread each."""
+    cfg = e2e_config(llama_dir, mode="colocated",
+                     colocated={"instances": INSTANCES, "kv_cache_tokens": KV_TOKENS, "block_size": BLOCK,
+                                "attention_backend": "torch", "chunk_tokens": 64})
+    with running_server(cfg) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
+
+
+def test_status_shows_colocated_instances(server):
+    with Client(server) as c:
+        st = c.status()
+    assert sorted(i.name for i in st.instances) == [f"colocated-{k}" for k in range(INSTANCES)]
+    for i in st.instances:
+        assert i.role == "colocated" and i.alive and i.device == "cpu"
+        assert i.total_kv_blocks == KV_TOKENS // BLOCK
+
+
+def test_concurrent_greedy_equals_reference(server, reference):
+    prompts = prompts_of([4, 33, 120, 9], seed=1)
+    expected = [c.token_ids for c in reference.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: stream_ids(server, p, max_tokens=24, ignore_eos=True), prompts))
+    for (ids, final), exp in zip(results, expected):
+        assert ids == exp
+        assert final.finish_reason == "length" and final.usage["completion_tokens"] == 24
+        assert final.usage["prompt_tokens"] > 0 and final.usage["ttft_ms"] > 0
+        assert final.usage["draft_tokens"] == 0 and final.usage["accepted_draft_tokens"] == 0
+
+
+def test_stop_token_and_seeded_sampling_match_reference(server, reference):
+    prompt = prompts_of([40], seed=2)[0]
+    greedy = reference.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    stop = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=(greedy[5],))
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    for params, kw in [(stop, dict(stop_token_ids=[greedy[5]])),
+                       (sampled, dict(temperature=0.9, top_p=0.95, seed=1234))]:
+        exp = reference.generate([prompt], params)[0]
+        ids, final = stream_ids(server, prompt, max_tokens=16, ignore_eos=True, **kw)
+        assert ids == exp.token_ids
+        assert final.finish_reason == exp.finish_reason.value
+
+
+def test_text_streams_token_by_token_and_agrees_with_unary(server):
+    with Client(server) as c:
+        unary = c.generate("def add(a, b):", max_tokens=12, ignore_eos=True)
+        chunks = list(c.generate_stream("def add(a, b):", max_tokens=12, ignore_eos=True))
+    deltas, final = chunks[:-1], chunks[-1]
+    assert len(deltas) >= 2 and all(ch.finish_reason is None for ch in deltas)
+    assert [len(ch.token_ids) for ch in deltas] == [1] * 12  # one engine step, one token
+    assert unary.token_ids == [t for ch in deltas for t in ch.token_ids]
+    assert unary.text == "".join(ch.text for ch in chunks) and unary.text
+    assert final.finish_reason == "length" and final.usage["completion_tokens"] == 12
+
+
+def test_requests_spread_over_instances_and_cancellation_frees_them(server):
+    """Two long requests land on different instances (least loaded); closing their streams aborts
+    them there: KV blocks all free, nothing running."""
+    async def two_streams_then_cancel():
+        async with AsyncClient(server) as c:
+            streams = [c.generate_stream(p, max_tokens=400, ignore_eos=True) for p in prompts_of([200, 150], seed=3)]
+            for s in streams:
+                await s.__anext__()  # first token: prefill done, the request is running
+            busy = {i.name: i.running + i.queue_length for i in (await c.status()).instances}
+            for s in streams:
+                await s.aclose()  # closing the stream cancels the call
+            return busy
+    busy = asyncio.run(two_streams_then_cancel())
+    assert busy == {f"colocated-{k}": 1 for k in range(INSTANCES)}
+    blocks = wait_all_free(server)
+    assert all(free == total for free, total in blocks.values()), blocks
+    with Client(server) as c:
+        st = c.status()
+    assert st.running_requests == 0 and all(i.running == 0 and i.queue_length == 0 for i in st.instances)
+
+
+def test_killed_instance_fails_its_request_and_rejoins(server, reference):
+    """Kill the instance running a request mid-stream: that request ends UNAVAILABLE (tokens were
+    already streamed), the other instance's request completes exactly, the actor restarts and rejoins."""
+    import ray
+
+    prompts = prompts_of([50, 60], seed=5)
+    expected = reference.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True))[0].token_ids
+    with Client(server) as c:
+        streams = [c.generate_stream(p, max_tokens=400, ignore_eos=True) for p in prompts]
+        firsts = [next(s) for s in streams]  # placed: prompts[0] on colocated-0, prompts[1] on colocated-1
+        ray.kill(ray.get_actor("magicserve-colocated-1", namespace="magicserve"), no_restart=False)
+        survivor = firsts[0].token_ids + [t for ch in streams[0] for t in ch.token_ids]
+        with pytest.raises(grpc.RpcError) as info:
+            list(streams[1])
+    assert survivor == expected
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert stream_ids(server, prompts[0], max_tokens=10, ignore_eos=True)[0] == expected[:10]
+    assert wait_all_alive(server)
+    again = reference.generate(prompts, SamplingParams(max_tokens=100, ignore_eos=True))
+    with Client(server) as c:  # two at once: the second one runs on the restarted colocated-1
+        streams = [c.generate_stream(p, max_tokens=100, ignore_eos=True) for p in prompts]
+        firsts = [next(s) for s in streams]
+        outputs = [f.token_ids + [t for ch in s for t in ch.token_ids] for f, s in zip(firsts, streams)]
+        generated = {i.name: i.tokens_generated for i in c.status().instances}
+    assert outputs == [a.token_ids for a in again]
+    assert generated["colocated-1"] == 100, generated  # counted since its restart
