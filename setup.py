@@ -9,6 +9,7 @@ PACKAGES = [
     "decode_worker",
     "kv_transfer",
     "controller",
+    "controller.planner",
     "protos",
     "protos.magicserve",
     "protos.magicserve.v1",

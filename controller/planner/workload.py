@@ -1,0 +1,136 @@
+"""Workloads shared by the SLO sweep (real requests) and the simulator (simulated requests): request
+length distributions and arrival processes. Pure Python (no torch), seeded, reproducible.
+
+A workload is a list of :class:`RequestSpec` (arrival offset, prompt length, output length). Output
+lengths are exact (requests are sent with ``ignore_eos``) so a real run and a simulation of the same
+trace do the same work.
+
+Built-in shapes (``WORKLOADS``), scaled to what the bundled 15M model and a 2-core CPU can serve; the
+shapes follow the public datasets DistServe evaluates on:
+
+* ``chat``: ShareGPT-like, short prompts and medium answers, both log-normal with long tails;
+* ``long_doc``: LongBench-like summarisation, long prompts (1K-8K tokens) and short outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Log-normal lengths with the given median and sigma (of log), clipped to [lo, hi]."""
+
+    median: int
+    sigma: float
+    lo: int
+    hi: int
+
+    def sample(self, rng: random.Random) -> int:
+        return int(min(self.hi, max(self.lo, round(self.median * math.exp(rng.gauss(0.0, self.sigma))))))
+
+    def validate(self, name: str) -> None:
+        if not (1 <= self.lo <= self.median <= self.hi):
+            raise WorkloadError(f"{name}: need 1 <= lo <= median <= hi, got lo={self.lo} median={self.median} hi={self.hi}")
+        if not (0.0 <= self.sigma <= 3.0):
+            raise WorkloadError(f"{name}.sigma: must be in [0, 3], got {self.sigma}")
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    name: str
+    prompt: LengthDist
+    output: LengthDist
+
+
+WORKLOADS: dict[str, WorkloadShape] = {
+    "chat": WorkloadShape("chat", LengthDist(median=256, sigma=0.8, lo=16, hi=2048),
+                          LengthDist(median=96, sigma=0.7, lo=8, hi=384)),
+    "long_doc": WorkloadShape("long_doc", LengthDist(median=3072, sigma=0.5, lo=1024, hi=7936),
+                              LengthDist(median=48, sigma=0.4, lo=16, hi=128)),
+}
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a trace: arrival offset from the trace start (s), prompt and output lengths."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def workload_shape(name: str) -> WorkloadShape:
+    if name not in WORKLOADS:
+        raise WorkloadError(f"workload: unknown {name!r}; choose one of {sorted(WORKLOADS)} or pass a trace file")
+    return WORKLOADS[name]
+
+
+def arrival_times(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:
+    """``n`` arrival offsets of a renewal process with mean rate ``rate`` (req/s): Poisson when
+    ``cv`` == 1, gamma-distributed gaps with coefficient of variation ``cv`` otherwise."""
+    if rate <= 0:
+        raise WorkloadError(f"rate: must be > 0 requests/s, got {rate}")
+    if cv <= 0:
+        raise WorkloadError(f"cv: must be > 0, got {cv}")
+    rng = random.Random(seed)
+    shape = 1.0 / (cv * cv)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(shape, 1.0 / (shape * rate))
+    return out
+
+
+def make_trace(shape: WorkloadShape, rate: float, n: int, seed: int = 0, cv: float = 1.0) -> list[RequestSpec]:
+    """``n`` requests of ``shape`` arriving at ``rate`` req/s. The lengths depend only on (shape, seed),
+    not on the rate, so sweeps over rates send the same requests at different speeds."""
+    shape.prompt.validate(f"{shape.name}.prompt")
+    shape.output.validate(f"{shape.name}.output")
+    if n < 1:
+        raise WorkloadError(f"num_requests: must be >= 1, got {n}")
+    rng = random.Random(seed)
+    lengths = [(shape.prompt.sample(rng), shape.output.sample(rng)) for _ in range(n)]
+    return [RequestSpec(t, p, o) for t, (p, o) in zip(arrival_times(rate, n, seed + 1, cv), lengths)]
+
+
+def scale_trace(trace: list[RequestSpec], rate: float) -> list[RequestSpec]:
+    """The same requests replayed at mean rate ``rate`` (arrival gaps rescaled)."""
+    if not trace:
+        return []
+    span = trace[-1].arrival_s
+    current = (len(trace) - 1) / span if span > 0 else rate
+    return [RequestSpec(r.arrival_s * current / rate, r.prompt_tokens, r.output_tokens) for r in trace]
+
+
+def save_trace(trace: list[RequestSpec], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in trace:
+            f.write(json.dumps(asdict(r)) + "\n")
+
+
+def load_trace(path: str) -> list[RequestSpec]:
+    """A JSON-lines trace: one object per line with arrival_s, prompt_tokens, output_tokens."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                r = RequestSpec(float(d["arrival_s"]), int(d["prompt_tokens"]), int(d["output_tokens"]))
+            except (KeyError, ValueError, TypeError) as e:
+                raise WorkloadError(f"{path}:{i}: need arrival_s, prompt_tokens, output_tokens ({e})") from None
+            if r.prompt_tokens < 1 or r.output_tokens < 1 or r.arrival_s < 0:
+                raise WorkloadError(f"{path}:{i}: lengths must be >= 1 and arrival_s >= 0")
+            out.append(r)
+    if not out:
+        raise WorkloadError(f"{path}: empty trace")
+    return sorted(out, key=lambda r: r.arrival_s)
