@@ -1,12 +1,15 @@
 """The ``magicserve`` command line.
 
 Subcommands:
-  serve     bring up the cluster of a config (Ray, both pools, KV channels) and serve gRPC
+  serve     bring up the cluster of a config (Ray, its pools: prefill + decode with KV channels, or
+            colocated reference-engine instances) and serve gRPC
   generate  a gRPC client: stream a completion to the terminal
   status    a gRPC client: print the cluster's instances, queues, KV memory and acceptance rates
   demo      start the embedded default (cluster_configs/local.yaml), stream a few prompts, print
             TTFT / TPOT / acceptance, shut down
   run       generate locally with the single-process reference engine (no server, no Ray)
+  profile   measure a config's costs on this machine, or model a GPU type analytically, for the planner
+  plan      search parallelism, instance counts and speculation settings for SLOs; write the cluster YAML
 """
 
 from __future__ import annotations
@@ -63,7 +66,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(run)
     _add_sampling_args(run)
     run.add_argument("--prompt", required=True)
+    _add_profile_parser(sub)
+    from controller.planner.plan_cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="choose a cluster config that maximises goodput under SLOs",
+                                      description="Simulate candidate configurations on a profile and write the "
+                                                  "best as a cluster YAML plus a report of every candidate."))
     return parser
+
+
+PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
+
+  measured (this machine, the config's model, dtype, drafter and threads per worker):
+    magicserve profile --config CLUSTER_YAML --out PROFILE.json [--quick]
+  analytical (a GPU type from controller/planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
+    magicserve profile --analytical --gpu H100-80GB-SXM --model llama-3.1-8b|HF_CHECKPOINT_DIR --out PROFILE.json
+        [--acceptance-from MEASURED.json | --acceptance self_sparse:256:0.8 ...] [--transfer-gbps 25]
+"""
+
+
+def _add_profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure (or model analytically) the costs the planner needs",
+                       description=PROFILE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--config", default=LOCAL_CONFIG, help="cluster config YAML to measure (default: local.yaml)")
+    p.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--analytical", action="store_true", help="model a GPU type instead of measuring")
+    p.add_argument("--gpu", help="GPU type (analytical), e.g. A100-80GB-SXM, H100-80GB-SXM, H200-141GB, L40S")
+    p.add_argument("--model", help="model (analytical): llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir")
+    p.add_argument("--draft-model", help="draft model shape or dir (analytical), for drafter draft_model")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="tensor-parallel degrees (analytical)")
+    p.add_argument("--acceptance-from", help="take acceptance rates from this (measured) profile (analytical)")
+    p.add_argument("--acceptance", action="append", default=[], metavar="DRAFTER:BUDGET:RATE",
+                   help="an acceptance rate for all contexts (analytical; repeatable)")
+    p.add_argument("--transfer-gbps", type=float, default=25.0,
+                   help="prefill -> decode KV link, GB/s (analytical; 25 = 200 Gb/s network, ~450 = NVLink)")
 
 
 def _engine(args):
@@ -103,7 +141,7 @@ def cmd_serve(args) -> int:
 
     def ready(port: int) -> None:
         print(f"magicserve: serving {config.model_path} on {config.server.host}:{port} "
-              f"({config.prefill.instances} prefill, {config.decode.instances} decode); Ctrl-C to stop", flush=True)
+              f"({config.describe_pools()}); Ctrl-C to stop", flush=True)
 
     asyncio.run(serve_forever(config, ready_callback=ready))
     return 0
@@ -149,9 +187,9 @@ def cmd_status(args) -> int:
             print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     print(f"model {st.model}: {st.running_requests} running, {st.queued_requests} queued")
-    print(f"{'instance':<12} {'role':<8} {'device':<8} {'alive':<6} {'queue':>5} {'running':>7} {'free KV blocks':>16} {'accept':>7}")
+    print(f"{'instance':<12} {'role':<10} {'device':<8} {'alive':<6} {'queue':>5} {'running':>7} {'free KV blocks':>16} {'accept':>7}")
     for i in st.instances:
-        print(f"{i.name:<12} {i.role:<8} {i.device:<8} {str(i.alive):<6} {i.queue_length:>5} {i.running:>7} "
+        print(f"{i.name:<12} {i.role:<10} {i.device:<8} {str(i.alive):<6} {i.queue_length:>5} {i.running:>7} "
               f"{i.free_kv_blocks:>7}/{i.total_kv_blocks:<8} {i.acceptance_rate:>7.2f}")
     return 0
 
@@ -166,8 +204,7 @@ def cmd_demo(args) -> int:
     from controller.server import serve_forever
 
     config = load_config(args.config, {"server": {"port": 0}})
-    print(f"magicserve demo: {config.prefill.instances} prefill + {config.decode.instances} decode instance(s) "
-          f"on a local Ray cluster, model {config.model_path}")
+    print(f"magicserve demo: {config.describe_pools()} on a local Ray cluster, model {config.model_path}")
     start = time.perf_counter()
     ready: list[int] = []
     state: dict = {}
@@ -210,12 +247,25 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from controller.planner.profiler import run_cli
+
+    return run_cli(args)
+
+
+def cmd_plan(args) -> int:
+    from controller.planner.plan_cli import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     import logging
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    commands = {"serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "demo": cmd_demo, "run": cmd_run}
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "demo": cmd_demo, "run": cmd_run,
+                "profile": cmd_profile, "plan": cmd_plan}
     try:
         return commands[args.command](args)
     except (MagicServeError, ValueError, RuntimeError) as err:

@@ -9,7 +9,7 @@ Built-in shapes (``WORKLOADS``), scaled to what the bundled 15M model and a 2-co
 shapes follow the public datasets DistServe evaluates on:
 
 * ``chat``: ShareGPT-like, short prompts and medium answers, both log-normal with long tails;
-* ``long_doc``: LongBench-like summarisation, long prompts (1K-8K tokens) and short outputs.
+* ``long_doc``: LongBench-like summarisation, long prompts (1K-4K tokens) and short outputs.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class WorkloadShape:
 WORKLOADS: dict[str, WorkloadShape] = {
     "chat": WorkloadShape("chat", LengthDist(median=256, sigma=0.8, lo=16, hi=2048),
                           LengthDist(median=96, sigma=0.7, lo=8, hi=384)),
-    "long_doc": WorkloadShape("long_doc", LengthDist(median=3072, sigma=0.5, lo=1024, hi=7936),
+    # prompts up to the bundled model's trained context (4K)
+    "long_doc": WorkloadShape("long_doc", LengthDist(median=2048, sigma=0.4, lo=1024, hi=4096),
                               LengthDist(median=48, sigma=0.4, lo=16, hi=128)),
 }
 

@@ -1,0 +1,89 @@
+"""``magicserve plan``: arguments, validation and the run (the search itself is ``search.Planner``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from controller.config import CONFIG_DIR, LOCAL_CONFIG
+from controller.planner.workload import WORKLOADS, load_trace, workload_shape
+
+
+def _int_list(flag: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+        if not values or any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"{flag}: values must be >= 1, got {text!r}")
+        return values
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="profile JSON from `magicserve profile` (measured or --analytical)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster")
+    p.add_argument("--devices-per-node", type=int, default=None,
+                   help="GPUs per node (CPU profile: worker cores); default: the profile's devices_per_node")
+    p.add_argument("--ttft-ms", type=float, required=True, help="TTFT SLO")
+    p.add_argument("--tpot-ms", type=float, required=True, help="TPOT SLO (mean per output token after the first)")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", default="long_doc", choices=sorted(WORKLOADS), help="synthetic workload shape")
+    src.add_argument("--trace", default=None, help="JSON-lines trace (arrival_s, prompt_tokens, output_tokens)")
+    p.add_argument("--num-requests", type=int, default=200, help="requests per simulation (synthetic workloads)")
+    p.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1 = Poisson)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel", type=_int_list("--tensor-parallel"), default=(1, 2, 4, 8),
+                   help="TP degrees to search, e.g. 1,2,4,8 (those the profile lacks are an error)")
+    p.add_argument("--pipeline-parallel", type=_int_list("--pipeline-parallel"), default=(1,),
+                   help="PP degrees to search (magicserve executes PP 1 only; others are for what-if plans)")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="search without speculative decoding (DistServe's search space)")
+    p.add_argument("--no-colocated", action="store_true", help="do not compare against colocated baselines")
+    p.add_argument("--max-concurrent", type=int, default=256, help="router admission limit in the plan")
+    p.add_argument("--verify-top", type=int, default=4, help="best estimates verified by full simulation")
+    p.add_argument("--base-config", default=None,
+                   help="cluster YAML the plan is applied to (model, server, limits); default: local.yaml for a "
+                        "CPU profile, gpu-8xa100-llama3.1-8b.yaml for a GPU one")
+    p.add_argument("--out", required=True, help="where to write the planned cluster YAML")
+    p.add_argument("--report", default=None, help="markdown report (default: OUT with .md); a .json sits beside it")
+
+
+def run(args: argparse.Namespace) -> int:
+    from controller.planner.plan_output import plan_config, write_plan
+    from controller.planner.profile import Profile
+    from controller.planner.search import Planner, SearchSpace, SLOTarget, Workload, describe_spec, speculation_space
+
+    profile = Profile.load(args.profile)
+    devices = args.nodes * (args.devices_per_node or profile.devices_per_node)
+    for flag, value, lo in (("--nodes", args.nodes, 1), ("--num-requests", args.num_requests, 10),
+                            ("--verify-top", args.verify_top, 1), ("--max-concurrent", args.max_concurrent, 1)):
+        if value < lo:
+            raise SystemExit(f"magicserve plan: {flag} must be >= {lo}, got {value}")
+    if args.cv <= 0:
+        raise SystemExit(f"magicserve plan: --cv must be > 0, got {args.cv}")
+    slo = SLOTarget(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
+    if args.trace:
+        workload = Workload(trace=tuple(load_trace(args.trace)), cv=args.cv, seed=args.seed)
+    else:
+        workload = Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
+    specs = speculation_space(profile) if not args.no_speculation else speculation_space(profile)[:1]
+    tps = args.tensor_parallel if profile.device_type != "cpu" else (1,)
+    space = SearchSpace(devices=devices, tensor_parallel=tps, pipeline_parallel=args.pipeline_parallel,
+                        speculation=specs, include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent)
+    print(f"planning for {devices} devices ({profile.hardware}); {len(specs)} speculation settings: "
+          + "; ".join(describe_spec(s) for s in specs), file=sys.stderr)
+    result = Planner(profile, slo, workload, space, verify_top=args.verify_top).run()
+    base = args.base_config or (LOCAL_CONFIG if profile.device_type == "cpu"
+                                else os.path.join(CONFIG_DIR, "gpu-8xa100-llama3.1-8b.yaml"))
+    raw = plan_config(result.best, base, args.out, profile, slo)
+    report = args.report or os.path.splitext(args.out)[0] + ".md"
+    command = "magicserve plan " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    write_plan(result, raw, args.out, report, profile, slo, workload, command)
+    print(f"plan: {result.best.describe()}: {result.best.goodput:.3f} req/s ({result.best.per_device:.3f} per device)")
+    print(f"wrote {args.out} and {report}")
+    return 0

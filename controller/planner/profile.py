@@ -1,0 +1,256 @@
+"""The hardware profile the simulator and the placement search read: fitted latency models per role and
+parallel degree, KV transfer cost, decode KV capacity and drafter acceptance rates.
+
+A profile comes from ``magicserve profile`` (measured on the hardware it describes) or from the
+analytical model (``controller.planner.analytical``: bytes / bandwidth and FLOPs / peak for a named GPU
+type). Either way it is one JSON file with this schema; every fitted model carries its fit error.
+
+Latency models are linear in features (seconds = sum of coefficient x feature):
+
+* ``prefill``: one chunked-prefill step; features ``PREFILL_FEATURES``:
+  ``passes`` (1 per step), ``seqs`` (prompts in the step), ``tokens`` (prompt tokens computed) and
+  ``attn_pairs`` (query x key pairs of attention: for a chunk of n tokens starting at s, n * (s + n)).
+* ``target_pass`` / ``draft_pass``: one decode-side forward pass; features ``decode_worker.policy.FEATURES``
+  (``passes``, ``seqs``, ``kv_tokens`` read, ``new_tokens``). A plain decode step is one target pass with
+  B new tokens; a speculative step is k draft passes plus one verify pass with B*(k+1) new tokens.
+* ``kv_transfer``: moving one prompt's KV from prefill to decode; features ``passes`` (1 per request)
+  and ``tokens``.
+
+KV capacity (tokens of KV one instance holds, all layers) is kept per role: a decode and a prefill
+instance of the same shape may size their caches differently (``kv_capacity``). ``samples`` keeps the
+measured points behind each fitted model (median seconds per point) so a fit can be audited or redone.
+
+Missing data is an error naming what is missing (``ProfileError``), never a silent default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from decode_worker.policy import FEATURES as PASS_FEATURES
+from decode_worker.policy import PassShape, fit_nonnegative_relative
+
+PROFILE_VERSION = 1
+PREFILL_FEATURES = ("passes", "seqs", "tokens", "attn_pairs")
+# context_hi of an acceptance range that is open at the top (JSON has no infinity)
+CONTEXT_UNBOUNDED = 2**31 - 1
+TRANSFER_FEATURES = ("passes", "tokens")
+
+
+class ProfileError(ValueError):
+    """A profile is missing data for what was asked, or its file is malformed."""
+
+
+@dataclass(frozen=True)
+class FittedModel:
+    """seconds = sum(coefficients[i] * features[i]); ``fit_error`` is the relative RMS error on the
+    ``points`` measurements it was fitted to (0 for an analytical model, which is not fitted)."""
+
+    features: tuple[str, ...]
+    coefficients: tuple[float, ...]
+    fit_error: float
+    points: int
+
+    def predict(self, values: dict[str, float]) -> float:
+        missing = [f for f in self.features if f not in values]
+        if missing:
+            raise ProfileError(f"cost model needs features {missing}")
+        return max(1e-7, sum(c * values[f] for f, c in zip(self.features, self.coefficients)))
+
+    def predict_pass(self, shape: PassShape) -> float:
+        return self.predict(dict(zip(PASS_FEATURES, shape.features())))
+
+    @staticmethod
+    def fit(features: tuple[str, ...], rows: list[dict[str, float]], seconds: list[float]) -> "FittedModel":
+        """Least squares of the relative error (each point weighted by 1 / seconds, so a 1 ms pass counts
+        as much as a 1 s one, as in ``fit_error``) with non-negative coefficients (a negative marginal
+        cost is fitting noise). With a handful of features the exact non-negative optimum is found by
+        solving on every subset of the columns and keeping the best solution that is >= 0 throughout."""
+        if len(rows) < len(features):
+            raise ProfileError(f"fitting {features} needs at least {len(features)} points, got {len(rows)}")
+        if any(not (t > 0 and math.isfinite(t)) for t in seconds):
+            raise ProfileError(f"fitting {features}: times must be positive and finite")
+        best, err = fit_nonnegative_relative([[r[f] for f in features] for r in rows], seconds)
+        return FittedModel(tuple(features), tuple(best), err, len(rows))
+
+
+@dataclass(frozen=True)
+class AcceptanceEntry:
+    """Measured per-token acceptance rate of one drafter setting at contexts in [context_lo, context_hi)."""
+
+    drafter: str  # "self_sparse" | "draft_model"
+    budget: int  # KV tokens the draft attends to (sink + window)
+    context_lo: int
+    context_hi: int
+    rate: float
+    proposed: int  # draft tokens behind the estimate
+
+
+@dataclass(frozen=True)
+class InstanceCosts:
+    """Costs of one instance shape: a role on ``tensor_parallel`` x ``pipeline_parallel`` devices."""
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    prefill: FittedModel | None
+    target_pass: FittedModel | None
+    draft_pass: dict[str, FittedModel] = field(default_factory=dict)  # drafter name -> model
+    kv_capacity_tokens: int = 0  # KV tokens one decode instance can hold (all layers); 0 = unknown
+    prefill_kv_capacity_tokens: int = 0  # the same for a prefill instance; 0 = unknown
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the simulator and planner need to know about (hardware, model)."""
+
+    hardware: str  # e.g. "cpu: 2 x Intel Xeon ... (1 thread per worker)" or "gpu: H100-SXM-80GB"
+    device_type: str  # "cpu" or a GPU type key of controller.planner.analytical.GPUS
+    devices_per_node: int
+    model: str
+    model_params: int
+    kv_bytes_per_token: int
+    source: str  # "measured" | "analytical"
+    instances: tuple[InstanceCosts, ...]
+    kv_transfer: FittedModel
+    acceptance: tuple[AcceptanceEntry, ...] = ()
+    notes: str = ""
+    version: int = PROFILE_VERSION
+    # measured points behind the fits: model name ("prefill", "target_pass", "draft_pass/<drafter>",
+    # "kv_transfer") -> rows of feature values plus "seconds" (median); empty for analytical profiles
+    samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    # -- lookups (each names what is missing) ------------------------------------------------------
+
+    def costs(self, tensor_parallel: int, pipeline_parallel: int = 1) -> InstanceCosts:
+        for c in self.instances:
+            if c.tensor_parallel == tensor_parallel and c.pipeline_parallel == pipeline_parallel:
+                return c
+        have = sorted((c.tensor_parallel, c.pipeline_parallel) for c in self.instances)
+        raise ProfileError(f"profile has no costs for tensor_parallel={tensor_parallel}, "
+                           f"pipeline_parallel={pipeline_parallel} (it has (tp, pp) in {have})")
+
+    def prefill_model(self, tp: int, pp: int = 1) -> FittedModel:
+        c = self.costs(tp, pp)
+        if c.prefill is None:
+            raise ProfileError(f"profile has no prefill costs for tp={tp}, pp={pp}")
+        return c.prefill
+
+    def target_model(self, tp: int, pp: int = 1) -> FittedModel:
+        c = self.costs(tp, pp)
+        if c.target_pass is None:
+            raise ProfileError(f"profile has no decode (target pass) costs for tp={tp}, pp={pp}")
+        return c.target_pass
+
+    def draft_model(self, drafter: str, tp: int, pp: int = 1) -> FittedModel:
+        c = self.costs(tp, pp)
+        if drafter not in c.draft_pass:
+            raise ProfileError(f"profile has no draft-pass costs for drafter {drafter!r} at tp={tp}, pp={pp} "
+                               f"(it has {sorted(c.draft_pass)})")
+        return c.draft_pass[drafter]
+
+    def kv_capacity(self, role: str, tp: int, pp: int = 1) -> int:
+        """KV tokens one ``role`` ("prefill" | "decode") instance of shape (tp, pp) holds."""
+        if role not in ("prefill", "decode"):
+            raise ProfileError(f"role: must be 'prefill' or 'decode', got {role!r}")
+        c = self.costs(tp, pp)
+        tokens = c.kv_capacity_tokens if role == "decode" else c.prefill_kv_capacity_tokens
+        if tokens <= 0:
+            raise ProfileError(f"profile has no {role} KV capacity for tp={tp}, pp={pp}")
+        return tokens
+
+    def acceptance_rate(self, drafter: str, budget: int, context: int) -> float:
+        """Measured rate of (drafter, budget) at ``context`` tokens; between measured budgets the
+        nearest smaller budget is used (conservative: acceptance grows with budget)."""
+        entries = [e for e in self.acceptance if e.drafter == drafter and e.budget <= budget]
+        if not entries:
+            have = sorted({(e.drafter, e.budget) for e in self.acceptance})
+            raise ProfileError(f"profile has no acceptance rate for drafter {drafter!r} with budget <= {budget} "
+                               f"(it has (drafter, budget) in {have}); run `magicserve profile` with that setting")
+        best_budget = max(e.budget for e in entries)
+        rows = sorted((e for e in entries if e.budget == best_budget), key=lambda e: e.context_lo)
+        for e in rows:
+            if e.context_lo <= context < e.context_hi:
+                return e.rate
+        # outside the measured contexts: the closest measured range
+        return min(rows, key=lambda e: min(abs(context - e.context_lo), abs(context - e.context_hi))).rate
+
+    # -- files -------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @staticmethod
+    def from_dict(d: dict) -> "Profile":
+        try:
+            if d.get("version") != PROFILE_VERSION:
+                raise ProfileError(f"version: expected {PROFILE_VERSION}, got {d.get('version')!r}")
+
+            def fitted(m: dict | None) -> FittedModel | None:
+                if m is None:
+                    return None
+                fm = FittedModel(tuple(m["features"]), tuple(float(c) for c in m["coefficients"]),
+                                 float(m["fit_error"]), int(m["points"]))
+                if len(fm.features) != len(fm.coefficients) or any(not math.isfinite(c) for c in fm.coefficients):
+                    raise ProfileError(f"malformed cost model {m}")
+                return fm
+
+            instances = tuple(InstanceCosts(int(c["tensor_parallel"]), int(c["pipeline_parallel"]),
+                                            fitted(c["prefill"]), fitted(c["target_pass"]),
+                                            {k: fitted(v) for k, v in c.get("draft_pass", {}).items()},
+                                            int(c["kv_capacity_tokens"]),
+                                            int(c.get("prefill_kv_capacity_tokens", 0)))
+                              for c in d["instances"])
+            if d["kv_transfer"] is None:
+                raise ProfileError("kv_transfer: missing cost model")
+            samples = d.get("samples", {})
+            if not isinstance(samples, dict) or not all(isinstance(v, list) for v in samples.values()):
+                raise ProfileError("samples: expected a mapping of model name -> list of rows")
+            return Profile(
+                hardware=str(d["hardware"]), device_type=str(d["device_type"]),
+                devices_per_node=int(d["devices_per_node"]), model=str(d["model"]),
+                model_params=int(d["model_params"]), kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+                source=str(d["source"]), instances=instances, kv_transfer=fitted(d["kv_transfer"]),
+                acceptance=tuple(AcceptanceEntry(**a) for a in d.get("acceptance", [])),
+                notes=str(d.get("notes", "")), version=int(d["version"]),
+                samples={str(k): [{str(f): float(x) for f, x in row.items()} for row in v]
+                         for k, v in samples.items()},
+            )
+        except KeyError as e:
+            raise ProfileError(f"profile: missing field {e}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ProfileError):
+                raise
+            raise ProfileError(f"profile: malformed ({e})") from None
+
+    @staticmethod
+    def load(path: str) -> "Profile":
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise ProfileError(f"{path}: no such profile file (make one with `magicserve profile`)") from None
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"{path}: not JSON ({e})") from None
+        try:
+            return Profile.from_dict(d)
+        except ProfileError as e:
+            raise ProfileError(f"{path}: {e}") from None
+
+
+def prefill_features(chunks: list[tuple[int, int]]) -> dict[str, float]:
+    """Features of one prefill step from its chunks as (start, length) pairs."""
+    return {"passes": 1.0, "seqs": float(len(chunks)), "tokens": float(sum(n for _, n in chunks)),
+            "attn_pairs": float(sum(n * (s + n) for s, n in chunks))}
+
+
+def transfer_features(tokens: int) -> dict[str, float]:
+    return {"passes": 1.0, "tokens": float(tokens)}

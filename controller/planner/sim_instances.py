@@ -1,0 +1,431 @@
+"""Instance models of the cluster simulator: what one prefill, decode or colocated instance does each
+step, and how long the step takes under the profile's cost models. They mirror the real schedulers:
+
+* prefill (``prefill_worker/scheduler.py``): a token budget per step, prompts mid-prefill first, new
+  prompts admitted while the budget, ``max_num_seqs`` and free blocks allow; a prompt holds its blocks
+  until its KV transfer is acknowledged. KV streams chunk by chunk over a channel per (prefill, decode)
+  pair, serialised on that channel.
+* decode (``decode_worker/worker.py``): reservation of prompt + 1 tokens before prefill, admission at step
+  boundaries once the KV is complete, k chosen by the configured policy (the real ``AdaptiveK`` over the
+  profile's cost models), acceptance sampled per sequence from the profile's measured rates, blocks for
+  len + k per sequence, k lowered to 0 and then the newest sequences preempted when memory runs short.
+* colocated (``modeling/scheduler.py``, the reference engine): decode tokens first, then prefill chunks,
+  under one token budget per step, in one forward pass.
+
+Times are seconds of simulated time. No torch, no real work: each step is one event.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from controller.planner.profile import FittedModel, Profile, prefill_features
+from decode_worker.config import SpeculationConfig
+from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape
+
+
+@dataclass
+class SimRequest:
+    """One request as it moves through the simulated cluster."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    computed: int = 0  # prompt tokens prefilled so far
+    generated: int = 0  # output tokens produced (the first one comes from prefill)
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    kv_ready_s: float = math.nan
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    preemptions: int = 0
+    placed: list = field(default_factory=list)  # instances whose ``assigned`` holds this request
+    decode: "DecodeSim | None" = None  # disaggregated: the decode instance holding its KV reservation
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.output_tokens - self.generated
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class _Instance:
+    """Shared step loop: ``kick`` starts a step when idle and there is work; ``_plan_step`` returns
+    (duration, completion callback) or None when nothing can run now."""
+
+    def __init__(self, sim, name: str, capacity_tokens: int, block_size: int):
+        self.sim = sim
+        self.name = name
+        self.block_size = block_size
+        self.total_blocks = capacity_tokens // block_size
+        self.free_blocks = self.total_blocks
+        self.busy = False
+        self.assigned: set[int] = set()
+        self.steps = 0
+        self.busy_s = 0.0
+
+    def kick(self) -> None:
+        if self.busy:
+            return
+        planned = self._plan_step()
+        if planned is None:
+            return
+        duration, done = planned
+        self.busy = True
+        self.steps += 1
+        self.busy_s += duration
+
+        def finish() -> None:
+            self.busy = False
+            done()
+            self.kick()
+
+        self.sim.at(self.sim.now + duration, finish)
+
+    def _plan_step(self):
+        raise NotImplementedError
+
+    def _take(self, blocks: int) -> bool:
+        if blocks > self.free_blocks:
+            return False
+        self.free_blocks -= blocks
+        return True
+
+    def _give(self, blocks: int) -> None:
+        self.free_blocks += blocks
+        assert self.free_blocks <= self.total_blocks, f"{self.name}: freed more blocks than it has"
+
+
+class PrefillSim(_Instance):
+    def __init__(self, sim, name: str, profile: Profile, tp: int, pp: int, capacity_tokens: int, block_size: int,
+                 token_budget: int, max_num_seqs: int):
+        super().__init__(sim, name, capacity_tokens, block_size)
+        self.cost = profile.prefill_model(tp, pp)
+        self.transfer = profile.kv_transfer
+        self.token_budget = token_budget
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
+
+    def add(self, req: SimRequest) -> None:
+        if blocks_for(req.prompt_tokens, self.block_size) > self.total_blocks:
+            raise ValueError(f"{self.name}: a {req.prompt_tokens}-token prompt does not fit in its KV cache "
+                             f"({self.total_blocks * self.block_size} tokens)")
+        self.waiting.append(req)
+        self.kick()
+
+    def _plan_step(self):
+        budget = self.token_budget
+        chunks: list[tuple[SimRequest, int, int]] = []  # (request, start, length)
+        for req in self.running:
+            if budget == 0:
+                break
+            n = min(req.prompt_tokens - req.computed, budget)
+            chunks.append((req, req.computed, n))
+            budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self._take(blocks_for(req.prompt_tokens, self.block_size)):
+                break  # back-pressure: blocks are held by prompts whose KV is still in transfer
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.prompt_tokens, budget)
+            chunks.append((req, 0, n))
+            budget -= n
+        if not chunks:
+            return None
+        duration = self.cost.predict(prefill_features([(s, n) for _, s, n in chunks]))
+        return duration, lambda: self._done(chunks)
+
+    def _done(self, chunks: list[tuple[SimRequest, int, int]]) -> None:
+        now = self.sim.now
+        for req, start, n in chunks:
+            req.computed = start + n
+            last = req.computed == req.prompt_tokens
+            dest = req.decode.name
+            begin = max(now, self.channel_free_at.get(dest, 0.0))
+            end = begin + self.transfer.predict({"passes": 1.0 if last else 0.0, "tokens": float(n)})
+            self.channel_free_at[dest] = end
+            if last:
+                self.running.remove(req)
+                self.sim.on_first_token(req, now)
+                self.sim.at(end, lambda req=req: self._transferred(req))
+
+    def _transferred(self, req: SimRequest) -> None:
+        self._give(blocks_for(req.prompt_tokens, self.block_size))
+        self.sim.on_kv_ready(req)
+        self.kick()
+
+
+class _FittedCost:
+    """A FittedModel behind the interface AdaptiveK expects from LinearCostModel."""
+
+    ready = True
+
+    def __init__(self, model: FittedModel):
+        self.model = model
+
+    def predict(self, shape: PassShape) -> float:
+        return self.model.predict_pass(shape)
+
+
+def accepted_drafts(rng: random.Random, rate: float, k: int) -> int:
+    """Drafts accepted out of k when each is accepted with probability ``rate`` until the first rejection."""
+    n = 0
+    while n < k and rng.random() < rate:
+        n += 1
+    return n
+
+
+class DecodeSim(_Instance):
+    def __init__(self, sim, name: str, profile: Profile, tp: int, pp: int, capacity_tokens: int, block_size: int,
+                 max_num_seqs: int, spec: SpeculationConfig, rng: random.Random):
+        super().__init__(sim, name, capacity_tokens, block_size)
+        self.profile = profile
+        self.target = profile.target_model(tp, pp)
+        self.spec = spec
+        self.rng = rng
+        self.max_num_seqs = max_num_seqs
+        self.draft = profile.draft_model(spec.drafter, tp, pp) if spec.enabled else None
+        if spec.enabled:
+            profile.acceptance_rate(spec.drafter, spec.budget, 0)  # fail now, not mid-run, if it is missing
+        self.acceptance = AcceptanceEstimator()
+        self.policy = (AdaptiveK(spec.max_k, _FittedCost(self.target), _FittedCost(self.draft), self.acceptance,
+                                 spec.tpot_slo_ms / 1000 if spec.tpot_slo_ms else None)
+                       if spec.enabled and spec.k_policy == "adaptive" else None)
+        self.recompute = profile.costs(tp, pp).prefill  # recompute after preemption (None: use target)
+        self.held: dict[int, int] = {}  # request index -> blocks held (reserved or live)
+        self.ready: list[SimRequest] = []  # KV complete, joins at the next step
+        self.live: list[SimRequest] = []
+        self.preempted: deque[SimRequest] = deque()
+        self.k_counts: dict[int, int] = {}
+
+    def reserve(self, req: SimRequest) -> bool:
+        blocks = blocks_for(req.prompt_tokens + 1, self.block_size)
+        if len(self.live) >= self.max_num_seqs or not self._take(blocks):
+            return False
+        self.held[req.index] = blocks
+        return True
+
+    def admit(self, req: SimRequest) -> None:
+        self.ready.append(req)
+        self.kick()
+
+    def _grow(self, req: SimRequest, tokens: int) -> bool:
+        need = blocks_for(tokens, self.block_size) - self.held[req.index]
+        if need <= 0:
+            return True
+        if not self._take(need):
+            return False
+        self.held[req.index] += need
+        return True
+
+    def release(self, req: SimRequest) -> None:
+        """Free the request's blocks (reserved or live)."""
+        self._give(self.held.pop(req.index))
+
+    def _plan_step(self):
+        recompute_s = self._resume_preempted()
+        self.live.extend(self.ready)
+        self.ready.clear()
+        if not self.live:
+            return None
+        k = self._choose_k()
+        k = self._make_room(k)
+        if not self.live:
+            return None
+        lens = [r.context for r in self.live]
+        b = len(lens)
+        duration = recompute_s + self.target.predict_pass(PassShape(b, sum(lens) + b * k, b * (k + 1)))
+        for step in range(k):
+            duration += self.draft.predict_pass(PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
+        batch = list(self.live)
+        self.k_counts[k] = self.k_counts.get(k, 0) + 1
+        return duration, lambda: self._done(batch, k)
+
+    def _choose_k(self) -> int:
+        if not self.spec.enabled:
+            return 0
+        if self.policy is None:
+            return self.spec.k
+        self.acceptance.rate = self._mean_rate()
+        lens = [r.context for r in self.live]
+        b = len(lens)
+        choice = self.policy.choose(
+            lambda k: PassShape(b, sum(lens) + b * k, b * (k + 1)),
+            lambda step: PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
+        return choice.k
+
+    def _mean_rate(self) -> float:
+        rates = [self.profile.acceptance_rate(self.spec.drafter, self.spec.budget, r.context) for r in self.live]
+        return sum(rates) / len(rates)
+
+    def _make_room(self, k: int) -> int:
+        while self.live:
+            if all(self._grow(r, r.context + k) for r in self.live):
+                return k
+            if k > 0:
+                k = 0
+                continue
+            victim = self.live.pop()
+            self.release(victim)
+            victim.preemptions += 1
+            self.preempted.append(victim)
+        return 0
+
+    def _resume_preempted(self) -> float:
+        seconds = 0.0
+        while self.preempted and len(self.live) < self.max_num_seqs:
+            req = self.preempted[0]
+            blocks = blocks_for(req.context + 1, self.block_size)
+            if not self._take(blocks):
+                break
+            self.preempted.popleft()
+            self.held[req.index] = blocks
+            self.live.append(req)
+            if self.recompute is not None:
+                seconds += self.recompute.predict(prefill_features([(0, req.context)]))
+            else:
+                seconds += self.target.predict_pass(PassShape(1, req.context, req.context, kv_queries=req.context ** 2 // 2))
+        return seconds
+
+    def _done(self, batch: list[SimRequest], k: int) -> None:
+        now = self.sim.now
+        for req in batch:
+            if req not in self.live:
+                continue  # preempted during the step planning of another (cannot happen mid-step)
+            accepted = 0
+            if k > 0:
+                rate = self.profile.acceptance_rate(self.spec.drafter, self.spec.budget, req.context)
+                accepted = accepted_drafts(self.rng, rate, k)
+                req.draft_tokens += k
+                req.accepted_tokens += accepted
+                self.acceptance.observe(k, accepted)
+            req.generated += min(accepted + 1, req.remaining)
+            if req.remaining <= 0:
+                self.live.remove(req)
+                self.release(req)
+                self.sim.on_finish(req, now)
+
+
+class ColocatedSim(_Instance):
+    """The reference engine: decode tokens and prefill chunks share each step's token budget."""
+
+    def __init__(self, sim, name: str, profile: Profile, tp: int, pp: int, capacity_tokens: int, block_size: int,
+                 token_budget: int, max_num_seqs: int):
+        super().__init__(sim, name, capacity_tokens, block_size)
+        self.prefill_cost = profile.prefill_model(tp, pp)
+        self.decode_cost = profile.target_model(tp, pp)
+        self.token_budget = token_budget
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.held: dict[int, int] = {}
+
+    def add(self, req: SimRequest) -> None:
+        self.waiting.append(req)
+        self.kick()
+
+    def _grow(self, req: SimRequest, tokens: int) -> bool:
+        need = blocks_for(tokens, self.block_size) - self.held.get(req.index, 0)
+        if need > 0 and not self._take(need):
+            return False
+        self.held[req.index] = self.held.get(req.index, 0) + max(0, need)
+        return True
+
+    def _preempt(self, req: SimRequest) -> None:
+        self._give(self.held.pop(req.index, 0))
+        self.running.remove(req)
+        req.computed = 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _plan_step(self):
+        budget = self.token_budget
+        decodes: list[SimRequest] = []
+        for req in list(self.running):
+            if budget == 0 or req.computed < req.prompt_tokens + max(0, req.generated - 1):
+                continue
+            while not self._grow(req, req.context):
+                victims = [r for r in self.running if r is not req and r not in decodes]
+                self._preempt(victims[-1] if victims else req)
+                if not victims:
+                    break
+            if req in self.running:
+                decodes.append(req)
+                budget -= 1
+        chunks: list[tuple[SimRequest, int, int]] = []
+        for req in self.running:
+            if budget == 0:
+                break
+            todo = self._uncomputed(req)
+            if req not in decodes and todo > 0:
+                budget -= self._chunk(req, budget, chunks)
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(self._uncomputed(req), budget)
+            if blocks_for(req.computed + n, self.block_size) - self.held.get(req.index, 0) > self.free_blocks:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            budget -= self._chunk(req, budget, chunks)
+        if not decodes and not chunks:
+            return None
+        duration = self._step_seconds(decodes, chunks)
+        return duration, lambda: self._done(decodes, chunks)
+
+    @staticmethod
+    def _uncomputed(req: SimRequest) -> int:
+        # after preemption the generated tokens (but the last) are recomputed with the prompt
+        return req.prompt_tokens + max(0, req.generated - 1) - req.computed
+
+    def _chunk(self, req: SimRequest, budget: int, chunks: list) -> int:
+        n = min(self._uncomputed(req), budget)
+        if not self._grow(req, req.computed + n):
+            return 0
+        chunks.append((req, req.computed, n))
+        return n
+
+    def _step_seconds(self, decodes: list[SimRequest], chunks: list) -> float:
+        """One forward pass over decode tokens and prefill chunks: the decode part priced by the target-pass
+        model, the prefill part by the prefill model, the fixed per-pass cost counted once."""
+        seconds = 0.0
+        if decodes:
+            b = len(decodes)
+            seconds += self.decode_cost.predict_pass(PassShape(b, sum(r.context for r in decodes), b))
+        if chunks:
+            seconds += self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks]))
+        if decodes and chunks:
+            fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in (self.decode_cost, self.prefill_cost)]
+            seconds -= min(fixed)
+        return seconds
+
+    def _done(self, decodes: list[SimRequest], chunks: list) -> None:
+        now = self.sim.now
+        for req, start, n in chunks:
+            req.computed = start + n
+            if self._uncomputed(req) == 0 and req.generated == 0:
+                self.sim.on_first_token(req, now)
+                req.generated = 1
+                self._maybe_finish(req, now)
+        for req in decodes:
+            req.computed += 1
+            req.generated += 1
+            self._maybe_finish(req, now)
+
+    def _maybe_finish(self, req: SimRequest, now: float) -> None:
+        if req.remaining <= 0 and req in self.running:
+            self.running.remove(req)
+            self._give(self.held.pop(req.index, 0))
+            self.sim.on_finish(req, now)

@@ -1,0 +1,290 @@
+"""Discrete-event simulator of a magicserve cluster: per-request TTFT and TPOT for a trace, from a
+profile's cost models, without running the model.
+
+What it models (and mirrors from the real router, ``controller/router.py``):
+
+    arrival -> admission (at most ``max_concurrent`` in flight, FIFO queue beyond)
+            -> disaggregated: KV reservation (prompt + 1 tokens) on the decode instance with the fewest
+               assigned requests that has room (else wait until memory frees), prefill on the prefill
+               instance with the fewest assigned requests, KV streamed chunk by chunk, admission into
+               the decode batch at a step boundary, speculative decode steps
+            -> colocated: the instance with the fewest assigned requests runs chunked prefill and decode
+               in the same steps (the reference engine)
+            -> finish: the request's slot and memory free, the next queued request is admitted
+
+Instance behaviour lives in ``sim_instances``. Deliberately not modelled: Ray/gRPC message latency
+(a constant ``overhead_s`` per request can be added to TTFT), failures and retries, CPU contention
+between instances (the profile measures each role with its own threads).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, replace
+
+from controller.planner.profile import Profile
+from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest
+from controller.planner.slo import RequestOutcome
+from controller.planner.workload import RequestSpec
+from decode_worker.config import SpeculationConfig
+
+MODES = ("disaggregated", "colocated")
+
+
+class SimConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One pool: ``instances`` instances of ``tensor_parallel`` x ``pipeline_parallel`` devices each."""
+
+    instances: int
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    kv_cache_tokens: int = 65536  # per instance
+    token_budget: int = 512  # prefill / colocated: tokens per step
+    max_num_seqs: int = 64
+
+    @property
+    def devices(self) -> int:
+        return self.instances * self.tensor_parallel * self.pipeline_parallel
+
+    def validate(self, name: str) -> None:
+        for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs"):
+            if getattr(self, f) < 1:
+                raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What to simulate: the pools, the speculation setting and the router's limits."""
+
+    mode: str = "disaggregated"
+    prefill: PoolPlan | None = None
+    decode: PoolPlan | None = None
+    colocated: PoolPlan | None = None
+    speculation: SpeculationConfig = SpeculationConfig()
+    block_size: int = 16
+    max_concurrent: int = 64
+    overhead_s: float = 0.0  # added to every TTFT (request path latency outside the workers)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SimConfigError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
+        pools = ("prefill", "decode") if self.mode == "disaggregated" else ("colocated",)
+        for name in pools:
+            pool = getattr(self, name)
+            if pool is None:
+                raise SimConfigError(f"{name}: required in {self.mode} mode")
+            pool.validate(name)
+        if self.max_concurrent < 1:
+            raise SimConfigError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
+
+    @property
+    def devices(self) -> int:
+        """Devices (GPUs, or worker threads on CPU) the configuration uses."""
+        if self.mode == "colocated":
+            return self.colocated.devices
+        return self.prefill.devices + self.decode.devices
+
+    @staticmethod
+    def from_cluster_config(cfg) -> "SimConfig":
+        """The simulation of a ``controller.config.ClusterConfig`` (CPU instances count their threads
+        as devices, so per-device goodput is per-core goodput there)."""
+
+        def pool(section, budget: int, seqs: int) -> PoolPlan:
+            width = section.devices_per_instance or section.threads
+            tp = section.tensor_parallel if section.devices_per_instance else 1
+            return PoolPlan(section.instances, tp, max(1, width // tp), section.kv_cache_tokens, budget, seqs)
+
+        common = dict(block_size=cfg.decode.block_size, max_concurrent=cfg.limits.max_concurrent_requests)
+        if getattr(cfg, "mode", "disaggregated") == "colocated":
+            c = cfg.colocated
+            return SimConfig("colocated", colocated=pool(c, c.chunk_tokens, c.max_num_seqs), **common)
+        return SimConfig(
+            "disaggregated",
+            prefill=pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts),
+            decode=pool(cfg.decode, 1, cfg.decode.max_num_seqs),
+            speculation=cfg.decode.speculation, **common)
+
+
+@dataclass(frozen=True)
+class SimRecord:
+    """One simulated request (seconds from the trace start)."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    completion_tokens: int
+    first_token_s: float
+    finish_s: float
+    draft_tokens: int
+    accepted_tokens: int
+    preemptions: int
+
+    @property
+    def finished(self) -> bool:
+        return not math.isnan(self.finish_s)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        if self.completion_tokens <= 1:
+            return 0.0
+        return (self.finish_s - self.first_token_s) / (self.completion_tokens - 1)
+
+    def outcome(self) -> RequestOutcome:
+        if not self.finished:
+            return RequestOutcome(False, math.inf, math.inf)
+        return RequestOutcome(True, self.ttft_s, self.tpot_s)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    records: list[SimRecord]
+    duration_s: float
+    instance_utilisation: dict[str, float]  # busy share of the simulated time
+    k_counts: dict[int, int]  # decode steps by k (all decode instances)
+
+    def outcomes(self) -> list[RequestOutcome]:
+        return [r.outcome() for r in self.records]
+
+
+class Simulation:
+    """One run of one configuration over one trace. ``run`` may be called once."""
+
+    def __init__(self, profile: Profile, config: SimConfig, seed: int = 0):
+        self.profile = profile
+        self.config = config
+        self.now = 0.0
+        self._events: list = []
+        self._order = itertools.count()
+        self._queue: deque[SimRequest] = deque()  # admitted later (concurrency limit)
+        self._unplaced: deque[SimRequest] = deque()  # admitted, waiting for decode KV room
+        self._in_flight = 0
+        rng = random.Random(seed)
+        c, bs = config, config.block_size
+        if c.mode == "colocated":
+            p = c.colocated
+            self.colocated = [ColocatedSim(self, f"colocated-{i}", profile, p.tensor_parallel, p.pipeline_parallel,
+                                           p.kv_cache_tokens, bs, p.token_budget, p.max_num_seqs)
+                              for i in range(p.instances)]
+            self.prefill, self.decode = [], []
+        else:
+            p, d = c.prefill, c.decode
+            self.prefill = [PrefillSim(self, f"prefill-{i}", profile, p.tensor_parallel, p.pipeline_parallel,
+                                       p.kv_cache_tokens, bs, p.token_budget, p.max_num_seqs)
+                            for i in range(p.instances)]
+            self.decode = [DecodeSim(self, f"decode-{i}", profile, d.tensor_parallel, d.pipeline_parallel,
+                                     d.kv_cache_tokens, bs, d.max_num_seqs, c.speculation, random.Random(rng.random()))
+                           for i in range(d.instances)]
+            self.colocated = []
+
+    # -- the event loop ------------------------------------------------------------------------------
+
+    def at(self, t: float, fn) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn))
+
+    def run(self, trace: list[RequestSpec], time_limit_s: float | None = None) -> SimResult:
+        """Simulate ``trace``; requests unfinished at ``time_limit_s`` after the last arrival count as
+        unfinished (they never attain the SLO)."""
+        reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
+        for req in reqs:
+            self.at(req.arrival_s, lambda req=req: self._arrive(req))
+        end = (max(r.arrival_s for r in reqs) + time_limit_s) if (reqs and time_limit_s is not None) else math.inf
+        while self._events and self._events[0][0] <= end:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn()
+        duration = self.now
+        instances = self.prefill + self.decode + self.colocated
+        k_counts: dict[int, int] = {}
+        for d in self.decode:
+            for k, n in d.k_counts.items():
+                k_counts[k] = k_counts.get(k, 0) + n
+        return SimResult(
+            [SimRecord(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.generated,
+                       r.first_token_s + self.config.overhead_s if not math.isnan(r.first_token_s) else math.nan,
+                       r.finish_s, r.draft_tokens, r.accepted_tokens, r.preemptions) for r in reqs],
+            duration, {i.name: (i.busy_s / duration if duration > 0 else 0.0) for i in instances}, k_counts)
+
+    # -- the router ------------------------------------------------------------------------------------
+
+    def _arrive(self, req: SimRequest) -> None:
+        if self._in_flight >= self.config.max_concurrent:
+            self._queue.append(req)
+            return
+        self._in_flight += 1
+        self._place(req)
+
+    def _place(self, req: SimRequest) -> None:
+        if self.config.mode == "colocated":
+            inst = min(self.colocated, key=lambda i: len(i.assigned))
+            self._assign(req, inst)
+            inst.add(req)
+            return
+        if self._unplaced:  # FIFO behind requests already waiting for decode memory
+            self._unplaced.append(req)
+            return
+        if not self._reserve(req):
+            self._unplaced.append(req)
+
+    def _reserve(self, req: SimRequest) -> bool:
+        for d in sorted(self.decode, key=lambda i: len(i.assigned)):
+            if d.reserve(req):
+                req.decode = d
+                self._assign(req, d)
+                p = min(self.prefill, key=lambda i: len(i.assigned))
+                self._assign(req, p)
+                p.add(req)
+                return True
+        return False
+
+    @staticmethod
+    def _assign(req: SimRequest, inst) -> None:
+        inst.assigned.add(req.index)
+        req.placed.append(inst)
+
+    def on_first_token(self, req: SimRequest, t: float) -> None:
+        req.first_token_s = t
+        if self.config.mode == "disaggregated":
+            req.generated = 1
+            if req.remaining <= 0:  # single-token request: done at prefill, its reservation freed
+                req.decode.release(req)
+                self.on_finish(req, t)
+
+    def on_kv_ready(self, req: SimRequest) -> None:
+        req.kv_ready_s = self.now
+        if not math.isnan(req.finish_s):
+            return
+        req.decode.admit(req)
+
+    def on_finish(self, req: SimRequest, t: float) -> None:
+        req.finish_s = t
+        for inst in req.placed:
+            inst.assigned.discard(req.index)
+        self._in_flight -= 1
+        while self._unplaced and self._reserve(self._unplaced[0]):
+            self._unplaced.popleft()
+        while self._queue and self._in_flight < self.config.max_concurrent:
+            self._in_flight += 1
+            self._place(self._queue.popleft())
+
+
+def simulate(profile: Profile, config: SimConfig, trace: list[RequestSpec], seed: int = 0,
+             time_limit_s: float | None = None) -> SimResult:
+    """Convenience: one fresh :class:`Simulation` over ``trace``."""
+    return Simulation(profile, config, seed).run(trace, time_limit_s)
+
+
+def with_speculation(config: SimConfig, spec: SpeculationConfig) -> SimConfig:
+    return replace(config, speculation=spec)

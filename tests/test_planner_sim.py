@@ -1,0 +1,209 @@
+"""The cluster simulator and the placement search, on hand-made profiles whose costs make the expected
+timings computable by hand."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import yaml
+
+from controller.config import load_config
+from controller.planner.plan_output import plan_config
+from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel,
+                                        InstanceCosts, Profile, ProfileError)
+from controller.planner.search import (NO_SPECULATION, Planner, SearchSpace, SLOTarget, Workload,
+                                       speculation_space)
+from controller.planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
+from controller.planner.slo import RequestOutcome, attainment, goodput
+from controller.planner.workload import RequestSpec, make_trace, workload_shape
+from decode_worker.config import SpeculationConfig
+
+PASS = ("passes", "seqs", "kv_tokens", "new_tokens")
+
+
+def fitted(features, coefs) -> FittedModel:
+    return FittedModel(tuple(features), tuple(coefs), 0.0, 0)
+
+
+def make_profile(prefill_per_token=1e-4, step_s=0.01, rate=0.7, tps=(1,), transfer_per_token=0.0,
+                 capacity=1 << 20, draft_step_s=0.002) -> Profile:
+    """prefill: 5 ms + per-token cost; decode pass: ``step_s`` flat; draft pass: ``draft_step_s`` flat;
+    TP t divides every cost by t."""
+    costs = tuple(InstanceCosts(
+        t, 1,
+        fitted(PREFILL_FEATURES, (5e-3 / t, 0.0, prefill_per_token / t, 0.0)),
+        fitted(PASS, (step_s / t, 0.0, 0.0, 0.0)),
+        {"self_sparse": fitted(PASS, (draft_step_s / t, 0.0, 0.0, 0.0))},
+        capacity * t) for t in tps)
+    return Profile("test hardware", "gpu-test", 8, "test-model", 1000, 64, "analytical", costs,
+                   fitted(TRANSFER_FEATURES, (0.0, transfer_per_token)),
+                   (AcceptanceEntry("self_sparse", 256, 0, 1 << 30, rate, 1000),))
+
+
+def disagg(spec=NO_SPECULATION, np_=1, nd=1, decode_capacity=1 << 20, budget=512, tp=1) -> SimConfig:
+    return SimConfig("disaggregated", prefill=PoolPlan(np_, tp, 1, 1 << 20, budget, 16),
+                     decode=PoolPlan(nd, tp, 1, decode_capacity, 1, 64), speculation=spec)
+
+
+def test_single_request_timings_match_the_cost_models():
+    prof = make_profile(transfer_per_token=1e-5)
+    res = simulate(prof, disagg(), [RequestSpec(0.0, 1000, 11)])
+    r = res.records[0]
+    # two prefill steps (512 + 488 tokens), 5 ms + 0.1 ms/token each
+    assert r.ttft_s == pytest.approx(2 * 5e-3 + 1000 * 1e-4)
+    # the last chunk's KV (488 tokens) arrives 4.88 ms after the first token, then 10 steps of 10 ms
+    assert r.finish_s - r.first_token_s == pytest.approx(488 * 1e-5 + 10 * 0.01)
+    assert r.completion_tokens == 11 and r.finished
+
+
+def test_colocated_single_request():
+    prof = make_profile()
+    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 64))
+    r = simulate(prof, cfg, [RequestSpec(0.0, 1000, 5)]).records[0]
+    assert r.ttft_s == pytest.approx(2 * 5e-3 + 1000 * 1e-4)
+    assert r.tpot_s == pytest.approx(0.01)
+
+
+def test_colocated_decode_shares_steps_with_prefill():
+    """A decode running beside another request's prefill pays for the mixed steps (interference)."""
+    prof = make_profile()
+    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 64))
+    alone = simulate(prof, cfg, [RequestSpec(0.0, 100, 20)]).records[0]
+    mixed = simulate(prof, cfg, [RequestSpec(0.0, 100, 20), RequestSpec(0.05, 4000, 2)]).records[0]
+    assert mixed.tpot_s > alone.tpot_s * 1.5
+
+
+def test_prefill_queueing_delays_the_second_request():
+    prof = make_profile()
+    res = simulate(prof, disagg(), [RequestSpec(0.0, 2048, 2), RequestSpec(0.0, 2048, 2)])
+    a, b = res.records
+    assert b.ttft_s > a.ttft_s + 0.1  # the second waits for budget behind the first
+
+
+def test_decode_memory_limit_serialises_requests():
+    """Room for one request's KV only: the second cannot even start prefill until the first finishes."""
+    prof = make_profile()
+    res = simulate(prof, disagg(decode_capacity=1200), [RequestSpec(0.0, 1000, 20), RequestSpec(0.0, 1000, 20)])
+    first, second = sorted(res.records, key=lambda r: r.first_token_s)
+    assert second.first_token_s > first.finish_s
+
+
+@pytest.mark.parametrize("rate,tokens_per_step", [(1.0, 4), (0.0, 1)])
+def test_speculation_tokens_per_step_follow_acceptance(rate, tokens_per_step):
+    prof = make_profile(rate=rate)
+    spec = SpeculationConfig(drafter="self_sparse", k_policy="fixed", k=3)
+    res = simulate(prof, disagg(spec), [RequestSpec(0.0, 100, 1 + 8 * tokens_per_step)])
+    r = res.records[0]
+    assert res.k_counts == {3: 8}
+    # each step: 3 draft passes (2 ms) + one verify pass (10 ms)
+    assert r.finish_s - r.first_token_s == pytest.approx(8 * (3 * 0.002 + 0.01))
+    assert r.draft_tokens == 24 and r.accepted_tokens == 24 * rate
+
+
+def test_adaptive_policy_speculates_only_when_it_pays():
+    cheap_draft, dear_draft = make_profile(rate=0.8, draft_step_s=0.001), make_profile(rate=0.1, draft_step_s=0.009)
+    spec = SpeculationConfig(drafter="self_sparse", k_policy="adaptive", max_k=4)
+    trace = [RequestSpec(0.0, 100, 60)]
+    assert max(simulate(cheap_draft, disagg(spec), trace).k_counts) >= 3
+    assert set(simulate(dear_draft, disagg(spec), trace).k_counts) <= {0, 1}  # k=1 only to re-probe
+
+
+def test_attainment_falls_with_rate_and_unfinished_requests_miss():
+    prof = make_profile()
+    shape = workload_shape("long_doc")
+    shares = [attainment(simulate(prof, disagg(), make_trace(shape, r, 120, seed=3)).outcomes(), 1.0, 0.05).both
+              for r in (1.0, 4.0, 16.0)]
+    assert shares[0] >= shares[1] >= shares[2] and shares[0] > shares[2]
+    res = simulate(prof, disagg(), make_trace(shape, 50.0, 100, seed=3), time_limit_s=0.5)
+    assert any(not r.finished for r in res.records)
+    assert all(not o.ok for r, o in zip(res.records, res.outcomes()) if not r.finished)
+
+
+def test_slo_goodput_interpolates():
+    assert goodput([1, 2, 3], [1.0, 0.95, 0.85], 0.9) == pytest.approx(2.5)
+    assert goodput([1, 2], [0.5, 0.4], 0.9) == 0.0
+    assert goodput([1, 2], [1.0, 0.99], 0.9) == 2
+    a = attainment([RequestOutcome(True, 1, 0.1), RequestOutcome(True, 3, 0.1), RequestOutcome(False, 0, 0)], 2, 0.2)
+    assert (a.both, a.ttft_only, a.tpot_only) == pytest.approx((1 / 3, 1 / 3, 2 / 3))
+
+
+def test_bad_sim_config_names_the_field():
+    with pytest.raises(SimConfigError, match="mode: must be one of"):
+        SimConfig("split")
+    with pytest.raises(SimConfigError, match="decode: required"):
+        SimConfig("disaggregated", prefill=PoolPlan(1))
+    with pytest.raises(SimConfigError, match="prefill.instances"):
+        SimConfig("disaggregated", prefill=PoolPlan(0), decode=PoolPlan(1))
+
+
+def test_planner_balances_the_phases():
+    """Prefill is 4x dearer per request than decode: with 5 devices the plan gives prefill more instances."""
+    prof = make_profile(prefill_per_token=4e-4, step_s=0.004)
+    planner = Planner(prof, SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"), num_requests=80),
+                      SearchSpace(devices=5, tensor_parallel=(1,), include_colocated=False), progress=False)
+    best = planner.run().best
+    assert best.config.mode == "disaggregated"
+    assert best.config.prefill.instances > best.config.decode.instances
+    assert best.goodput > 0
+
+
+def test_planner_errors_on_missing_profile_data():
+    prof = make_profile(tps=(1,))
+    wl = Workload(shape=workload_shape("chat"), num_requests=40)
+    with pytest.raises(ProfileError, match="tensor_parallel=2"):
+        Planner(prof, SLOTarget(1, 0.1), wl, SearchSpace(devices=4, tensor_parallel=(1, 2)), progress=False).run()
+    spec = SpeculationConfig(drafter="self_sparse", budget=64)
+    with pytest.raises(ProfileError, match="no acceptance rate"):
+        Planner(prof, SLOTarget(1, 0.1), wl, SearchSpace(devices=2, tensor_parallel=(1,), speculation=(spec,)),
+                progress=False).run()
+
+
+def test_speculation_space_comes_from_the_profile():
+    specs = speculation_space(make_profile())
+    assert specs[0] == NO_SPECULATION
+    assert {s.budget for s in specs[1:]} == {256}
+    assert {s.k_policy for s in specs[1:]} == {"adaptive", "fixed"}
+
+
+def test_plan_config_is_a_valid_cluster_config(tmp_path):
+    prof = make_profile(tps=(1, 2))
+    planner = Planner(prof, SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"), num_requests=60),
+                      SearchSpace(devices=4, tensor_parallel=(1, 2), speculation=speculation_space(prof)[:2]),
+                      verify_top=2, progress=False)
+    best = planner.run().best
+    out = tmp_path / "plan.yaml"
+    base = os.path.join(os.path.dirname(__file__), "..", "cluster_configs", "local.yaml")
+    raw = plan_config(best, base, str(out), prof, SLOTarget(3.0, 0.05))
+    out.write_text(yaml.safe_dump(raw))
+    cfg = load_config(str(out))
+    assert os.path.isdir(cfg.model_path)  # the model path was re-based to the output directory
+    assert cfg.slo.tpot_ms == pytest.approx(50)
+    if cfg.mode == "disaggregated":
+        assert cfg.prefill.devices_per_instance == cfg.prefill.tensor_parallel * 1
+        assert cfg.prefill.instances == best.config.prefill.instances
+    assert math.isfinite(best.per_device)
+
+
+def test_plan_cli_writes_a_config_serve_accepts(tmp_path, capsys):
+    from controller.cli import main
+
+    prof = make_profile(prefill_per_token=2e-4, step_s=0.004)
+    prof = Profile(**{**prof.__dict__, "device_type": "cpu", "devices_per_node": 3})
+    prof.save(str(tmp_path / "p.json"))
+    out = tmp_path / "plan.yaml"
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--ttft-ms", "3000", "--tpot-ms", "50",
+               "--workload", "long_doc", "--num-requests", "60", "--verify-top", "2", "--out", str(out)])
+    assert rc == 0
+    cfg = load_config(str(out))  # what `magicserve serve --config plan.yaml` loads
+    assert cfg.slo.ttft_ms == 3000 and cfg.slo.tpot_ms == 50
+    used = (cfg.colocated.instances * cfg.colocated.threads if cfg.mode == "colocated"
+            else cfg.prefill.instances * cfg.prefill.threads + cfg.decode.instances * cfg.decode.threads)
+    assert used <= 3
+    report = (tmp_path / "plan.md").read_text()
+    assert "## Candidates" in report and "colocated" in report
+    assert out.read_text().startswith("# Generated by `magicserve plan")
+    # a profile without what the space needs: a clear error, exit code 2
+    rc = main(["plan", "--profile", str(tmp_path / "missing.json"), "--ttft-ms", "1", "--tpot-ms", "1", "--out", str(out)])
+    assert rc == 2 and "no such profile file" in capsys.readouterr().err
