@@ -1,7 +1,9 @@
 """Choosing the speculation length k each step.
 
 Cost model: the time of one forward pass is linear in what it moves and computes,
-    t = c0 + c_seq * B + c_kv * (KV tokens read) + c_tok * (new tokens),
+    t = c0 + c_seq * B + c_kv * (KV tokens read) + c_tok * (new tokens) + c_att * (KV tokens x queries),
+(the last term is attention's arithmetic: each of a sequence's k+1 verify queries attends to its whole
+KV; without it the fit error on a 2-core CPU was 17 %, with it 4 %),
 fitted by least squares on steps profiled at start and refreshed online from measured steps (one model
 for target passes, one for draft passes). For a batch of B sequences with contexts L_b and acceptance
 rate a, a step with k drafts costs  T(k) = k * t_draft + t_verify(k)  and yields  B * E(k)  tokens,
@@ -9,34 +11,79 @@ E(k) = (1 - a^(k+1)) / (1 - a)  (accepted drafts + one recovered/bonus token). T
 the k in 0..max_k maximising B * E(k) / T(k) (SmartSpec's goodput; MagicDec's bottleneck analysis is the
 same trade-off), with k = 0 meaning a plain decode step, and never picks a k whose step time exceeds the
 TPOT SLO when one is set.
+
+A single linear model over all shapes is biased in places (on a 2-core CPU it overpredicted the gain of
+speculating at short contexts and batch 1). :class:`StepCorrection` removes that bias from measurements:
+per (k, batch bucket, context bucket) it keeps an EMA of measured / predicted step time and scales the
+prediction by it. Unmeasured cells keep factor 1, which makes them look as good as the model says, so
+the policy tries them and learns their factor.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-FEATURES = ("passes", "seqs", "kv_tokens", "new_tokens")
+FEATURES = ("passes", "seqs", "kv_tokens", "new_tokens", "kv_queries")
 
 
 @dataclass(frozen=True)
 class PassShape:
     """What forward passes process. The model is linear, so several passes timed together are one
-    observation whose features are the sums (``passes`` counts them)."""
+    observation whose features are the sums (``passes`` counts them).
+
+    ``kv_queries`` = sum over sequences of (KV tokens read) x (new tokens); when not given it is derived
+    assuming every sequence has the same number of new tokens (true of decode, verify and draft passes)."""
 
     seqs: int
     kv_tokens: int
     new_tokens: int
     passes: int = 1
+    kv_queries: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_queries is None:
+            per_seq = self.new_tokens / self.seqs if self.seqs else 0.0
+            object.__setattr__(self, "kv_queries", int(round(self.kv_tokens * per_seq)))
 
     def features(self) -> list[float]:
-        return [float(self.passes), float(self.seqs), float(self.kv_tokens), float(self.new_tokens)]
+        return [float(self.passes), float(self.seqs), float(self.kv_tokens), float(self.new_tokens),
+                float(self.kv_queries)]
 
     def __add__(self, other: "PassShape") -> "PassShape":
         return PassShape(self.seqs + other.seqs, self.kv_tokens + other.kv_tokens,
-                         self.new_tokens + other.new_tokens, self.passes + other.passes)
+                         self.new_tokens + other.new_tokens, self.passes + other.passes,
+                         self.kv_queries + other.kv_queries)
+
+
+def fit_nonnegative_relative(x: list[list[float]], y: list[float]) -> tuple[list[float], float]:
+    """Coefficients c >= 0 minimising the relative error sum(((x @ c) / y - 1)^2) (a 1 ms pass counts as
+    much as a 1 s one; a negative marginal cost is fitting noise), and the relative RMS error. With a
+    handful of features the exact non-negative optimum is found by solving on every subset of the columns
+    and keeping the best solution that is >= 0 throughout."""
+    xt = torch.tensor(x, dtype=torch.float64)
+    yt = torch.tensor(y, dtype=torch.float64).clamp(min=1e-12)
+    xw = xt / yt.unsqueeze(1)
+    ones = torch.ones_like(yt)
+    n = xt.shape[1]
+    best, best_loss = torch.zeros(n, dtype=torch.float64), float("inf")
+    for size in range(1, n + 1):
+        for cols in itertools.combinations(range(n), size):
+            xa = xw[:, list(cols)]
+            scale = xa.abs().amax(dim=0).clamp(min=1e-30)
+            sol = torch.linalg.lstsq(xa / scale, ones.unsqueeze(1)).solution.squeeze(1) / scale
+            if (sol < 0).any() or not torch.isfinite(sol).all():
+                continue
+            loss = float(((xa @ sol - ones) ** 2).sum())
+            if loss < best_loss:
+                best_loss = loss
+                best = torch.zeros(n, dtype=torch.float64)
+                best[list(cols)] = sol
+    err = float(torch.sqrt(torch.mean(((xt @ best - yt) / yt) ** 2)))
+    return best.tolist(), err
 
 
 class LinearCostModel:
@@ -59,20 +106,14 @@ class LinearCostModel:
         if self._since_fit >= self.refit_every or self._coef is None:
             self.fit()
 
+    # fewer points than features is fine: the non-negative subset fit picks the columns they support
+    MIN_POINTS = 3
+
     def fit(self) -> None:
-        if len(self._obs) < len(FEATURES):
+        if len(self._obs) < self.MIN_POINTS:
             return
-        x = torch.tensor([f for f, _ in self._obs], dtype=torch.float64)
-        y = torch.tensor([t for _, t in self._obs], dtype=torch.float64)
-        # scale columns so the solve is well conditioned, ridge-regularise lightly
-        scale = x.abs().amax(dim=0).clamp(min=1.0)
-        xs = x / scale
-        coef = torch.linalg.solve(xs.T @ xs + 1e-6 * torch.eye(xs.shape[1], dtype=torch.float64), xs.T @ y) / scale
-        # negative marginal costs are fitting noise: clamp them
-        coef = coef.clamp(min=0.0)
-        pred = x @ coef
-        self.fit_error = float(torch.sqrt(torch.mean(((pred - y) / y.clamp(min=1e-9)) ** 2)))
-        self._coef = coef.tolist()
+        coef, self.fit_error = fit_nonnegative_relative([f for f, _ in self._obs], [t for _, t in self._obs])
+        self._coef = coef
         self._since_fit = 0
 
     def predict(self, shape: PassShape) -> float:
@@ -106,7 +147,32 @@ def expected_tokens(rate: float, k: int) -> float:
 class KChoice:
     k: int
     expected_tokens_per_s: float
-    predicted_step_s: float
+    predicted_step_s: float  # corrected prediction
+    raw_step_s: float = 0.0  # the cost models' prediction before correction
+    cell: tuple = ()  # StepCorrection cell of this step's shape (without k)
+
+
+class StepCorrection:
+    """EMA of measured / predicted step time per (k, batch bucket, context bucket); 1.0 until measured.
+    Buckets are powers of two (batch 1, 2-3, 4-7, ...; mean context 512-1023, 1024-2047, ...)."""
+
+    def __init__(self, smoothing: float = 0.2, lo: float = 0.25, hi: float = 4.0):
+        self.smoothing = smoothing
+        self.lo, self.hi = lo, hi  # clamp: one pathological step (a GC pause) must not dominate
+        self._ratio: dict[tuple, float] = {}
+
+    @staticmethod
+    def cell(seqs: int, kv_tokens: int) -> tuple:
+        return (seqs.bit_length(), (kv_tokens // max(1, seqs)).bit_length())
+
+    def factor(self, k: int, cell: tuple) -> float:
+        return self._ratio.get((k, *cell), 1.0)
+
+    def observe(self, k: int, cell: tuple, predicted_s: float, measured_s: float) -> None:
+        ratio = min(self.hi, max(self.lo, measured_s / max(predicted_s, 1e-9)))
+        key = (k, *cell)
+        old = self._ratio.get(key)
+        self._ratio[key] = ratio if old is None else old + self.smoothing * (ratio - old)
 
 
 class AdaptiveK:
@@ -116,13 +182,20 @@ class AdaptiveK:
     EXPLORE_AFTER = 64
 
     def __init__(self, max_k: int, target_cost: LinearCostModel, draft_cost: LinearCostModel,
-                 acceptance: AcceptanceEstimator, tpot_slo_s: float | None = None):
+                 acceptance: AcceptanceEstimator, tpot_slo_s: float | None = None,
+                 correction: StepCorrection | None = None):
         self.max_k = max_k
         self.target_cost = target_cost
         self.draft_cost = draft_cost
         self.acceptance = acceptance
         self.tpot_slo_s = tpot_slo_s
+        self.correction = correction or StepCorrection()
         self._zero_streak = 0
+
+    def observe_step(self, choice: KChoice, measured_s: float) -> None:
+        """Feed back the measured time of a step taken with ``choice`` (same k, same batch)."""
+        if choice.cell and choice.raw_step_s > 0:
+            self.correction.observe(choice.k, choice.cell, choice.raw_step_s, measured_s)
 
     def choose(self, target_pass, draft_pass) -> KChoice:
         """target_pass(k) -> PassShape of the verify pass (k = 0: plain decode); draft_pass(step) ->
@@ -131,22 +204,25 @@ class AdaptiveK:
             return KChoice(min(1, self.max_k), 0.0, 0.0)  # speculate once to get observations
         best: KChoice | None = None
         draft_time = 0.0
+        plain = target_pass(0)
+        cell = StepCorrection.cell(plain.seqs, plain.kv_tokens)
         for k in range(self.max_k + 1):
             if k > 0:
                 draft_time += self.draft_cost.predict(draft_pass(k - 1))
-            step = draft_time + self.target_cost.predict(target_pass(k))
+            raw = draft_time + self.target_cost.predict(target_pass(k))
+            step = raw * self.correction.factor(k, cell)
             if self.tpot_slo_s is not None and step > self.tpot_slo_s and k > 0:
                 break  # larger k only costs more
-            seqs = target_pass(k).seqs
-            rate = seqs * expected_tokens(self.acceptance.rate, k) / step
+            rate = plain.seqs * expected_tokens(self.acceptance.rate, k) / step
             if best is None or rate > best.expected_tokens_per_s:
-                best = KChoice(k, rate, step)
+                best = KChoice(k, rate, step, raw, cell)
         assert best is not None
         if best.k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self.EXPLORE_AFTER and self.max_k > 0:
                 self._zero_streak = 0
-                return KChoice(1, best.expected_tokens_per_s, best.predicted_step_s)
+                raw1 = self.draft_cost.predict(draft_pass(0)) + self.target_cost.predict(target_pass(1))
+                return KChoice(1, best.expected_tokens_per_s, raw1 * self.correction.factor(1, cell), raw1, cell)
         else:
             self._zero_streak = 0
         return best

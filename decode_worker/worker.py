@@ -224,26 +224,32 @@ class DecodeWorker:
         if not lives:
             return []
         start = time.perf_counter()
-        k = self._choose_k(lives) if k is None else k
-        k, lives = self._make_room(lives, k)
+        planned, choice = self._choose_k(lives) if k is None else (k, None)
+        batch = len(lives)
+        k, lives = self._make_room(lives, planned)
         if not lives:
             return []
         seqs = [lv.seq for lv in lives]
+        t_forward = time.perf_counter()
         if k == 0:
             verdicts = self._decode(seqs)
         else:
             verdicts = self._speculate(seqs, k)
+        if choice is not None and k == planned and len(seqs) == batch:
+            self.policy.observe_step(choice, time.perf_counter() - t_forward)  # same shape as predicted
         deltas = [self._commit(lv, v, k) for lv, v in zip(lives, verdicts)]
         self._record_step(k, time.perf_counter() - start)
         return deltas
 
-    def _choose_k(self, lives: list[_Live]) -> int:
+    def _choose_k(self, lives: list[_Live]) -> tuple[int, KChoice | None]:
+        """This step's k, and the adaptive policy's choice behind it (None for fixed / no speculation)."""
         spec = self.config.speculation
         if not spec.enabled:
-            return 0
+            return 0, None
         if spec.k_policy == "fixed":
-            return spec.k
-        return self._adaptive_choice([lv.seq for lv in lives]).k
+            return spec.k, None
+        choice = self._adaptive_choice([lv.seq for lv in lives])
+        return choice.k, choice
 
     def _adaptive_choice(self, seqs: list[Sequence]) -> KChoice:
         lens = [len(s.tokens) for s in seqs]
