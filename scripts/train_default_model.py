@@ -12,7 +12,9 @@ Stages:
   3. model: Llama with grouped-query attention, tied embeddings, RoPE theta 500000;
   4. training on CPU: bf16 autocast, fp32 master weights, AdamW, warmup + cosine; first
      ``short_steps`` at ``short_seq_len`` tokens, then ``long_steps`` at ``long_seq_len`` so positions up to
-     4K are in distribution; a checkpoint every ``ckpt_every`` steps;
+     4K are in distribution (the cosine ends here), then ``long_extension_steps`` more at ``long_seq_len``
+     at the final learning rate so the model learns to use that context; a checkpoint every ``ckpt_every``
+     steps;
   5. export: Hugging Face Llama directory (bf16 safetensors, tokenizer, configs) to ``models/<name>/``.
 
 Scratch files (token cache, checkpoints, logs) go to ``runs/<name>/`` (git-ignored).
@@ -84,6 +86,9 @@ class TrainConfig:
     long_batch: int = 2
     long_micro_batch: int = 1  # gradient accumulation: long_batch / long_micro_batch micro-steps
     long_steps: int = 100
+    # Phase 3: more long sequences at the final (minimum) learning rate, so the model learns to use
+    # context up to long_seq_len. A separate phase keeps phases 1-2 (and their LR schedule) unchanged.
+    long_extension_steps: int = 300
     # Optimiser.
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -99,8 +104,13 @@ class TrainConfig:
     eval_batches: int = 4
 
     @property
-    def total_steps(self) -> int:
+    def decay_steps(self) -> int:
+        """Steps over which the LR warms up and decays (phases 1-2); phase 3 runs at the floor."""
         return self.short_steps + self.long_steps
+
+    @property
+    def total_steps(self) -> int:
+        return self.short_steps + self.long_steps + self.long_extension_steps
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,10 +251,10 @@ def make_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` over all steps (both phases)."""
+    """Linear warmup, cosine decay to ``min_lr_ratio * lr`` over phases 1-2, then flat at the floor."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.decay_steps - cfg.warmup_steps))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -424,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         "parameters": model.config.num_parameters(),
         "training_wall_time_s": elapsed,
         "train_tokens_seen": cfg.short_steps * cfg.short_seq_len * cfg.short_batch
-        + cfg.long_steps * cfg.long_seq_len * cfg.long_batch,
+        + (cfg.long_steps + cfg.long_extension_steps) * cfg.long_seq_len * cfg.long_batch,
         "final_heldout_loss_512": heldout_loss(model, held_tokens, cfg, 512),
         "final_heldout_loss_4096": heldout_loss(model, held_tokens, cfg, 4096),
         "torch": torch.__version__,
