@@ -78,11 +78,17 @@ def compare(systems: list[dict], target: float, per_core: bool, prefix: str, com
     for s in systems:
         pc = s["goodput"] / s["cores"]
         ratio = f"{pc / base:.2f}" if base > 0 else "-"
-        at_least = ">= " if s["both"][-1] >= target else ""  # the highest swept rate still met the target
+        if s["both"][0] < target:  # even the lowest swept rate missed: the goodput is below it
+            shown, shown_pc, ratio = f"< {s['rates'][0]:g}", f"< {s['rates'][0] / s['cores']:.3g}", "-"
+        else:
+            at_least = ">= " if s["both"][-1] >= target else ""  # the highest swept rate still met the target
+            shown, shown_pc = f"{at_least}{s['goodput']:.3g}", f"{at_least}{pc:.3g}"
         lines.append(f"| {s['label']} | {s['cores']:g} | {', '.join(f'{r:g}' for r in s['rates'])} "
-                     f"| {at_least}{s['goodput']:.3g} | {at_least}{pc:.3g} | {ratio} |")
+                     f"| {shown} | {shown_pc} | {ratio} |")
     if any(s["both"][-1] >= target for s in systems):
         lines += ["", "`>=`: the highest swept rate still met the target; sweep higher rates for the goodput itself."]
+    if any(s["both"][0] < target for s in systems):
+        lines += ["", "`<`: even the lowest swept rate missed the target; sweep lower rates for the goodput itself."]
     lines += ["", f"![attainment vs rate]({os.path.basename(prefix)}.png)", ""]
     md = "\n".join(lines)
     with open(prefix + ".md", "w", encoding="utf-8") as f:

@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
 
   measured (this machine, the config's model, dtype, drafter and threads per worker):
-    magicserve profile --config CLUSTER_YAML --out PROFILE.json [--quick]
+    magicserve profile --config CLUSTER_YAML --out PROFILE.json [--quick] [--calibrate]
+  calibration of the serving path for another mode's config (e.g. colocated), into the same profile:
+    magicserve profile --config cluster_configs/local-colocated.yaml --out PROFILE.json --calibrate-only
   analytical (a GPU type from controller/planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
     magicserve profile --analytical --gpu H100-80GB-SXM --model llama-3.1-8b|HF_CHECKPOINT_DIR --out PROFILE.json
         [--acceptance-from MEASURED.json | --acceptance self_sparse:256:0.8 ...] [--transfer-gbps 25]
@@ -92,6 +94,11 @@ def _add_profile_parser(sub) -> None:
     p.add_argument("--config", default=LOCAL_CONFIG, help="cluster config YAML to measure (default: local.yaml)")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also serve the config for real and fit the serving-path terms of its mode (about 1 min)")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="add the config mode's calibration to the existing profile at --out (no re-measuring)")
+    p.add_argument("--calibration-requests", type=int, default=16, help="isolated requests timed for calibration")
     p.add_argument("--analytical", action="store_true", help="model a GPU type instead of measuring")
     p.add_argument("--gpu", help="GPU type (analytical), e.g. A100-80GB-SXM, H100-80GB-SXM, H200-141GB, L40S")
     p.add_argument("--model", help="model (analytical): llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir")

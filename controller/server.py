@@ -9,6 +9,7 @@ unpickled). Binds 127.0.0.1 unless configured; a non-local bind needs TLS and a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -247,3 +248,38 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         await server.stop(grace=5.0)
     finally:
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def serve_in_thread(config: ClusterConfig, start_timeout_s: float = 180.0):
+    """Serve ``config`` (``server.port: 0`` picks a free port) on a background thread; yields
+    ``host:port`` and drains and shuts the cluster down on exit (profiler calibration, tests)."""
+    import threading
+    import time
+
+    ready, state = [], {}
+
+    def run():
+        async def main():
+            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await serve_forever(config, ready_callback=ready.append, stop_event=state["stop"])
+        try:
+            asyncio.run(main())
+        except Exception as err:  # reported below if it never became ready
+            state["error"] = err
+
+    thread = threading.Thread(target=run, name="magicserve-server", daemon=True)
+    thread.start()
+    deadline = time.time() + start_timeout_s
+    while not ready and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.1)
+    if not ready:
+        if "loop" in state:
+            state["loop"].call_soon_threadsafe(state["stop"].set)
+        thread.join(timeout=60)
+        raise RuntimeError(f"server did not start within {start_timeout_s:.0f} s: {state.get('error')}")
+    try:
+        yield f"{config.server.host}:{ready[0]}"
+    finally:
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+        thread.join(timeout=60)

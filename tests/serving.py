@@ -3,14 +3,11 @@ random prompts, and small gRPC client calls."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
 import time
 
 from controller.client import Client
 from controller.config import ClusterConfig, parse_config
-from controller.server import serve_forever
+from controller.server import serve_in_thread
 from tests.checkpoints import VOCAB
 
 
@@ -31,32 +28,9 @@ def e2e_config(model_dir: str, **sections) -> ClusterConfig:
     return parse_config({**raw, **sections})
 
 
-@contextlib.contextmanager
 def running_server(cfg, start_timeout_s: float = 180.0):
-    """Serve ``cfg`` (use ``server.port: 0``) on a background thread; yields ``127.0.0.1:PORT`` and
-    drains and shuts the cluster down on exit."""
-    ready, state = [], {}
-
-    def run():
-        async def main():
-            state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
-            await serve_forever(cfg, ready_callback=ready.append, stop_event=state["stop"])
-        try:
-            asyncio.run(main())
-        except Exception as err:
-            state["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.time() + start_timeout_s
-    while not ready and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.1)
-    assert ready, f"server did not start: {state.get('error')}"
-    try:
-        yield f"127.0.0.1:{ready[0]}"
-    finally:
-        state["loop"].call_soon_threadsafe(state["stop"].set)
-        thread.join(timeout=60)
+    """Serve ``cfg`` (use ``server.port: 0``) on a background thread; yields ``127.0.0.1:PORT``."""
+    return serve_in_thread(cfg, start_timeout_s)
 
 
 def stream_ids(address, prompt, **kw):

@@ -256,3 +256,21 @@ def test_analytical_errors_and_explicit_acceptance():
     with pytest.raises(ProfileError, match="built-in shape"):
         analytical.analytical_profile("L40S", "no-such-model")
     assert cli_main(["profile", "--analytical", "--gpu", "L40S", "--out", "/tmp/never.json"]) == 2
+
+
+def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
+    """--calibrate-only serves the config for real, times isolated requests and stores the fitted terms."""
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(TINY_CLUSTER.format(model=llama_dir) + "ray: {num_cpus: 4}\n")
+    out = tmp_path / "profile.json"
+    assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress"]) == 0
+    assert Profile.load(str(out)).calibration("disaggregated").requests == 0  # identity until calibrated
+    assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only", "--no-progress",
+                     "--calibration-requests", "5"]) == 0
+    assert "calibration (disaggregated)" in capsys.readouterr().out
+    cal = Profile.load(str(out)).calibration("disaggregated")
+    assert cal.requests == 5
+    assert cal.prefill_scale > 0 and cal.decode_scale > 0 and cal.ttft_overhead_s >= 0 and cal.decode_start_s >= 0
+    assert math.isfinite(cal.ttft_fit_error) and math.isfinite(cal.decode_fit_error)
+    assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
+                     "--calibration-requests", "2"]) == 2

@@ -207,3 +207,23 @@ def test_plan_cli_writes_a_config_serve_accepts(tmp_path, capsys):
     # a profile without what the space needs: a clear error, exit code 2
     rc = main(["plan", "--profile", str(tmp_path / "missing.json"), "--ttft-ms", "1", "--tpot-ms", "1", "--out", str(out)])
     assert rc == 2 and "no such profile file" in capsys.readouterr().err
+
+
+def test_calibration_fit_recovers_serving_path_terms_and_the_simulator_applies_them():
+    from controller.planner.calibrate import fit, kv_tail_s, predicted_decode_s, predicted_prefill_s
+    from controller.planner.profile import Calibration
+
+    prof = make_profile(transfer_per_token=1e-5)
+    rows = [{"prompt": n, "tokens": t + 1,
+             "ttft_s": 0.05 + 1.3 * predicted_prefill_s(prof, n, 512),
+             "decode_s": 0.02 + 1.5 * predicted_decode_s(prof, n, t) + kv_tail_s(prof, n, 512)}
+            for n, t in ((100, 10), (700, 40), (1500, 20), (3000, 80))]
+    cal = fit(prof, "disaggregated", rows, 512)
+    assert (cal.ttft_overhead_s, cal.prefill_scale) == pytest.approx((0.05, 1.3), rel=1e-6)
+    assert (cal.decode_start_s, cal.decode_scale) == pytest.approx((0.02, 1.5), rel=1e-6)
+    plain = simulate(prof, disagg(), [RequestSpec(0.0, 1000, 11)]).records[0]
+    calibrated = simulate(prof.with_calibration(cal), disagg(), [RequestSpec(0.0, 1000, 11)]).records[0]
+    assert calibrated.ttft_s == pytest.approx(0.05 + 1.3 * plain.ttft_s)
+    assert calibrated.finish_s - calibrated.first_token_s == pytest.approx(
+        488 * 1e-5 + 0.02 + 1.5 * (plain.finish_s - plain.first_token_s - 488 * 1e-5))
+    assert prof.with_calibration(cal).calibration("colocated") == Calibration.identity("colocated")

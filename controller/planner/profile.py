@@ -25,6 +25,7 @@ Missing data is an error naming what is missing (``ProfileError``), never a sile
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -90,6 +91,24 @@ class AcceptanceEntry:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Serving-path terms of one mode (``disaggregated`` or ``colocated``), fitted on isolated requests."""
+
+    mode: str
+    ttft_overhead_s: float
+    prefill_scale: float
+    decode_start_s: float
+    decode_scale: float
+    requests: int
+    ttft_fit_error: float  # relative RMS
+    decode_fit_error: float
+
+    @staticmethod
+    def identity(mode: str) -> "Calibration":
+        return Calibration(mode, 0.0, 1.0, 0.0, 1.0, 0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
 class InstanceCosts:
     """Costs of one instance shape: a role on ``tensor_parallel`` x ``pipeline_parallel`` devices."""
 
@@ -117,12 +136,21 @@ class Profile:
     kv_transfer: FittedModel
     acceptance: tuple[AcceptanceEntry, ...] = ()
     notes: str = ""
+    calibrations: tuple[Calibration, ...] = ()  # serving-path terms per mode (``magicserve profile --calibrate``)
     version: int = PROFILE_VERSION
     # measured points behind the fits: model name ("prefill", "target_pass", "draft_pass/<drafter>",
     # "kv_transfer") -> rows of feature values plus "seconds" (median); empty for analytical profiles
     samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
 
     # -- lookups (each names what is missing) ------------------------------------------------------
+
+    def calibration(self, mode: str) -> Calibration:
+        """The calibration of ``mode``; the identity (no serving-path terms) when none was measured."""
+        return next((c for c in self.calibrations if c.mode == mode), Calibration.identity(mode))
+
+    def with_calibration(self, cal: Calibration) -> "Profile":
+        others = tuple(c for c in self.calibrations if c.mode != cal.mode)
+        return dataclasses.replace(self, calibrations=others + (cal,))
 
     def costs(self, tensor_parallel: int, pipeline_parallel: int = 1) -> InstanceCosts:
         for c in self.instances:
@@ -221,6 +249,7 @@ class Profile:
                 source=str(d["source"]), instances=instances, kv_transfer=fitted(d["kv_transfer"]),
                 acceptance=tuple(AcceptanceEntry(**a) for a in d.get("acceptance", [])),
                 notes=str(d.get("notes", "")), version=int(d["version"]),
+                calibrations=tuple(Calibration(**c) for c in d.get("calibrations", [])),
                 samples={str(k): [{str(f): float(x) for f, x in row.items()} for row in v]
                          for k, v in samples.items()},
             )

@@ -750,11 +750,23 @@ def run_cli(args) -> int:
                   f"{1e3 * c.target_pass.predict_pass(PassShape(1, 1024, 1)):.2f} ms")
     else:
         from controller.config import load_config
+        from controller.planner.calibrate import calibrate
 
         if args.model or args.gpu:
             raise ProfileError("--model and --gpu go with --analytical (a measured profile uses the config's model)")
-        profile = profile_cluster(load_config(args.config), QUICK_GRID if args.quick else DEFAULT_GRID,
-                                  progress=not args.no_progress)
+        if args.calibration_requests < 4:
+            raise ProfileError(f"--calibration-requests: must be >= 4, got {args.calibration_requests}")
+        config = load_config(args.config)
+        if args.calibrate_only:
+            profile = Profile.load(args.out)
+        else:
+            profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
+        if args.calibrate or args.calibrate_only:
+            cal = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress)
+            print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
+                  f"predicted prefill (fit error {cal.ttft_fit_error:.1%}); decode = {1e3 * cal.decode_start_s:.1f} ms + "
+                  f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests")
+            profile = profile.with_calibration(cal)
     profile.save(args.out)
     print(f"wrote {args.out}")
     return 0

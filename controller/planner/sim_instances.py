@@ -27,7 +27,7 @@ from decode_worker.config import SpeculationConfig
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are looked up in lists by object
 class SimRequest:
     """One request as it moves through the simulated cluster."""
 
@@ -145,7 +145,7 @@ class PrefillSim(_Instance):
             budget -= n
         if not chunks:
             return None
-        duration = self.cost.predict(prefill_features([(s, n) for _, s, n in chunks]))
+        duration = self.cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * self.sim.calibration.prefill_scale
         return duration, lambda: self._done(chunks)
 
     def _done(self, chunks: list[tuple[SimRequest, int, int]]) -> None:
@@ -198,8 +198,9 @@ class DecodeSim(_Instance):
         self.rng = rng
         self.max_num_seqs = max_num_seqs
         self.draft = profile.draft_model(spec.drafter, tp, pp) if spec.enabled else None
+        self._rates: dict[int, float] = {}  # context bucket (64 tokens) -> acceptance rate
         if spec.enabled:
-            profile.acceptance_rate(spec.drafter, spec.budget, 0)  # fail now, not mid-run, if it is missing
+            self._rate(0)  # fail now, not mid-run, if the profile lacks it
         self.acceptance = AcceptanceEstimator()
         self.policy = (AdaptiveK(spec.max_k, _FittedCost(self.target), _FittedCost(self.draft), self.acceptance,
                                  spec.tpot_slo_ms / 1000 if spec.tpot_slo_ms else None)
@@ -252,7 +253,7 @@ class DecodeSim(_Instance):
             duration += self.draft.predict_pass(PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
         batch = list(self.live)
         self.k_counts[k] = self.k_counts.get(k, 0) + 1
-        return duration, lambda: self._done(batch, k)
+        return duration * self.sim.calibration.decode_scale, lambda: self._done(batch, k)
 
     def _choose_k(self) -> int:
         if not self.spec.enabled:
@@ -268,8 +269,15 @@ class DecodeSim(_Instance):
         return choice.k
 
     def _mean_rate(self) -> float:
-        rates = [self.profile.acceptance_rate(self.spec.drafter, self.spec.budget, r.context) for r in self.live]
+        rates = [self._rate(r.context) for r in self.live]
         return sum(rates) / len(rates)
+
+    def _rate(self, context: int) -> float:
+        """The profile's acceptance rate at ``context``, looked up once per 64-token bucket."""
+        bucket = context >> 6
+        if bucket not in self._rates:
+            self._rates[bucket] = self.profile.acceptance_rate(self.spec.drafter, self.spec.budget, bucket << 6)
+        return self._rates[bucket]
 
     def _make_room(self, k: int) -> int:
         while self.live:
@@ -307,7 +315,7 @@ class DecodeSim(_Instance):
                 continue  # preempted during the step planning of another (cannot happen mid-step)
             accepted = 0
             if k > 0:
-                rate = self.profile.acceptance_rate(self.spec.drafter, self.spec.budget, req.context)
+                rate = self._rate(req.context)
                 accepted = accepted_drafts(self.rng, rate, k)
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
@@ -400,15 +408,16 @@ class ColocatedSim(_Instance):
     def _step_seconds(self, decodes: list[SimRequest], chunks: list) -> float:
         """One forward pass over decode tokens and prefill chunks: the decode part priced by the target-pass
         model, the prefill part by the prefill model, the fixed per-pass cost counted once."""
+        cal = self.sim.calibration
         seconds = 0.0
         if decodes:
             b = len(decodes)
-            seconds += self.decode_cost.predict_pass(PassShape(b, sum(r.context for r in decodes), b))
+            seconds += self.decode_cost.predict_pass(PassShape(b, sum(r.context for r in decodes), b)) * cal.decode_scale
         if chunks:
-            seconds += self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks]))
+            seconds += self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_scale
         if decodes and chunks:
             fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in (self.decode_cost, self.prefill_cost)]
-            seconds -= min(fixed)
+            seconds -= min(fixed) * min(cal.decode_scale, cal.prefill_scale)
         return seconds
 
     def _done(self, decodes: list[SimRequest], chunks: list) -> None:

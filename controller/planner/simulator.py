@@ -12,9 +12,11 @@ What it models (and mirrors from the real router, ``controller/router.py``):
                in the same steps (the reference engine)
             -> finish: the request's slot and memory free, the next queued request is admitted
 
-Instance behaviour lives in ``sim_instances``. Deliberately not modelled: Ray/gRPC message latency
-(a constant ``overhead_s`` per request can be added to TTFT), failures and retries, CPU contention
-between instances (the profile measures each role with its own threads).
+Instance behaviour lives in ``sim_instances``. The serving path's own costs (Ray and gRPC hops, worker
+loops, the workers sharing memory bandwidth) enter through the profile's calibration of the mode
+(``calibrate.py``): a request-path delay, scales on prefill and decode step times and a delay before a
+transferred request joins the decode batch. Not modelled: failures and retries, and contention that
+grows with load beyond what the calibration saw.
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ class Simulation:
         self._queue: deque[SimRequest] = deque()  # admitted later (concurrency limit)
         self._unplaced: deque[SimRequest] = deque()  # admitted, waiting for decode KV room
         self._in_flight = 0
+        self.calibration = profile.calibration(config.mode)  # serving-path terms (identity if unmeasured)
         rng = random.Random(seed)
         c, bs = config, config.block_size
         if c.mode == "colocated":
@@ -211,10 +214,13 @@ class Simulation:
         for d in self.decode:
             for k, n in d.k_counts.items():
                 k_counts[k] = k_counts.get(k, 0) + n
+        # what the client sees: every token later by the request path's latency (routing before prefill,
+        # delivery after each step), which moves TTFT but not the gaps between tokens
+        delay = self.config.overhead_s + self.calibration.ttft_overhead_s
         return SimResult(
             [SimRecord(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.generated,
-                       r.first_token_s + self.config.overhead_s if not math.isnan(r.first_token_s) else math.nan,
-                       r.finish_s, r.draft_tokens, r.accepted_tokens, r.preemptions) for r in reqs],
+                       r.first_token_s + delay, r.finish_s + delay, r.draft_tokens, r.accepted_tokens, r.preemptions)
+             for r in reqs],
             duration, {i.name: (i.busy_s / duration if duration > 0 else 0.0) for i in instances}, k_counts)
 
     # -- the router ------------------------------------------------------------------------------------
@@ -266,7 +272,11 @@ class Simulation:
         req.kv_ready_s = self.now
         if not math.isnan(req.finish_s):
             return
-        req.decode.admit(req)
+        start = self.calibration.decode_start_s  # acknowledgement, router admit call, next decode-loop turn
+        if start > 0:
+            self.at(self.now + start, lambda: req.decode.admit(req))
+        else:
+            req.decode.admit(req)
 
     def on_finish(self, req: SimRequest, t: float) -> None:
         req.finish_s = t

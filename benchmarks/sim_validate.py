@@ -1,0 +1,153 @@
+"""Simulator vs measurement: replay the exact trace of a recorded SLO sweep (every request's arrival,
+prompt and output length, per rate) through the cluster simulator with a profile of the same machine,
+and compare SLO attainment rate by rate.
+
+    python benchmarks/slo_sweep.py --target grpc --launch cluster_configs/local.yaml --out OUT ...
+    python benchmarks/sim_validate.py --sweep OUT.json --profile benchmarks/results/profile_local_cpu.json \\
+        --config cluster_configs/local.yaml --out benchmarks/results/sim_validation_local
+
+The criterion (issue: simulator validation) is |simulated - measured| <= 5 percentage points of
+attainment at every swept rate, on both SLOs together; TTFT-only and TPOT-only are reported beside it.
+Acceptance is random in the simulator, so each rate is simulated with ``--seeds`` seeds and averaged.
+Writes OUT.json, OUT.md and OUT.png (measured and simulated attainment vs rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks._slo_plots import _pyplot  # noqa: E402
+from benchmarks.slo_sweep import attainment_of, percentile  # noqa: E402
+from controller.config import load_config  # noqa: E402
+from controller.planner.profile import Profile  # noqa: E402
+from controller.planner.simulator import SimConfig, simulate  # noqa: E402
+from controller.planner.slo import attainment  # noqa: E402
+from controller.planner.workload import RequestSpec  # noqa: E402
+
+KEYS = ("both", "ttft_only", "tpot_only")
+TOLERANCE = 0.05
+
+
+def simulate_rate(profile: Profile, config: SimConfig, row: dict, ttft_s: float, tpot_s: float, seeds: int) -> dict:
+    """Mean simulated attainment (and latency percentiles of seed 0) for one recorded rate."""
+    recs = sorted(row["records"], key=lambda r: r["arrival_s"])
+    trace = [RequestSpec(r["arrival_s"], r["prompt_tokens"], r["output_tokens"]) for r in recs]
+    limit = row["time_limit_s"] - trace[-1].arrival_s if row.get("time_limit_s") else None
+    shares = {k: [] for k in KEYS}
+    first = None
+    for seed in range(seeds):
+        res = simulate(profile, config, trace, seed=seed, time_limit_s=limit)
+        a = attainment(res.outcomes(), ttft_s, tpot_s)
+        for k in KEYS:
+            shares[k].append(getattr(a, k))
+        first = first or res
+    done = [r for r in first.records if r.finished]
+    return {
+        "attainment": {k: statistics.fmean(v) for k, v in shares.items()},
+        "latency_ms": {f"{name}_p{q}": 1e3 * percentile(vals, q) if vals else None
+                       for name, vals in (("ttft", [r.ttft_s for r in done]), ("tpot", [r.tpot_s for r in done]))
+                       for q in (50, 90)},
+        "utilisation": first.instance_utilisation,
+        "k_counts": first.k_counts,
+    }
+
+
+def compare(sweep: dict, profile: Profile, config: SimConfig, seeds: int) -> dict:
+    s = sweep["settings"]
+    ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
+    rows = []
+    for row in sweep["rates"]:
+        sim = simulate_rate(profile, config, row, ttft_s, tpot_s, seeds)
+        measured = attainment_of(row["records"], ttft_s, tpot_s)
+        rows.append({"rate": row["rate"], "requests": len(row["records"]),
+                     "measured": {k: measured[k] for k in KEYS}, "simulated": sim["attainment"],
+                     "diff": {k: sim["attainment"][k] - measured[k] for k in KEYS},
+                     "measured_latency_ms": row.get("latency_ms", {}), "simulated_latency_ms": sim["latency_ms"],
+                     "simulated_utilisation": sim["utilisation"], "simulated_k_counts": sim["k_counts"]})
+    worst = max(abs(r["diff"]["both"]) for r in rows)
+    return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
+            "max_abs_diff_both": worst, "within_tolerance": worst <= TOLERANCE, "tolerance": TOLERANCE}
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def write_markdown(result: dict, path: str) -> None:
+    slo = result["slo"]
+    lines = [f"# Simulator vs measured: {result['label']}", "", f"`{result['command']}`", "",
+             f"Sweep `{result['sweep']}` ({result['workload']}), profile `{result['profile']}` ({result['hardware']}), "
+             f"SLOs TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms; simulated attainment is the mean of "
+             f"{result['seeds']} seeds.", "",
+             "| rate | requests | both: measured | simulated | diff (pts) | TTFT only: meas. / sim. | TPOT only: meas. / sim. "
+             "| TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. |",
+             "|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for r in result["rows"]:
+        m, s, ml, sl = r["measured"], r["simulated"], r["measured_latency_ms"], r["simulated_latency_ms"]
+        lines.append(f"| {r['rate']:g} | {r['requests']} | {m['both']:.1%} | {s['both']:.1%} | {100 * r['diff']['both']:+.1f} "
+                     f"| {m['ttft_only']:.0%} / {s['ttft_only']:.0%} | {m['tpot_only']:.0%} / {s['tpot_only']:.0%} "
+                     f"| {_ms(ml.get('ttft_p50'))} / {_ms(sl.get('ttft_p50'))} | {_ms(ml.get('tpot_p50'))} / {_ms(sl.get('tpot_p50'))} |")
+    verdict = "within" if result["within_tolerance"] else "NOT within"
+    lines += ["", f"Largest difference on both SLOs: **{100 * result['max_abs_diff_both']:.1f} points**, "
+                  f"{verdict} the {100 * result['tolerance']:.0f}-point criterion at every rate."]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rates = [r["rate"] for r in result["rows"]]
+    for key, color in zip(KEYS, ("C0", "C1", "C2")):
+        ax.plot(rates, [r["measured"][key] for r in result["rows"]], "o-", color=color, label=f"{key} measured")
+        ax.plot(rates, [r["simulated"][key] for r in result["rows"]], "x--", color=color, label=f"{key} simulated")
+    ax.axhline(0.9, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"simulator vs measured: {result['label']}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", required=True, help="a sweep JSON written by benchmarks/slo_sweep.py")
+    ap.add_argument("--profile", required=True, help="profile JSON of the machine the sweep ran on")
+    ap.add_argument("--config", required=True, help="the cluster YAML the sweep's server ran")
+    ap.add_argument("--seeds", type=int, default=5, help="simulations per rate (acceptance is random)")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
+    args = ap.parse_args(argv)
+    if args.seeds < 1:
+        ap.error("--seeds: must be >= 1")
+    with open(args.sweep, encoding="utf-8") as f:
+        sweep = json.load(f)
+    profile = Profile.load(args.profile)
+    config = SimConfig.from_cluster_config(load_config(args.config))
+    result = compare(sweep, profile, config, args.seeds)
+    result.update(label=args.label or sweep["settings"].get("label", os.path.basename(args.config)),
+                  sweep=os.path.relpath(args.sweep, ROOT), profile=os.path.relpath(args.profile, ROOT),
+                  hardware=profile.hardware, workload=sweep["settings"]["workload"], seeds=args.seeds,
+                  command="python benchmarks/sim_validate.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    write_markdown(result, args.out + ".md")
+    plot(result, args.out + ".png")
+    print(open(args.out + ".md", encoding="utf-8").read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
