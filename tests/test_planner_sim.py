@@ -227,3 +227,16 @@ def test_calibration_fit_recovers_serving_path_terms_and_the_simulator_applies_t
     assert calibrated.finish_s - calibrated.first_token_s == pytest.approx(
         488 * 1e-5 + 0.02 + 1.5 * (plain.finish_s - plain.first_token_s - 488 * 1e-5))
     assert prof.with_calibration(cal).calibration("colocated") == Calibration.identity("colocated")
+
+
+def test_calibration_never_fits_free_work():
+    """Too little spread in the predictions to separate offset and scale: the scale is fitted alone
+    (a zero scale would make simulated prefill or decode free)."""
+    from controller.planner.calibrate import fit
+
+    prof = make_profile()
+    rows = [{"prompt": 500, "tokens": 21, "ttft_s": 0.2 + 0.001 * i, "decode_s": 0.5 + 0.001 * i} for i in range(4)]
+    cal = fit(prof, "colocated", rows, 512)
+    assert cal.prefill_scale > 0 and cal.decode_scale > 0
+    pred = 0.01 * 20  # 20 flat 10 ms decode steps
+    assert cal.decode_start_s + cal.decode_scale * pred == pytest.approx(0.5015, rel=0.01)

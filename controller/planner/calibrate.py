@@ -52,8 +52,9 @@ def calibration_lengths(max_prompt: int, count: int, seed: int) -> list[int]:
     return lengths
 
 
-def measure(config, lengths: list[int], output_tokens: int, seed: int, progress: bool) -> list[dict]:
-    """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths."""
+def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool) -> list[dict]:
+    """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths;
+    output lengths cycle through ``output_tokens`` so the decode slope is identifiable."""
     from controller.client import Client
     from controller.server import serve_in_thread
     from modeling.checkpoint import load_config as load_model_config
@@ -62,12 +63,12 @@ def measure(config, lengths: list[int], output_tokens: int, seed: int, progress:
     rng = random.Random(seed)
     rows = []
     with serve_in_thread(config) as address, Client(address) as client:
-        for n in [64, 64] + lengths:  # two warm-up requests first (not recorded)
+        for i, n in enumerate([64, 64] + lengths):  # two warm-up requests first (not recorded)
             prompt = [rng.randrange(1, vocab) for _ in range(n)]
             t0 = time.perf_counter()
             first = last = None
             tokens = 0
-            for chunk in client.generate_stream(prompt, max_tokens=output_tokens, ignore_eos=True):
+            for chunk in client.generate_stream(prompt, max_tokens=output_tokens[i % len(output_tokens)], ignore_eos=True):
                 if chunk.token_ids:
                     now = time.perf_counter()
                     first = first or now
@@ -80,16 +81,28 @@ def measure(config, lengths: list[int], output_tokens: int, seed: int, progress:
     return rows
 
 
+def _fit_offset_and_scale(predicted: list[float], measured: list[float]) -> tuple[float, float, float]:
+    """measured = offset + scale * predicted (both >= 0, relative error). A zero scale would tell the
+    simulator that the work is free, so when the data cannot separate the two terms (e.g. too little
+    spread in the predictions) the scale is fitted alone."""
+    (offset, scale), err = fit_nonnegative_relative([[1.0, p] for p in predicted], measured)
+    if scale <= 0:
+        (scale,), err = fit_nonnegative_relative([[p] for p in predicted], measured)
+        offset = 0.0
+    return offset, scale, err
+
+
 def fit(profile: Profile, mode: str, rows: list[dict], chunk: int) -> Calibration:
-    ttft_x = [[1.0, predicted_prefill_s(profile, r["prompt"], chunk)] for r in rows]
-    (overhead, pscale), ttft_err = fit_nonnegative_relative(ttft_x, [r["ttft_s"] for r in rows])
+    overhead, pscale, ttft_err = _fit_offset_and_scale(
+        [predicted_prefill_s(profile, r["prompt"], chunk) for r in rows], [r["ttft_s"] for r in rows])
     tail = [kv_tail_s(profile, r["prompt"], chunk) if mode == "disaggregated" else 0.0 for r in rows]
-    dec_x = [[1.0, predicted_decode_s(profile, r["prompt"], r["tokens"] - 1)] for r in rows]
-    (start, dscale), dec_err = fit_nonnegative_relative(dec_x, [max(1e-6, r["decode_s"] - t) for r, t in zip(rows, tail)])
+    start, dscale, dec_err = _fit_offset_and_scale(
+        [predicted_decode_s(profile, r["prompt"], r["tokens"] - 1) for r in rows],
+        [max(1e-6, r["decode_s"] - t) for r, t in zip(rows, tail)])
     return Calibration(mode, overhead, pscale, start, dscale, len(rows), ttft_err, dec_err)
 
 
-def calibrate(config, profile: Profile, requests: int = 16, output_tokens: int = 33, seed: int = 0,
+def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = (17, 33, 65), seed: int = 0,
               progress: bool = True) -> Calibration:
     """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run)."""
     from controller.config import parse_config, to_dict
