@@ -25,7 +25,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 FEATURES = ("passes", "seqs", "kv_tokens", "new_tokens", "kv_queries")
 
@@ -63,27 +63,30 @@ def fit_nonnegative_relative(x: list[list[float]], y: list[float]) -> tuple[list
     """Coefficients c >= 0 minimising the relative error sum(((x @ c) / y - 1)^2) (a 1 ms pass counts as
     much as a 1 s one; a negative marginal cost is fitting noise), and the relative RMS error. With a
     handful of features the exact non-negative optimum is found by solving on every subset of the columns
-    and keeping the best solution that is >= 0 throughout."""
-    xt = torch.tensor(x, dtype=torch.float64)
-    yt = torch.tensor(y, dtype=torch.float64).clamp(min=1e-12)
-    xw = xt / yt.unsqueeze(1)
-    ones = torch.ones_like(yt)
-    n = xt.shape[1]
-    best, best_loss = torch.zeros(n, dtype=torch.float64), float("inf")
+    and keeping the best solution that is >= 0 throughout. The subsets are solved on the small Gram matrix
+    (features x features), so a refit costs well under a millisecond (the worker refits online)."""
+    xt = np.asarray(x, dtype=np.float64)
+    yt = np.maximum(np.asarray(y, dtype=np.float64), 1e-12)
+    a = xt / yt[:, None]  # relative residual: a @ c - 1
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    a = a / scale
+    gram, rhs, n = a.T @ a, a.sum(axis=0), a.shape[1]
+    ridge = 1e-12 * max(1.0, float(np.trace(gram)))  # rank-deficient subsets (collinear columns)
+    best, best_loss = np.zeros(n), float("inf")
     for size in range(1, n + 1):
         for cols in itertools.combinations(range(n), size):
-            xa = xw[:, list(cols)]
-            scale = xa.abs().amax(dim=0).clamp(min=1e-30)
-            sol = torch.linalg.lstsq(xa / scale, ones.unsqueeze(1)).solution.squeeze(1) / scale
-            if (sol < 0).any() or not torch.isfinite(sol).all():
+            idx = list(cols)
+            g = gram[np.ix_(idx, idx)] + ridge * np.eye(size)
+            sol = np.linalg.solve(g, rhs[idx])
+            if (sol < 0).any() or not np.isfinite(sol).all():
                 continue
-            loss = float(((xa @ sol - ones) ** 2).sum())
+            loss = float(sol @ g @ sol - 2 * rhs[idx] @ sol)  # + len(y), the same for every subset
             if loss < best_loss:
-                best_loss = loss
-                best = torch.zeros(n, dtype=torch.float64)
-                best[list(cols)] = sol
-    err = float(torch.sqrt(torch.mean(((xt @ best - yt) / yt) ** 2)))
-    return best.tolist(), err
+                best_loss, best = loss, np.zeros(n)
+                best[idx] = sol
+    coef = best / scale
+    err = float(np.sqrt(np.mean(((xt @ coef - yt) / yt) ** 2)))
+    return coef.tolist(), err
 
 
 class LinearCostModel:
