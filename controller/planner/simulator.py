@@ -26,7 +26,7 @@ import itertools
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from controller.planner.profile import Profile
 from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest
@@ -295,6 +295,3 @@ def simulate(profile: Profile, config: SimConfig, trace: list[RequestSpec], seed
     """Convenience: one fresh :class:`Simulation` over ``trace``."""
     return Simulation(profile, config, seed).run(trace, time_limit_s)
 
-
-def with_speculation(config: SimConfig, spec: SpeculationConfig) -> SimConfig:
-    return replace(config, speculation=spec)
