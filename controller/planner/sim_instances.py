@@ -310,9 +310,7 @@ class DecodeSim(_Instance):
 
     def _done(self, batch: list[SimRequest], k: int) -> None:
         now = self.sim.now
-        for req in batch:
-            if req not in self.live:
-                continue  # preempted during the step planning of another (cannot happen mid-step)
+        for req in batch:  # nothing leaves ``live`` between planning a step and its end
             accepted = 0
             if k > 0:
                 rate = self._rate(req.context)
