@@ -106,7 +106,9 @@ class LinearCostModel:
     def observe(self, shape: PassShape, seconds: float) -> None:
         self._obs.append((shape.features(), seconds))
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or self._coef is None:
+        # refit every refit_every observations, or every 1/8 of the window once it is larger (a fit costs
+        # ~1 ms of numpy; a full window changes little in 1/8 of its points)
+        if self._since_fit >= max(self.refit_every, len(self._obs) // 8) or self._coef is None:
             self.fit()
 
     # fewer points than features is fine: the non-negative subset fit picks the columns they support
@@ -129,15 +131,30 @@ class LinearCostModel:
 
 
 class AcceptanceEstimator:
-    """Per-token acceptance rate, an exponential moving average over verification steps."""
+    """Per-token acceptance probability ``rate`` of the geometric model behind :func:`expected_tokens`:
+    each draft token is accepted with probability ``rate`` until the first rejection.
 
-    def __init__(self, prior: float = 0.7, smoothing: float = 0.1):
-        self.rate = prior
+    A sequence's step with k proposals and a accepted is a successes and (a < k) failures (the tokens
+    after a rejection are never tried), so rate = successes / (successes + failures), both counts
+    exponentially smoothed per observation. The plain accepted / proposed would be biased low for k > 1:
+    at rate 0.88 and k = 5 it reads 0.69, and the policy would then pick too small a k."""
+
+    # smoothing is per sequence-step observation: 0.02 remembers ~50 of them (12 steps of a batch of 4,
+    # 1.5 of a batch of 32); much shorter memories make the chosen k jump with a few lucky steps
+    def __init__(self, prior: float = 0.7, smoothing: float = 0.02):
         self.smoothing = smoothing
+        self._successes = prior  # smoothed counts, starting from one pseudo-trial at the prior
+        self._trials = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self._successes / self._trials
 
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed > 0:
-            self.rate += self.smoothing * (accepted / proposed - self.rate)
+            trials = accepted + (1 if accepted < proposed else 0)  # >= 1
+            self._successes += self.smoothing * (accepted - self._successes)
+            self._trials += self.smoothing * (trials - self._trials)
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -169,7 +186,16 @@ class StepCorrection:
         return (seqs.bit_length(), (kv_tokens // max(1, seqs)).bit_length())
 
     def factor(self, k: int, cell: tuple) -> float:
-        return self._ratio.get((k, *cell), 1.0)
+        """The measured/predicted ratio of (k, cell). A speculative k not measured yet in this cell borrows
+        the ratio of the nearest measured speculative k (the models' bias varies slowly with k); plain
+        decoding (k = 0, no draft pass) has its own ratio, 1.0 until measured."""
+        ratio = self._ratio.get((k, *cell))
+        if ratio is not None or k == 0:
+            return 1.0 if ratio is None else ratio
+        measured = [kk for (kk, *c) in self._ratio if kk > 0 and tuple(c) == cell]
+        if not measured:
+            return 1.0
+        return self._ratio[(min(measured, key=lambda kk: (abs(kk - k), kk)), *cell)]
 
     def observe(self, k: int, cell: tuple, predicted_s: float, measured_s: float) -> None:
         ratio = min(self.hi, max(self.lo, measured_s / max(predicted_s, 1e-9)))
@@ -183,6 +209,12 @@ class AdaptiveK:
 
     # After this many k = 0 steps in a row, try k = 1 once so the acceptance estimate stays fresh.
     EXPLORE_AFTER = 64
+    # Every EXPLORE_EVERY decisions, take a neighbour of the best k (k + 1 and k - 1 in turn) when its
+    # predicted rate is within EXPLORE_MARGIN of the best: its measured step time then corrects its
+    # prediction (StepCorrection), so the policy settles on the k that is best in fact, not only in the
+    # cost models. Bounded cost: one decision in EXPLORE_EVERY, predicted at most 1 - EXPLORE_MARGIN slower.
+    EXPLORE_EVERY = 16
+    EXPLORE_MARGIN = 0.9
 
     def __init__(self, max_k: int, target_cost: LinearCostModel, draft_cost: LinearCostModel,
                  acceptance: AcceptanceEstimator, tpot_slo_s: float | None = None,
@@ -194,6 +226,8 @@ class AdaptiveK:
         self.tpot_slo_s = tpot_slo_s
         self.correction = correction or StepCorrection()
         self._zero_streak = 0
+        self._decisions = 0
+        self._explore_up = False
 
     def observe_step(self, choice: KChoice, measured_s: float) -> None:
         """Feed back the measured time of a step taken with ``choice`` (same k, same batch)."""
@@ -206,6 +240,7 @@ class AdaptiveK:
         if not (self.target_cost.ready and self.draft_cost.ready):
             return KChoice(min(1, self.max_k), 0.0, 0.0)  # speculate once to get observations
         best: KChoice | None = None
+        candidates: dict[int, KChoice] = {}
         draft_time = 0.0
         plain = target_pass(0)
         cell = StepCorrection.cell(plain.seqs, plain.kv_tokens)
@@ -217,9 +252,17 @@ class AdaptiveK:
             if self.tpot_slo_s is not None and step > self.tpot_slo_s and k > 0:
                 break  # larger k only costs more
             rate = plain.seqs * expected_tokens(self.acceptance.rate, k) / step
+            candidates[k] = KChoice(k, rate, step, raw, cell)
             if best is None or rate > best.expected_tokens_per_s:
-                best = KChoice(k, rate, step, raw, cell)
+                best = candidates[k]
         assert best is not None
+        self._decisions += 1
+        if self._decisions % self.EXPLORE_EVERY == 0:
+            self._explore_up = not self._explore_up
+            for k in (best.k + 1, best.k - 1) if self._explore_up else (best.k - 1, best.k + 1):
+                near = candidates.get(k)
+                if near is not None and near.expected_tokens_per_s >= self.EXPLORE_MARGIN * best.expected_tokens_per_s:
+                    return near
         if best.k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self.EXPLORE_AFTER and self.max_k > 0:

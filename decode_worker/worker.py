@@ -22,7 +22,7 @@ import torch
 
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
-from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape
+from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape, StepCorrection
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
@@ -117,6 +117,11 @@ class _Live:
 class DecodeWorker:
     """Owns a paged KV cache, a drafter and the speculation policy for one decode instance."""
 
+    # Deciding k costs ~0.1 ms of Python, a few per cent of a batch-1 step on CPU. While the batch holds
+    # the same sequences, a decision is reused for this many steps: contexts grow by a few tokens per
+    # step and the acceptance estimate moves slowly, so the best k rarely changes within that span.
+    CHOICE_REUSE_STEPS = 4
+
     def __init__(self, model: LoadedModel | str, config: DecodeWorkerConfig = DecodeWorkerConfig()):
         self.config = config
         spec_cfg = config.speculation
@@ -133,8 +138,11 @@ class DecodeWorker:
         self.target_cost = LinearCostModel()
         self.draft_cost = LinearCostModel()
         self.acceptance = AcceptanceEstimator()
+        self.step_correction = StepCorrection()
         slo = spec_cfg.tpot_slo_ms / 1e3 if spec_cfg.tpot_slo_ms else None
-        self.policy = AdaptiveK(spec_cfg.max_k, self.target_cost, self.draft_cost, self.acceptance, slo)
+        self.policy = AdaptiveK(spec_cfg.max_k, self.target_cost, self.draft_cost, self.acceptance, slo,
+                                self.step_correction)
+        self._cached_choice: tuple[tuple, int, KChoice] | None = None  # (request ids, reuses left, choice)
         self.metrics = WorkerMetrics()
         self._live: dict[str, _Live] = {}  # running sequences, in admission order
         self._reserved: dict[str, BlockTable] = {}
@@ -248,7 +256,13 @@ class DecodeWorker:
             return 0, None
         if spec.k_policy == "fixed":
             return spec.k, None
+        key = tuple(self._live)  # the running request ids, in admission order
+        cached = self._cached_choice
+        if cached is not None and cached[0] == key and cached[1] > 0:
+            self._cached_choice = (key, cached[1] - 1, cached[2])
+            return cached[2].k, cached[2]
         choice = self._adaptive_choice([lv.seq for lv in lives])
+        self._cached_choice = (key, self.CHOICE_REUSE_STEPS - 1, choice)
         return choice.k, choice
 
     def _adaptive_choice(self, seqs: list[Sequence]) -> KChoice:
@@ -477,7 +491,8 @@ class DecodeWorker:
 
     def set_speculation(self, spec: SpeculationConfig) -> None:
         """Switch speculation settings between steps (planner updates, benchmarks). The drafter is
-        rebuilt; cost models and the acceptance estimate carry over unless the drafter kind changes."""
+        rebuilt; cost models, the step-time correction and the acceptance estimate carry over unless the
+        drafter kind changes."""
         live = [lv.seq for lv in self._live.values()]
         for seq in live:
             self.drafter.release(seq)
@@ -487,8 +502,11 @@ class DecodeWorker:
         if kind_changed:
             self.draft_cost = LinearCostModel()
             self.acceptance = AcceptanceEstimator()
+            self.step_correction = StepCorrection()
         slo = spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None
-        self.policy = AdaptiveK(spec.max_k, self.target_cost, self.draft_cost, self.acceptance, slo)
+        self.policy = AdaptiveK(spec.max_k, self.target_cost, self.draft_cost, self.acceptance, slo,
+                                self.step_correction)
+        self._cached_choice = None
         for seq in live:
             self.drafter.admit(seq)
 

@@ -47,4 +47,54 @@ def test_step_correction_cells_and_clamping():
     assert corr.factor(2, cell) == corr.hi
     corr.observe(2, cell, predicted_s=1.0, measured_s=2.0)
     assert corr.factor(2, cell) == (corr.hi + 2.0) / 2
-    assert corr.factor(3, cell) == 1.0
+    # an unmeasured speculative k borrows the nearest measured one; plain decoding and other cells do not
+    assert corr.factor(3, cell) == corr.factor(5, cell) == corr.factor(2, cell)
+    assert corr.factor(0, cell) == 1.0
+    assert corr.factor(3, StepCorrection.cell(64, 64 * 1000)) == 1.0
+    corr.observe(4, cell, predicted_s=1.0, measured_s=0.5)
+    assert corr.factor(5, cell) == 0.5 and corr.factor(3, cell) == corr.factor(2, cell)  # tie -> lower k
+
+
+def test_neighbour_exploration_finds_the_k_the_models_underrate():
+    """The models overrate the cost of longer speculation (true step = predicted x (1 - 0.12 k)), so they
+    pick a small k; exploring the neighbours of the chosen k and correcting the predictions with the
+    measured times walks the policy to the k that is best in fact."""
+    policy = AdaptiveK(5, fitted_cost(0.010, 0.0004), fitted_cost(0.002, 0.0), AcceptanceEstimator(prior=0.8))
+    target, draft = shapes(4, 1000)
+
+    def true_step(choice):
+        return choice.raw_step_s * (1.0 - 0.12 * choice.k)
+
+    first = policy.choose(target, draft)
+    # the truly best k under the same acceptance, from the true step times of every candidate
+    from decode_worker.policy import expected_tokens
+
+    def true_rate(k):
+        raw = sum(policy.draft_cost.predict(draft(j)) for j in range(k)) + policy.target_cost.predict(target(k))
+        return expected_tokens(0.8, k) / (raw * (1.0 - 0.12 * k))
+
+    truly_best = max(range(6), key=true_rate)
+    assert first.k < truly_best  # the premise: the uncorrected models pick too small a k
+    for _ in range(600):
+        choice = policy.choose(target, draft)
+        policy.observe_step(choice, true_step(choice))
+    picks = [policy.choose(target, draft).k for _ in range(15)]  # 15 < EXPLORE_EVERY: no exploration
+    assert max(set(picks), key=picks.count) == truly_best
+
+
+def test_acceptance_estimate_is_unbiased_for_long_speculation():
+    """Steps drawn from the geometric model at rate 0.88 with k = 5: the estimate recovers 0.88 (the
+    accepted / proposed ratio would read about 0.69)."""
+    import random
+
+    rng = random.Random(0)
+    est = AcceptanceEstimator(prior=0.5, smoothing=0.01)
+    accepted_total = 0
+    for _ in range(5000):
+        a = 0
+        while a < 5 and rng.random() < 0.88:
+            a += 1
+        accepted_total += a
+        est.observe(5, a)
+    assert abs(est.rate - 0.88) < 0.03
+    assert abs(accepted_total / (5 * 5000) - 0.69) < 0.03  # the biased ratio, for contrast
