@@ -50,8 +50,9 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> tuple[float, fl
     return 2 * nbytes / best, 2 * nbytes / max(best_cpu, 1e-9)
 
 
-def make_cell(batch: int, context: int, layout: str, seed: int = 0):
-    """Random bf16 cache holding ``batch`` sequences of ``context`` tokens (the last one new)."""
+def make_cell(batch: int, context: int, layout: str, seed: int = 0, q_len: int = 1):
+    """Random bf16 cache holding ``batch`` sequences of ``context`` tokens, the last ``q_len`` of each new
+    (q_len 1: a decode step; k + 1: a verification step)."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-context // BLOCK)
     ids = list(range(batch * per_seq))
@@ -60,10 +61,10 @@ def make_cell(batch: int, context: int, layout: str, seed: int = 0):
     tables = [ids[b * per_seq : (b + 1) * per_seq] for b in range(batch)]
     k_cache = torch.randn(len(ids), BLOCK, HKV, HEAD_DIM, generator=gen).to(DTYPE)
     v_cache = torch.randn(len(ids), BLOCK, HKV, HEAD_DIM, generator=gen).to(DTYPE)
-    q = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(DTYPE)
-    slots = [t[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for t in tables]
+    q = torch.randn(batch * q_len, HQ, HEAD_DIM, generator=gen).to(DTYPE)
+    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t in tables for p in range(context - q_len, context)]
     meta = AttentionMetadata(
-        query_start=list(range(batch + 1)), seq_lens=[context] * batch, block_tables=tables,
+        query_start=[b * q_len for b in range(batch + 1)], seq_lens=[context] * batch, block_tables=tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=BLOCK,
     )
     k_new = k_cache.view(-1, HKV, HEAD_DIM)[meta.slot_mapping]
