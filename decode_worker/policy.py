@@ -150,6 +150,11 @@ class AcceptanceEstimator:
     def rate(self) -> float:
         return self._successes / self._trials
 
+    @rate.setter
+    def rate(self, value: float) -> None:
+        """Set the estimate outright (a simulator feeding known rates); later observations move it."""
+        self._successes, self._trials = float(value), 1.0
+
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed > 0:
             trials = accepted + (1 if accepted < proposed else 0)  # >= 1
