@@ -2,7 +2,7 @@
 
 For each batch x prefix cell the prompts (held-out standard-library source, never trained on) are
 prefilled once; every configuration then decodes from the same state (``DecodeWorker.rewind``):
-k = 0 (autoregressive), fixed k = 1..5 for each draft budget, and the adaptive policy. Reported per
+k = 0 (autoregressive), fixed k = 1..5 for each draft budget, and the adaptive policy, in interleaved rounds. Reported per
 configuration: throughput, per-token latency, acceptance rate, mean accepted length, draft/target and
 verify/target time ratios, and the speedup over k = 0 on the same worker and prompts.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -81,43 +82,62 @@ def decode_run(worker: DecodeWorker, ids: list[str], start_len: int, steps: int,
     }
 
 
-def median_run(worker, ids, start_len, steps, k, repeats) -> dict:
-    runs = [decode_run(worker, ids, start_len, steps, k) for _ in range(repeats)]
-    runs.sort(key=lambda r: r["tokens_per_s"])
-    return runs[len(runs) // 2]
+Config = tuple[str, "int | None", "int | None"]  # (policy, k, budget); k None = adaptive
+
+
+def cell_configs(args) -> list[Config]:
+    """Every configuration of a cell, autoregressive first."""
+    configs: list[Config] = [("autoregressive", 0, None)]
+    for budget in args.budgets:
+        configs += [("fixed", k, budget) for k in args.ks if k > 0] + [("adaptive", None, budget)]
+    return configs
+
+
+def speculation_of(config: Config, args) -> SpeculationConfig:
+    policy, k, budget = config
+    return SpeculationConfig(drafter="self_sparse", budget=budget or args.budgets[0], sink_tokens=SINK_TOKENS,
+                             k_policy="adaptive" if policy == "adaptive" else "fixed", k=k or 0, max_k=max(args.ks))
 
 
 def run_cell(worker: DecodeWorker, prompts, args) -> list[dict]:
-    """All configurations for one batch x prefix cell."""
+    """All configurations for one batch x prefix cell, in interleaved rounds.
+
+    Each round runs every configuration once, in turn, so a slow spell of the machine hits all of them
+    alike; each configuration reports its median round. Before the rounds, the adaptive policy decodes
+    ``--adaptive-warmup`` steps per budget on this cell, as a serving worker's policy would have (its cost
+    models, step-time correction and acceptance estimate are warm)."""
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     ids = [f"p{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         worker.add_local(rid, p, params)
     start_len = len(prompts[0]) + 1
     batch = len(prompts)
-    rows = []
-    base_spec = SpeculationConfig(drafter="self_sparse", budget=args.budgets[0], sink_tokens=SINK_TOKENS, k_policy="fixed", k=0)
-    worker.set_speculation(base_spec)
-    ar = median_run(worker, ids, start_len, args.steps, 0, args.repeats)
+    configs = cell_configs(args)
+    # short steps (small batch and context) get more of them, so that a run lasts --min-run-ms: a
+    # 16-step run of 4 ms steps is at the mercy of the scheduler
+    probe = decode_run(worker, ids, start_len, args.steps, 0)
+    steps = min(8 * args.steps, max(args.steps, math.ceil(args.min_run_ms / probe["step_ms"])))
+    for config in configs:
+        if config[0] == "adaptive" and args.adaptive_warmup > 0:
+            worker.set_speculation(speculation_of(config, args))
+            decode_run(worker, ids, start_len, max(args.adaptive_warmup, steps), None)
+    runs: dict[Config, list[dict]] = {c: [] for c in configs}
+    for _ in range(args.repeats):
+        for config in configs:
+            worker.set_speculation(speculation_of(config, args))
+            runs[config].append(decode_run(worker, ids, start_len, steps, config[1]))
+    medians = {c: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for c, rs in runs.items()}
+    ar = medians[configs[0]]
     ar_step = ar["step_ms"] / 1e3
-    for budget in args.budgets:
-        configs = [("fixed", k) for k in args.ks if k > 0] + [("adaptive", None)]
-        for policy, k in configs:
-            spec = SpeculationConfig(drafter="self_sparse", budget=budget, sink_tokens=SINK_TOKENS, k_policy=policy,
-                                     k=k or 0, max_k=max(args.ks))
-            worker.set_speculation(spec)
-            if policy == "adaptive":  # let the acceptance estimate settle on this cell first
-                decode_run(worker, ids, start_len, 4, None)
-            r = median_run(worker, ids, start_len, args.steps, k, args.repeats)
-            row = {"batch": batch, "prefix": len(prompts[0]), "budget": budget, "policy": policy, "k": k,
-                   **r, "speedup": r["tokens_per_s"] / ar["tokens_per_s"]}
-            if k:
-                # per pass: draft step vs plain target step; verify pass vs plain target step
-                row["draft_over_target"] = r["draft_time_s"] / (args.steps * k) / ar_step
-                row["verify_over_target"] = r["verify_time_s"] / args.steps / ar_step
-            rows.append(row)
-    rows.insert(0, {"batch": batch, "prefix": len(prompts[0]), "budget": None, "policy": "autoregressive", "k": 0,
-                    **ar, "speedup": 1.0})
+    rows = []
+    for (policy, k, budget), r in medians.items():
+        row = {"batch": batch, "prefix": len(prompts[0]), "budget": budget, "policy": policy, "k": k,
+               "steps": steps, **r, "speedup": r["tokens_per_s"] / ar["tokens_per_s"]}
+        if k:
+            # per pass: draft step vs plain target step; verify pass vs plain target step
+            row["draft_over_target"] = r["draft_time_s"] / (steps * k) / ar_step
+            row["verify_over_target"] = r["verify_time_s"] / steps / ar_step
+        rows.append(row)
     for rid in ids:
         worker.abort(rid)
     return rows
@@ -146,12 +166,13 @@ def write_outputs(rows: list[dict], meta: dict, rope: dict | None, out: str) -> 
     with open(out + ".md", "w") as f:
         f.write(f"# Speculative decoding on the bundled model\n\n`{meta['command']}`  \n"
                 f"{meta['model']} ({meta['dtype']}), {meta['threads']} threads on {meta['machine']}; "
-                f"{meta['steps']} decode steps per run, median of {meta['repeats']} runs; greedy; "
+                f"{meta['steps']} decode steps per run (more where {meta.get('min_run_ms', 0):.0f} ms needs more), median of {meta['repeats']} interleaved rounds "
+                f"(adaptive warmed up {meta.get('adaptive_warmup', 0)} steps per cell); greedy; "
                 f"sink {SINK_TOKENS} tokens.\n\n"
                 "| batch | prefix | budget | policy | k | tok/s | ms/token | accept | mean acc. len | draft/target | verify/target | speedup |\n"
                 "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
         for r in rows:
-            per_tok = r["step_ms"] / max(1e-9, r["tokens"] / (r["batch"] * meta["steps"]))
+            per_tok = r["step_ms"] / max(1e-9, r["tokens"] / (r["batch"] * r.get("steps", meta["steps"])))
             f.write(f"| {r['batch']} | {r['prefix']} | {r['budget'] or '-'} | {r['policy']} | "
                     f"{r['k'] if r['k'] is not None else 'auto %.1f' % r['mean_k']} | {r['tokens_per_s']:.1f} | "
                     f"{per_tok:.2f} | {r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | "
@@ -193,12 +214,18 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--min-run-ms", type=float, default=250.0,
+                    help="cells with short steps run more steps per run (up to 8x --steps) to last this long")
+    ap.add_argument("--adaptive-warmup", type=int, default=32,
+                    help="steps the adaptive policy decodes on a cell before it is measured")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode"))
+    ap.add_argument("--extend", metavar="STEM",
+                    help="add this run's cells to the rows of STEM.json (an earlier run) and write them all to --out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -217,13 +244,22 @@ def main() -> None:
         best = max(cell_rows, key=lambda r: r["speedup"])
         tqdm.write(f"batch {batch:>3} prefix {prefix:>6}: AR {cell_rows[0]['tokens_per_s']:.1f} tok/s, best "
                    f"{best['policy']} k={best['k']} budget={best['budget']} speedup {best['speedup']:.2f}")
-    rope_cell = (min(4, max(args.batches)), min(4096, max(args.prefixes)))
-    rope = rope_measurement(worker, make_prompts(corpus, *rope_cell), args.steps)
-    rope.update(batch=rope_cell[0], prefix=rope_cell[1])
+    command = "python benchmarks/spec_decode.py " + " ".join(sys.argv[1:])
+    if args.extend:
+        with open(args.extend + ".json") as f:
+            earlier = json.load(f)
+        rows = earlier["rows"] + rows
+        rope = earlier["rope_positions"]
+        command = earlier["meta"]["command"] + "` then `" + command
+    else:
+        rope_cell = (min(4, max(args.batches)), min(4096, max(args.prefixes)))
+        rope = rope_measurement(worker, make_prompts(corpus, *rope_cell), args.steps)
+        rope.update(batch=rope_cell[0], prefix=rope_cell[1])
     meta = {"model": os.path.basename(os.path.normpath(args.model)), "dtype": args.dtype, "threads": args.threads,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
             "backend": worker.runner.backend.name, "steps": args.steps, "repeats": args.repeats,
-            "command": "python benchmarks/spec_decode.py " + " ".join(sys.argv[1:])}
+            "adaptive_warmup": args.adaptive_warmup, "min_run_ms": args.min_run_ms,
+            "command": command}
     write_outputs(rows, meta, rope, args.out)
     plot(rows, args.out)
     print(f"wrote {args.out}.json/.md/.png")
