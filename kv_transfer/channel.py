@@ -170,7 +170,7 @@ class PairChannel:
         if len(payload) > len(inline):
             tensors.append(torch.frombuffer(bytearray(payload[len(inline):]), dtype=torch.uint8))
         with self._send_lock:
-            works = [self.ctrl.send([t], self.peer_rank, _CTRL_TAG) for t in tensors]
+            works = [self._post(self.ctrl.send, t, _CTRL_TAG) for t in tensors]
         pending = PendingSend(self, works, tensors)
         if wait:
             pending.wait()
@@ -207,7 +207,7 @@ class PairChannel:
         """Post a contiguous tensor (kept alive by the returned handle until it is waited on)."""
         self._check()
         with self._send_lock:
-            work = self.data.send([tensor], self.peer_rank, _DATA_TAG)
+            work = self._post(self.data.send, tensor, _DATA_TAG)
         return PendingSend(self, [work], [tensor])
 
     def recv_data(self, tensor: torch.Tensor) -> None:
@@ -248,11 +248,22 @@ class PairChannel:
         try:
             work.wait(timeout)
         except RuntimeError as err:
-            if self.broken is None:
-                # gloo messages start with "[<source file>:<line>] "; keep the part that says what happened
-                what = re.sub(r"^\[[^\]]*\]\s*", "", str(err).splitlines()[0])[:200]
-                self.broken = f"peer {self.peer.instance_id} failed or stalled: {what}"
-            raise TransferError(self.broken, retryable=True) from None
+            raise self._failed(err) from None
+
+    def _post(self, op, tensor: torch.Tensor, tag: int) -> dist.Work:
+        """Post a send; a pair that is already closed raises here, at the post, not at the wait."""
+        try:
+            return op([tensor], self.peer_rank, tag)
+        except RuntimeError as err:
+            raise self._failed(err) from None
+
+    def _failed(self, err: RuntimeError) -> TransferError:
+        """Mark the channel broken by a gloo error and return the TransferError to raise."""
+        if self.broken is None:
+            # gloo messages start with "[<source file>:<line>] "; keep the part that says what happened
+            what = re.sub(r"^\[[^\]]*\]\s*", "", str(err).splitlines()[0])[:200]
+            self.broken = f"peer {self.peer.instance_id} failed or stalled: {what}"
+        return TransferError(self.broken, retryable=True)
 
 
 def _nccl_group(store: dist.Store, rank: int, device: torch.device) -> dist.ProcessGroup:
