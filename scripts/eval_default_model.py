@@ -177,8 +177,7 @@ def context_gain(model: CausalLM, files: list[np.ndarray], contexts: list[int], 
                 sums[j] += token_losses(model, window)[-segment:].double().sum().item()
         losses.append(sums / (len(ends) * segment))
     table = np.array(losses)  # [files, contexts]
-    rng = np.random.default_rng(seed)
-    boot = np.array([table[rng.integers(0, len(table), len(table))].mean(0) for _ in range(resamples)])
+    boot = bootstrap_file_means(table, resamples, seed)
     drops = boot[:, :-1] - boot[:, 1:]
     mean = table.mean(0)
     return ContextGain(
@@ -188,6 +187,12 @@ def context_gain(model: CausalLM, files: list[np.ndarray], contexts: list[int], 
                                                              np.percentile(drops, 97.5, axis=0))],
         per_file=table.tolist(),
     )
+
+
+def bootstrap_file_means(table: np.ndarray, resamples: int = 2000, seed: int = 0) -> np.ndarray:
+    """[resamples, columns] means of ``table`` [files, columns] over files drawn with replacement."""
+    rng = np.random.default_rng(seed)
+    return np.array([table[rng.integers(0, len(table), len(table))].mean(0) for _ in range(resamples)])
 
 
 def falls_to(gain: ContextGain, limit: int) -> bool:
@@ -238,8 +243,7 @@ def plot(results: dict[str, list[ContextResult]], gain: ContextGain, path: str) 
     # the loss relative to the longest context
     table = np.array(gain.per_file)
     rel = table - table[:, -1:]
-    rng = np.random.default_rng(0)
-    boot = np.array([rel[rng.integers(0, len(rel), len(rel))].mean(0) for _ in range(2000)])
+    boot = bootstrap_file_means(rel)
     lo, hi = np.percentile(boot, 2.5, axis=0), np.percentile(boot, 97.5, axis=0)
     mean = rel.mean(0)
     ax2.errorbar(gain.contexts, mean, yerr=[mean - lo, hi - mean], marker="o", capsize=3)
