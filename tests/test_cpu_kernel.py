@@ -193,3 +193,19 @@ def test_engine_greedy_matches_torch_backend(checkpoint_dir):
         engine = ReferenceEngine(directory, EngineConfig(token_budget=16, kv_cache_tokens=4096, attention_backend=backend))
         outs[backend] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
     assert outs["cpu"] == outs["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_rows_equal_decode_steps_bit_for_bit(dtype):
+    """Speculation is lossless only if verifying k + 1 tokens scores each of them exactly as a decode step
+    at that position would: every query row is computed alone (the same operations in the same order,
+    whatever the number of rows beside it), so on one thread the outputs agree to the bit."""
+    seq_len, q_len = 1500, 6
+    q, kc, vc, meta = make_step([seq_len], [q_len], hkv=2, g=4, d=64, dtype=dtype, seed=3)
+    verify = cpu_kernel.paged_attention(q, kc, vc, meta)
+    for i in range(q_len):
+        step = AttentionMetadata(query_start=[0, 1], seq_lens=[seq_len - q_len + 1 + i],
+                                 block_tables=meta.block_tables, slot_mapping=meta.slot_mapping[i : i + 1],
+                                 block_size=meta.block_size)
+        decode = cpu_kernel.paged_attention(q[i : i + 1], kc, vc, step)
+        assert torch.equal(decode[0], verify[i]), f"row {i}"
