@@ -6,8 +6,9 @@ Cost model: the time of one forward pass is linear in what it moves and computes
 KV; without it the fit error on a 2-core CPU was 17 %, with it 4 %),
 fitted by least squares on steps profiled at start and refreshed online from measured steps (one model
 for target passes, one for draft passes). For a batch of B sequences with contexts L_b and acceptance
-rate a, a step with k drafts costs  T(k) = k * t_draft + t_verify(k)  and yields  B * E(k)  tokens,
-E(k) = (1 - a^(k+1)) / (1 - a)  (accepted drafts + one recovered/bonus token). The adaptive policy picks
+conditional acceptance rates a_1, a_2, ... by draft depth (measured online), a step with k drafts costs
+T(k) = k * t_draft + t_verify(k)  and yields  B * E(k)  tokens,  E(k) = 1 + sum_{i<=k} a_1 ... a_i
+(accepted drafts + one recovered/bonus token). The adaptive policy picks
 the k in 0..max_k maximising B * E(k) / T(k) (SmartSpec's goodput; MagicDec's bottleneck analysis is the
 same trade-off), with k = 0 meaning a plain decode step, and never picks a k whose step time exceeds the
 TPOT SLO when one is set.
@@ -131,35 +132,73 @@ class LinearCostModel:
 
 
 class AcceptanceEstimator:
-    """Per-token acceptance probability ``rate`` of the geometric model behind :func:`expected_tokens`:
-    each draft token is accepted with probability ``rate`` until the first rejection.
+    """Acceptance of draft tokens by depth: ``rate_at(i)`` = P(draft i accepted | drafts 1 .. i-1 accepted).
 
-    A sequence's step with k proposals and a accepted is a successes and (a < k) failures (the tokens
-    after a rejection are never tried), so rate = successes / (successes + failures), both counts
-    exponentially smoothed per observation. The plain accepted / proposed would be biased low for k > 1:
-    at rate 0.88 and k = 5 it reads 0.69, and the policy would then pick too small a k."""
+    A sequence's step with k proposals and a accepted is a successes at depths 1 .. a and, when a < k, one
+    failure at depth a + 1 (deeper drafts are never tried). Each depth keeps an exponentially smoothed
+    success rate over its own trials, starting from a prior pseudo-trial of weight ``prior_weight``; a depth
+    never tried borrows the rate of the depth above it. Expected tokens of a step with k drafts are
+    1 + sum_{i <= k} prod_{j <= i} rate_at(j) (accepted drafts plus one recovered / bonus token).
 
-    # smoothing is per sequence-step observation: 0.02 remembers ~50 of them (12 steps of a batch of 4,
-    # 1.5 of a batch of 32); much shorter memories make the chosen k jump with a few lucky steps
-    def __init__(self, prior: float = 0.7, smoothing: float = 0.02):
+    Why by depth: a self-speculative draft writes its own (sparse-attention) KV for the tokens it proposes,
+    so its errors compound along a proposal and the conditional acceptance falls with depth. On the bundled
+    model at batch 1, 8K context, budget 256, depth 1 is accepted 0.90 of the time but a 5-token proposal
+    yields 2.25 accepted tokens, not the 3.69 of a constant 0.90 (the geometric model); with one pooled rate
+    the policy chose k = 4-5 there and ran at 0.7x autoregressive speed."""
+
+    MAX_DEPTH = 32
+
+    # smoothing is per trial: 0.02 remembers ~50 of them (12 steps of a batch of 4, 1.5 of a batch of 32);
+    # much shorter memories make the chosen k jump with a few lucky steps
+    def __init__(self, prior: float = 0.7, smoothing: float = 0.02, prior_weight: float = 0.1):
         self.smoothing = smoothing
-        self._successes = prior  # smoothed counts, starting from one pseudo-trial at the prior
-        self._trials = 1.0
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self._hits: list[float] = []    # smoothed successes per depth (index 0 = depth 1), tried depths only
+        self._weight: list[float] = []  # smoothed trials per depth
+
+    def rate_at(self, depth: int) -> float:
+        """Conditional acceptance rate of draft ``depth`` (1-based)."""
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        i = min(depth, len(self._hits))
+        return self.prior if i == 0 else self._hits[i - 1] / self._weight[i - 1]
 
     @property
     def rate(self) -> float:
-        return self._successes / self._trials
+        """Acceptance rate of the first draft token (what a one-token proposal would see)."""
+        return self.rate_at(1)
 
     @rate.setter
     def rate(self, value: float) -> None:
-        """Set the estimate outright (a simulator feeding known rates); later observations move it."""
-        self._successes, self._trials = float(value), 1.0
+        """Set every depth to ``value`` outright (the geometric model; a simulator feeding known rates).
+        Later observations move the estimates."""
+        self._hits = [float(value)] * self.MAX_DEPTH
+        self._weight = [1.0] * self.MAX_DEPTH
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens per sequence from one step with k drafts: 1 + sum_i prod_{j <= i} rate_at(j)."""
+        total, chain = 1.0, 1.0
+        for depth in range(1, k + 1):
+            chain *= min(max(self.rate_at(depth), 0.0), 1.0)
+            total += chain
+        return total
 
     def observe(self, proposed: int, accepted: int) -> None:
-        if proposed > 0:
-            trials = accepted + (1 if accepted < proposed else 0)  # >= 1
-            self._successes += self.smoothing * (accepted - self._successes)
-            self._trials += self.smoothing * (trials - self._trials)
+        """One sequence's verification: ``accepted`` of ``proposed`` drafts (a prefix) were accepted."""
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"accepted must be in [0, proposed={proposed}], got {accepted}")
+        tried = min(proposed, accepted + 1, self.MAX_DEPTH)
+        lam = self.smoothing
+        for depth in range(1, tried + 1):
+            if depth > len(self._hits):  # first trial at this depth: prior = the depth above it
+                start = self.rate_at(depth)
+                self._hits.append(start * self.prior_weight)
+                self._weight.append(self.prior_weight)
+            i = depth - 1
+            success = 1.0 if depth <= accepted else 0.0
+            self._hits[i] += lam * (success - self._hits[i])
+            self._weight[i] += lam * (1.0 - self._weight[i])
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -202,10 +241,17 @@ class StepCorrection:
             return 1.0
         return self._ratio[(min(measured, key=lambda kk: (abs(kk - k), kk)), *cell)]
 
+    # Once a cell has a ratio, one observation may move it by at most this factor before smoothing: a
+    # step slowed 5x by a GC pause or a busy neighbour must not make the policy shun that k for good
+    # (a k that is not chosen is not measured again, so an inflated ratio would stick).
+    OUTLIER_CLIP = 1.5
+
     def observe(self, k: int, cell: tuple, predicted_s: float, measured_s: float) -> None:
         ratio = min(self.hi, max(self.lo, measured_s / max(predicted_s, 1e-9)))
         key = (k, *cell)
         old = self._ratio.get(key)
+        if old is not None:
+            ratio = min(old * self.OUTLIER_CLIP, max(old / self.OUTLIER_CLIP, ratio))
         self._ratio[key] = ratio if old is None else old + self.smoothing * (ratio - old)
 
 
@@ -256,7 +302,7 @@ class AdaptiveK:
             step = raw * self.correction.factor(k, cell)
             if self.tpot_slo_s is not None and step > self.tpot_slo_s and k > 0:
                 break  # larger k only costs more
-            rate = plain.seqs * expected_tokens(self.acceptance.rate, k) / step
+            rate = plain.seqs * self.acceptance.expected_tokens(k) / step
             candidates[k] = KChoice(k, rate, step, raw, cell)
             if best is None or rate > best.expected_tokens_per_s:
                 best = candidates[k]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from decode_worker.policy import AcceptanceEstimator, AdaptiveK, LinearCostModel, PassShape, StepCorrection
+from decode_worker.policy import (
+    AcceptanceEstimator, AdaptiveK, LinearCostModel, PassShape, StepCorrection, expected_tokens,
+)
 
 
 def fitted_cost(per_pass: float, per_new_token: float) -> LinearCostModel:
@@ -45,8 +47,11 @@ def test_step_correction_cells_and_clamping():
     assert corr.factor(2, cell) == 1.0
     corr.observe(2, cell, predicted_s=1.0, measured_s=100.0)  # clamped
     assert corr.factor(2, cell) == corr.hi
-    corr.observe(2, cell, predicted_s=1.0, measured_s=2.0)
-    assert corr.factor(2, cell) == (corr.hi + 2.0) / 2
+    corr.observe(2, cell, predicted_s=1.0, measured_s=3.5)
+    assert corr.factor(2, cell) == (corr.hi + 3.5) / 2
+    before = corr.factor(2, cell)
+    corr.observe(2, cell, predicted_s=1.0, measured_s=1.0)  # a jump: clipped to 1 / OUTLIER_CLIP of the factor
+    assert abs(corr.factor(2, cell) - before * (1 + 1 / corr.OUTLIER_CLIP) / 2) < 1e-12
     # an unmeasured speculative k borrows the nearest measured one; plain decoding and other cells do not
     assert corr.factor(3, cell) == corr.factor(5, cell) == corr.factor(2, cell)
     assert corr.factor(0, cell) == 1.0
@@ -82,19 +87,78 @@ def test_neighbour_exploration_finds_the_k_the_models_underrate():
     assert max(set(picks), key=picks.count) == truly_best
 
 
+def _draw_accepted(rng, rates_by_depth: list[float], k: int) -> int:
+    """Accepted drafts of one k-token proposal whose depth-i draft is accepted with rates_by_depth[i-1]."""
+    a = 0
+    while a < k and rng.random() < rates_by_depth[a]:
+        a += 1
+    return a
+
+
 def test_acceptance_estimate_is_unbiased_for_long_speculation():
-    """Steps drawn from the geometric model at rate 0.88 with k = 5: the estimate recovers 0.88 (the
-    accepted / proposed ratio would read about 0.69)."""
+    """Steps drawn from the geometric model at rate 0.88 with k = 5: every depth's estimate recovers 0.88
+    (the accepted / proposed ratio would read about 0.69), and so do the expected tokens."""
     import random
 
     rng = random.Random(0)
     est = AcceptanceEstimator(prior=0.5, smoothing=0.01)
     accepted_total = 0
     for _ in range(5000):
-        a = 0
-        while a < 5 and rng.random() < 0.88:
-            a += 1
+        a = _draw_accepted(rng, [0.88] * 5, 5)
         accepted_total += a
         est.observe(5, a)
-    assert abs(est.rate - 0.88) < 0.03
+    for depth in range(1, 6):
+        assert abs(est.rate_at(depth) - 0.88) < 0.06, depth
+    assert abs(est.expected_tokens(5) - expected_tokens(0.88, 5)) < 0.25
     assert abs(accepted_total / (5 * 5000) - 0.69) < 0.03  # the biased ratio, for contrast
+
+
+def test_acceptance_falling_with_depth_is_measured_and_steers_k_down():
+    """Drafts whose acceptance falls with depth (0.9, then 0.55, 0.5, ...; the self-speculative draft at
+    batch 1, 8K) with a draft step costing 0.6 of a target step: the per-depth estimate recovers the
+    expected tokens of every k, and the policy, deciding in a closed loop with these rates, settles on
+    the k that is truly best (1) -- a constant rate of 0.9 (the first depth's) would prefer 2-3."""
+    import random
+
+    truth = [0.9, 0.55, 0.5, 0.5, 0.5]
+    chain, true_tokens = 1.0, [1.0]
+    for r in truth:
+        chain *= r
+        true_tokens.append(true_tokens[-1] + chain)
+    rng = random.Random(1)
+    est = AcceptanceEstimator(prior=0.7, smoothing=0.01)
+    for i in range(6000):
+        k = 1 + i % 5
+        est.observe(k, _draw_accepted(rng, truth, k))
+    for k in range(6):
+        assert abs(est.expected_tokens(k) - true_tokens[k]) < 0.12, k
+
+    target, draft = fitted_cost(0.010, 0.0), fitted_cost(0.006, 0.0)
+    step_s = {k: 0.010 + 0.006 * k for k in range(6)}
+    true_rate = {k: true_tokens[k] / step_s[k] for k in range(6)}
+    truly_best = max(true_rate, key=true_rate.get)
+    assert truly_best == 1
+    geometric_best = max(range(6), key=lambda k: expected_tokens(truth[0], k) / step_s[k])
+    assert geometric_best >= 2  # what a constant-rate belief would run
+    shapes_b1 = (lambda k: PassShape(1, 8192 + k, k + 1)), (lambda step: PassShape(1, 272 + step, 1))
+    policy = AdaptiveK(5, target, draft, AcceptanceEstimator(prior=0.7, smoothing=0.02))
+    picks = []
+    for _ in range(400):
+        choice = policy.choose(*shapes_b1)
+        if choice.k > 0:
+            policy.acceptance.observe(choice.k, _draw_accepted(rng, truth, choice.k))
+        policy.observe_step(choice, step_s[choice.k])
+        picks.append(choice.k)
+    late = picks[200:]
+    assert max(set(late), key=late.count) == truly_best
+    assert sum(true_rate[k] for k in late) / len(late) > 0.95 * true_rate[truly_best]
+
+
+def test_step_correction_shrugs_off_one_outlier():
+    """One step slowed 5x (a GC pause) moves a measured cell's factor by at most the clip, not to 4x."""
+    corr = StepCorrection()
+    cell = StepCorrection.cell(1, 8192)
+    for _ in range(10):
+        corr.observe(2, cell, 0.010, 0.010)
+    corr.observe(2, cell, 0.010, 0.050)
+    assert corr.factor(2, cell) < 1.0 + corr.smoothing * (corr.OUTLIER_CLIP - 1.0) + 1e-9
