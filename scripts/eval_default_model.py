@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -104,7 +105,7 @@ def evaluate_windows(model: CausalLM, sequences: list[np.ndarray], context: int,
     positions = np.arange(1, context)
     bucket = np.searchsorted(BUCKET_EDGES, positions, side="right") - 1
     total, n, windows = 0.0, 0, 0
-    for seq in sequences:
+    for seq in tqdm(sequences, desc=f"context {context}", unit="seq", leave=False):
         for start in range(0, len(seq) - context + 1, stride):
             ids = torch.from_numpy(seq[start : start + context].astype(np.int64))
             losses = token_losses(model, ids).numpy().astype(np.float64)
@@ -161,7 +162,7 @@ def context_gain(model: CausalLM, files: list[np.ndarray], contexts: list[int], 
     longest = max(contexts)
     losses = []
     n_segments = 0
-    for ids in files:
+    for ids in tqdm(files, desc="context gain", unit="file", leave=False):
         ends = list(range(longest + segment + 1, ids.size + 1, segment))  # segment [end - segment, end)
         if not ends:
             continue
