@@ -534,7 +534,8 @@ class DecodeWorker:
             "free_blocks": self.pool.num_free,
             "total_blocks": self.pool.num_blocks,
             "acceptance_rate_estimate": self.acceptance.rate,
-            "acceptance_rate_by_depth": [self.acceptance.rate_at(d) for d in range(1, max(1, self.config.speculation.max_k) + 1)],
+            "acceptance_rate_by_depth": [self.acceptance.rate_at(d)
+                                         for d in range(1, self.config.speculation.max_k + 1)],
             "metrics": self.metrics.summary(),
             "target_cost": self.target_cost.coefficients(),
             "draft_cost": self.draft_cost.coefficients(),

@@ -107,7 +107,8 @@ def test_acceptance_estimate_is_unbiased_for_long_speculation():
         a = _draw_accepted(rng, [0.88] * 5, 5)
         accepted_total += a
         est.observe(5, a)
-    for depth in range(1, 6):
+    assert abs(est.rate - 0.88) < 0.03  # depth 1: every step tries it
+    for depth in range(2, 6):  # fewer trials per depth, so a looser bound
         assert abs(est.rate_at(depth) - 0.88) < 0.06, depth
     assert abs(est.expected_tokens(5) - expected_tokens(0.88, 5)) < 0.25
     assert abs(accepted_total / (5 * 5000) - 0.69) < 0.03  # the biased ratio, for contrast
