@@ -96,6 +96,7 @@ class Client:
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None, tls_ca: str | None = None):
         creds = _credentials(tls_ca)
+        self.address = address
         self._channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
         self._stub = pb_grpc.MagicServeStub(self._channel)
         self._metadata = _metadata(token)
@@ -116,7 +117,15 @@ class Client:
         return self._stub.GetClusterStatus(pb.ClusterStatusRequest(), metadata=self._metadata)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        """Block until the channel connects; ``TimeoutError`` (naming the address) after ``timeout_s``."""
+        future = grpc.channel_ready_future(self._channel)
+        try:
+            future.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            # an abandoned future keeps a thread polling the channel's connectivity, which raises once
+            # the channel is closed: cancel it
+            future.cancel()
+            raise TimeoutError(f"no magicserve server ready at {self.address} within {timeout_s} s") from None
 
     def close(self) -> None:
         self._channel.close()

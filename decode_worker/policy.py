@@ -14,10 +14,16 @@ same trade-off), with k = 0 meaning a plain decode step, and never picks a k who
 TPOT SLO when one is set.
 
 A single linear model over all shapes is biased in places (on a 2-core CPU it overpredicted the gain of
-speculating at short contexts and batch 1). :class:`StepCorrection` removes that bias from measurements:
-per (k, batch bucket, context bucket) it keeps an EMA of measured / predicted step time and scales the
-prediction by it. Unmeasured cells keep factor 1, which makes them look as good as the model says, so
-the policy tries them and learns their factor.
+speculating at short contexts and batch 1). :class:`StepCorrection` removes that bias from measurements,
+separately for the two parts of a step, because their biases differ and combine differently with k:
+the draft passes get one EMA of measured / predicted time per (batch bucket, context bucket), which
+applies to every k (k draft passes of the same shape share their bias); the verify pass gets one per
+(k, batch bucket, context bucket). One factor for the whole step, per k, mixed the two: a k that had
+not been measured borrowed the factor of one that had, with the wrong share of draft time in it (an
+underrated draft inflates a long k's factor; k = 1, borrowing it, then looks as bad as that k, while
+plain decoding, with its own factor, looks better than both).
+Unmeasured cells keep factor 1, which makes them look as good as the model says, so the policy tries
+them and learns their factor.
 """
 
 from __future__ import annotations
@@ -212,27 +218,36 @@ class KChoice:
     k: int
     expected_tokens_per_s: float
     predicted_step_s: float  # corrected prediction
-    raw_step_s: float = 0.0  # the cost models' prediction before correction
+    raw_draft_s: float = 0.0  # the draft cost model's prediction for the k draft passes, before correction
+    raw_verify_s: float = 0.0  # the target cost model's prediction for the verify (k = 0: decode) pass
     cell: tuple = ()  # StepCorrection cell of this step's shape (without k)
+
+    @property
+    def raw_step_s(self) -> float:
+        """The cost models' prediction of the whole step, before correction."""
+        return self.raw_draft_s + self.raw_verify_s
 
 
 class StepCorrection:
-    """EMA of measured / predicted step time per (k, batch bucket, context bucket); 1.0 until measured.
-    Buckets are powers of two (batch 1, 2-3, 4-7, ...; mean context 512-1023, 1024-2047, ...)."""
+    """EMAs of measured / predicted time, 1.0 until measured: for draft passes per cell, for the verify
+    pass per (k, cell). Cells bucket the batch and the mean context by powers of two (batch 1, 2-3, 4-7,
+    ...; context 512-1023, 1024-2047, ...)."""
 
     def __init__(self, smoothing: float = 0.2, lo: float = 0.25, hi: float = 4.0):
         self.smoothing = smoothing
         self.lo, self.hi = lo, hi  # clamp: one pathological step (a GC pause) must not dominate
-        self._ratio: dict[tuple, float] = {}
+        self._ratio: dict[tuple, float] = {}  # verify: (k, *cell) -> ratio
+        self._draft_ratio: dict[tuple, float] = {}  # draft: cell -> ratio
 
     @staticmethod
     def cell(seqs: int, kv_tokens: int) -> tuple:
         return (seqs.bit_length(), (kv_tokens // max(1, seqs)).bit_length())
 
     def factor(self, k: int, cell: tuple) -> float:
-        """The measured/predicted ratio of (k, cell). A speculative k not measured yet in this cell borrows
-        the ratio of the nearest measured speculative k (the models' bias varies slowly with k); plain
-        decoding (k = 0, no draft pass) has its own ratio, 1.0 until measured."""
+        """The verify pass's measured/predicted ratio for (k, cell). A speculative k not measured yet in
+        this cell borrows the ratio of the nearest measured speculative k (a verify pass's bias varies
+        slowly with its number of queries); plain decoding (k = 0) has its own ratio, 1.0 until measured,
+        so that an unmeasured k = 0 is tried rather than written off with speculation's bias."""
         ratio = self._ratio.get((k, *cell))
         if ratio is not None or k == 0:
             return 1.0 if ratio is None else ratio
@@ -241,18 +256,38 @@ class StepCorrection:
             return 1.0
         return self._ratio[(min(measured, key=lambda kk: (abs(kk - k), kk)), *cell)]
 
+    def summary(self) -> dict:
+        """The measured factors, keyed ``"b<batch bucket>/c<context bucket>"`` (bit lengths, as in
+        :meth:`cell`): ``{"draft": {cell: f}, "verify": {cell: {k: f}}}``."""
+        name = lambda cell: "b%d/c%d" % tuple(cell)  # noqa: E731
+        verify: dict[str, dict[int, float]] = {}
+        for (k, *cell), ratio in sorted(self._ratio.items()):
+            verify.setdefault(name(cell), {})[k] = ratio
+        return {"draft": {name(c): r for c, r in sorted(self._draft_ratio.items())}, "verify": verify}
+
+    def draft_factor(self, cell: tuple) -> float:
+        """The draft passes' measured/predicted ratio in ``cell`` (any k), 1.0 until measured."""
+        return self._draft_ratio.get(cell, 1.0)
+
     # Once a cell has a ratio, one observation may move it by at most this factor before smoothing: a
     # step slowed 5x by a GC pause or a busy neighbour must not make the policy shun that k for good
     # (a k that is not chosen is not measured again, so an inflated ratio would stick).
     OUTLIER_CLIP = 1.5
 
     def observe(self, k: int, cell: tuple, predicted_s: float, measured_s: float) -> None:
+        """A verify (k > 0) or decode (k = 0) pass of ``cell`` took ``measured_s``; predicted ``predicted_s``."""
+        self._update(self._ratio, (k, *cell), predicted_s, measured_s)
+
+    def observe_draft(self, cell: tuple, predicted_s: float, measured_s: float) -> None:
+        """The draft passes of one step in ``cell`` took ``measured_s`` together; predicted ``predicted_s``."""
+        self._update(self._draft_ratio, cell, predicted_s, measured_s)
+
+    def _update(self, ratios: dict[tuple, float], key: tuple, predicted_s: float, measured_s: float) -> None:
         ratio = min(self.hi, max(self.lo, measured_s / max(predicted_s, 1e-9)))
-        key = (k, *cell)
-        old = self._ratio.get(key)
+        old = ratios.get(key)
         if old is not None:
             ratio = min(old * self.OUTLIER_CLIP, max(old / self.OUTLIER_CLIP, ratio))
-        self._ratio[key] = ratio if old is None else old + self.smoothing * (ratio - old)
+        ratios[key] = ratio if old is None else old + self.smoothing * (ratio - old)
 
 
 class AdaptiveK:
@@ -280,10 +315,16 @@ class AdaptiveK:
         self._decisions = 0
         self._explore_up = False
 
-    def observe_step(self, choice: KChoice, measured_s: float) -> None:
-        """Feed back the measured time of a step taken with ``choice`` (same k, same batch)."""
-        if choice.cell and choice.raw_step_s > 0:
-            self.correction.observe(choice.k, choice.cell, choice.raw_step_s, measured_s)
+    def observe_step(self, choice: KChoice, draft_s: float, verify_s: float) -> None:
+        """Feed back the measured times of a step taken with ``choice`` (same k, same batch): its draft
+        passes together (0 when k = 0) and the rest of the step (the verify or decode pass and the
+        acceptance test)."""
+        if not choice.cell:
+            return
+        if choice.k > 0 and choice.raw_draft_s > 0:
+            self.correction.observe_draft(choice.cell, choice.raw_draft_s, draft_s)
+        if choice.raw_verify_s > 0:
+            self.correction.observe(choice.k, choice.cell, choice.raw_verify_s, verify_s)
 
     def choose(self, target_pass, draft_pass) -> KChoice:
         """target_pass(k) -> PassShape of the verify pass (k = 0: plain decode); draft_pass(step) ->
@@ -295,15 +336,16 @@ class AdaptiveK:
         draft_time = 0.0
         plain = target_pass(0)
         cell = StepCorrection.cell(plain.seqs, plain.kv_tokens)
+        draft_factor = self.correction.draft_factor(cell)
         for k in range(self.max_k + 1):
             if k > 0:
                 draft_time += self.draft_cost.predict(draft_pass(k - 1))
-            raw = draft_time + self.target_cost.predict(target_pass(k))
-            step = raw * self.correction.factor(k, cell)
+            verify_time = self.target_cost.predict(target_pass(k))
+            step = draft_time * draft_factor + verify_time * self.correction.factor(k, cell)
             if self.tpot_slo_s is not None and step > self.tpot_slo_s and k > 0:
                 break  # larger k only costs more
             rate = plain.seqs * self.acceptance.expected_tokens(k) / step
-            candidates[k] = KChoice(k, rate, step, raw, cell)
+            candidates[k] = KChoice(k, rate, step, draft_time, verify_time, cell)
             if best is None or rate > best.expected_tokens_per_s:
                 best = candidates[k]
         assert best is not None
@@ -318,8 +360,9 @@ class AdaptiveK:
             self._zero_streak += 1
             if self._zero_streak >= self.EXPLORE_AFTER and self.max_k > 0:
                 self._zero_streak = 0
-                raw1 = self.draft_cost.predict(draft_pass(0)) + self.target_cost.predict(target_pass(1))
-                return KChoice(1, best.expected_tokens_per_s, raw1 * self.correction.factor(1, cell), raw1, cell)
+                draft1, verify1 = self.draft_cost.predict(draft_pass(0)), self.target_cost.predict(target_pass(1))
+                step1 = draft1 * draft_factor + verify1 * self.correction.factor(1, cell)
+                return KChoice(1, best.expected_tokens_per_s, step1, draft1, verify1, cell)
         else:
             self._zero_streak = 0
         return best

@@ -72,6 +72,11 @@ def test_greedy_lossless_with_joins_and_adaptive_k(llama_dir, batch):
     worker.profile(batches=(1, 4), contexts=(64, 512), ks=(0, 2))
     assert run_worker(worker, prompts, params, join_every=3) == expected
     assert worker.pool.num_free == worker.pool.num_blocks
+    # the policy fed back what it measured: draft and verify factors, reported by cell
+    corrections = worker.status()["step_correction"]
+    assert corrections["verify"] and all(f > 0 for ks in corrections["verify"].values() for f in ks.values())
+    if any(k > 0 for k in worker.metrics.k_counts if worker.metrics.k_counts[k]):
+        assert corrections["draft"]
 
 
 def test_greedy_draft_model_is_lossless(checkpoint_dir):

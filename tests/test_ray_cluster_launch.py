@@ -21,6 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_wait_ready_times_out_cleanly_when_no_server_listens():
+    """The polling loop below relies on this: a timed-out wait raises TimeoutError naming the address, and
+    leaves no connectivity-polling thread behind to raise after the channel closes."""
+    import threading
+
+    address = f"127.0.0.1:{free_port()}"
+    before = threading.active_count()
+    with Client(address) as client:
+        for _ in range(3):
+            with pytest.raises(TimeoutError, match=address):
+                client.wait_ready(timeout_s=0.2)
+    time.sleep(0.5)
+    assert threading.active_count() <= before
+
+
 @pytest.mark.skipif(shutil.which("ray") is None, reason="ray CLI not on PATH")
 def test_ray_start_head_then_serve(llama_dir, tmp_path):
     ray_port, grpc_port = free_port(), free_port()

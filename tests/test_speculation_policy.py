@@ -33,8 +33,8 @@ def test_measured_step_times_correct_a_biased_model():
     target, draft = shapes(4, 1000)
     for _ in range(40):
         choice = policy.choose(target, draft)
-        true_s = choice.raw_step_s * (3.0 if choice.k > 0 else 1.0)
-        policy.observe_step(choice, true_s)
+        slow = 3.0 if choice.k > 0 else 1.0
+        policy.observe_step(choice, choice.raw_draft_s * slow, choice.raw_verify_s * slow)
     assert policy.choose(target, draft).k == 0
     # a shape in another cell (batch 32, long context) has not been corrected
     assert policy.choose(*shapes(32, 8000)).k > 0
@@ -67,8 +67,6 @@ def test_neighbour_exploration_finds_the_k_the_models_underrate():
     policy = AdaptiveK(5, fitted_cost(0.010, 0.0004), fitted_cost(0.002, 0.0), AcceptanceEstimator(prior=0.8))
     target, draft = shapes(4, 1000)
 
-    def true_step(choice):
-        return choice.raw_step_s * (1.0 - 0.12 * choice.k)
 
     first = policy.choose(target, draft)
     # the truly best k under the same acceptance, from the true step times of every candidate
@@ -82,7 +80,8 @@ def test_neighbour_exploration_finds_the_k_the_models_underrate():
     assert first.k < truly_best  # the premise: the uncorrected models pick too small a k
     for _ in range(600):
         choice = policy.choose(target, draft)
-        policy.observe_step(choice, true_step(choice))
+        factor = 1.0 - 0.12 * choice.k
+        policy.observe_step(choice, choice.raw_draft_s * factor, choice.raw_verify_s * factor)
     picks = [policy.choose(target, draft).k for _ in range(15)]  # 15 < EXPLORE_EVERY: no exploration
     assert max(set(picks), key=picks.count) == truly_best
 
@@ -148,7 +147,7 @@ def test_acceptance_falling_with_depth_is_measured_and_steers_k_down():
         choice = policy.choose(*shapes_b1)
         if choice.k > 0:
             policy.acceptance.observe(choice.k, _draw_accepted(rng, truth, choice.k))
-        policy.observe_step(choice, step_s[choice.k])
+        policy.observe_step(choice, 0.006 * choice.k, 0.010)
         picks.append(choice.k)
     late = picks[200:]
     assert max(set(late), key=late.count) == truly_best
@@ -163,3 +162,45 @@ def test_step_correction_shrugs_off_one_outlier():
         corr.observe(2, cell, 0.010, 0.010)
     corr.observe(2, cell, 0.010, 0.050)
     assert corr.factor(2, cell) < 1.0 + corr.smoothing * (corr.OUTLIER_CLIP - 1.0) + 1e-9
+
+
+def test_draft_and_verify_biases_are_corrected_apart():
+    """Batch 1 at 8K on a CPU: the draft cost model underrates a draft pass 3x (0.002 s predicted, 0.006 s
+    true, 0.6 of a target step), the verify model is right. The uncorrected models pick a long
+    speculation (k = 5); one measured step later the policy runs k = 1, the truly best, and stays there.
+    A single factor per k for the whole step fails here: k = 1 borrows k = 5's factor, which carries five
+    draft passes' worth of bias, while plain decoding keeps its own factor of 1, so the policy decodes
+    plainly (0.87x of k = 1's rate) until exploration finds k = 1, 16 decisions later at the earliest."""
+    import random
+
+    truth = [0.9, 0.6, 0.52, 0.5, 0.5]
+    true_tokens = [1.0]
+    chain = 1.0
+    for r in truth:
+        chain *= r
+        true_tokens.append(true_tokens[-1] + chain)
+    verify_s = {k: 0.010 * (1 + 0.05 * k) for k in range(6)}
+    step_s = {k: 0.006 * k + verify_s[k] for k in range(6)}
+    true_rate = {k: true_tokens[k] / step_s[k] for k in range(6)}
+    assert max(true_rate, key=true_rate.get) == 1
+
+    target, draft = fitted_cost(0.010, 0.00025), fitted_cost(0.002, 0.0)
+    acceptance = AcceptanceEstimator(prior=0.7, smoothing=0.02)
+    for k in range(1, 6):  # an acceptance estimate already warm, as on a running worker
+        for _ in range(40):
+            acceptance.observe(k, _draw_accepted(random.Random(k), truth, k))
+    policy = AdaptiveK(5, target, draft, acceptance)
+    shapes_b1 = (lambda k: PassShape(1, 8192 + k, k + 1)), (lambda step: PassShape(1, 272 + step, 1))
+    assert policy.choose(*shapes_b1).k >= 2  # the premise: the draft looks cheap, so speculate long
+    rng = random.Random(2)
+    picks = []
+    for _ in range(100):
+        choice = policy.choose(*shapes_b1)
+        if choice.k > 0:
+            policy.acceptance.observe(choice.k, _draw_accepted(rng, truth, choice.k))
+        policy.observe_step(choice, 0.006 * choice.k, verify_s[choice.k])
+        picks.append(choice.k)
+    assert picks[1:16] == [1] * 15  # before any exploration
+    assert sum(true_rate[k] for k in picks[1:]) / len(picks[1:]) > 0.95 * true_rate[1]
+    cell = StepCorrection.cell(1, 8192)
+    assert abs(policy.correction.draft_factor(cell) - 3.0) < 0.2
