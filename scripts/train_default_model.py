@@ -13,8 +13,9 @@ Stages:
   4. training on CPU: bf16 autocast, fp32 master weights, AdamW, warmup + cosine; first
      ``short_steps`` at ``short_seq_len`` tokens, then ``long_steps`` at ``long_seq_len`` so positions up to
      4K are in distribution (the cosine ends here), then ``long_extension_steps`` more at ``long_seq_len``
-     at the final learning rate so the model learns to use that context; a checkpoint every ``ckpt_every``
-     steps;
+     at the final learning rate so the model learns to use that context, then ``file_window_steps`` at
+     ``long_seq_len`` on windows that lie inside one long file (a short re-warm and a second cosine), so
+     every position's context is the same document; a checkpoint every ``ckpt_every`` steps;
   5. export: Hugging Face Llama directory (bf16 safetensors, tokenizer, configs) to ``models/<name>/``.
 
 Scratch files (token cache, checkpoints, logs) go to ``runs/<name>/`` (git-ignored).
@@ -89,6 +90,16 @@ class TrainConfig:
     # Phase 3: more long sequences at the final (minimum) learning rate, so the model learns to use
     # context up to long_seq_len. A separate phase keeps phases 1-2 (and their LR schedule) unchanged.
     long_extension_steps: int = 300
+    # Phase 4: windows inside single training files of at least long_seq_len + 1 tokens (a random
+    # stream offset straddles a document boundary in a good share of 4K windows, and then the context
+    # beyond the boundary is useless). Files are drawn in proportion to their length; a window starts
+    # at the file's first token with probability file_start_share (where imports and definitions that
+    # the rest of the file uses live), else at a uniform offset. LR: linear re-warm over
+    # file_window_warmup steps to file_window_lr, cosine back to the floor (lr * min_lr_ratio).
+    file_window_steps: int = 400
+    file_window_lr: float = 6e-4
+    file_window_warmup: int = 20
+    file_start_share: float = 0.25
     # Optimiser.
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -109,8 +120,13 @@ class TrainConfig:
         return self.short_steps + self.long_steps
 
     @property
-    def total_steps(self) -> int:
+    def file_window_start(self) -> int:
+        """First step of phase 4."""
         return self.short_steps + self.long_steps + self.long_extension_steps
+
+    @property
+    def total_steps(self) -> int:
+        return self.file_window_start + self.file_window_steps
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,6 +203,36 @@ def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: 
     return torch.from_numpy(rows)
 
 
+def document_spans(tokens: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the documents of an EOS-separated stream; lengths exclude the EOS."""
+    ends = np.flatnonzero(tokens == eos_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return starts, ends - starts
+
+
+def sample_file_windows(tokens: np.ndarray, spans: tuple[np.ndarray, np.ndarray], batch: int, seq_len: int,
+                        start_share: float, seed: int, step: int) -> torch.Tensor:
+    """Deterministic windows of ``seq_len + 1`` tokens, each inside one document of the stream.
+
+    Only documents with at least ``seq_len + 1`` tokens are eligible; one is drawn with probability
+    proportional to its length, and the window starts at its first token with probability
+    ``start_share``, else at a uniform offset."""
+    doc_starts, doc_lens = spans
+    eligible = np.flatnonzero(doc_lens >= seq_len + 1)
+    if eligible.size == 0:
+        raise ValueError(f"no training document has {seq_len + 1} tokens; lower long_seq_len")
+    gen = np.random.default_rng([seed, step, seq_len, 4])
+    weights = doc_lens[eligible] / doc_lens[eligible].sum()
+    docs = gen.choice(eligible, size=batch, p=weights)
+    rows = []
+    for d in docs:
+        at_start = gen.random() < start_share
+        offset = 0 if at_start else int(gen.integers(0, doc_lens[d] - seq_len))
+        begin = doc_starts[d] + offset
+        rows.append(tokens[begin : begin + seq_len + 1])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
 # --------------------------------------------------------------------------------------------------
 # Model
 
@@ -251,7 +297,15 @@ def make_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, cosine decay to ``min_lr_ratio * lr`` over phases 1-2, then flat at the floor."""
+    """Linear warmup, cosine decay to ``min_lr_ratio * lr`` over phases 1-2, flat at the floor in phase 3;
+    phase 4 re-warms to ``file_window_lr`` and decays back to the floor."""
+    floor = cfg.lr * cfg.min_lr_ratio
+    if step >= cfg.file_window_start:
+        k = step - cfg.file_window_start
+        if k < cfg.file_window_warmup:
+            return floor + (cfg.file_window_lr - floor) * (k + 1) / cfg.file_window_warmup
+        progress = (k - cfg.file_window_warmup) / max(1, cfg.file_window_steps - cfg.file_window_warmup)
+        return floor + (cfg.file_window_lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.decay_steps - cfg.warmup_steps))
@@ -281,10 +335,15 @@ def heldout_loss(model: CausalLM, held: np.ndarray, cfg: TrainConfig, seq_len: i
     return float(np.mean(losses))
 
 
-def train_step(model, opt, tokens: np.ndarray, step: int, cfg: TrainConfig) -> tuple[float, float]:
-    """One optimiser step (with gradient accumulation in the long phase). Returns (loss, grad norm)."""
+def train_step(model, opt, tokens: np.ndarray, spans, step: int, cfg: TrainConfig) -> tuple[float, float]:
+    """One optimiser step (with gradient accumulation in the long phases). Returns (loss, grad norm).
+
+    ``spans`` are the stream's ``document_spans`` (phase 4 samples windows inside documents)."""
     seq_len, batch, micro = phase_of(step, cfg)
-    rows = sample_batch(tokens, batch, seq_len, cfg.seed, step)
+    if step >= cfg.file_window_start:
+        rows = sample_file_windows(tokens, spans, batch, seq_len, cfg.file_start_share, cfg.seed, step)
+    else:
+        rows = sample_batch(tokens, batch, seq_len, cfg.seed, step)
     for group in opt.param_groups:
         group["lr"] = lr_at(step, cfg)
     total = 0.0
@@ -384,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     tok, train_tokens, held_tokens, corpus_info = prepare_data(cfg, run_dir, log)
     eos_id = tok.token_to_id(EOS_TOKEN)
+    spans = document_spans(train_tokens, eos_id)
     model = build_model(cfg, eos_id)
     opt = make_optimizer(model, cfg)
     log(f"model: {model.config.num_parameters() / 1e6:.2f}M parameters")
@@ -404,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(range(start, end), initial=start, total=cfg.total_steps, desc="train", dynamic_ncols=True)
     t_last = time.time()
     for step in bar:
-        loss, norm = train_step(model, opt, train_tokens, step, cfg)
+        loss, norm = train_step(model, opt, train_tokens, spans, step, cfg)
         now = time.time()
         elapsed += now - t_last
         t_last = now
@@ -413,10 +473,12 @@ def main(argv: list[str] | None = None) -> None:
                   "tokens": seq_len * batch, "elapsed": elapsed}
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{record['lr']:.2e}", seq=seq_len)
         done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.total_steps or done == cfg.short_steps:
+        if done % cfg.eval_every == 0 or done in (cfg.total_steps, cfg.short_steps, cfg.file_window_start):
             record["heldout_loss_512"] = heldout_loss(model, held_tokens, cfg, 512)
+            if done > cfg.short_steps:
+                record["heldout_loss_4096"] = heldout_loss(model, held_tokens, cfg, 4096)
             log(f"step {done}: train {loss:.3f}  held-out@512 {record['heldout_loss_512']:.3f}  "
-                f"({elapsed / 60:.1f} min)")
+                f"held-out@4096 {record.get('heldout_loss_4096', float('nan')):.3f}  ({elapsed / 60:.1f} min)")
             t_last = time.time()  # evaluation time is not training time
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -434,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
         "parameters": model.config.num_parameters(),
         "training_wall_time_s": elapsed,
         "train_tokens_seen": cfg.short_steps * cfg.short_seq_len * cfg.short_batch
-        + (cfg.long_steps + cfg.long_extension_steps) * cfg.long_seq_len * cfg.long_batch,
+        + (cfg.long_steps + cfg.long_extension_steps + cfg.file_window_steps) * cfg.long_seq_len * cfg.long_batch,
         "final_heldout_loss_512": heldout_loss(model, held_tokens, cfg, 512),
         "final_heldout_loss_4096": heldout_loss(model, held_tokens, cfg, 4096),
         "torch": torch.__version__,
