@@ -46,9 +46,13 @@ def main():
             t_prefill, _ = timed_generate(llm, prompts, 1, job["repeats"])
             t_full, tokens = timed_generate(llm, prompts, job["max_tokens"], job["repeats"])
             decoded = len(prompts) * (job["max_tokens"] - 1)
+            decode_s = t_full - t_prefill
+            # decode time is the difference of two medians; when it is within the prefill's run-to-run
+            # noise the throughput is meaningless (it once came out at 1e11 tokens/s): report none
+            valid = decode_s > 0.1 * t_full
             results.append({"mode": mode, "batch": len(prompts), "prefix": len(prompts[0]),
                             "prefill_s": t_prefill, "total_s": t_full,
-                            "decode_tokens_per_s": decoded / max(1e-9, t_full - t_prefill),
+                            "decode_tokens_per_s": decoded / decode_s if valid else None,
                             "first_tokens": [t[:16] for t in tokens]})
             print(json.dumps({k: v for k, v in results[-1].items() if k != "first_tokens"}), flush=True)
         del llm
