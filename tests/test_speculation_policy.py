@@ -164,6 +164,17 @@ def test_step_correction_shrugs_off_one_outlier():
     assert corr.factor(2, cell) < 1.0 + corr.smoothing * (corr.OUTLIER_CLIP - 1.0) + 1e-9
 
 
+def _true_rates(truth: list[float], draft_s: float, verify_s: dict[int, float]) -> dict[int, float]:
+    """Tokens per second of each k in 0..5 given acceptance by depth, draft pass and verify times."""
+    tokens, chain, rates = 1.0, 1.0, {}
+    for k in range(6):
+        if k:
+            chain *= truth[k - 1]
+            tokens += chain
+        rates[k] = tokens / (draft_s * k + verify_s[k])
+    return rates
+
+
 def test_draft_and_verify_biases_are_corrected_apart():
     """Batch 1 at 8K on a CPU: the draft cost model underrates a draft pass 3x (0.002 s predicted, 0.006 s
     true, 0.6 of a target step), the verify model is right. The uncorrected models pick a long
@@ -174,14 +185,8 @@ def test_draft_and_verify_biases_are_corrected_apart():
     import random
 
     truth = [0.9, 0.6, 0.52, 0.5, 0.5]
-    true_tokens = [1.0]
-    chain = 1.0
-    for r in truth:
-        chain *= r
-        true_tokens.append(true_tokens[-1] + chain)
     verify_s = {k: 0.010 * (1 + 0.05 * k) for k in range(6)}
-    step_s = {k: 0.006 * k + verify_s[k] for k in range(6)}
-    true_rate = {k: true_tokens[k] / step_s[k] for k in range(6)}
+    true_rate = _true_rates(truth, 0.006, verify_s)
     assert max(true_rate, key=true_rate.get) == 1
 
     target, draft = fitted_cost(0.010, 0.00025), fitted_cost(0.002, 0.0)
@@ -216,14 +221,8 @@ def test_unmeasured_neighbours_are_tried_before_a_borrowed_factor_settles_k():
     import random
 
     truth = [0.9, 0.6, 0.5, 0.5, 0.5]
-    true_tokens = [1.0]
-    chain = 1.0
-    for r in truth:
-        chain *= r
-        true_tokens.append(true_tokens[-1] + chain)
     verify_s = {k: 0.010 * (1 + 0.5 * k) for k in range(6)}
-    step_s = {k: 0.002 * k + verify_s[k] for k in range(6)}
-    true_rate = {k: true_tokens[k] / step_s[k] for k in range(6)}
+    true_rate = _true_rates(truth, 0.002, verify_s)
     assert max(true_rate, key=true_rate.get) == 1
 
     def run(unmeasured_margin: float) -> list[int]:
