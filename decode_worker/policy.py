@@ -148,7 +148,7 @@ class AcceptanceEstimator:
 
     Why by depth: a self-speculative draft writes its own (sparse-attention) KV for the tokens it proposes,
     so its errors compound along a proposal and the conditional acceptance falls with depth. On the bundled
-    model at batch 1, 8K context, budget 256, depth 1 is accepted 0.90 of the time but a 5-token proposal
+    model's phase-3 weights at batch 1, 8K context, budget 256, depth 1 is accepted 0.90 of the time but a 5-token proposal
     yields 2.25 accepted tokens, not the 3.69 of a constant 0.90 (the geometric model); with one pooled rate
     the policy chose k = 4-5 there and ran at 0.7x autoregressive speed."""
 
@@ -221,11 +221,6 @@ class KChoice:
     raw_draft_s: float = 0.0  # the draft cost model's prediction for the k draft passes, before correction
     raw_verify_s: float = 0.0  # the target cost model's prediction for the verify (k = 0: decode) pass
     cell: tuple = ()  # StepCorrection cell of this step's shape (without k)
-
-    @property
-    def raw_step_s(self) -> float:
-        """The cost models' prediction of the whole step, before correction."""
-        return self.raw_draft_s + self.raw_verify_s
 
 
 class StepCorrection:
@@ -310,7 +305,8 @@ class AdaptiveK:
     # best: its prediction rests on a guess that one measured decision replaces. Bounded cost: at most
     # max_k + 1 such decisions per cell, each predicted at most 1 - UNMEASURED_MARGIN slower. Without
     # it, a policy that decides a few dozen times per cell could sit on a k whose neighbours it never
-    # measured (at batch 1, 8K on a CPU: k = 3 at 0.91x, where k = 1 gave 1.05x).
+    # measured (benchmarks/spec_decode.py at commit 4d05058, batch 1 at 8K: k = 3 at 0.91x, where fixed
+    # k = 1 gave 1.05x).
     UNMEASURED_MARGIN = 0.75
 
     def __init__(self, max_k: int, target_cost: LinearCostModel, draft_cost: LinearCostModel,

@@ -143,7 +143,6 @@ class DecodeWorker:
         self.policy = AdaptiveK(spec_cfg.max_k, self.target_cost, self.draft_cost, self.acceptance, slo,
                                 self.step_correction)
         self._cached_choice: tuple[tuple, int, KChoice] | None = None  # (request ids, reuses left, choice)
-        self._step_draft_s = 0.0  # the current step's draft time (the policy corrects draft and verify apart)
         self.metrics = WorkerMetrics()
         self._live: dict[str, _Live] = {}  # running sequences, in admission order
         self._reserved: dict[str, BlockTable] = {}
@@ -239,15 +238,14 @@ class DecodeWorker:
         if not lives:
             return []
         seqs = [lv.seq for lv in lives]
-        t_forward = time.perf_counter()
-        self._step_draft_s = 0.0
+        t_forward, draft_before = time.perf_counter(), self.metrics.draft_time_s
         if k == 0:
             verdicts = self._decode(seqs)
         else:
             verdicts = self._speculate(seqs, k)
         if choice is not None and k == planned and len(seqs) == batch:  # same shape as predicted
-            rest_s = time.perf_counter() - t_forward - self._step_draft_s
-            self.policy.observe_step(choice, self._step_draft_s, rest_s)
+            draft_s = self.metrics.draft_time_s - draft_before  # the policy corrects draft and verify apart
+            self.policy.observe_step(choice, draft_s, time.perf_counter() - t_forward - draft_s)
         deltas = [self._commit(lv, v, k) for lv, v in zip(lives, verdicts)]
         self._record_step(k, time.perf_counter() - start)
         return deltas
@@ -302,7 +300,6 @@ class DecodeWorker:
         self.draft_cost.observe(draft_shape, t1 - t0)
         self._observe_target(seqs, k, t2 - t1)
         self.metrics.draft_time_s += t1 - t0
-        self._step_draft_s = t1 - t0
         self.metrics.verify_time_s += t2 - t1
         greedy = torch.argmax(logits, dim=-1).tolist()
         verdicts = []
