@@ -300,13 +300,16 @@ class AdaptiveK:
     # cost models. Bounded cost: one decision in EXPLORE_EVERY, predicted at most 1 - EXPLORE_MARGIN slower.
     EXPLORE_EVERY = 16
     EXPLORE_MARGIN = 0.9
-    # A neighbour of the best k whose verify factor this cell has not measured (it borrows another k's,
-    # or assumes 1 for k = 0) is tried at once when its predicted rate is within UNMEASURED_MARGIN of the
-    # best: its prediction rests on a guess that one measured decision replaces. Bounded cost: at most
-    # max_k + 1 such decisions per cell, each predicted at most 1 - UNMEASURED_MARGIN slower. Without
-    # it, a policy that decides a few dozen times per cell could sit on a k whose neighbours it never
-    # measured (benchmarks/spec_decode.py at commit 4d05058, batch 1 at 8K: k = 3 at 0.91x, where fixed
-    # k = 1 gave 1.05x).
+    # A k whose verify factor this cell has not measured (it borrows another k's, or assumes 1 for
+    # k = 0) is tried at once when its predicted rate is within UNMEASURED_MARGIN of the best, nearest
+    # to the best k first: its prediction rests on a guess that one measured decision replaces. Bounded
+    # cost: at most max_k such decisions per cell, each predicted at most 1 - UNMEASURED_MARGIN slower.
+    # Without it, a policy that decides a few dozen times per cell could sit on a k whose neighbours it
+    # never measured (benchmarks/spec_decode.py at commit 4d05058, batch 1 at 8K: k = 3 at 0.91x, where
+    # fixed k = 1 gave 1.05x). Trying only the neighbours k +- 1 is not enough when the verify model
+    # underrates how verification grows with k: once the long k's are measured, the short ones borrow
+    # their inflated factor and are never tried (tests/test_speculation_policy.py,
+    # test_unmeasured_k_beyond_the_neighbours_is_tried).
     UNMEASURED_MARGIN = 0.75
 
     def __init__(self, max_k: int, target_cost: LinearCostModel, draft_cost: LinearCostModel,
@@ -357,9 +360,9 @@ class AdaptiveK:
                 best = candidates[k]
         assert best is not None
         self._decisions += 1
-        for k in (best.k - 1, best.k + 1):
-            near = candidates.get(k)
-            if (near is not None and not self.correction.measured(k, cell)
+        for k in sorted(candidates, key=lambda kk: (abs(kk - best.k), kk)):
+            near = candidates[k]
+            if (k != best.k and not self.correction.measured(k, cell)
                     and near.expected_tokens_per_s >= self.UNMEASURED_MARGIN * best.expected_tokens_per_s):
                 return near
         if self._decisions % self.EXPLORE_EVERY == 0:

@@ -206,7 +206,9 @@ def test_draft_and_verify_biases_are_corrected_apart():
         policy.observe_step(choice, 0.006 * choice.k, verify_s[choice.k])
         picks.append(choice.k)
     # a neighbour not yet measured in this cell is tried once (k = 0, k = 2), then k = 1 for good
-    assert sorted(picks[1:3]) == [0, 2] and picks[3:16] == [1] * 13
+    # each k not yet measured in this cell and predicted within the margin is tried once (k = 0, 2, 3),
+    # then k = 1 for good
+    assert sorted(picks[1:4]) == [0, 2, 3] and picks[4:16] == [1] * 12
     assert sum(true_rate[k] for k in picks[1:]) / len(picks[1:]) > 0.95 * true_rate[1]
     cell = StepCorrection.cell(1, 8192)
     assert abs(policy.correction.draft_factor(cell) - 3.0) < 0.2
@@ -244,3 +246,33 @@ def test_unmeasured_neighbours_are_tried_before_a_borrowed_factor_settles_k():
     assert without == [without[0]] * 15 and without[0] >= 2  # the premise: stuck on its first k
     picks = run(AdaptiveK.UNMEASURED_MARGIN)
     assert picks[-10:] == [1] * 10
+
+
+def test_unmeasured_k_beyond_the_neighbours_is_tried():
+    """Verification grows steeply with k (true 1.05 + 0.5 (k - 1) target steps from k = 1; the model
+    says about 1 + 0.01 k) and acceptance after the first draft is high, so the uncorrected models start
+    on a long k. Once k = 4 and 5 are measured, k = 1..3 borrow their large verify factor while plain
+    decoding keeps its own: trying only the neighbours of the best k (the rule until this test) then
+    decodes plainly for good, at 0.78x of k = 1's rate. Every unmeasured k within the margin is tried
+    once, nearest first, and the policy ends on k = 1, the truly best."""
+    import random
+
+    truth = [0.6, 0.95, 0.95, 0.95, 0.95]
+    verify_s = {0: 0.010, 1: 0.0105, 2: 0.016, 3: 0.021, 4: 0.026, 5: 0.029}
+    true_rate = _true_rates(truth, 0.002, verify_s)
+    assert max(true_rate, key=true_rate.get) == 1 and true_rate[5] < 0.8 * true_rate[1]
+
+    acceptance = AcceptanceEstimator(prior=0.7, smoothing=0.01)
+    rng = random.Random(5)
+    for i in range(2000):  # an acceptance estimate already warm, as on a running worker
+        acceptance.observe(1 + i % 5, _draw_accepted(rng, truth, 1 + i % 5))
+    policy = AdaptiveK(5, fitted_cost(0.010, 0.0001), fitted_cost(0.002, 0.0), acceptance)
+    shapes_b1 = (lambda k: PassShape(1, 8192 + k, k + 1)), (lambda step: PassShape(1, 272 + step, 1))
+    picks = []
+    for _ in range(15):  # fewer than EXPLORE_EVERY decisions
+        choice = policy.choose(*shapes_b1)
+        policy.observe_step(choice, 0.002 * choice.k, verify_s[choice.k])
+        picks.append(choice.k)
+    assert picks[0] >= 4  # the premise: the uncorrected models favour a long speculation
+    assert sorted(picks[:6]) == [0, 1, 2, 3, 4, 5]  # each k measured once, in the first six decisions
+    assert picks[-8:] == [1] * 8
