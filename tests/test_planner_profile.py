@@ -266,11 +266,15 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress"]) == 0
     assert Profile.load(str(out)).calibration("disaggregated").requests == 0  # identity until calibrated
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only", "--no-progress",
-                     "--calibration-requests", "5"]) == 0
+                     "--calibration-requests", "5", "--burst-requests", "6"]) == 0
     assert "calibration (disaggregated)" in capsys.readouterr().out
     cal = Profile.load(str(out)).calibration("disaggregated")
     assert cal.requests == 5
+    assert cal.contention_requests == 6 and 1.0 <= cal.contention_scale <= 3.0
+    assert math.isfinite(cal.contention_fit_error)
     assert cal.prefill_scale > 0 and cal.decode_scale > 0 and cal.ttft_overhead_s >= 0 and cal.decode_start_s >= 0
     assert math.isfinite(cal.ttft_fit_error) and math.isfinite(cal.decode_fit_error)
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
                      "--calibration-requests", "2"]) == 2
+    assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
+                     "--burst-requests", "-1"]) == 2

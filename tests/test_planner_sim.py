@@ -242,3 +242,47 @@ def test_calibration_never_fits_free_work():
     cal = fit(prof, "colocated", rows, 512)
     assert cal.prefill_scale > 0 and cal.decode_scale > 0
     assert cal.ttft_overhead_s == 0.0 and cal.decode_start_s == 0.0
+
+
+def colocated(instances=2, budget=512) -> SimConfig:
+    return SimConfig("colocated", colocated=PoolPlan(instances, 1, 1, 1 << 20, budget, 64))
+
+
+def test_contention_slows_the_steps_of_an_instance_while_another_is_busy():
+    """contention_scale 1.5 on two colocated instances: a request alone runs at the profile's speed; of
+    two arriving together, the first starts its (single-step) prefill while the other instance is idle,
+    the second while the first is busy, so its prefill takes 1.5x as long."""
+    import dataclasses
+
+    from controller.planner.profile import Calibration
+
+    prof = make_profile()
+    busy = prof.with_calibration(dataclasses.replace(Calibration.identity("colocated"), contention_scale=1.5))
+    alone = simulate(busy, colocated(), [RequestSpec(0.0, 400, 5)]).records[0]
+    assert alone.ttft_s == pytest.approx(simulate(prof, colocated(), [RequestSpec(0.0, 400, 5)]).records[0].ttft_s)
+    first, second = simulate(busy, colocated(), [RequestSpec(0.0, 400, 5), RequestSpec(0.0, 400, 5)]).records
+    assert first.ttft_s == pytest.approx(alone.ttft_s)
+    assert second.ttft_s == pytest.approx(1.5 * alone.ttft_s)
+    # a single instance has no one to contend with
+    solo = simulate(busy, colocated(instances=1), [RequestSpec(0.0, 400, 5), RequestSpec(0.0, 400, 5)]).records
+    assert solo[0].ttft_s == pytest.approx(alone.ttft_s)
+
+
+def test_contention_fit_recovers_the_factor_behind_a_burst():
+    """Latencies of a burst simulated with a known contention factor: the calibration's burst rate keeps
+    the instances busy, and the grid search over factors finds the one behind them."""
+    import dataclasses
+
+    from controller.planner.calibrate import BURST_UTILISATION, burst_trace, calibration_lengths, fit_contention
+    from controller.planner.profile import Calibration
+
+    prof = make_profile(prefill_per_token=2e-4, transfer_per_token=1e-5)
+    config = disagg()
+    trace = burst_trace(prof, config, calibration_lengths(3000, 24, 1), (17, 33, 65), seed=0)
+    util = simulate(prof, config, trace).instance_utilisation
+    assert sum(util.values()) / len(util) >= BURST_UTILISATION
+    truth = prof.with_calibration(dataclasses.replace(Calibration.identity("disaggregated"), contention_scale=1.4))
+    rows = [{"prompt": r.prompt_tokens, "tokens": r.completion_tokens, "ttft_s": r.ttft_s,
+             "decode_s": r.finish_s - r.first_token_s} for r in simulate(truth, config, trace).records]
+    scale, err = fit_contention(prof, config, trace, rows, seeds=1)
+    assert scale == pytest.approx(1.4) and err == pytest.approx(0.0, abs=1e-9)

@@ -10,19 +10,32 @@ it serves the config for real (Ray + gRPC on localhost), sends isolated requests
     TTFT                      = ttft_overhead_s + prefill_scale * (predicted prefill steps)
     first -> last token time  = decode_start_s  + decode_scale  * (predicted decode steps) + (KV tail)
 
-by non-negative least squares of the relative error. The simulator applies the fitted terms. The
-calibration uses only isolated requests, never the loaded sweeps it is validated against.
+by non-negative least squares of the relative error. The simulator applies the fitted terms.
+
+Isolated requests leave the rest of the machine idle. When several instances share one machine (the
+CPU cluster: workers, router, gRPC server and clients on the same cores), a step runs slower while the
+other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
+arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
+``BURST_UTILISATION`` of the time) is served for real, then replayed through the simulator for a grid
+of contention factors; the factor whose simulated TTFT and decode times match the measured ones best
+(least squares of the log ratio) is kept as ``contention_scale``.
+
+The calibration never uses the SLO sweeps it is validated against (``benchmarks/sim_validate.py``):
+its prompts, lengths and arrivals are its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
+import threading
 import time
 
 from tqdm import tqdm
 
 from controller.planner.profile import Calibration, Profile, prefill_features, transfer_features
+from controller.planner.workload import RequestSpec
 from decode_worker.policy import PassShape, fit_nonnegative_relative
 
 
@@ -81,6 +94,108 @@ def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: in
     return rows
 
 
+BURST_UTILISATION = 0.6  # mean busy share of the instances the burst's rate aims at (simulated)
+CONTENTION_GRID = tuple(round(1.0 + 0.02 * i, 2) for i in range(101))  # 1.00 .. 3.00
+
+
+def burst_trace(profile: Profile, sim_config, lengths: list[int], output_tokens: tuple[int, ...],
+                seed: int) -> list[RequestSpec]:
+    """Poisson arrivals of the given prompt lengths at the lowest rate of a geometric grid whose simulated
+    mean instance utilisation (isolated terms, no contention) reaches BURST_UTILISATION."""
+    from controller.planner.simulator import simulate
+
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(1.0) for _ in lengths]  # unit-rate gaps, scaled per candidate rate
+    outputs = [output_tokens[i % len(output_tokens)] for i in range(len(lengths))]
+
+    def trace_at(rate: float) -> list[RequestSpec]:
+        t, out = 0.0, []
+        for gap, n, o in zip(gaps, lengths, outputs):
+            out.append(RequestSpec(t, n, o))
+            t += gap / rate
+        return out
+
+    rate = 0.05
+    while rate < 1e3:
+        trace = trace_at(rate)
+        util = simulate(profile, sim_config, trace, seed=0).instance_utilisation
+        if sum(util.values()) / max(1, len(util)) >= BURST_UTILISATION:
+            return trace
+        rate *= 1.25
+    raise RuntimeError("calibration burst: no request rate keeps the simulated instances busy")
+
+
+def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -> list[dict]:
+    """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival)."""
+    from controller.client import Client
+    from controller.server import serve_in_thread
+    from modeling.checkpoint import load_config as load_model_config
+
+    vocab = load_model_config(config.model_path).vocab_size
+    rng = random.Random(seed + 1)
+    prompts = [[rng.randrange(1, vocab) for _ in range(r.prompt_tokens)] for r in trace]
+    rows: list[dict | None] = [None] * len(trace)
+    errors: list[BaseException] = []
+    with serve_in_thread(config) as address, Client(address) as client:
+        for _ in client.generate_stream(prompts[0][:64], max_tokens=4, ignore_eos=True):
+            pass  # warm-up
+        t0 = time.perf_counter()
+
+        def send(i: int) -> None:
+            try:
+                time.sleep(max(0.0, t0 + trace[i].arrival_s - time.perf_counter()))
+                sent = time.perf_counter()
+                first = last = None
+                tokens = 0
+                for chunk in client.generate_stream(prompts[i], max_tokens=trace[i].output_tokens, ignore_eos=True):
+                    if chunk.token_ids:
+                        now = time.perf_counter()
+                        first = first or now
+                        last = now
+                        tokens += len(chunk.token_ids)
+                rows[i] = {"prompt": trace[i].prompt_tokens, "tokens": tokens, "ttft_s": first - sent,
+                           "decode_s": last - first}
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every thread ends
+                errors.append(exc)
+
+        threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(trace))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise RuntimeError(f"calibration burst: {len(errors)} of {len(trace)} requests failed: {errors[0]!r}")
+    if progress:
+        tqdm.write(f"calibration burst: {len(trace)} overlapping requests over {trace[-1].arrival_s:.1f} s timed")
+    return rows
+
+
+def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows: list[dict],
+                   seeds: int = 3) -> tuple[float, float]:
+    """(contention_scale, RMS of log(simulated / measured)) over the burst's TTFTs and decode times;
+    ``profile`` carries the isolated terms of the mode."""
+    from controller.planner.simulator import simulate
+
+    mode = sim_config.mode
+    base = profile.calibration(mode)
+    best = (math.inf, 1.0)
+    for scale in CONTENTION_GRID:
+        trial = profile.with_calibration(dataclasses.replace(base, contention_scale=scale))
+        sq, n = 0.0, 0
+        for seed in range(seeds):
+            for rec, row in zip(simulate(trial, sim_config, trace, seed=seed).records, rows):
+                if not rec.finished:
+                    sq, n = math.inf, 1
+                    break
+                sq += math.log(max(rec.ttft_s, 1e-6) / max(row["ttft_s"], 1e-6)) ** 2
+                n += 1
+                if row["tokens"] > 1:
+                    sq += math.log(max(rec.finish_s - rec.first_token_s, 1e-6) / max(row["decode_s"], 1e-6)) ** 2
+                    n += 1
+        best = min(best, (sq / max(1, n), scale))
+    return best[1], math.sqrt(best[0])
+
+
 def _fit_offset_and_scale(predicted: list[float], measured: list[float]) -> tuple[float, float, float]:
     """measured = offset + scale * predicted (both >= 0, relative error). A zero scale would tell the
     simulator that the work is free, so when the data cannot separate the two terms (e.g. too little
@@ -103,8 +218,9 @@ def fit(profile: Profile, mode: str, rows: list[dict], chunk: int) -> Calibratio
 
 
 def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = (17, 33, 65), seed: int = 0,
-              progress: bool = True) -> Calibration:
-    """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run)."""
+              progress: bool = True, burst_requests: int = 24) -> Calibration:
+    """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
+    isolated terms, then (``burst_requests`` > 0) the contention factor on a burst."""
     from controller.config import parse_config, to_dict
 
     raw = to_dict(config)
@@ -116,4 +232,15 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
     chunk = run_config.colocated.chunk_tokens if mode == "colocated" else run_config.prefill.chunk_tokens
     max_prompt = min(run_config.limits.max_prompt_tokens, 4096)
     rows = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed, progress)
-    return fit(profile, mode, rows, chunk)
+    cal = fit(profile, mode, rows, chunk)
+    if burst_requests <= 0:
+        return cal
+    from controller.planner.simulator import SimConfig
+
+    isolated = profile.with_calibration(cal)
+    sim_config = SimConfig.from_cluster_config(run_config)
+    trace = burst_trace(isolated, sim_config, calibration_lengths(max_prompt, burst_requests, seed + 1),
+                        output_tokens, seed)
+    burst = measure_burst(run_config, trace, seed, progress)
+    scale, err = fit_contention(isolated, sim_config, trace, burst)
+    return dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)

@@ -92,7 +92,13 @@ class AcceptanceEntry:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Serving-path terms of one mode (``disaggregated`` or ``colocated``), fitted on isolated requests."""
+    """Serving-path terms of one mode (``disaggregated`` or ``colocated``): the first seven are fitted on
+    isolated requests; ``contention_scale`` on a burst of overlapping ones (``calibrate.py``).
+
+    contention_scale: how much longer a step takes while every other instance of the cluster is busy
+    (workers sharing cores, memory bandwidth and the server's CPU); the simulator interpolates linearly
+    in the share of other instances busy when a step starts. 1.0 = no contention (unmeasured, or
+    instances on separate devices)."""
 
     mode: str
     ttft_overhead_s: float
@@ -102,6 +108,9 @@ class Calibration:
     requests: int
     ttft_fit_error: float  # relative RMS
     decode_fit_error: float
+    contention_scale: float = 1.0
+    contention_requests: int = 0  # requests of the burst behind contention_scale
+    contention_fit_error: float = 0.0  # RMS of log(simulated / measured) latency over the burst
 
     @staticmethod
     def identity(mode: str) -> "Calibration":

@@ -762,10 +762,15 @@ def run_cli(args) -> int:
         else:
             profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
         if args.calibrate or args.calibrate_only:
-            cal = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress)
+            if args.burst_requests < 0:
+                raise ProfileError(f"--burst-requests: must be >= 0 (0 skips the contention burst), got {args.burst_requests}")
+            cal = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress,
+                            burst_requests=args.burst_requests)
             print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
                   f"predicted prefill (fit error {cal.ttft_fit_error:.1%}); decode = {1e3 * cal.decode_start_s:.1f} ms + "
-                  f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests")
+                  f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
+                  f"contention {cal.contention_scale:.2f}x with the other instances busy ({cal.contention_requests}-request "
+                  f"burst, RMS log error {cal.contention_fit_error:.2f})")
             profile = profile.with_calibration(cal)
     profile.save(args.out)
     print(f"wrote {args.out}")

@@ -81,6 +81,7 @@ class _Instance:
         if planned is None:
             return
         duration, done = planned
+        duration *= self._contention()
         self.busy = True
         self.steps += 1
         self.busy_s += duration
@@ -94,6 +95,14 @@ class _Instance:
 
     def _plan_step(self):
         raise NotImplementedError
+
+    def _contention(self) -> float:
+        """Step-time factor for the other instances busy as this step starts (calibrated; 1 when alone)."""
+        scale = self.sim.calibration.contention_scale
+        others = [i for i in self.sim.instances if i is not self]
+        if scale == 1.0 or not others:
+            return 1.0
+        return 1.0 + (scale - 1.0) * sum(i.busy for i in others) / len(others)
 
     def _take(self, blocks: int) -> bool:
         if blocks > self.free_blocks:

@@ -14,9 +14,10 @@ What it models (and mirrors from the real router, ``controller/router.py``):
 
 Instance behaviour lives in ``sim_instances``. The serving path's own costs (Ray and gRPC hops, worker
 loops, the workers sharing memory bandwidth) enter through the profile's calibration of the mode
-(``calibrate.py``): a request-path delay, scales on prefill and decode step times and a delay before a
-transferred request joins the decode batch. Not modelled: failures and retries, and contention that
-grows with load beyond what the calibration saw.
+(``calibrate.py``): a request-path delay, scales on prefill and decode step times, a delay before a
+transferred request joins the decode batch, and a contention factor on the steps of an instance while
+others are busy (instances sharing one machine's cores and memory bandwidth). Not modelled: failures
+and retries.
 """
 
 from __future__ import annotations
@@ -191,6 +192,7 @@ class Simulation:
                                      d.kv_cache_tokens, bs, d.max_num_seqs, c.speculation, random.Random(rng.random()))
                            for i in range(d.instances)]
             self.colocated = []
+        self.instances = self.prefill + self.decode + self.colocated
 
     # -- the event loop ------------------------------------------------------------------------------
 
@@ -209,7 +211,7 @@ class Simulation:
             self.now = t
             fn()
         duration = self.now
-        instances = self.prefill + self.decode + self.colocated
+        instances = self.instances
         k_counts: dict[int, int] = {}
         for d in self.decode:
             for k, n in d.k_counts.items():
