@@ -60,6 +60,16 @@ def simulate_rate(profile: Profile, config: SimConfig, row: dict, ttft_s: float,
     }
 
 
+def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a measured share of ``n`` requests: how far the measured attainment
+    itself may sit from the rate's true attainment by the luck of which requests were drawn."""
+    if n == 0:
+        return 0.0, 1.0
+    centre = (share + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((share * (1 - share) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def compare(sweep: dict, profile: Profile, config: SimConfig, seeds: int) -> dict:
     s = sweep["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
@@ -67,14 +77,17 @@ def compare(sweep: dict, profile: Profile, config: SimConfig, seeds: int) -> dic
     for row in sweep["rates"]:
         sim = simulate_rate(profile, config, row, ttft_s, tpot_s, seeds)
         measured = attainment_of(row["records"], ttft_s, tpot_s)
+        lo, hi = wilson_interval(measured["both"], len(row["records"]))
         rows.append({"rate": row["rate"], "requests": len(row["records"]),
                      "measured": {k: measured[k] for k in KEYS}, "simulated": sim["attainment"],
+                     "measured_ci95_both": [lo, hi], "inside_ci95_both": lo <= sim["attainment"]["both"] <= hi,
                      "diff": {k: sim["attainment"][k] - measured[k] for k in KEYS},
                      "measured_latency_ms": row.get("latency_ms", {}), "simulated_latency_ms": sim["latency_ms"],
                      "simulated_utilisation": sim["utilisation"], "simulated_k_counts": sim["k_counts"]})
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
-            "max_abs_diff_both": worst, "within_tolerance": worst <= TOLERANCE, "tolerance": TOLERANCE}
+            "max_abs_diff_both": worst, "within_tolerance": worst <= TOLERANCE, "tolerance": TOLERANCE,
+            "inside_ci95_both": sum(r["inside_ci95_both"] for r in rows)}
 
 
 def _ms(v) -> str:
@@ -87,17 +100,21 @@ def write_markdown(result: dict, path: str) -> None:
              f"Sweep `{result['sweep']}` ({result['workload']}), profile `{result['profile']}` ({result['hardware']}), "
              f"SLOs TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms; simulated attainment is the mean of "
              f"{result['seeds']} seeds.", "",
-             "| rate | requests | both: measured | simulated | diff (pts) | TTFT only: meas. / sim. | TPOT only: meas. / sim. "
-             "| TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. |",
+             "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
+             "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. |",
              "|---:|---:|---:|---:|---:|---|---|---|---|"]
     for r in result["rows"]:
         m, s, ml, sl = r["measured"], r["simulated"], r["measured_latency_ms"], r["simulated_latency_ms"]
-        lines.append(f"| {r['rate']:g} | {r['requests']} | {m['both']:.1%} | {s['both']:.1%} | {100 * r['diff']['both']:+.1f} "
+        lo, hi = r["measured_ci95_both"]
+        lines.append(f"| {r['rate']:g} | {r['requests']} | {m['both']:.1%} ({lo:.0%}-{hi:.0%}) | {s['both']:.1%} "
+                     f"| {100 * r['diff']['both']:+.1f} "
                      f"| {m['ttft_only']:.0%} / {s['ttft_only']:.0%} | {m['tpot_only']:.0%} / {s['tpot_only']:.0%} "
                      f"| {_ms(ml.get('ttft_p50'))} / {_ms(sl.get('ttft_p50'))} | {_ms(ml.get('tpot_p50'))} / {_ms(sl.get('tpot_p50'))} |")
     verdict = "within" if result["within_tolerance"] else "NOT within"
     lines += ["", f"Largest difference on both SLOs: **{100 * result['max_abs_diff_both']:.1f} points**, "
-                  f"{verdict} the {100 * result['tolerance']:.0f}-point criterion at every rate."]
+                  f"{verdict} the {100 * result['tolerance']:.0f}-point criterion at every rate. The simulated "
+                  f"attainment lies inside the measured one's 95 % interval (Wilson; the measurement's own sampling "
+                  f"error with this many requests) at {result['inside_ci95_both']} of {len(result['rows'])} rates."]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
