@@ -220,32 +220,37 @@ def test_unmeasured_neighbours_are_tried_before_a_borrowed_factor_settles_k():
     borrows, so k = 1 looks worse than k = 2 although it is truly better (1.12x against 1.02x plain
     decoding). Trying each unmeasured neighbour once walks the policy to k = 1 within a few decisions;
     without that it stays on k = 2 until the periodic exploration (every EXPLORE_EVERY decisions)."""
-    import random
-
     truth = [0.9, 0.6, 0.5, 0.5, 0.5]
     verify_s = {k: 0.010 * (1 + 0.5 * k) for k in range(6)}
     true_rate = _true_rates(truth, 0.002, verify_s)
     assert max(true_rate, key=true_rate.get) == 1
 
-    def run(unmeasured_margin: float) -> list[int]:
-        acceptance = AcceptanceEstimator(prior=0.7, smoothing=0.01)
-        rng = random.Random(3)
-        for i in range(2000):  # an acceptance estimate already warm, as on a running worker
-            acceptance.observe(1 + i % 5, _draw_accepted(rng, truth, 1 + i % 5))
-        policy = AdaptiveK(5, fitted_cost(0.010, 0.0005), fitted_cost(0.002, 0.0), acceptance)
-        policy.UNMEASURED_MARGIN = unmeasured_margin
-        shapes_b1 = (lambda k: PassShape(1, 8192 + k, k + 1)), (lambda step: PassShape(1, 272 + step, 1))
-        picks = []
-        for _ in range(15):  # fewer than EXPLORE_EVERY decisions
-            choice = policy.choose(*shapes_b1)
-            policy.observe_step(choice, 0.002 * choice.k, verify_s[choice.k])
-            picks.append(choice.k)
-        return picks
-
-    without = run(float("inf"))
+    without = _closed_loop_b1(truth, verify_s, 0.0005, seed=3, unmeasured_margin=float("inf"))
     assert without == [without[0]] * 15 and without[0] >= 2  # the premise: stuck on its first k
-    picks = run(AdaptiveK.UNMEASURED_MARGIN)
+    picks = _closed_loop_b1(truth, verify_s, 0.0005, seed=3)
     assert picks[-10:] == [1] * 10
+
+
+def _closed_loop_b1(truth: list[float], verify_s: dict[int, float], verify_per_token: float, seed: int,
+                    unmeasured_margin: float = AdaptiveK.UNMEASURED_MARGIN, decisions: int = 15) -> list[int]:
+    """The k's a policy picks at batch 1 x 8K over ``decisions`` decisions (fewer than EXPLORE_EVERY):
+    acceptance warm at ``truth`` by depth, draft passes 2 ms as modelled, verify passes taking
+    ``verify_s[k]`` while the model says 10 ms + ``verify_per_token`` per query."""
+    import random
+
+    acceptance = AcceptanceEstimator(prior=0.7, smoothing=0.01)
+    rng = random.Random(seed)
+    for i in range(2000):  # an acceptance estimate already warm, as on a running worker
+        acceptance.observe(1 + i % 5, _draw_accepted(rng, truth, 1 + i % 5))
+    policy = AdaptiveK(5, fitted_cost(0.010, verify_per_token), fitted_cost(0.002, 0.0), acceptance)
+    policy.UNMEASURED_MARGIN = unmeasured_margin
+    shapes_b1 = (lambda k: PassShape(1, 8192 + k, k + 1)), (lambda step: PassShape(1, 272 + step, 1))
+    picks = []
+    for _ in range(decisions):
+        choice = policy.choose(*shapes_b1)
+        policy.observe_step(choice, 0.002 * choice.k, verify_s[choice.k])
+        picks.append(choice.k)
+    return picks
 
 
 def test_unmeasured_k_beyond_the_neighbours_is_tried():
@@ -255,24 +260,12 @@ def test_unmeasured_k_beyond_the_neighbours_is_tried():
     decoding keeps its own: trying only the neighbours of the best k (the rule until this test) then
     decodes plainly for good, at 0.78x of k = 1's rate. Every unmeasured k within the margin is tried
     once, nearest first, and the policy ends on k = 1, the truly best."""
-    import random
-
     truth = [0.6, 0.95, 0.95, 0.95, 0.95]
     verify_s = {0: 0.010, 1: 0.0105, 2: 0.016, 3: 0.021, 4: 0.026, 5: 0.029}
     true_rate = _true_rates(truth, 0.002, verify_s)
     assert max(true_rate, key=true_rate.get) == 1 and true_rate[5] < 0.8 * true_rate[1]
 
-    acceptance = AcceptanceEstimator(prior=0.7, smoothing=0.01)
-    rng = random.Random(5)
-    for i in range(2000):  # an acceptance estimate already warm, as on a running worker
-        acceptance.observe(1 + i % 5, _draw_accepted(rng, truth, 1 + i % 5))
-    policy = AdaptiveK(5, fitted_cost(0.010, 0.0001), fitted_cost(0.002, 0.0), acceptance)
-    shapes_b1 = (lambda k: PassShape(1, 8192 + k, k + 1)), (lambda step: PassShape(1, 272 + step, 1))
-    picks = []
-    for _ in range(15):  # fewer than EXPLORE_EVERY decisions
-        choice = policy.choose(*shapes_b1)
-        policy.observe_step(choice, 0.002 * choice.k, verify_s[choice.k])
-        picks.append(choice.k)
+    picks = _closed_loop_b1(truth, verify_s, 0.0001, seed=5)
     assert picks[0] >= 4  # the premise: the uncorrected models favour a long speculation
     assert sorted(picks[:6]) == [0, 1, 2, 3, 4, 5]  # each k measured once, in the first six decisions
     assert picks[-8:] == [1] * 8
