@@ -99,7 +99,7 @@ def _add_profile_parser(sub) -> None:
     p.add_argument("--calibrate-only", action="store_true",
                    help="add the config mode's calibration to the existing profile at --out (no re-measuring)")
     p.add_argument("--calibration-requests", type=int, default=16, help="isolated requests timed for calibration")
-    p.add_argument("--burst-requests", type=int, default=24,
+    p.add_argument("--burst-requests", type=int, default=40,
                    help="overlapping requests of the calibration burst that measures contention (0: skip it)")
     p.add_argument("--analytical", action="store_true", help="model a GPU type instead of measuring")
     p.add_argument("--gpu", help="GPU type (analytical), e.g. A100-80GB-SXM, H100-80GB-SXM, H200-141GB, L40S")
