@@ -17,8 +17,8 @@ CPU cluster: workers, router, gRPC server and clients on the same cores), a step
 other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
 arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
 ``BURST_UTILISATION`` of the time) is served for real, then replayed through the simulator for a grid
-of contention factors; the factor whose simulated TTFT and decode times match the measured ones best
-(least squares of the log ratio) is kept as ``contention_scale``.
+of contention factors; the factor whose simulated TTFT and decode-time distributions match the measured
+ones best (least squares of the log ratio of sorted values) is kept as ``contention_scale``.
 
 The calibration never uses the SLO sweeps it is validated against (``benchmarks/sim_validate.py``):
 its prompts, lengths and arrivals are its own.
@@ -65,6 +65,20 @@ def calibration_lengths(max_prompt: int, count: int, seed: int) -> list[int]:
     return lengths
 
 
+def timed_stream(client, prompt: list[int], max_tokens: int) -> dict:
+    """Stream one request to the end: prompt length, tokens received, TTFT and first -> last token time."""
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    for chunk in client.generate_stream(prompt, max_tokens=max_tokens, ignore_eos=True):
+        if chunk.token_ids:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += len(chunk.token_ids)
+    return {"prompt": len(prompt), "tokens": tokens, "ttft_s": first - t0, "decode_s": last - first}
+
+
 def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool) -> list[dict]:
     """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths;
     output lengths cycle through ``output_tokens`` so the decode slope is identifiable."""
@@ -78,16 +92,7 @@ def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: in
     with serve_in_thread(config) as address, Client(address) as client:
         for i, n in enumerate([64, 64] + lengths):  # two warm-up requests first (not recorded)
             prompt = [rng.randrange(1, vocab) for _ in range(n)]
-            t0 = time.perf_counter()
-            first = last = None
-            tokens = 0
-            for chunk in client.generate_stream(prompt, max_tokens=output_tokens[i % len(output_tokens)], ignore_eos=True):
-                if chunk.token_ids:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    tokens += len(chunk.token_ids)
-            rows.append({"prompt": n, "tokens": tokens, "ttft_s": first - t0, "decode_s": last - first})
+            rows.append(timed_stream(client, prompt, output_tokens[i % len(output_tokens)]))
         rows = rows[2:]
     if progress:
         tqdm.write(f"calibration: {len(rows)} isolated requests timed")
@@ -144,17 +149,7 @@ def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -
         def send(i: int) -> None:
             try:
                 time.sleep(max(0.0, t0 + trace[i].arrival_s - time.perf_counter()))
-                sent = time.perf_counter()
-                first = last = None
-                tokens = 0
-                for chunk in client.generate_stream(prompts[i], max_tokens=trace[i].output_tokens, ignore_eos=True):
-                    if chunk.token_ids:
-                        now = time.perf_counter()
-                        first = first or now
-                        last = now
-                        tokens += len(chunk.token_ids)
-                rows[i] = {"prompt": trace[i].prompt_tokens, "tokens": tokens, "ttft_s": first - sent,
-                           "decode_s": last - first}
+                rows[i] = timed_stream(client, prompts[i], trace[i].output_tokens)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, after every thread ends
                 errors.append(exc)
 

@@ -99,10 +99,10 @@ class _Instance:
     def _contention(self) -> float:
         """Step-time factor for the other instances busy as this step starts (calibrated; 1 when alone)."""
         scale = self.sim.calibration.contention_scale
-        others = [i for i in self.sim.instances if i is not self]
-        if scale == 1.0 or not others:
-            return 1.0
-        return 1.0 + (scale - 1.0) * sum(i.busy for i in others) / len(others)
+        if scale == 1.0 or len(self.sim.instances) < 2:
+            return 1.0  # the common case (GPU profiles, one instance) builds nothing per step
+        busy_others = sum(i.busy for i in self.sim.instances if i is not self)
+        return 1.0 + (scale - 1.0) * busy_others / (len(self.sim.instances) - 1)
 
     def _take(self, blocks: int) -> bool:
         if blocks > self.free_blocks:
