@@ -154,10 +154,16 @@ class AcceptanceEstimator:
 
     MAX_DEPTH = 32
 
-    # smoothing is per trial: 0.02 remembers ~50 of them (12 steps of a batch of 4, 1.5 of a batch of 32);
-    # much shorter memories make the chosen k jump with a few lucky steps
-    def __init__(self, prior: float = 0.7, smoothing: float = 0.02, prior_weight: float = 0.1):
+    # smoothing is per trial: 0.02 remembers ~50 of them (50 steps at batch 1, 12 at batch 4). A whole
+    # step's trials (observe_step) move an estimate by at most max_step_weight, so that the memory is also
+    # at least ~1 / max_step_weight steps: per trial alone, a batch of 32 would remember 1.5 steps, and
+    # acceptance varies along the text, so the chosen k would follow the last step's luck (at 32 x 4K the
+    # policy went k = 5, 1, 5 between the four decisions of a 16-step run; benchmarks/spec_decode.py at
+    # commit ee09e41).
+    def __init__(self, prior: float = 0.7, smoothing: float = 0.02, prior_weight: float = 0.1,
+                 max_step_weight: float = 0.125):
         self.smoothing = smoothing
+        self.max_step_weight = max_step_weight
         self.prior = prior
         self.prior_weight = prior_weight
         self._hits: list[float] = []    # smoothed successes per depth (index 0 = depth 1), tried depths only
@@ -192,18 +198,31 @@ class AcceptanceEstimator:
 
     def observe(self, proposed: int, accepted: int) -> None:
         """One sequence's verification: ``accepted`` of ``proposed`` drafts (a prefix) were accepted."""
-        if not 0 <= accepted <= proposed:
-            raise ValueError(f"accepted must be in [0, proposed={proposed}], got {accepted}")
-        tried = min(proposed, accepted + 1, self.MAX_DEPTH)
-        lam = self.smoothing
-        for depth in range(1, tried + 1):
-            if depth > len(self._hits):  # first trial at this depth: prior = the depth above it
-                start = self.rate_at(depth)
+        self.observe_step([(proposed, accepted)])
+
+    def observe_step(self, verdicts: list[tuple[int, int]]) -> None:
+        """One step's verifications, ``(proposed, accepted)`` per sequence (accepted drafts are a prefix).
+
+        Each depth's estimate moves towards the step's success share at that depth with the weight of its
+        n trials, 1 - (1 - smoothing)^n (the same as n single updates with equal outcomes), capped at
+        ``max_step_weight``."""
+        trials = [0] * self.MAX_DEPTH
+        successes = [0] * self.MAX_DEPTH
+        for proposed, accepted in verdicts:
+            if not 0 <= accepted <= proposed:
+                raise ValueError(f"accepted must be in [0, proposed={proposed}], got {accepted}")
+            for i in range(min(proposed, accepted + 1, self.MAX_DEPTH)):
+                trials[i] += 1
+                successes[i] += i < accepted
+        for i, n in enumerate(trials):
+            if n == 0:
+                break  # depth i + 1 untried, so are the deeper ones
+            if i >= len(self._hits):  # first trial at this depth: prior = the depth above it
+                start = self.rate_at(i + 1)
                 self._hits.append(start * self.prior_weight)
                 self._weight.append(self.prior_weight)
-            i = depth - 1
-            success = 1.0 if depth <= accepted else 0.0
-            self._hits[i] += lam * (success - self._hits[i])
+            lam = min(1.0 - (1.0 - self.smoothing) ** n, self.max_step_weight)
+            self._hits[i] += lam * (successes[i] / n - self._hits[i])
             self._weight[i] += lam * (1.0 - self._weight[i])
 
 
@@ -311,6 +330,11 @@ class AdaptiveK:
     # their inflated factor and are never tried (tests/test_speculation_policy.py,
     # test_unmeasured_k_beyond_the_neighbours_is_tried).
     UNMEASURED_MARGIN = 0.75
+    # The k last chosen on the merits (not an exploration) is kept while its predicted rate stays within
+    # STICK_MARGIN of the best and its factor in this cell is measured: predictions of neighbouring k's
+    # differ by a few per cent on a noisy acceptance estimate and step-time correction, so without it
+    # the choice flips between near-equal k's, and each flip lands on a k picked by the last steps' luck.
+    STICK_MARGIN = 0.03
 
     def __init__(self, max_k: int, target_cost: LinearCostModel, draft_cost: LinearCostModel,
                  acceptance: AcceptanceEstimator, tpot_slo_s: float | None = None,
@@ -324,6 +348,7 @@ class AdaptiveK:
         self._zero_streak = 0
         self._decisions = 0
         self._explore_up = False
+        self._incumbent: tuple[int, tuple] | None = None  # (k, cell) of the last choice on the merits
 
     def observe_step(self, choice: KChoice, draft_s: float, verify_s: float) -> None:
         """Feed back the measured times of a step taken with ``choice`` (same k, same batch): its draft
@@ -371,6 +396,8 @@ class AdaptiveK:
                 near = candidates.get(k)
                 if near is not None and near.expected_tokens_per_s >= self.EXPLORE_MARGIN * best.expected_tokens_per_s:
                     return near
+        best = self._stick(best, candidates, cell)
+        self._incumbent = (best.k, cell)
         if best.k == 0:
             self._zero_streak += 1
             if self._zero_streak >= self.EXPLORE_AFTER and self.max_k > 0:
@@ -381,3 +408,13 @@ class AdaptiveK:
         else:
             self._zero_streak = 0
         return best
+
+    def _stick(self, best: KChoice, candidates: dict[int, KChoice], cell: tuple) -> KChoice:
+        """The incumbent k instead of ``best`` when it is measured here and predicted nearly as good."""
+        if self._incumbent is None or self._incumbent[1] != cell:
+            return best
+        kept = candidates.get(self._incumbent[0])
+        if (kept is None or kept.k == best.k or not self.correction.measured(kept.k, cell)
+                or kept.expected_tokens_per_s < (1.0 - self.STICK_MARGIN) * best.expected_tokens_per_s):
+            return best
+        return kept

@@ -246,6 +246,8 @@ class DecodeWorker:
         if choice is not None and k == planned and len(seqs) == batch:  # same shape as predicted
             draft_s = self.metrics.draft_time_s - draft_before  # the policy corrects draft and verify apart
             self.policy.observe_step(choice, draft_s, time.perf_counter() - t_forward - draft_s)
+        if k > 0:  # before committing: a sequence that finishes still verified its drafts
+            self.acceptance.observe_step([(k, v.num_accepted) for v in verdicts])
         deltas = [self._commit(lv, v, k) for lv, v in zip(lives, verdicts)]
         self._record_step(k, time.perf_counter() - start)
         return deltas
@@ -332,7 +334,6 @@ class DecodeWorker:
             live.stats.draft_tokens += k
             live.stats.accepted_tokens += verdict.num_accepted
             live.stats.spec_steps += 1
-            self.acceptance.observe(k, verdict.num_accepted)
             self.metrics.draft_tokens += k
             self.metrics.accepted_tokens += verdict.num_accepted
             self.metrics.seq_spec_steps += 1
@@ -492,18 +493,23 @@ class DecodeWorker:
 
     def set_speculation(self, spec: SpeculationConfig) -> None:
         """Switch speculation settings between steps (planner updates, benchmarks). The drafter is
-        rebuilt; cost models, the step-time correction and the acceptance estimate carry over unless the
-        drafter kind changes."""
+        rebuilt; cost models and the step-time correction carry over unless the drafter (kind or model)
+        changes, the acceptance estimate unless the draft's view (budget, sink, positions) changes too."""
         live = [lv.seq for lv in self._live.values()]
         for seq in live:
             self.drafter.release(seq)
-        kind_changed = spec.drafter != self.config.speculation.drafter
+        old = self.config.speculation
+        kind_changed = spec.drafter != old.drafter or spec.draft_model != old.draft_model
+        # what the draft attends to decides its acceptance (not its cost, which the models take per shape)
+        view_changed = kind_changed or (spec.budget, spec.sink_tokens, spec.draft_positions) != (
+            old.budget, old.sink_tokens, old.draft_positions)
         self.config = dataclasses.replace(self.config, speculation=spec)
         self.drafter = self._make_drafter(self.runner.backend)
         if kind_changed:
             self.draft_cost = LinearCostModel()
-            self.acceptance = AcceptanceEstimator()
             self.step_correction = StepCorrection()
+        if view_changed:
+            self.acceptance = AcceptanceEstimator()
         slo = spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None
         self.policy = AdaptiveK(spec.max_k, self.target_cost, self.draft_cost, self.acceptance, slo,
                                 self.step_correction)

@@ -269,3 +269,69 @@ def test_unmeasured_k_beyond_the_neighbours_is_tried():
     assert picks[0] >= 4  # the premise: the uncorrected models favour a long speculation
     assert sorted(picks[:6]) == [0, 1, 2, 3, 4, 5]  # each k measured once, in the first six decisions
     assert picks[-8:] == [1] * 8
+
+
+def test_one_large_batch_step_moves_the_acceptance_estimate_by_a_bounded_share():
+    """A step's trials weigh like as many single trials (batch 1: one observe_step == one observe), but
+    at most ``max_step_weight`` together: after one unlucky step of a batch of 32 (every first draft
+    rejected), an estimate warm at 0.9 keeps 1 - 0.125 of its weight, where 32 single trials would
+    have dragged it to 0.9 x 0.98^32 = 0.47 (the chosen k would follow the last step's luck)."""
+    single, stepped = AcceptanceEstimator(prior=0.5), AcceptanceEstimator(prior=0.5)
+    for i in range(40):
+        single.observe(3, i % 4)
+        stepped.observe_step([(3, i % 4)])
+    for depth in (1, 2, 3):
+        assert abs(single.rate_at(depth) - stepped.rate_at(depth)) < 1e-12
+
+    warm = AcceptanceEstimator(prior=0.9)
+    warm.rate = 0.9
+    per_trial = AcceptanceEstimator(prior=0.9)
+    per_trial.rate = 0.9
+    warm.observe_step([(2, 0)] * 32)
+    for _ in range(32):
+        per_trial.observe(2, 0)
+    assert abs(warm.rate - 0.9 * (1 - warm.max_step_weight)) < 1e-9
+    assert per_trial.rate < 0.5
+    assert warm.rate_at(2) == 0.9  # depth 2 was not tried in that step
+    # a batch of 4 stays under the cap: its weight is that of its 4 trials
+    four = AcceptanceEstimator(prior=0.9)
+    four.rate = 0.9
+    four.observe_step([(1, 0)] * 4)
+    assert abs(four.rate - 0.9 * (1 - four.smoothing) ** 4) < 1e-9
+
+
+def test_the_chosen_k_sticks_while_it_stays_within_the_margin():
+    """Once measured, the k chosen on the merits is kept while the best is predicted less than
+    STICK_MARGIN faster, and left as soon as it falls further behind."""
+    policy = AdaptiveK(5, fitted_cost(0.010, 0.0004), fitted_cost(0.002, 0.0), AcceptanceEstimator(prior=0.8))
+    target, draft = shapes(4, 1000)
+    for _ in range(8):  # every k within the margin gets measured (exactly as predicted)
+        choice = policy.choose(target, draft)
+        policy.observe_step(choice, choice.raw_draft_s, choice.raw_verify_s)
+    best = policy.choose(target, draft)
+    cell = best.cell
+
+    def rate_of(k: int) -> float:
+        raw = sum(policy.draft_cost.predict(draft(j)) for j in range(k)) + policy.target_cost.predict(target(k))
+        return 4 * policy.acceptance.expected_tokens(k) / raw
+
+    other = max((k for k in range(6) if k != best.k), key=rate_of)
+    ratio = rate_of(other) / rate_of(best.k)  # < 1: the runner-up, at its uncorrected prediction
+    policy.correction.observe(other, cell, 1.0, ratio * 0.9)  # its verify pass measured faster ...
+    for _ in range(60):
+        policy.correction.observe(other, cell, 1.0, ratio * 0.9)
+    assert policy.choose(target, draft).k == other  # ... makes it the best: it becomes the incumbent
+
+    def slow_down(share_behind: float) -> None:
+        # verify factor at which ``other`` is predicted ``share_behind`` slower than ``best``
+        draft_s = sum(policy.draft_cost.predict(draft(j)) for j in range(other)) * policy.correction.draft_factor(cell)
+        verify_s = policy.target_cost.predict(target(other))
+        goal_s = 4 * policy.acceptance.expected_tokens(other) / ((1 - share_behind) * rate_of(best.k))
+        for _ in range(200):
+            policy.correction.observe(other, cell, verify_s, goal_s - draft_s)
+
+    slow_down(0.5 * AdaptiveK.STICK_MARGIN)
+    # decisions 11-14, then 15 (the 16th would explore a neighbour)
+    assert [policy.choose(target, draft).k for _ in range(4)] == [other] * 4
+    slow_down(2 * AdaptiveK.STICK_MARGIN)
+    assert policy.choose(target, draft).k == best.k

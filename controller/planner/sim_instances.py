@@ -319,6 +319,7 @@ class DecodeSim(_Instance):
 
     def _done(self, batch: list[SimRequest], k: int) -> None:
         now = self.sim.now
+        verdicts = []
         for req in batch:  # nothing leaves ``live`` between planning a step and its end
             accepted = 0
             if k > 0:
@@ -326,12 +327,14 @@ class DecodeSim(_Instance):
                 accepted = accepted_drafts(self.rng, rate, k)
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
-                self.acceptance.observe(k, accepted)
+                verdicts.append((k, accepted))
             req.generated += min(accepted + 1, req.remaining)
             if req.remaining <= 0:
                 self.live.remove(req)
                 self.release(req)
                 self.sim.on_finish(req, now)
+        if verdicts:
+            self.acceptance.observe_step(verdicts)
 
 
 class ColocatedSim(_Instance):
