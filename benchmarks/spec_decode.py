@@ -278,9 +278,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode"))
+    ap.add_argument("--corpus-tokens", type=int, default=None,
+                    help="held-out tokens to spread the prompts over (default: largest batch x largest prefix; "
+                         "give the extended run's value with --extend)")
     ap.add_argument("--extend", metavar="STEM",
-                    help="add this run's cells to the rows of STEM.json (an earlier run) and write them all to --out")
+                    help="add this run's cells to the rows of STEM.json (an earlier run; a cell measured again "
+                         "replaces its earlier rows) and write them all to --out")
     args = ap.parse_args()
+    if args.corpus_tokens is not None and args.corpus_tokens < max(args.prefixes):
+        ap.error(f"--corpus-tokens: must be >= the largest prefix ({max(args.prefixes)}), got {args.corpus_tokens}")
     torch.set_num_threads(args.threads)
 
     max_tokens = max(args.batches) * (max(args.prefixes) + 64 * (max(args.ks) + 1) * args.steps)
@@ -288,7 +294,9 @@ def main() -> None:
         dtype=args.dtype, kv_cache_tokens=max_tokens + 4096, max_num_seqs=max(args.batches) + 8,
         attention_backend=args.attention_backend, prefill_chunk=2048,
         speculation=SpeculationConfig(drafter="self_sparse", sink_tokens=SINK_TOKENS, k_policy="fixed", k=0)))
-    corpus = heldout_tokens(worker.tokenizer, max(args.batches) * max(args.prefixes))
+    # the prompts of a cell are spread over the corpus, so a cell re-run alone (--extend) must load as
+    # many tokens as the run it extends: --corpus-tokens
+    corpus = heldout_tokens(worker.tokenizer, args.corpus_tokens or max(args.batches) * max(args.prefixes))
     print(f"model {args.model}; backend {worker.runner.backend.name}; held-out corpus {len(corpus)} tokens")
     rows: list[dict] = []
     cells = [(b, p) for p in args.prefixes for b in args.batches]
@@ -302,7 +310,9 @@ def main() -> None:
     if args.extend:
         with open(args.extend + ".json") as f:
             earlier = json.load(f)
-        rows = earlier["rows"] + rows
+        redone = {(r["batch"], r["prefix"]) for r in rows}  # cells measured again replace the earlier ones
+        rows = [r for r in earlier["rows"] if (r["batch"], r["prefix"]) not in redone] + rows
+        rows.sort(key=lambda r: (r["prefix"], r["batch"]))  # stable: a cell's own row order is kept
         rope = earlier["rope_positions"]
         command = earlier["meta"]["command"] + "` then `" + command
     else:
@@ -312,7 +322,7 @@ def main() -> None:
     meta = {"model": os.path.basename(os.path.normpath(args.model)), "dtype": args.dtype, "threads": args.threads,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
             "backend": worker.runner.backend.name, "steps": args.steps, "repeats": args.repeats,
-            "adaptive_warmup": args.adaptive_warmup, "min_run_ms": args.min_run_ms,
+            "adaptive_warmup": args.adaptive_warmup, "min_run_ms": args.min_run_ms, "corpus_tokens": len(corpus),
             "command": command}
     write_outputs(rows, meta, rope, args.out)
     plot(rows, args.out)
