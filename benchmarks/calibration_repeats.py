@@ -51,7 +51,7 @@ def validate(profile: Profile, seeds: int) -> dict[str, dict]:
 
 def without_contention(profile: Profile) -> Profile:
     for cal in profile.calibrations:
-        profile = profile.with_calibration(dataclasses.replace(cal, contention_scale=1.0, prefill_contention_scale=1.0))
+        profile = profile.with_calibration(dataclasses.replace(cal, contention_scale=1.0))
     return profile
 
 
@@ -62,13 +62,12 @@ def write_markdown(result: dict, path: str) -> None:
              f"({result['seeds']} simulator seeds per rate). Cells: largest |simulated - measured| attainment "
              f"on both SLOs over the swept rates (points), and in brackets the rates where the simulation lies "
              f"inside the measured attainment's 95 % interval.", "",
-             "| repeat | disaggregated: prefill / decode scale, contention prefill / decode | colocated: the same | contention term | "
+             "| repeat | disaggregated: prefill / decode scale, contention | colocated: prefill / decode scale, contention | contention term | "
              + " | ".join(s for s, _ in SWEEPS) + " |",
              "|---:|---|---|---|" + "---:|" * len(SWEEPS)]
     for rep in result["repeats"]:
         cal = {c["mode"]: c for c in rep["calibrations"]}
-        terms = [f"{cal[m]['prefill_scale']:.2f} / {cal[m]['decode_scale']:.2f}, "
-                 f"{cal[m].get('prefill_contention_scale') or cal[m]['contention_scale']:.2f}x / {cal[m]['contention_scale']:.2f}x"
+        terms = [f"{cal[m]['prefill_scale']:.2f} / {cal[m]['decode_scale']:.2f}, {cal[m]['contention_scale']:.2f}x"
                  if m in cal else "-" for m in ("disaggregated", "colocated")]
         for key, label in (("with_contention", "fitted"), ("without_contention", "1 (off)")):
             cells = [f"{v['max_gap_pts']:.1f} ({v['inside_ci95']}/{v['rates']})" for v in rep[key].values()]

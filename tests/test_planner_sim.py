@@ -266,17 +266,11 @@ def test_contention_slows_the_steps_of_an_instance_while_another_is_busy():
     # a single instance has no one to contend with
     solo = simulate(busy, colocated(instances=1), [RequestSpec(0.0, 400, 5), RequestSpec(0.0, 400, 5)]).records
     assert solo[0].ttft_s == pytest.approx(alone.ttft_s)
-    # prefill work fitted apart: the second prompt's prefill slows by its own factor, 1.2x
-    split = prof.with_calibration(dataclasses.replace(Calibration.identity("colocated"), contention_scale=1.5,
-                                                      prefill_contention_scale=1.2))
-    second = simulate(split, colocated(), [RequestSpec(0.0, 400, 5), RequestSpec(0.0, 400, 5)]).records[1]
-    assert second.ttft_s == pytest.approx(1.2 * alone.ttft_s)
 
 
-def test_contention_fit_recovers_the_factors_behind_a_burst():
-    """Latencies of a burst simulated with known contention factors (prefill 1.2x, decode 1.6x): the
-    calibration's burst rate keeps the instances busy, and the search finds the two factors behind
-    them; one factor for both could not match the burst."""
+def test_contention_fit_recovers_the_factor_behind_a_burst():
+    """Latencies of a burst simulated with a known contention factor: the calibration's burst rate keeps
+    the instances busy, and the grid search over factors finds the one behind them."""
     import dataclasses
 
     from controller.planner.calibrate import BURST_UTILISATION, burst_trace, calibration_lengths, fit_contention
@@ -287,12 +281,8 @@ def test_contention_fit_recovers_the_factors_behind_a_burst():
     trace = burst_trace(prof, config, calibration_lengths(3000, 24, 1), (17, 33, 65), seed=0)
     util = simulate(prof, config, trace).instance_utilisation
     assert sum(util.values()) / len(util) >= BURST_UTILISATION
-    truth = prof.with_calibration(dataclasses.replace(Calibration.identity("disaggregated"), contention_scale=1.6,
-                                                      prefill_contention_scale=1.2))
+    truth = prof.with_calibration(dataclasses.replace(Calibration.identity("disaggregated"), contention_scale=1.4))
     rows = [{"prompt": r.prompt_tokens, "tokens": r.completion_tokens, "ttft_s": r.ttft_s,
              "decode_s": r.finish_s - r.first_token_s} for r in simulate(truth, config, trace).records]
-    fitted = fit_contention(prof, config, trace, rows, seeds=1)
-    assert (fitted.prefill_scale, fitted.decode_scale) == pytest.approx((1.2, 1.6))
-    assert fitted.error == pytest.approx(0.0, abs=1e-9)
-    one = fit_contention(prof, config, trace, rows, seeds=1, rounds=0)  # the joint factor alone
-    assert one.prefill_scale == one.decode_scale and one.error > 0.01
+    scale, err = fit_contention(prof, config, trace, rows, seeds=1)
+    assert scale == pytest.approx(1.4) and err == pytest.approx(0.0, abs=1e-9)

@@ -17,9 +17,8 @@ CPU cluster: workers, router, gRPC server and clients on the same cores), a step
 other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
 arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
 ``BURST_UTILISATION`` of the time) is served for real, then replayed through the simulator for a grid
-of contention factors, one for prefill work and one for decode steps; the pair whose simulated TTFT and
-decode-time distributions match the measured ones best (least squares of the log ratio of sorted values)
-is kept as ``prefill_contention_scale`` and ``contention_scale``.
+of contention factors; the factor whose simulated TTFT and decode-time distributions match the measured
+ones best (least squares of the log ratio of sorted values) is kept as ``contention_scale``.
 
 The calibration never uses the SLO sweeps it is validated against (``benchmarks/sim_validate.py``):
 its prompts, lengths and arrivals are its own.
@@ -166,34 +165,16 @@ def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -
     return rows
 
 
-@dataclasses.dataclass(frozen=True)
-class ContentionFit:
-    """Contention factors fitted on a burst: for prefill work and for decode steps, and the RMS of
-    log(simulated / measured) over the burst's TTFTs and decode times at those factors."""
-
-    prefill_scale: float
-    decode_scale: float
-    error: float
-
-
 def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows: list[dict],
-                   seeds: int = 3, rounds: int = 3) -> ContentionFit:
-    """Prefill and decode contention factors that make the simulated burst match the measured one;
+                   seeds: int = 3) -> tuple[float, float]:
+    """(contention_scale, RMS of log(simulated / measured)) over the burst's TTFTs and decode times;
     ``profile`` carries the isolated terms of the mode.
 
     The distributions are compared, not request by request (the i-th shortest simulated TTFT against
     the i-th shortest measured one, and so on): which instance a request lands on when two have equally
     many requests is a tie the simulator and the real router may break differently, and one such flip
     swaps a short and a long wait between two requests without changing the distribution that SLO
-    attainment depends on.
-
-    Search: one factor for both over ``CONTENTION_GRID`` first, then coordinate descent (the prefill
-    factor over the grid with the decode one fixed, then the other way round) for up to ``rounds``
-    rounds. Both factors move TTFT (a prompt queues behind steps of either kind on a colocated
-    instance) and decode time, so each is fitted on the whole error. Why two: a prefill chunk is
-    compute-bound, a small decode step mostly per-step overhead and memory traffic; on the CPU cluster
-    one factor for both was a compromise that over-slowed colocated prefill (simulated long-document
-    TTFT up to 25 % high at light load, attainment 10-20 points low)."""
+    attainment depends on."""
     from controller.planner.simulator import simulate
 
     def quantile_sq(simulated: list[float], measured: list[float]) -> float:
@@ -201,36 +182,21 @@ def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows:
 
     base = profile.calibration(sim_config.mode)
     decoding = [i for i, row in enumerate(rows) if row["tokens"] > 1]
-    cache: dict[tuple[float, float], float] = {}
-
-    def error(prefill: float, decode: float) -> float:
-        key = (prefill, decode)
-        if key not in cache:
-            trial = profile.with_calibration(dataclasses.replace(
-                base, contention_scale=decode, prefill_contention_scale=prefill))
-            sq, n = 0.0, 0
-            for seed in range(seeds):
-                recs = simulate(trial, sim_config, trace, seed=seed).records
-                if not all(r.finished for r in recs):
-                    sq, n = math.inf, 1
-                    break
-                sq += quantile_sq([r.ttft_s for r in recs], [row["ttft_s"] for row in rows])
-                sq += quantile_sq([recs[i].finish_s - recs[i].first_token_s for i in decoding],
-                                  [rows[i]["decode_s"] for i in decoding])
-                n += len(recs) + len(decoding)
-            cache[key] = sq / max(1, n)
-        return cache[key]
-
-    # ties go to the smaller factor (min over (error, factor))
-    joint = min(CONTENTION_GRID, key=lambda f: (error(f, f), f))
-    prefill = decode = joint
-    for _ in range(rounds):
-        prefill_new = min(CONTENTION_GRID, key=lambda f: (error(f, decode), f))
-        decode_new = min(CONTENTION_GRID, key=lambda f: (error(prefill_new, f), f))
-        if (prefill_new, decode_new) == (prefill, decode):
-            break
-        prefill, decode = prefill_new, decode_new
-    return ContentionFit(prefill, decode, math.sqrt(error(prefill, decode)))
+    best = (math.inf, 1.0)
+    for scale in CONTENTION_GRID:
+        trial = profile.with_calibration(dataclasses.replace(base, contention_scale=scale))
+        sq, n = 0.0, 0
+        for seed in range(seeds):
+            recs = simulate(trial, sim_config, trace, seed=seed).records
+            if not all(r.finished for r in recs):
+                sq, n = math.inf, 1
+                break
+            sq += quantile_sq([r.ttft_s for r in recs], [row["ttft_s"] for row in rows])
+            sq += quantile_sq([recs[i].finish_s - recs[i].first_token_s for i in decoding],
+                              [rows[i]["decode_s"] for i in decoding])
+            n += len(recs) + len(decoding)
+        best = min(best, (sq / max(1, n), scale))
+    return best[1], math.sqrt(best[0])
 
 
 def _fit_offset_and_scale(predicted: list[float], measured: list[float]) -> tuple[float, float, float]:
@@ -279,6 +245,5 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
     trace = burst_trace(isolated, sim_config, calibration_lengths(max_prompt, burst_requests, seed + 1),
                         output_tokens, seed)
     burst = measure_burst(run_config, trace, seed, progress)
-    fitted = fit_contention(isolated, sim_config, trace, burst)
-    return dataclasses.replace(cal, contention_scale=fitted.decode_scale, prefill_contention_scale=fitted.prefill_scale,
-                               contention_requests=len(burst), contention_fit_error=fitted.error)
+    scale, err = fit_contention(isolated, sim_config, trace, burst)
+    return dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)

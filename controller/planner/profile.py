@@ -95,14 +95,10 @@ class Calibration:
     """Serving-path terms of one mode (``disaggregated`` or ``colocated``): the first seven are fitted on
     isolated requests; ``contention_scale`` on a burst of overlapping ones (``calibrate.py``).
 
-    contention_scale: how much longer a decode step takes while every other instance of the cluster is
-    busy (workers sharing cores, memory bandwidth and the server's CPU); the simulator interpolates
-    linearly in the share of other instances busy when a step starts. 1.0 = no contention (unmeasured,
-    or instances on separate devices).
-    prefill_contention_scale: the same for prefill work (prefill steps, and the prefill chunks of a
-    colocated step). Prefill is compute-bound and a decode step is mostly per-step overhead and memory
-    traffic, so they suffer differently from a neighbour; None (profiles calibrated before the two were
-    fitted apart) = ``contention_scale``."""
+    contention_scale: how much longer a step takes while every other instance of the cluster is busy
+    (workers sharing cores, memory bandwidth and the server's CPU); the simulator interpolates linearly
+    in the share of other instances busy when a step starts. 1.0 = no contention (unmeasured, or
+    instances on separate devices)."""
 
     mode: str
     ttft_overhead_s: float
@@ -115,12 +111,6 @@ class Calibration:
     contention_scale: float = 1.0
     contention_requests: int = 0  # requests of the burst behind contention_scale
     contention_fit_error: float = 0.0  # RMS of log(simulated / measured) latency over the burst
-    prefill_contention_scale: float | None = None
-
-    @property
-    def prefill_contention(self) -> float:
-        """The prefill work's contention factor (``contention_scale`` when not fitted apart)."""
-        return self.contention_scale if self.prefill_contention_scale is None else self.prefill_contention_scale
 
     @staticmethod
     def identity(mode: str) -> "Calibration":

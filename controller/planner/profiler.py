@@ -769,8 +769,7 @@ def run_cli(args) -> int:
             print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
                   f"predicted prefill (fit error {cal.ttft_fit_error:.1%}); decode = {1e3 * cal.decode_start_s:.1f} ms + "
                   f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
-                  f"contention {cal.prefill_contention:.2f}x prefill, {cal.contention_scale:.2f}x decode with the other "
-                  f"instances busy ({cal.contention_requests}-request "
+                  f"contention {cal.contention_scale:.2f}x with the other instances busy ({cal.contention_requests}-request "
                   f"burst, RMS log error {cal.contention_fit_error:.2f})")
             profile = profile.with_calibration(cal)
     profile.save(args.out)

@@ -61,8 +61,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 class _Instance:
     """Shared step loop: ``kick`` starts a step when idle and there is work; ``_plan_step`` returns
-    (prefill seconds, decode seconds, completion callback) or None when nothing can run now. The two
-    parts of a step's time take their own contention factor."""
+    (duration, completion callback) or None when nothing can run now."""
 
     def __init__(self, sim, name: str, capacity_tokens: int, block_size: int):
         self.sim = sim
@@ -81,13 +80,8 @@ class _Instance:
         planned = self._plan_step()
         if planned is None:
             return
-        prefill_s, decode_s, done = planned
-        busy = self._busy_share()
-        if busy:
-            cal = self.sim.calibration
-            prefill_s *= 1.0 + (cal.prefill_contention - 1.0) * busy
-            decode_s *= 1.0 + (cal.contention_scale - 1.0) * busy
-        duration = prefill_s + decode_s
+        duration, done = planned
+        duration *= self._contention()
         self.busy = True
         self.steps += 1
         self.busy_s += duration
@@ -102,13 +96,13 @@ class _Instance:
     def _plan_step(self):
         raise NotImplementedError
 
-    def _busy_share(self) -> float:
-        """Share of the other instances busy as this step starts (0 when contention is not calibrated)."""
-        cal = self.sim.calibration
-        if (cal.contention_scale == 1.0 and cal.prefill_contention == 1.0) or len(self.sim.instances) < 2:
-            return 0.0  # the common case (GPU profiles, one instance) builds nothing per step
+    def _contention(self) -> float:
+        """Step-time factor for the other instances busy as this step starts (calibrated; 1 when alone)."""
+        scale = self.sim.calibration.contention_scale
+        if scale == 1.0 or len(self.sim.instances) < 2:
+            return 1.0  # the common case (GPU profiles, one instance) builds nothing per step
         busy_others = sum(i.busy for i in self.sim.instances if i is not self)
-        return busy_others / (len(self.sim.instances) - 1)
+        return 1.0 + (scale - 1.0) * busy_others / (len(self.sim.instances) - 1)
 
     def _take(self, blocks: int) -> bool:
         if blocks > self.free_blocks:
@@ -161,7 +155,7 @@ class PrefillSim(_Instance):
         if not chunks:
             return None
         duration = self.cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * self.sim.calibration.prefill_scale
-        return duration, 0.0, lambda: self._done(chunks)
+        return duration, lambda: self._done(chunks)
 
     def _done(self, chunks: list[tuple[SimRequest, int, int]]) -> None:
         now = self.sim.now
@@ -268,7 +262,7 @@ class DecodeSim(_Instance):
             duration += self.draft.predict_pass(PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
         batch = list(self.live)
         self.k_counts[k] = self.k_counts.get(k, 0) + 1
-        return 0.0, duration * self.sim.calibration.decode_scale, lambda: self._done(batch, k)
+        return duration * self.sim.calibration.decode_scale, lambda: self._done(batch, k)
 
     def _choose_k(self) -> int:
         if not self.spec.enabled:
@@ -406,8 +400,8 @@ class ColocatedSim(_Instance):
             budget -= self._chunk(req, budget, chunks)
         if not decodes and not chunks:
             return None
-        prefill_s, decode_s = self._step_seconds(decodes, chunks)
-        return prefill_s, decode_s, lambda: self._done(decodes, chunks)
+        duration = self._step_seconds(decodes, chunks)
+        return duration, lambda: self._done(decodes, chunks)
 
     @staticmethod
     def _uncomputed(req: SimRequest) -> int:
@@ -421,21 +415,20 @@ class ColocatedSim(_Instance):
         chunks.append((req, req.computed, n))
         return n
 
-    def _step_seconds(self, decodes: list[SimRequest], chunks: list) -> tuple[float, float]:
-        """One forward pass over decode tokens and prefill chunks, as (prefill part, decode part): the
-        decode part priced by the target-pass model, the prefill part by the prefill model, the fixed
-        per-pass cost counted once (taken off the decode part)."""
+    def _step_seconds(self, decodes: list[SimRequest], chunks: list) -> float:
+        """One forward pass over decode tokens and prefill chunks: the decode part priced by the target-pass
+        model, the prefill part by the prefill model, the fixed per-pass cost counted once."""
         cal = self.sim.calibration
-        prefill_s = decode_s = 0.0
+        seconds = 0.0
         if decodes:
             b = len(decodes)
-            decode_s = self.decode_cost.predict_pass(PassShape(b, sum(r.context for r in decodes), b)) * cal.decode_scale
+            seconds += self.decode_cost.predict_pass(PassShape(b, sum(r.context for r in decodes), b)) * cal.decode_scale
         if chunks:
-            prefill_s = self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_scale
+            seconds += self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_scale
         if decodes and chunks:
             fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in (self.decode_cost, self.prefill_cost)]
-            decode_s -= min(fixed) * min(cal.decode_scale, cal.prefill_scale)
-        return prefill_s, decode_s
+            seconds -= min(fixed) * min(cal.decode_scale, cal.prefill_scale)
+        return seconds
 
     def _done(self, decodes: list[SimRequest], chunks: list) -> None:
         now = self.sim.now

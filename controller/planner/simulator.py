@@ -15,9 +15,8 @@ What it models (and mirrors from the real router, ``controller/router.py``):
 Instance behaviour lives in ``sim_instances``. The serving path's own costs (Ray and gRPC hops, worker
 loops, the workers sharing memory bandwidth) enter through the profile's calibration of the mode
 (``calibrate.py``): a request-path delay, scales on prefill and decode step times, a delay before a
-transferred request joins the decode batch, and contention factors (one for prefill work, one for decode
-steps) on the steps of an instance while others are busy (instances sharing one machine's cores and
-memory bandwidth). Not modelled: failures
+transferred request joins the decode batch, and a contention factor on the steps of an instance while
+others are busy (instances sharing one machine's cores and memory bandwidth). Not modelled: failures
 and retries.
 """
 
