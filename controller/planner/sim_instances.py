@@ -210,6 +210,8 @@ class DecodeSim(_Instance):
         self._rates: dict[int, float] = {}  # context bucket (64 tokens) -> acceptance rate
         if spec.enabled:
             self._rate(0)  # fail now, not mid-run, if the profile lacks it
+        # the policy's acceptance belief: set to the profile's rates before every choice (``_choose_k``),
+        # so the simulated verdicts are not fed back into it
         self.acceptance = AcceptanceEstimator()
         self.policy = (AdaptiveK(spec.max_k, _FittedCost(self.target), _FittedCost(self.draft), self.acceptance,
                                  spec.tpot_slo_ms / 1000 if spec.tpot_slo_ms else None)
@@ -319,7 +321,6 @@ class DecodeSim(_Instance):
 
     def _done(self, batch: list[SimRequest], k: int) -> None:
         now = self.sim.now
-        verdicts = []
         for req in batch:  # nothing leaves ``live`` between planning a step and its end
             accepted = 0
             if k > 0:
@@ -327,14 +328,11 @@ class DecodeSim(_Instance):
                 accepted = accepted_drafts(self.rng, rate, k)
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
-                verdicts.append((k, accepted))
             req.generated += min(accepted + 1, req.remaining)
             if req.remaining <= 0:
                 self.live.remove(req)
                 self.release(req)
                 self.sim.on_finish(req, now)
-        if verdicts:
-            self.acceptance.observe_step(verdicts)
 
 
 class ColocatedSim(_Instance):
