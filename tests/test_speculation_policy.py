@@ -272,16 +272,16 @@ def test_unmeasured_k_beyond_the_neighbours_is_tried():
 
 
 def test_one_large_batch_step_moves_the_acceptance_estimate_by_a_bounded_share():
-    """A step's trials weigh like as many single trials (batch 1: one observe_step == one observe), but
-    at most ``max_step_weight`` together: after one unlucky step of a batch of 32 (every first draft
+    """A step's trials weigh like as many single trials (batch 1: the per-trial smoothing), but at most
+    ``max_step_weight`` together: after one unlucky step of a batch of 32 (every first draft
     rejected), an estimate warm at 0.9 keeps 1 - 0.125 of its weight, where 32 single trials would
     have dragged it to 0.9 x 0.98^32 = 0.47 (the chosen k would follow the last step's luck)."""
-    single, stepped = AcceptanceEstimator(prior=0.5), AcceptanceEstimator(prior=0.5)
-    for i in range(40):
-        single.observe(3, i % 4)
-        stepped.observe_step([(3, i % 4)])
-    for depth in (1, 2, 3):
-        assert abs(single.rate_at(depth) - stepped.rate_at(depth)) < 1e-12
+    one = AcceptanceEstimator(prior=0.9)
+    one.rate = 0.9
+    one.observe_step([(3, 1)])  # depth 1 accepted, depth 2 rejected, depth 3 not tried
+    assert abs(one.rate_at(1) - (0.9 + one.smoothing * 0.1)) < 1e-12
+    assert abs(one.rate_at(2) - 0.9 * (1 - one.smoothing)) < 1e-12
+    assert one.rate_at(3) == 0.9
 
     warm = AcceptanceEstimator(prior=0.9)
     warm.rate = 0.9
@@ -317,8 +317,7 @@ def test_the_chosen_k_sticks_while_it_stays_within_the_margin():
 
     other = max((k for k in range(6) if k != best.k), key=rate_of)
     ratio = rate_of(other) / rate_of(best.k)  # < 1: the runner-up, at its uncorrected prediction
-    policy.correction.observe(other, cell, 1.0, ratio * 0.9)  # its verify pass measured faster ...
-    for _ in range(60):
+    for _ in range(60):  # its verify pass measured faster ...
         policy.correction.observe(other, cell, 1.0, ratio * 0.9)
     assert policy.choose(target, draft).k == other  # ... makes it the best: it becomes the incumbent
 
