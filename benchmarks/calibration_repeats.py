@@ -23,6 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks._record import record  # noqa: E402
 from benchmarks.sim_validate import compare  # noqa: E402
 from controller.config import load_config  # noqa: E402
 from controller.planner.calibrate import calibrate  # noqa: E402
@@ -108,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python benchmarks/calibration_repeats.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "profile": os.path.relpath(args.profile, ROOT), "calibration_requests": args.calibration_requests,
               "burst_requests": args.burst_requests, "seeds": args.seeds, "repeats": repeats}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    write_markdown(result, args.out + ".md")
-    print(open(args.out + ".md", encoding="utf-8").read())
+    record(result, args.out, write_markdown)
     return 0
 
 

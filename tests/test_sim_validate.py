@@ -16,3 +16,40 @@ def test_wilson_interval_of_a_measured_attainment():
     assert (lambda a, b: (b[1] - b[0]) / (a[1] - a[0]))(wilson_interval(0.5, 40), wilson_interval(0.5, 160)) \
         == pytest.approx(0.5, abs=0.02)
     assert wilson_interval(0.3, 0) == (0.0, 1.0)
+
+
+def _sweep(ttfts_by_rate: dict[float, list[float]], seed: int = 0) -> dict:
+    """A recorded sweep in slo_sweep.py's layout: one request per TTFT, all meeting TPOT."""
+    rates = []
+    for rate, ttfts in ttfts_by_rate.items():
+        records = [{"arrival_s": i / rate, "prompt_tokens": 100 + i, "output_tokens": 8, "ttft_s": t,
+                    "tpot_s": 0.01, "finish_reason": "length", "error": None} for i, t in enumerate(ttfts)]
+        rates.append({"rate": rate, "records": records})
+    return {"settings": {"workload": "long_doc", "seed": seed, "num_requests": 4, "rates": list(ttfts_by_rate),
+                         "cv": 1.0, "ttft_slo_ms": 1000.0, "tpot_slo_ms": 50.0, "label": "x"},
+            "started": "today", "rates": rates}
+
+
+def test_sweep_repeat_reports_the_attainment_gap_between_real_runs_of_one_trace():
+    from benchmarks.sweep_repeat import compare
+
+    first = _sweep({1.0: [0.5, 0.6, 0.7, 0.8], 2.0: [0.9, 1.1, 1.2, 0.4]})
+    again = _sweep({1.0: [0.5, 0.6, 0.7, 1.5], 2.0: [0.9, 0.95, 1.2, 0.4]})
+    result = compare([("a.json", first), ("b.json", again)])
+    run1, run2 = result["runs"]
+    assert [r["both"] for r in run1["rates"]] == [1.0, 0.5]
+    assert [r["both"] for r in run2["rates"]] == [0.75, 0.75]
+    assert [r["diff_both"] for r in run2["rates"]] == pytest.approx([-0.25, 0.25])
+    assert result["max_abs_diff_both"] == pytest.approx(0.25)
+
+
+def test_sweep_repeat_refuses_sweeps_of_different_traces():
+    from benchmarks.sweep_repeat import SweepMismatch, compare
+
+    first = _sweep({1.0: [0.5, 0.6, 0.7, 0.8]})
+    with pytest.raises(SweepMismatch, match="settings.seed"):
+        compare([("a.json", first), ("b.json", _sweep({1.0: [0.5, 0.6, 0.7, 0.8]}, seed=1))])
+    other = _sweep({1.0: [0.5, 0.6, 0.7, 0.8]})
+    other["rates"][0]["records"][2]["prompt_tokens"] += 1
+    with pytest.raises(SweepMismatch, match="rate 1.0"):
+        compare([("a.json", first), ("b.json", other)])
