@@ -15,3 +15,9 @@ def record(result: dict, out: str, write_markdown: Callable[[dict, str], None]) 
     write_markdown(result, out + ".md")
     with open(out + ".md", encoding="utf-8") as f:
         print(f.read())
+
+
+def write_lines(path: str, lines: list[str]) -> None:
+    """A markdown file from its lines."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")

@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._record import record  # noqa: E402
+from benchmarks._record import record, write_lines  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "stdlib-llama-15m")
 KINDS = ("prefill", "decode")
@@ -157,8 +157,7 @@ def write_markdown(result: dict, path: str) -> None:
                   "`calibrations[].contention_scale`): what exceeds this is the serving path (router, gRPC, Ray, "
                   "KV transfer threads, the OS scheduling them beside the workers), not the two workers' shared "
                   "caches and memory bandwidth."]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(path, lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._record import record  # noqa: E402
+from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks.sim_validate import KEYS, wilson_interval  # noqa: E402
 from benchmarks.slo_sweep import attainment_of  # noqa: E402
 
@@ -96,8 +96,7 @@ def write_markdown(result: dict, path: str) -> None:
     lines += ["", f"Largest difference from run 1: **{100 * result['max_abs_diff_both']:.1f} points** (per run in the "
                   "first table). Between runs of one configuration this is the floor under any simulator check: a "
                   "simulator cannot be held closer to a measured sweep than two measured sweeps agree."]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(path, lines)
 
 
 def main(argv: list[str] | None = None) -> int:

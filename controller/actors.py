@@ -99,6 +99,14 @@ class _LoopActor:
             out, self._outbox = self._outbox, []
         return out
 
+    def pass_log(self) -> list[dict]:
+        """The worker's timed forward passes since the last call (``modeling/pass_log.py``)."""
+        with self._lock:
+            return self._pass_log().drain()
+
+    def _pass_log(self):
+        return self.worker.pass_log
+
     def ping(self) -> str:
         if self._crashed:
             raise RuntimeError(f"worker loop crashed: {self._crashed}")
@@ -250,6 +258,10 @@ class ColocatedActor(_LoopActor):
         with self._lock:
             return {**_scheduler_status(self.instance_id, "colocated", self.engine),
                     "tokens_generated": self._tokens_generated}
+
+    def _pass_log(self):
+        raise NotImplementedError("pass_log: colocated instances do not log their passes (mixed prefill and "
+                                  "decode steps); prefill and decode instances do")
 
     def _step(self) -> list:
         from decode_worker.worker import TokenDelta

@@ -30,6 +30,7 @@ from modeling.checkpoint import LoadedModel, load_model
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.output import OutputStream
+from modeling.pass_log import PassLog
 from modeling.runner import ModelRunner, StepInput
 from modeling.sampling import RequestSampler, SamplingParams, target_probs
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
@@ -144,6 +145,7 @@ class DecodeWorker:
                                 self.step_correction)
         self._cached_choice: tuple[tuple, int, KChoice] | None = None  # (request ids, reuses left, choice)
         self.metrics = WorkerMetrics()
+        self.pass_log = PassLog()
         self._live: dict[str, _Live] = {}  # running sequences, in admission order
         self._reserved: dict[str, BlockTable] = {}
         self._preempted: deque[_Live] = deque()
@@ -316,7 +318,9 @@ class DecodeWorker:
 
     def _observe_target(self, seqs: list[Sequence], k: int, seconds: float) -> None:
         b = len(seqs)
-        self.target_cost.observe(PassShape(b, sum(len(s.tokens) for s in seqs) + b * k, b * (k + 1)), seconds)
+        kv_tokens = sum(len(s.tokens) for s in seqs) + b * k
+        self.pass_log.record("verify" if k else "decode", seconds, seqs=b, kv_tokens=kv_tokens, new_tokens=b * (k + 1))
+        self.target_cost.observe(PassShape(b, kv_tokens, b * (k + 1)), seconds)
 
     def _commit(self, live: _Live, verdict: Verdict, k: int) -> TokenDelta:
         """Append the verdict's tokens (up to a stop), roll back rejected KV, emit the delta."""

@@ -25,6 +25,7 @@ from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel, load_model
 from modeling.errors import InvalidRequestError
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
+from modeling.pass_log import PassLog
 from modeling.runner import ModelRunner, StepInput
 from modeling.sampling import RequestSampler
 from modeling.scheduler import ScheduledChunk, SchedulerConfig
@@ -56,6 +57,7 @@ class PrefillWorker:
         self.cache = PagedKVCache(spec, self.pool.num_blocks, self.loaded.device)
         self.backend = make_backend(config.attention_backend, self.loaded.device, config.block_size)
         self.runner = ModelRunner(self.loaded.model, self.cache, self.backend)
+        self.pass_log = PassLog()
         self.scheduler = PrefillScheduler(SchedulerConfig(config.token_budget, config.max_num_seqs), self.pool)
         self.fingerprint = KVFingerprint.of(mc, config.block_size, self.loaded.dtype)
         self.sender = KVSender(self.cache, instance_id, self.fingerprint, HeadRange(0, mc.num_key_value_heads),
@@ -114,7 +116,9 @@ class PrefillWorker:
         chunks = self.scheduler.schedule()
         chunks = self._begin_transfers(chunks, out)
         if chunks:
+            t0 = time.perf_counter()
             logits = self._forward(chunks)
+            self.pass_log.record("prefill", time.perf_counter() - t0, chunks=[[c.start, c.num_tokens] for c in chunks])
             out.first_tokens.extend(self._sample(chunks, logits))
         return out
 

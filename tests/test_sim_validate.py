@@ -53,3 +53,37 @@ def test_sweep_repeat_refuses_sweeps_of_different_traces():
     other["rates"][0]["records"][2]["prompt_tokens"] += 1
     with pytest.raises(SweepMismatch, match="rate 1.0"):
         compare([("a.json", first), ("b.json", other)])
+
+
+def test_serving_interference_divides_logged_passes_by_the_profile_and_splits_by_overlap():
+    import os
+
+    from benchmarks.serving_interference import predicted_s, summarise
+    from controller.planner.profile import Profile
+
+    profile = Profile.load(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "profile_local_cpu.json"))
+
+    def rec(kind: str, end: float, ratio: float, **shape) -> dict:
+        r = {"kind": kind, "end_s": end, "seconds": 0.0, "shape": shape}
+        r["seconds"] = ratio * predicted_s(profile, r)
+        return r
+
+    prefill = dict(chunks=[[0, 512]])
+    decode = dict(seqs=2, kv_tokens=2048, new_tokens=2)
+    isolated = [rec("prefill", 10.0 + i, 1.1, **prefill) for i in range(3)] + \
+               [rec("decode", 20.0 + i, 1.2, **decode) for i in range(3)]
+    # under the burst: one long prefill pass covers [100, 100 + its time]; decode passes inside it run
+    # 1.5x, decode passes far from any prefill 1.2x (no interference)
+    long_prefill = rec("prefill", 0.0, 1.1, **prefill)
+    long_prefill["end_s"] = 100.0 + long_prefill["seconds"]
+    d_inside = rec("decode", 0.0, 1.5, **decode)
+    d_inside["end_s"] = 100.0 + d_inside["seconds"]  # starts at 100, well inside the prefill pass
+    d_apart = [rec("decode", 200.0 + i, 1.2, **decode) for i in range(2)]
+    rows = {r["kind"]: r for r in summarise(profile, isolated, [long_prefill, d_inside, *d_apart])}
+    dec = rows["decode"]
+    assert dec["passes"] == {"isolated": 3, "burst_other_busy": 1, "burst_other_idle": 2}
+    assert dec["median_ratio"]["isolated"] == pytest.approx(1.2)
+    assert dec["interference_other_busy"] == pytest.approx(1.5 / 1.2)
+    assert dec["interference_other_idle"] == pytest.approx(1.0)
+    assert rows["prefill"]["interference"] == pytest.approx(1.0)
+    assert rows["prefill"]["passes"]["burst_other_busy"] == 0  # the short decode pass covers < half of it

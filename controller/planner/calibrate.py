@@ -79,21 +79,28 @@ def timed_stream(client, prompt: list[int], max_tokens: int) -> dict:
     return {"prompt": len(prompt), "tokens": tokens, "ttft_s": first - t0, "decode_s": last - first}
 
 
+def time_isolated(client, prompts: list[list[int]], output_tokens: tuple[int, ...]) -> list[dict]:
+    """Send ``prompts`` one at a time (no overlap); output lengths cycle through ``output_tokens``."""
+    return [timed_stream(client, p, output_tokens[i % len(output_tokens)]) for i, p in enumerate(prompts)]
+
+
+def random_prompts(config, lengths: list[int], rng: random.Random) -> list[list[int]]:
+    """Prompts of random token ids of the served model's vocabulary, of the given lengths."""
+    from modeling.checkpoint import load_config as load_model_config
+
+    vocab = load_model_config(config.model_path).vocab_size
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
 def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool) -> list[dict]:
     """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths;
     output lengths cycle through ``output_tokens`` so the decode slope is identifiable."""
     from controller.client import Client
     from controller.server import serve_in_thread
-    from modeling.checkpoint import load_config as load_model_config
 
-    vocab = load_model_config(config.model_path).vocab_size
-    rng = random.Random(seed)
-    rows = []
+    prompts = random_prompts(config, [64, 64] + lengths, random.Random(seed))
     with serve_in_thread(config) as address, Client(address) as client:
-        for i, n in enumerate([64, 64] + lengths):  # two warm-up requests first (not recorded)
-            prompt = [rng.randrange(1, vocab) for _ in range(n)]
-            rows.append(timed_stream(client, prompt, output_tokens[i % len(output_tokens)]))
-        rows = rows[2:]
+        rows = time_isolated(client, prompts, output_tokens)[2:]  # two warm-up requests first (not recorded)
     if progress:
         tqdm.write(f"calibration: {len(rows)} isolated requests timed")
     return rows
@@ -130,36 +137,39 @@ def burst_trace(profile: Profile, sim_config, lengths: list[int], output_tokens:
     raise RuntimeError("calibration burst: no request rate keeps the simulated instances busy")
 
 
+def send_burst(client, trace: list[RequestSpec], prompts: list[list[int]]) -> list[dict]:
+    """Send ``trace`` (one thread per request, started at its arrival); every request must succeed."""
+    rows: list[dict | None] = [None] * len(trace)
+    errors: list[BaseException] = []
+    t0 = time.perf_counter()
+
+    def send(i: int) -> None:
+        try:
+            time.sleep(max(0.0, t0 + trace[i].arrival_s - time.perf_counter()))
+            rows[i] = timed_stream(client, prompts[i], trace[i].output_tokens)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after every thread ends
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(trace))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"calibration burst: {len(errors)} of {len(trace)} requests failed: {errors[0]!r}")
+    return rows
+
+
 def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -> list[dict]:
     """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival)."""
     from controller.client import Client
     from controller.server import serve_in_thread
-    from modeling.checkpoint import load_config as load_model_config
 
-    vocab = load_model_config(config.model_path).vocab_size
-    rng = random.Random(seed + 1)
-    prompts = [[rng.randrange(1, vocab) for _ in range(r.prompt_tokens)] for r in trace]
-    rows: list[dict | None] = [None] * len(trace)
-    errors: list[BaseException] = []
+    prompts = random_prompts(config, [r.prompt_tokens for r in trace], random.Random(seed + 1))
     with serve_in_thread(config) as address, Client(address) as client:
         for _ in client.generate_stream(prompts[0][:64], max_tokens=4, ignore_eos=True):
             pass  # warm-up
-        t0 = time.perf_counter()
-
-        def send(i: int) -> None:
-            try:
-                time.sleep(max(0.0, t0 + trace[i].arrival_s - time.perf_counter()))
-                rows[i] = timed_stream(client, prompts[i], trace[i].output_tokens)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every thread ends
-                errors.append(exc)
-
-        threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(trace))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if errors:
-        raise RuntimeError(f"calibration burst: {len(errors)} of {len(trace)} requests failed: {errors[0]!r}")
+        rows = send_burst(client, trace, prompts)
     if progress:
         tqdm.write(f"calibration burst: {len(trace)} overlapping requests over {trace[-1].arrival_s:.1f} s timed")
     return rows
@@ -220,17 +230,22 @@ def fit(profile: Profile, mode: str, rows: list[dict], chunk: int) -> Calibratio
     return Calibration(mode, overhead, pscale, start, dscale, len(rows), ttft_err, dec_err)
 
 
-def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = (17, 33, 65), seed: int = 0,
-              progress: bool = True, burst_requests: int = 40) -> Calibration:
-    """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
-    isolated terms, then (``burst_requests`` > 0) the contention factor on a burst."""
+def calibration_config(config):
+    """``config`` as calibration serves it: a free port, speculation off (decode steps countable)."""
     from controller.config import parse_config, to_dict
 
     raw = to_dict(config)
     raw["model"]["path"] = config.model_path
     raw["server"]["port"] = 0
     raw["decode"]["speculation"] = {"drafter": "none"}
-    run_config = dataclasses.replace(parse_config(raw), source=config.source)
+    return dataclasses.replace(parse_config(raw), source=config.source)
+
+
+def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = (17, 33, 65), seed: int = 0,
+              progress: bool = True, burst_requests: int = 40) -> Calibration:
+    """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
+    isolated terms, then (``burst_requests`` > 0) the contention factor on a burst."""
+    run_config = calibration_config(config)
     mode = run_config.mode
     chunk = run_config.colocated.chunk_tokens if mode == "colocated" else run_config.prefill.chunk_tokens
     max_prompt = min(run_config.limits.max_prompt_tokens, 4096)

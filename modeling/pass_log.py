@@ -1,0 +1,49 @@
+"""A worker's recent forward passes, timed where they run, for measuring a serving cluster in place.
+
+The profiler times passes on an idle machine; a worker serving real traffic shares its cores with the
+rest of the cluster. Each worker keeps its last passes here (kind, shape, duration, wall-clock end, so
+passes of different processes can be lined up) and hands them over on request
+(``benchmarks/serving_interference.py``). Recording is a deque append per pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+PASS_KINDS = ("prefill", "decode", "verify")
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One timed pass. ``shape``: prefill: ``chunks`` as [start, length] pairs; decode / verify:
+    ``seqs``, ``kv_tokens`` (KV positions read, summed over the batch), ``new_tokens``."""
+
+    kind: str
+    end_s: float  # time.time() when the pass ended
+    seconds: float
+    shape: dict
+
+
+class PassLog:
+    """The last ``capacity`` passes of one worker (older ones drop off)."""
+
+    def __init__(self, capacity: int = 8192):
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        self._records: deque[PassRecord] = deque(maxlen=capacity)
+
+    def record(self, kind: str, seconds: float, **shape) -> None:
+        if kind not in PASS_KINDS:
+            raise ValueError(f"kind: must be one of {list(PASS_KINDS)}, got {kind!r}")
+        self._records.append(PassRecord(kind, time.time(), seconds, shape))
+
+    def drain(self) -> list[dict]:
+        """Every kept record as a plain dict (oldest first); the log is emptied."""
+        out = [asdict(r) for r in self._records]
+        self._records.clear()
+        return out
+
+    def __len__(self) -> int:
+        return len(self._records)
