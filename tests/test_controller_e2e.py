@@ -133,6 +133,28 @@ def test_queue_limit_gives_resource_exhausted(server):
     assert "RESOURCE_EXHAUSTED" in outcomes
 
 
+def test_workers_hand_over_their_timed_passes(server):
+    """modeling/pass_log.py through the actors: what benchmarks/serving_interference.py reads."""
+    import ray
+
+    prefill = ray.get_actor("magicserve-prefill-0", namespace="magicserve")
+    decodes = [ray.get_actor(f"magicserve-decode-{i}", namespace="magicserve") for i in range(2)]
+    for actor in (prefill, *decodes):
+        ray.get(actor.pass_log.remote())  # drop the passes of earlier tests
+    ids, last = stream_ids(server, prompts_of([100], seed=7)[0], max_tokens=12, ignore_eos=True)
+    assert len(ids) == 12 and last.finish_reason == "length"
+    passes = ray.get(prefill.pass_log.remote())
+    assert {r["kind"] for r in passes} == {"prefill"} and all(r["seconds"] > 0 for r in passes)
+    # chunk_tokens 64: the 100-token prompt is prefilled as [0, 64) then [64, 100)
+    assert [c for r in passes for c in r["shape"]["chunks"]] == [[0, 64], [64, 36]]
+    decoded = [r for actor in decodes for r in ray.get(actor.pass_log.remote())]
+    kinds = {r["kind"] for r in decoded}
+    assert "verify" in kinds and kinds <= {"decode", "verify"}  # fixed k = 3
+    assert all(r["shape"]["seqs"] == 1 and r["shape"]["kv_tokens"] > 100 for r in decoded)
+    assert sum(r["shape"]["new_tokens"] for r in decoded) >= 11  # every token after the first was verified
+    assert ray.get(prefill.pass_log.remote()) == []  # handed over once
+
+
 def test_killed_decode_actor_does_not_take_the_service_down(server, reference):
     import ray
 
