@@ -5,9 +5,10 @@ alone and under a burst: the interference the simulator's contention factor stan
         --profile benchmarks/results/profile_local_cpu.json --out benchmarks/results/serving_interference
 
 The calibration (``controller/planner/calibrate.py``) fits one contention factor on the latency
-distributions of a burst, which mixes every cause. Here the disaggregated cluster is served for real
-exactly as the calibration serves it (speculation off, the same isolated requests, then the same burst),
-and each prefill and decode worker hands over the passes it timed (``modeling/pass_log.py``). Each pass
+distributions of a burst, which mixes every cause. Here the disaggregated cluster is served for real as
+the calibration serves it (speculation off; isolated requests, then a burst, with the calibration's
+prompt and output lengths and its way of picking the burst's rate; other random token ids), and each
+prefill and decode worker hands over the passes it timed (``modeling/pass_log.py``). Each pass
 is divided by the profile's prediction for its shape. Reported per pass kind: the median ratio with the
 cluster otherwise idle (isolated requests), under the burst while a worker of the other role was running
 a pass for most of this one, and under the burst while it was not; and their quotients, the
@@ -48,10 +49,12 @@ def _intervals(records: list[dict]) -> list[tuple[float, float]]:
 
 
 def _covered(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
-    """Share of [start, end] inside the union of ``intervals`` (sorted, from one worker each: disjoint)."""
+    """Share of [start, end] covered by ``intervals``, summed and capped at 1: exact for the passes of one
+    worker (disjoint); with several workers of the other role, overlapping passes count twice."""
     if end <= start:
         return 0.0
-    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals if b > start and a < end) / (end - start)
+    covered = sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals if b > start and a < end)
+    return min(1.0, covered / (end - start))
 
 
 def summarise(profile: Profile, isolated: list[dict], burst: list[dict]) -> list[dict]:
@@ -88,9 +91,9 @@ def measure(config, profile: Profile, requests: int, burst_requests: int, seed: 
 
     if config.mode != "disaggregated":
         raise SystemExit(f"--config: mode must be disaggregated (colocated instances do not log passes), got {config.mode!r}")
-    max_prompt = min(config.limits.max_prompt_tokens, 4096)
+    max_prompt = cal.max_calibration_prompt(config)
     lengths = cal.calibration_lengths(max_prompt, requests, seed)
-    outputs = (17, 33, 65)
+    outputs = cal.OUTPUT_TOKENS
     # the burst's rate as the calibration picks it: the isolated terms, no contention
     isolated_terms = profile.with_calibration(dataclasses.replace(profile.calibration("disaggregated"), contention_scale=1.0))
     trace = cal.burst_trace(isolated_terms, SimConfig.from_cluster_config(config),

@@ -230,6 +230,14 @@ def fit(profile: Profile, mode: str, rows: list[dict], chunk: int) -> Calibratio
     return Calibration(mode, overhead, pscale, start, dscale, len(rows), ttft_err, dec_err)
 
 
+OUTPUT_TOKENS = (17, 33, 65)  # output lengths the calibration's requests cycle through
+
+
+def max_calibration_prompt(config) -> int:
+    """The longest prompt the calibration sends: the config's limit, at most 4096 tokens."""
+    return min(config.limits.max_prompt_tokens, 4096)
+
+
 def calibration_config(config):
     """``config`` as calibration serves it: a free port, speculation off (decode steps countable)."""
     from controller.config import parse_config, to_dict
@@ -241,14 +249,14 @@ def calibration_config(config):
     return dataclasses.replace(parse_config(raw), source=config.source)
 
 
-def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = (17, 33, 65), seed: int = 0,
+def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS, seed: int = 0,
               progress: bool = True, burst_requests: int = 40) -> Calibration:
     """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
     isolated terms, then (``burst_requests`` > 0) the contention factor on a burst."""
     run_config = calibration_config(config)
     mode = run_config.mode
     chunk = run_config.colocated.chunk_tokens if mode == "colocated" else run_config.prefill.chunk_tokens
-    max_prompt = min(run_config.limits.max_prompt_tokens, 4096)
+    max_prompt = max_calibration_prompt(run_config)
     rows = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed, progress)
     cal = fit(profile, mode, rows, chunk)
     if burst_requests <= 0:
