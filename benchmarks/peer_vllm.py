@@ -31,12 +31,14 @@ from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from modeling.tokenizer import TextTokenizer  # noqa: E402
 
 ADAPTIVE_WARMUP_STEPS = 64
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 def magicserve_decode(model: str, cells: list[list[list[int]]], max_tokens: int, repeats: int,
                       threads: int) -> list[dict]:
-    """Per cell: median decode tokens/s of magicserve's decode worker, autoregressive and with the default
-    speculation (self-speculation over sink 16 + 256 recent tokens, adaptive k up to 5), interleaved."""
+    """Per cell: median decode tokens/s of magicserve's decode worker, autoregressive and with the speculation
+    of the embedded default config (cluster_configs/local.yaml: self-speculation over a 256-token view, 16 sink
+    + 240 recent tokens, adaptive k up to 5), interleaved."""
     import torch
 
     from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
@@ -74,8 +76,6 @@ def magicserve_decode(model: str, cells: list[list[list[int]]], max_tokens: int,
                     "spec_mean_k": median["spec"]["mean_k"], "spec_acceptance_rate": median["spec"]["acceptance_rate"]})
         print(json.dumps(out[-1]), flush=True)
     return out
-
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 def main() -> None:
@@ -123,8 +123,8 @@ def main() -> None:
         f.write("# Decode throughput: magicserve vs vLLM CPU build (same weights, same prompts, one run)\n\n"
                 f"`{command}`; greedy, {args.max_tokens} new tokens, decode-only throughput (prefill and first token "
                 f"excluded), median of {args.repeats}; magicserve: {args.threads} torch threads, its decode worker "
-                "autoregressive (AR) and with its default speculation (self-speculation, sink 16 + 256 recent "
-                "tokens, adaptive k <= 5, warmed up on the cell).\n\n"
+                "autoregressive (AR) and with the default config's speculation (self-speculation over 16 sink + 240 "
+                "recent tokens, adaptive k <= 5, warmed up on the cell).\n\n"
                 "| vLLM mode | batch | prefix | vLLM tok/s | magicserve AR tok/s | magicserve spec tok/s (mean k) "
                 "| AR / vLLM | spec / vLLM |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
         for r in rows:
