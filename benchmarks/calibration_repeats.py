@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = base
         for path in args.configs:
             cal = calibrate(load_config(os.path.join(ROOT, path)), base, requests=args.calibration_requests,
-                            burst_requests=args.burst_requests, seed=i)
+                            burst_requests=args.burst_requests, seed=i).calibration
             profile = profile.with_calibration(cal)
         repeats.append({"repeat": i + 1, "calibrations": [dataclasses.asdict(c) for c in profile.calibrations],
                         "with_contention": validate(profile, args.seeds),

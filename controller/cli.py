@@ -81,6 +81,8 @@ PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
     magicserve profile --config CLUSTER_YAML --out PROFILE.json [--quick] [--calibrate]
   calibration of the serving path for another mode's config (e.g. colocated), into the same profile:
     magicserve profile --config cluster_configs/local-colocated.yaml --out PROFILE.json --calibrate-only
+  the config mode's calibration fitted again to the measurements the profile keeps (after a change of the fit):
+    magicserve profile --config CLUSTER_YAML --out PROFILE.json --refit-calibration
   analytical (a GPU type from controller/planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
     magicserve profile --analytical --gpu H100-80GB-SXM --model llama-3.1-8b|HF_CHECKPOINT_DIR --out PROFILE.json
         [--acceptance-from MEASURED.json | --acceptance self_sparse:256:0.8 ...] [--transfer-gbps 25]
@@ -98,6 +100,8 @@ def _add_profile_parser(sub) -> None:
                    help="also serve the config for real and fit the serving-path terms of its mode (about 1 min)")
     p.add_argument("--calibrate-only", action="store_true",
                    help="add the config mode's calibration to the existing profile at --out (no re-measuring)")
+    p.add_argument("--refit-calibration", action="store_true",
+                   help="fit the config mode's calibration again to the measurements stored in --out (no serving)")
     p.add_argument("--calibration-requests", type=int, default=16, help="isolated requests timed for calibration")
     p.add_argument("--burst-requests", type=int, default=40,
                    help="overlapping requests of the calibration burst that measures contention (0: skip it)")

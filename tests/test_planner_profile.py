@@ -274,6 +274,25 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert math.isfinite(cal.contention_fit_error)
     assert cal.prefill_scale > 0 and cal.decode_scale > 0 and cal.ttft_overhead_s >= 0 and cal.decode_start_s >= 0
     assert math.isfinite(cal.ttft_fit_error) and math.isfinite(cal.decode_fit_error)
+    # the measurements behind the fit are kept, and refitting them reproduces the stored calibration
+    stored = Profile.load(str(out))
+    isolated = stored.samples["calibration/disaggregated/isolated"]
+    burst = stored.samples["calibration/disaggregated/burst"]
+    assert len(isolated) == 5 and len(burst) == 6
+    assert all(r["ttft_s"] > 0 and r["tokens"] >= 1 for r in isolated + burst)
+    assert [r["arrival_s"] for r in burst] == sorted(r["arrival_s"] for r in burst)
+    capsys.readouterr()
+    assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration"]) == 0
+    assert "calibration (disaggregated)" in capsys.readouterr().out
+    refitted = Profile.load(str(out)).calibration("disaggregated")
+    assert refitted.prefill_scale == pytest.approx(cal.prefill_scale) and refitted.contention_scale == cal.contention_scale
+    # a mode never calibrated has nothing to refit: an error naming the mode
+    colocated = tmp_path / "colocated.yaml"
+    colocated.write_text(f"mode: colocated\nmodel: {{path: {llama_dir}, dtype: bfloat16}}\n"
+                         "colocated: {instances: 1, threads: 1, chunk_tokens: 128, kv_cache_tokens: 4096}\n"
+                         "limits: {max_prompt_tokens: 512, max_tokens: 256}\n")
+    assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 2
+    assert "'colocated'" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
                      "--calibration-requests", "2"]) == 2
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",

@@ -286,3 +286,25 @@ def test_contention_fit_recovers_the_factor_behind_a_burst():
              "decode_s": r.finish_s - r.first_token_s} for r in simulate(truth, config, trace).records]
     scale, err = fit_contention(prof, config, trace, rows, seeds=1)
     assert scale == pytest.approx(1.4) and err == pytest.approx(0.0, abs=1e-9)
+
+
+def test_burst_falls_back_to_the_busiest_rate_when_the_target_is_out_of_reach(monkeypatch):
+    """A few small requests may never keep both roles busy enough: the burst then uses the rate at which the
+    simulated instances are busiest instead of failing the calibration."""
+    import dataclasses
+
+    from controller.planner import calibrate
+
+    prof = make_profile(prefill_per_token=2e-4, transfer_per_token=1e-5)
+    config = disagg()
+    monkeypatch.setattr(calibrate, "BURST_UTILISATION", 1.01)  # unreachable
+    trace = calibrate.burst_trace(prof, config, calibrate.calibration_lengths(512, 6, 1), (17, 33, 65), seed=0)
+
+    def busy(t):
+        util = simulate(prof, config, t).instance_utilisation
+        return sum(util.values()) / len(util)
+
+    assert len(trace) == 6 and busy(trace) > 0
+    for stretch in (2.0, 10.0):  # the same arrivals at lower rates keep the instances less busy
+        other = [dataclasses.replace(r, arrival_s=r.arrival_s * stretch) for r in trace]
+        assert busy(trace) > busy(other)

@@ -113,7 +113,8 @@ CONTENTION_GRID = tuple(round(1.0 + 0.02 * i, 2) for i in range(101))  # 1.00 ..
 def burst_trace(profile: Profile, sim_config, lengths: list[int], output_tokens: tuple[int, ...],
                 seed: int) -> list[RequestSpec]:
     """Poisson arrivals of the given prompt lengths at the lowest rate of a geometric grid whose simulated
-    mean instance utilisation (isolated terms, no contention) reaches BURST_UTILISATION."""
+    mean instance utilisation (isolated terms, no contention) reaches BURST_UTILISATION; if no rate does,
+    the rate of the highest utilisation."""
     from controller.planner.simulator import simulate
 
     rng = random.Random(seed)
@@ -127,14 +128,20 @@ def burst_trace(profile: Profile, sim_config, lengths: list[int], output_tokens:
             t += gap / rate
         return out
 
-    rate = 0.05
+    rate, best = 0.05, (0.0, None)
     while rate < 1e3:
         trace = trace_at(rate)
         util = simulate(profile, sim_config, trace, seed=0).instance_utilisation
-        if sum(util.values()) / max(1, len(util)) >= BURST_UTILISATION:
+        mean = sum(util.values()) / max(1, len(util))
+        if mean >= BURST_UTILISATION:
             return trace
+        best = max(best, (mean, trace), key=lambda b: b[0])
         rate *= 1.25
-    raise RuntimeError("calibration burst: no request rate keeps the simulated instances busy")
+    # A short burst of small requests can fall short of the target at any rate (all arrive at once and
+    # one role idles while the other works through them): the busiest rate overlaps them the most.
+    if best[1] is None or best[0] <= 0.0:
+        raise RuntimeError("calibration burst: no request rate keeps the simulated instances busy")
+    return best[1]
 
 
 def send_burst(client, trace: list[RequestSpec], prompts: list[list[int]]) -> list[dict]:
@@ -221,6 +228,8 @@ def _fit_offset_and_scale(predicted: list[float], measured: list[float]) -> tupl
 
 
 def fit(profile: Profile, mode: str, rows: list[dict], chunk: int) -> Calibration:
+    """The isolated terms of ``mode`` from isolated requests' rows (prompt, tokens, ttft_s, decode_s)."""
+    rows = [{**r, "prompt": int(r["prompt"]), "tokens": int(r["tokens"])} for r in rows]  # stored as floats
     overhead, pscale, ttft_err = _fit_offset_and_scale(
         [predicted_prefill_s(profile, r["prompt"], chunk) for r in rows], [r["ttft_s"] for r in rows])
     tail = [kv_tail_s(profile, r["prompt"], chunk) if mode == "disaggregated" else 0.0 for r in rows]
@@ -249,18 +258,53 @@ def calibration_config(config):
     return dataclasses.replace(parse_config(raw), source=config.source)
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibrationRun:
+    """A calibration and the measurements it was fitted to (kept in the profile, so a changed fit can be
+    re-applied to the same measurements: ``refit``).
+
+    isolated: one row per isolated request: prompt, tokens (received), ttft_s, decode_s (first -> last token);
+    burst: the same per burst request, plus arrival_s and output_tokens (the trace replayed by the fit)."""
+
+    calibration: Calibration
+    isolated: list[dict[str, float]]
+    burst: list[dict[str, float]]
+
+    def samples(self) -> dict[str, list[dict[str, float]]]:
+        """The measurements under the profile's ``samples`` keys of this mode."""
+        mode = self.calibration.mode
+        return {isolated_key(mode): self.isolated, burst_key(mode): self.burst}
+
+
+def isolated_key(mode: str) -> str:
+    return f"calibration/{mode}/isolated"
+
+
+def burst_key(mode: str) -> str:
+    return f"calibration/{mode}/burst"
+
+
+def _chunk_of(run_config) -> int:
+    return run_config.colocated.chunk_tokens if run_config.mode == "colocated" else run_config.prefill.chunk_tokens
+
+
+def _burst_rows(trace: list[RequestSpec], rows: list[dict]) -> list[dict[str, float]]:
+    return [{"arrival_s": float(t.arrival_s), "output_tokens": float(t.output_tokens),
+             **{k: float(v) for k, v in r.items()}} for t, r in zip(trace, rows)]
+
+
 def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS, seed: int = 0,
-              progress: bool = True, burst_requests: int = 40) -> Calibration:
+              progress: bool = True, burst_requests: int = 40) -> CalibrationRun:
     """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
     isolated terms, then (``burst_requests`` > 0) the contention factor on a burst."""
     run_config = calibration_config(config)
     mode = run_config.mode
-    chunk = run_config.colocated.chunk_tokens if mode == "colocated" else run_config.prefill.chunk_tokens
+    chunk = _chunk_of(run_config)
     max_prompt = max_calibration_prompt(run_config)
     rows = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed, progress)
     cal = fit(profile, mode, rows, chunk)
     if burst_requests <= 0:
-        return cal
+        return CalibrationRun(cal, rows, [])
     from controller.planner.simulator import SimConfig
 
     isolated = profile.with_calibration(cal)
@@ -269,4 +313,26 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
                         output_tokens, seed)
     burst = measure_burst(run_config, trace, seed, progress)
     scale, err = fit_contention(isolated, sim_config, trace, burst)
+    cal = dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)
+    return CalibrationRun(cal, rows, _burst_rows(trace, burst))
+
+
+def refit(config, profile: Profile) -> Calibration:
+    """The calibration of ``config``'s mode fitted afresh, by this module's current fit, to the
+    measurements stored in ``profile`` (by ``calibrate``; a profile without them is an error)."""
+    from controller.planner.profile import ProfileError
+    from controller.planner.simulator import SimConfig
+
+    run_config = calibration_config(config)
+    mode = run_config.mode
+    rows = profile.samples.get(isolated_key(mode))
+    if not rows:
+        raise ProfileError(f"profile has no stored calibration measurements for mode {mode!r} "
+                           f"(samples[{isolated_key(mode)!r}]); run `magicserve profile --calibrate-only` first")
+    cal = fit(profile, mode, rows, _chunk_of(run_config))
+    burst = profile.samples.get(burst_key(mode), [])
+    if not burst:
+        return cal
+    trace = [RequestSpec(r["arrival_s"], int(r["prompt"]), int(r["output_tokens"])) for r in burst]
+    scale, err = fit_contention(profile.with_calibration(cal), SimConfig.from_cluster_config(run_config), trace, burst)
     return dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)

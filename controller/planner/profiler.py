@@ -757,6 +757,15 @@ def run_cli(args) -> int:
         if args.calibration_requests < 4:
             raise ProfileError(f"--calibration-requests: must be >= 4, got {args.calibration_requests}")
         config = load_config(args.config)
+        if args.refit_calibration:
+            from controller.planner.calibrate import refit
+
+            profile = Profile.load(args.out)
+            cal = refit(config, profile)
+            _print_calibration(cal)
+            profile.with_calibration(cal).save(args.out)
+            print(f"wrote {args.out}")
+            return 0
         if args.calibrate_only:
             profile = Profile.load(args.out)
         else:
@@ -764,17 +773,22 @@ def run_cli(args) -> int:
         if args.calibrate or args.calibrate_only:
             if args.burst_requests < 0:
                 raise ProfileError(f"--burst-requests: must be >= 0 (0 skips the contention burst), got {args.burst_requests}")
-            cal = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress,
+            run = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress,
                             burst_requests=args.burst_requests)
-            print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
-                  f"predicted prefill (fit error {cal.ttft_fit_error:.1%}); decode = {1e3 * cal.decode_start_s:.1f} ms + "
-                  f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
-                  f"contention {cal.contention_scale:.2f}x with the other instances busy ({cal.contention_requests}-request "
-                  f"burst, RMS log error {cal.contention_fit_error:.2f})")
-            profile = profile.with_calibration(cal)
+            cal = run.calibration
+            _print_calibration(cal)
+            profile = dataclasses.replace(profile.with_calibration(cal), samples={**profile.samples, **run.samples()})
     profile.save(args.out)
     print(f"wrote {args.out}")
     return 0
+
+
+def _print_calibration(cal) -> None:
+    print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
+          f"predicted prefill (fit error {cal.ttft_fit_error:.1%}); decode = {1e3 * cal.decode_start_s:.1f} ms + "
+          f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
+          f"contention {cal.contention_scale:.2f}x with the other instances busy ({cal.contention_requests}-request "
+          f"burst, RMS log error {cal.contention_fit_error:.2f})")
 
 
 def iter_fits(profile: Profile) -> Iterable[tuple[str, FittedModel]]:
