@@ -15,7 +15,7 @@ from controller.config import load_config
 from controller.planner import analytical
 from controller.planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
-    ProfileError)
+    ProfileError, prefill_features)
 from controller.planner.profiler import check_config
 from decode_worker.policy import FEATURES as PASS_FEATURES
 from decode_worker.policy import PassShape
@@ -28,7 +28,7 @@ def _model(features, coefficients, err=0.05, points=10) -> FittedModel:
 
 
 def _profile(**changes) -> Profile:
-    costs = InstanceCosts(1, 1, _model(PREFILL_FEATURES, (1e-3, 1e-5, 2e-6, 1e-10)),
+    costs = InstanceCosts(1, 1, _model(PREFILL_FEATURES, (1e-3, 1e-5, 2e-6, 1e-10, 1e-9)),
                           _model(PASS_FEATURES, (2e-3, 1e-5, 1e-8, 3e-6, 1e-9)),
                           {"self_sparse": _model(PASS_FEATURES, (1e-3, 1e-5, 1e-8, 3e-6, 0.0))}, 4096, 2048)
     p = Profile(hardware="cpu: test", device_type="cpu", devices_per_node=2, model="m", model_params=10,
@@ -212,7 +212,7 @@ def test_analytical_tensor_parallel_is_faster_and_holds_more_kv():
     shapes = [PassShape(1, 1024, 1), PassShape(32, 32 * 4096, 32 * 4), PassShape(128, 128 * 2048, 128)]
     for shape in shapes:
         assert p.target_model(2).predict_pass(shape) < p.target_model(1).predict_pass(shape)
-    chunk = {"passes": 1, "seqs": 1, "tokens": 2048, "attn_pairs": 2048 * 4096}
+    chunk = prefill_features([(2048, 2048)])
     assert p.prefill_model(2).predict(chunk) < p.prefill_model(1).predict(chunk)
     assert 0 < p.kv_capacity("decode", 1) < p.kv_capacity("decode", 2)
     # (80 GiB-ish x 0.9 - 16 GB) / 128 KiB per token

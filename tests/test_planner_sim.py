@@ -33,7 +33,7 @@ def make_profile(prefill_per_token=1e-4, step_s=0.01, rate=0.7, tps=(1,), transf
     TP t divides every cost by t."""
     costs = tuple(InstanceCosts(
         t, 1,
-        fitted(PREFILL_FEATURES, (5e-3 / t, 0.0, prefill_per_token / t, 0.0)),
+        fitted(PREFILL_FEATURES, (5e-3 / t, 0.0, prefill_per_token / t, 0.0, 0.0)),
         fitted(PASS, (step_s / t, 0.0, 0.0, 0.0)),
         {"self_sparse": fitted(PASS, (draft_step_s / t, 0.0, 0.0, 0.0))},
         capacity * t) for t in tps)

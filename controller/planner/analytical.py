@@ -224,6 +224,7 @@ def prefill_model(s: Shape, gpu: GPUSpec, tp: int, pp: int, eff: Efficiency, dty
         "seqs": g.lm_head_token_s,  # logits of each prompt's last token
         "tokens": g.matmul_token_s + g.kv_token_s + g.comm_token_s,
         "attn_pairs": g.attn_pair_s,
+        "kv_tokens": g.kv_token_s,  # each chunk reads its context's KV once
     }
     return FittedModel(PREFILL_FEATURES, tuple(coef[f] for f in PREFILL_FEATURES), 0.0, 0)
 

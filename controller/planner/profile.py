@@ -8,8 +8,10 @@ type). Either way it is one JSON file with this schema; every fitted model carri
 Latency models are linear in features (seconds = sum of coefficient x feature):
 
 * ``prefill``: one chunked-prefill step; features ``PREFILL_FEATURES``:
-  ``passes`` (1 per step), ``seqs`` (prompts in the step), ``tokens`` (prompt tokens computed) and
-  ``attn_pairs`` (query x key pairs of attention: for a chunk of n tokens starting at s, n * (s + n)).
+  ``passes`` (1 per step), ``seqs`` (prompts in the step), ``tokens`` (prompt tokens computed),
+  ``attn_pairs`` (query x key pairs of attention: for a chunk of n tokens starting at s, n * (s + n)) and
+  ``kv_tokens`` (KV entries the chunks attend over, s + n per chunk: attention reads the context once per
+  chunk, whatever the chunk's length, so a short chunk deep in a long prompt costs more per pair).
 * ``target_pass`` / ``draft_pass``: one decode-side forward pass; features ``decode_worker.policy.FEATURES``
   (``passes``, ``seqs``, ``kv_tokens`` read, ``new_tokens``). A plain decode step is one target pass with
   B new tokens; a speculative step is k draft passes plus one verify pass with B*(k+1) new tokens.
@@ -35,7 +37,7 @@ from decode_worker.policy import FEATURES as PASS_FEATURES
 from decode_worker.policy import PassShape, fit_nonnegative_relative
 
 PROFILE_VERSION = 1
-PREFILL_FEATURES = ("passes", "seqs", "tokens", "attn_pairs")
+PREFILL_FEATURES = ("passes", "seqs", "tokens", "attn_pairs", "kv_tokens")
 # context_hi of an acceptance range that is open at the top (JSON has no infinity)
 CONTEXT_UNBOUNDED = 2**31 - 1
 TRANSFER_FEATURES = ("passes", "tokens")
@@ -287,7 +289,7 @@ class Profile:
 def prefill_features(chunks: list[tuple[int, int]]) -> dict[str, float]:
     """Features of one prefill step from its chunks as (start, length) pairs."""
     return {"passes": 1.0, "seqs": float(len(chunks)), "tokens": float(sum(n for _, n in chunks)),
-            "attn_pairs": float(sum(n * (s + n) for s, n in chunks))}
+            "attn_pairs": float(sum(n * (s + n) for s, n in chunks)), "kv_tokens": float(sum(s + n for s, n in chunks))}
 
 
 def transfer_features(tokens: int) -> dict[str, float]:
