@@ -293,6 +293,8 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
                          "limits: {max_prompt_tokens: 512, max_tokens: 256}\n")
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 2
     assert "'colocated'" in capsys.readouterr().err
+    assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration", "--calibrate-only"]) == 2
+    assert "does not combine" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
                      "--calibration-requests", "2"]) == 2
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",

@@ -312,9 +312,14 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
     trace = burst_trace(isolated, sim_config, calibration_lengths(max_prompt, burst_requests, seed + 1),
                         output_tokens, seed)
     burst = measure_burst(run_config, trace, seed, progress)
-    scale, err = fit_contention(isolated, sim_config, trace, burst)
-    cal = dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)
-    return CalibrationRun(cal, rows, _burst_rows(trace, burst))
+    return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst), rows, _burst_rows(trace, burst))
+
+
+def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[RequestSpec],
+                    burst: list[dict]) -> Calibration:
+    """``cal`` (isolated terms) completed by the contention factor fitted to the burst ``trace`` measured as ``burst``."""
+    scale, err = fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
+    return dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)
 
 
 def refit(config, profile: Profile) -> Calibration:
@@ -334,5 +339,4 @@ def refit(config, profile: Profile) -> Calibration:
     if not burst:
         return cal
     trace = [RequestSpec(r["arrival_s"], int(r["prompt"]), int(r["output_tokens"])) for r in burst]
-    scale, err = fit_contention(profile.with_calibration(cal), SimConfig.from_cluster_config(run_config), trace, burst)
-    return dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)
+    return with_contention(profile, cal, SimConfig.from_cluster_config(run_config), trace, burst)

@@ -760,6 +760,10 @@ def run_cli(args) -> int:
         if args.refit_calibration:
             from controller.planner.calibrate import refit
 
+            if args.calibrate or args.calibrate_only or args.quick:
+                raise ProfileError("--refit-calibration: refits the measurements already in --out and measures "
+                                   "nothing; it does not combine with --calibrate, --calibrate-only or --quick")
+
             profile = Profile.load(args.out)
             cal = refit(config, profile)
             _print_calibration(cal)
