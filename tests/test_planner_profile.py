@@ -299,3 +299,22 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
                      "--calibration-requests", "2"]) == 2
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
                      "--burst-requests", "-1"]) == 2
+
+
+def test_prefill_feature_sets_show_what_each_feature_buys():
+    """benchmarks/prefill_features.py: on steps timed by a model with a kv_tokens term, the full feature set
+    fits exactly and dropping kv_tokens (or attn_pairs) leaves an error; points without a feature are refused."""
+    from benchmarks.prefill_features import feature_sets_errors
+
+    truth = dict(zip(PREFILL_FEATURES, (4e-3, 0.0, 8e-5, 2e-7, 3e-6)))
+    rows = []
+    for start in (0, 512, 2048, 7168):
+        for n in (32, 128, 512, 1024):
+            f = prefill_features([(start, n)])
+            rows.append({**f, "seconds": sum(truth[k] * f[k] for k in PREFILL_FEATURES)})
+    errors = {r["set"]: r["fit_error"] for r in feature_sets_errors(rows)}
+    assert errors["all"] == pytest.approx(0.0, abs=1e-6)
+    assert errors["without kv_tokens"] > 0.01 and errors["without attn_pairs"] > 0.01
+    assert errors["without seqs"] == pytest.approx(0.0, abs=1e-6)  # a zero term costs nothing to drop
+    with pytest.raises(ProfileError, match="kv_tokens"):
+        feature_sets_errors([{k: v for k, v in r.items() if k != "kv_tokens"} for r in rows])
