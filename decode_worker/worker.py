@@ -251,7 +251,9 @@ class DecodeWorker:
         if k > 0:  # before committing: a sequence that finishes still verified its drafts
             self.acceptance.observe_step([(k, v.num_accepted) for v in verdicts])
         deltas = [self._commit(lv, v, k) for lv, v in zip(lives, verdicts)]
-        self._record_step(k, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._record_step(k, seconds)
+        self.pass_log.record("step", seconds, k=k, seqs=len(lives))
         return deltas
 
     def _choose_k(self, lives: list[_Live]) -> tuple[int, KChoice | None]:
@@ -302,6 +304,8 @@ class DecodeWorker:
         draft_shape = sum((PassShape(len(seqs), sum(self.drafter.kv_tokens_read(n, j) for n in lens), len(seqs))
                            for j in range(k)), PassShape(0, 0, 0, 0))
         self.draft_cost.observe(draft_shape, t1 - t0)
+        self.pass_log.record("draft", t1 - t0, passes=k, seqs=draft_shape.seqs, kv_tokens=draft_shape.kv_tokens,
+                             new_tokens=draft_shape.new_tokens)
         self._observe_target(seqs, k, t2 - t1)
         self.metrics.draft_time_s += t1 - t0
         self.metrics.verify_time_s += t2 - t1

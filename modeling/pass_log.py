@@ -12,13 +12,17 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-PASS_KINDS = ("prefill", "decode", "verify")
+PASS_KINDS = ("prefill", "decode", "draft", "verify", "step")
 
 
 @dataclass(frozen=True)
 class PassRecord:
     """One timed pass. ``shape``: prefill: ``chunks`` as [start, length] pairs; decode / verify:
-    ``seqs``, ``kv_tokens`` (KV positions read, summed over the batch), ``new_tokens``."""
+    ``seqs``, ``kv_tokens`` (KV positions read, summed over the batch), ``new_tokens``; draft: the k draft
+    passes of one speculative step as one record, ``passes`` (k) and the same three fields summed over them.
+    A decode worker's step is one ``decode`` record, or one ``draft`` record followed by one ``verify``, then
+    one ``step`` record: the whole step (choice of k, memory, passes, verification, commit), ``k`` and
+    ``seqs``; what it has beyond its passes is the step's fixed cost."""
 
     kind: str
     end_s: float  # time.time() when the pass ended

@@ -147,9 +147,28 @@ def test_workers_hand_over_their_timed_passes(server):
     assert {r["kind"] for r in passes} == {"prefill"} and all(r["seconds"] > 0 for r in passes)
     # chunk_tokens 64: the 100-token prompt is prefilled as [0, 64) then [64, 100)
     assert [c for r in passes for c in r["shape"]["chunks"]] == [[0, 64], [64, 36]]
-    decoded = [r for actor in decodes for r in ray.get(actor.pass_log.remote())]
-    kinds = {r["kind"] for r in decoded}
-    assert "verify" in kinds and kinds <= {"decode", "verify"}  # fixed k = 3
+    logs = [ray.get(actor.pass_log.remote()) for actor in decodes]
+    records = [r for log in logs for r in log]
+    steps = [r for r in records if r["kind"] == "step"]
+    decoded = [r for r in records if r["kind"] in ("decode", "verify")]
+    drafts = [r for r in records if r["kind"] == "draft"]
+    assert "verify" in {r["kind"] for r in decoded} and {r["kind"] for r in records} <= {"decode", "verify", "draft", "step"}
+    # fixed k = 3: each speculative step logs its three draft passes as one record, its verify pass, then the step
+    assert len(drafts) == sum(r["kind"] == "verify" for r in decoded)
+    assert all(r["shape"]["passes"] == 3 and r["shape"]["seqs"] == 3 for r in drafts)
+    assert len(steps) == len(decoded) and all(r["shape"]["k"] in (0, 3) for r in steps)
+    order = [r["kind"] for r in records]
+    assert all(order[i + 1] in ("verify", "decode") and order[i + 2] == "step"
+               for i, kind in enumerate(order) if kind == "draft")
+    # a step takes at least as long as its passes
+    for log in logs:
+        since_step = 0.0
+        for r in log:
+            if r["kind"] == "step":
+                assert r["seconds"] >= since_step
+                since_step = 0.0
+            else:
+                since_step += r["seconds"]
     assert all(r["shape"]["seqs"] == 1 and r["shape"]["kv_tokens"] > 100 for r in decoded)
     assert sum(r["shape"]["new_tokens"] for r in decoded) >= 11  # every token after the first was verified
     assert ray.get(prefill.pass_log.remote()) == []  # handed over once
