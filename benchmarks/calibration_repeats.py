@@ -27,7 +27,7 @@ from benchmarks._record import record  # noqa: E402
 from benchmarks.sim_validate import compare  # noqa: E402
 from controller.config import load_config  # noqa: E402
 from controller.planner.calibrate import calibrate  # noqa: E402
-from controller.planner.profile import Profile  # noqa: E402
+from controller.planner.profile import Calibration, Profile  # noqa: E402
 from controller.planner.simulator import SimConfig  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -52,7 +52,7 @@ def validate(profile: Profile, seeds: int) -> dict[str, dict]:
 
 def without_contention(profile: Profile) -> Profile:
     for cal in profile.calibrations:
-        profile = profile.with_calibration(dataclasses.replace(cal, contention_scale=1.0))
+        profile = profile.with_calibration(cal.without_contention())
     return profile
 
 
@@ -68,7 +68,7 @@ def write_markdown(result: dict, path: str) -> None:
              "|---:|---|---|---|" + "---:|" * len(SWEEPS)]
     for rep in result["repeats"]:
         cal = {c["mode"]: c for c in rep["calibrations"]}
-        terms = [f"{cal[m]['prefill_scale']:.2f} / {cal[m]['decode_scale']:.2f}, {cal[m]['contention_scale']:.2f}x"
+        terms = [f"{cal[m]['prefill_scale']:.2f} / {cal[m]['decode_scale']:.2f}, {Calibration(**cal[m]).contention_summary()}"
                  if m in cal else "-" for m in ("disaggregated", "colocated")]
         for key, label in (("with_contention", "fitted"), ("without_contention", "1 (off)")):
             cells = [f"{v['max_gap_pts']:.1f} ({v['inside_ci95']}/{v['rates']})" for v in rep[key].values()]

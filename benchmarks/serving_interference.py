@@ -4,21 +4,24 @@ alone and under a burst: the interference the simulator's contention factor stan
     python benchmarks/serving_interference.py --config cluster_configs/local-no-spec.yaml \\
         --profile benchmarks/results/profile_local_cpu.json --out benchmarks/results/serving_interference
 
-The calibration (``controller/planner/calibrate.py``) fits one contention factor on the latency
-distributions of a burst, which mixes every cause. Here the disaggregated cluster is served for real as
+The calibration (``controller/planner/calibrate.py``) fits its contention term to the same kind of pass
+log (``controller/planner/interference.py``). Here the disaggregated cluster is served for real as
 the calibration serves it (speculation off; isolated requests, then a burst, with the calibration's
 prompt and output lengths and its way of picking the burst's rate; other random token ids), and each
 prefill and decode worker hands over the passes it timed (``modeling/pass_log.py``). Each pass
 is divided by the profile's prediction for its shape. Reported per pass kind: the median ratio with the
 cluster otherwise idle (isolated requests), under the burst while a worker of the other role was running
 a pass for most of this one, and under the burst while it was not; and their quotients, the
-interference. Colocated instances do not log passes (mixed steps). Writes OUT.json and OUT.md.
+interference. Then the prefill passes against the decode role's busy share and step rate (which of the two
+explains the slowdown), and the calibration's per-step fit on all passes. ``--speculation`` serves the
+config's speculation (the calibration switches it off). Colocated instances do not log passes (mixed
+steps). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import math
 import os
 import random
 import shlex
@@ -29,47 +32,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
-from controller.planner.profile import Profile, prefill_features  # noqa: E402
-from decode_worker.policy import PassShape  # noqa: E402
+from controller.planner.interference import (  # noqa: E402
+    IDLE_SHARE, PassActivity, activities, fit_step_contention, predicted_s, reference_ratios,
+)
+from controller.planner.profile import Profile  # noqa: E402
 
-ROLE_OF_KIND = {"prefill": "prefill", "decode": "decode", "verify": "decode"}
+KINDS = ("prefill", "decode", "verify", "draft")
 OVERLAP = 0.5  # share of a pass that passes of the other role must cover for it to count as "other busy"
+RATE_BINS = (0.0, 25.0, 50.0, 100.0, 150.0, float("inf"))  # other role's step completions per second
 
 
-def predicted_s(profile: Profile, rec: dict) -> float:
-    """The profile's time for a logged pass (one device per instance, as on the CPU cluster)."""
-    shape = rec["shape"]
-    if rec["kind"] == "prefill":
-        return profile.prefill_model(1).predict(prefill_features([tuple(c) for c in shape["chunks"]]))
-    return profile.target_model(1).predict_pass(PassShape(shape["seqs"], shape["kv_tokens"], shape["new_tokens"]))
-
-
-def _intervals(records: list[dict]) -> list[tuple[float, float]]:
-    return sorted((r["end_s"] - r["seconds"], r["end_s"]) for r in records)
-
-
-def _covered(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
-    """Share of [start, end] covered by ``intervals``, summed and capped at 1: exact for the passes of one
-    worker (disjoint); with several workers of the other role, overlapping passes count twice."""
-    if end <= start:
-        return 0.0
-    covered = sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals if b > start and a < end)
-    return min(1.0, covered / (end - start))
-
-
-def summarise(profile: Profile, isolated: list[dict], burst: list[dict]) -> list[dict]:
+def summarise(profile: Profile, drafter: str | None, isolated: list[dict], burst: list[dict]) -> list[dict]:
     """Per pass kind: median measured / predicted time, isolated and under the burst (other role busy or
     idle during the pass), and the interference (burst median / isolated median)."""
+    acts = activities(profile, burst, drafter)
     rows = []
-    for kind in ("prefill", "decode"):
-        other = _intervals([r for r in burst if ROLE_OF_KIND[r["kind"]] != ROLE_OF_KIND[kind]])
-        iso = [r["seconds"] / predicted_s(profile, r) for r in isolated if r["kind"] == kind]
-        busy, idle = [], []
-        for r in burst:
-            if r["kind"] != kind:
-                continue
-            ratio = r["seconds"] / predicted_s(profile, r)
-            (busy if _covered(r["end_s"] - r["seconds"], r["end_s"], other) >= OVERLAP else idle).append(ratio)
+    for kind in KINDS:
+        iso = [r["seconds"] / predicted_s(profile, r, drafter) for r in isolated if r["kind"] == kind]
+        mine = [a for a in acts if a.kind == kind]
+        if not iso and not mine:
+            continue
+        busy = [a.ratio for a in mine if a.other_busy_share >= OVERLAP]
+        idle = [a.ratio for a in mine if a.other_busy_share < OVERLAP]
         med = {name: statistics.median(v) if v else None for name, v in (("isolated", iso), ("busy", busy),
                                                                          ("idle", idle), ("burst", busy + idle))}
         quotient = (lambda x: x / med["isolated"] if x and med["isolated"] else None)  # noqa: E731
@@ -80,10 +64,43 @@ def summarise(profile: Profile, isolated: list[dict], burst: list[dict]) -> list
     return rows
 
 
-def measure(config, profile: Profile, requests: int, burst_requests: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """Serve ``config`` as the calibration does; the passes of all workers, isolated phase and burst."""
-    import ray
+def _lstsq(columns: list[list[float]], target: list[float]) -> tuple[list[float], float]:
+    """Least squares without intercept: (coefficients, RMS residual)."""
+    import numpy as np
 
+    a, y = np.array(columns, dtype=float).T, np.array(target, dtype=float)
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    return [float(c) for c in coef], float(np.sqrt(np.mean((a @ coef - y) ** 2)))
+
+
+def explain(acts: list[PassActivity], kind: str = "prefill") -> dict:
+    """For the burst passes of ``kind``: how well the other role's busy share, its step rate, or both explain
+    the slowdown over the kind's reference ratio (passes that ran alone; least squares through the origin:
+    no other activity, no interference), and medians per step-rate bin."""
+    refs = reference_ratios(acts)
+    mine = [a for a in acts if a.kind == kind]
+    if len(mine) < 3:
+        return {}
+    y = [a.ratio / refs[kind] - 1.0 for a in mine]
+    share, rate = [a.other_busy_share for a in mine], [a.other_step_rate for a in mine]
+    fits = {}
+    for name, cols in (("busy_share", [share]), ("step_rate", [rate]), ("both", [share, rate])):
+        coef, rms = _lstsq(cols, y)
+        fits[name] = {"coefficients": coef, "rms": rms}
+    fits["none"] = {"coefficients": [], "rms": float(statistics.fmean(v * v for v in y) ** 0.5)}
+    bins = []
+    for lo, hi in zip(RATE_BINS, RATE_BINS[1:]):
+        sel = [(a, v) for a, v in zip(mine, y) if lo <= a.other_step_rate < hi]
+        if sel:
+            bins.append({"step_rate": [lo, None if math.isinf(hi) else hi], "passes": len(sel),
+                         "interference": 1.0 + statistics.median(v for _, v in sel),
+                         "busy_share": statistics.median(a.other_busy_share for a, _ in sel)})
+    return {"reference_ratio": refs[kind], "fits": fits, "bins": bins}
+
+
+def measure(config, profile: Profile, requests: int, burst_requests: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Serve ``config`` as the calibration does; the passes of all workers (``interference.pass_row`` rows),
+    isolated phase and burst."""
     from controller.client import Client
     from controller.planner import calibrate as cal
     from controller.planner.simulator import SimConfig
@@ -95,23 +112,16 @@ def measure(config, profile: Profile, requests: int, burst_requests: int, seed: 
     lengths = cal.calibration_lengths(max_prompt, requests, seed)
     outputs = cal.OUTPUT_TOKENS
     # the burst's rate as the calibration picks it: the isolated terms, no contention
-    isolated_terms = profile.with_calibration(dataclasses.replace(profile.calibration("disaggregated"), contention_scale=1.0))
+    isolated_terms = profile.with_calibration(profile.calibration("disaggregated").without_contention())
     trace = cal.burst_trace(isolated_terms, SimConfig.from_cluster_config(config),
                             cal.calibration_lengths(max_prompt, burst_requests, seed + 1), outputs, seed)
-    names = [f"prefill-{i}" for i in range(config.prefill.instances)] + \
-            [f"decode-{i}" for i in range(config.decode.instances)]
     with serve_in_thread(config) as address, Client(address) as client:
-        actors = [ray.get_actor(f"magicserve-{n}", namespace=config.ray.namespace) for n in names]
-
-        def drain() -> list[dict]:
-            return [rec for logs in ray.get([a.pass_log.remote() for a in actors]) for rec in logs]
-
         cal.time_isolated(client, cal.random_prompts(config, [64, 64], random.Random(seed)), outputs)  # warm-up
-        drain()
+        cal.drain_passes(config)
         cal.time_isolated(client, cal.random_prompts(config, lengths, random.Random(seed + 2)), outputs)
-        isolated = drain()
+        isolated = cal.drain_passes(config)
         cal.send_burst(client, trace, cal.random_prompts(config, [r.prompt_tokens for r in trace], random.Random(seed + 3)))
-        burst = drain()
+        burst = cal.drain_passes(config)
     return isolated, burst
 
 
@@ -119,7 +129,8 @@ def write_markdown(result: dict, path: str) -> None:
     fmt = (lambda x: "-" if x is None else f"{x:.2f}")  # noqa: E731
     lines = ["# Interference inside the serving cluster: the workers' own passes against the profile", "",
              f"`{result['command']}`", "",
-             f"Config `{result['config']}` served as the calibration serves it (speculation off): {result['requests']} "
+             f"Config `{result['config']}` served as the calibration serves it "
+             f"(speculation {'as configured' if result.get('speculation') else 'off'}): {result['requests']} "
              f"isolated requests, then a {result['burst_requests']}-request burst; profile `{result['profile']}`. "
              "Ratio = measured pass time / the profile's prediction for its shape (median). 'Other busy': a worker of "
              f"the other role ran passes over at least {OVERLAP:.0%} of this pass.", "",
@@ -132,9 +143,28 @@ def write_markdown(result: dict, path: str) -> None:
                      f"| {fmt(m['isolated'])} | {fmt(m['burst'])} | {fmt(m['busy'])} | {fmt(m['idle'])} "
                      f"| **{fmt(r['interference'])}** | {fmt(r['interference_other_busy'])} "
                      f"| {fmt(r['interference_other_idle'])} |")
-    lines += ["", "The simulator applies one calibrated contention factor to every step of an instance while "
-                  "another instance is busy; compare it (the profile's `calibrations[].contention_scale`) with the "
-                  "interference per kind above."]
+    fit = result.get("step_contention")
+    if fit:
+        lines += ["", f"The calibration's fit on these burst passes (`interference.fit_step_contention`, every pass of "
+                      f"both roles, weighted by duration): **{1e3 * fit['step_s']:.2f} ms per step** "
+                      f"(RMS of the slowdowns about it {fit['rms']:.2f}, {fit['passes']} passes). Compare the profile's "
+                      "`calibrations[].contention_step_s`."]
+    act = result.get("prefill_vs_other_activity") or {}
+    if act:
+        lines += ["", "## Prefill passes against what the decode role did meanwhile", "",
+                  f"Interference of each burst prefill pass (its ratio over the median ratio of the burst's prefill "
+                  f"passes that ran alone, other role busy < {IDLE_SHARE:.0%}: {act['reference_ratio']:.2f}) against "
+                  "the share of it the decode role spent in passes and the decode steps it completed per second "
+                  "meanwhile.", "",
+                  "| decode steps / s | passes | median interference | median busy share |", "|---|---:|---:|---:|"]
+        for b in act["bins"]:
+            lo, hi = b["step_rate"]
+            lines.append(f"| {lo:.0f}-{'' if hi is None else f'{hi:.0f}'} | {b['passes']} "
+                         f"| {b['interference']:.2f} | {b['busy_share']:.2f} |")
+        lines += ["", "Least squares of interference - 1 through the origin:", "",
+                  "| predictors | coefficients | RMS residual |", "|---|---|---:|"]
+        for name, fit in act["fits"].items():
+            lines.append(f"| {name} | {', '.join(f'{c:.4g}' for c in fit['coefficients']) or '-'} | {fit['rms']:.3f} |")
     write_lines(path, lines)
 
 
@@ -148,19 +178,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=16, help="isolated requests (as the calibration)")
     ap.add_argument("--burst-requests", type=int, default=40, help="burst requests (as the calibration)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculation", action="store_true",
+                    help="serve with the config's speculation (the calibration switches it off)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "serving_interference"))
     args = ap.parse_args(argv)
     for name in ("requests", "burst_requests"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     profile = Profile.load(args.profile)
-    isolated, burst = measure(calibration_config(load_config(args.config)), profile, args.requests,
-                              args.burst_requests, args.seed)
+    config = calibration_config(load_config(args.config), keep_speculation=args.speculation)
+    isolated, burst = measure(config, profile, args.requests, args.burst_requests, args.seed)
+    drafter = config.decode.speculation.drafter if args.speculation and config.decode.speculation.enabled else None
+    acts = activities(profile, burst, drafter)
+    fitted = fit_step_contention(acts)
     result = {"command": "python benchmarks/serving_interference.py "
                          + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
               "config": os.path.relpath(args.config, ROOT), "profile": os.path.relpath(args.profile, ROOT),
               "requests": args.requests, "burst_requests": args.burst_requests, "seed": args.seed,
-              "rows": summarise(profile, isolated, burst), "isolated_passes": isolated, "burst_passes": burst}
+              "speculation": args.speculation, "rows": summarise(profile, drafter, isolated, burst),
+              "prefill_vs_other_activity": explain(acts),
+              "step_contention": {"step_s": fitted.step_s, "rms": fitted.rms, "passes": fitted.passes},
+              "isolated_passes": isolated, "burst_passes": burst}
     record(result, args.out, write_markdown)
     return 0
 

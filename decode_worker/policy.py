@@ -338,7 +338,12 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, target_cost: LinearCostModel, draft_cost: LinearCostModel,
                  acceptance: AcceptanceEstimator, tpot_slo_s: float | None = None,
-                 correction: StepCorrection | None = None):
+                 correction: StepCorrection | None = None, explore: bool = True):
+        """``explore=False``: always the best k under the cost models (no exploration, no incumbent), for
+        costs that are exact by construction and never corrected by ``observe_step`` (the cluster
+        simulator): there every k stays unmeasured, and the unmeasured-k rule would pick a neighbour of
+        the best k at every decision."""
+        self.explore = explore
         self.max_k = max_k
         self.target_cost = target_cost
         self.draft_cost = draft_cost
@@ -384,6 +389,8 @@ class AdaptiveK:
             if best is None or rate > best.expected_tokens_per_s:
                 best = candidates[k]
         assert best is not None
+        if not self.explore:
+            return best
         self._decisions += 1
         for k in sorted(candidates, key=lambda kk: (abs(kk - best.k), kk)):
             near = candidates[k]

@@ -270,7 +270,7 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert "calibration (disaggregated)" in capsys.readouterr().out
     cal = Profile.load(str(out)).calibration("disaggregated")
     assert cal.requests == 5
-    assert cal.contention_requests == 6 and 1.0 <= cal.contention_scale <= 3.0
+    assert cal.contention_requests == 6 and cal.contention_scale == 1.0 and 0.0 <= cal.contention_step_s <= 0.01
     assert math.isfinite(cal.contention_fit_error)
     assert cal.prefill_scale > 0 and cal.decode_scale > 0 and cal.ttft_overhead_s >= 0 and cal.decode_start_s >= 0
     assert math.isfinite(cal.ttft_fit_error) and math.isfinite(cal.decode_fit_error)
@@ -281,11 +281,23 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert len(isolated) == 5 and len(burst) == 6
     assert all(r["ttft_s"] > 0 and r["tokens"] >= 1 for r in isolated + burst)
     assert [r["arrival_s"] for r in burst] == sorted(r["arrival_s"] for r in burst)
+    # the decode workers' own timings: plain decode passes of the isolated requests, and (the config
+    # speculates) the passes of isolated requests served with speculation
+    plain = stored.samples["calibration/disaggregated/passes/decode"]
+    assert len(plain) >= sum(r["tokens"] - 1 for r in isolated) and all(p["new_tokens"] == p["seqs"] for p in plain)
+    verify = stored.samples["calibration/disaggregated/passes/verify"]
+    draft = stored.samples["calibration/disaggregated/passes/draft"]
+    assert len(verify) == len(draft) and all(p["new_tokens"] > p["seqs"] for p in verify)
+    if verify:
+        assert cal.speculative_passes == len(verify) and cal.verify_pass_scale > 0 and cal.draft_pass_scale > 0
+    else:  # the policy never speculated on this model: nothing to scale
+        assert (cal.verify_pass_scale, cal.draft_pass_scale, cal.speculative_passes) == (1.0, 1.0, 0)
     capsys.readouterr()
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration"]) == 0
     assert "calibration (disaggregated)" in capsys.readouterr().out
     refitted = Profile.load(str(out)).calibration("disaggregated")
-    assert refitted.prefill_scale == pytest.approx(cal.prefill_scale) and refitted.contention_scale == cal.contention_scale
+    assert refitted.prefill_scale == pytest.approx(cal.prefill_scale) and refitted.contention_step_s == cal.contention_step_s
+    assert (refitted.verify_pass_scale, refitted.draft_pass_scale) == pytest.approx((cal.verify_pass_scale, cal.draft_pass_scale))
     # a mode never calibrated has nothing to refit: an error naming the mode
     colocated = tmp_path / "colocated.yaml"
     colocated.write_text(f"mode: colocated\nmodel: {{path: {llama_dir}, dtype: bfloat16}}\n"

@@ -268,9 +268,51 @@ def test_contention_slows_the_steps_of_an_instance_while_another_is_busy():
     assert solo[0].ttft_s == pytest.approx(alone.ttft_s)
 
 
-def test_contention_fit_recovers_the_factor_behind_a_burst():
-    """Latencies of a burst simulated with a known contention factor: the calibration's burst rate keeps
-    the instances busy, and the grid search over factors finds the one behind them."""
+def test_per_step_contention_charges_each_busy_instance_for_every_step_completed():
+    """contention_step_s on two colocated instances: of two identical single-step prefills arriving
+    together, the second starts while the first is busy; each loses contention_step_s per step of either
+    (1 / D of its own, 1 / D of the other's over its duration D): D + 2 x contention_step_s. Alone: D."""
+    import dataclasses
+
+    from controller.planner.profile import Calibration
+
+    prof = make_profile()
+    per_step = 0.004
+    busy = prof.with_calibration(dataclasses.replace(Calibration.identity("colocated"), contention_step_s=per_step))
+    alone = simulate(busy, colocated(), [RequestSpec(0.0, 400, 5)]).records[0]
+    assert alone.ttft_s == pytest.approx(simulate(prof, colocated(), [RequestSpec(0.0, 400, 5)]).records[0].ttft_s)
+    first, second = simulate(busy, colocated(), [RequestSpec(0.0, 400, 5), RequestSpec(0.0, 400, 5)]).records
+    assert first.ttft_s == pytest.approx(alone.ttft_s)
+    assert second.ttft_s == pytest.approx(alone.ttft_s + 2 * per_step)
+
+
+def test_per_step_contention_prices_fewer_longer_decode_steps_as_less_interference():
+    """The same long prompt prefilled while the decode instance serves short requests: with speculation
+    (fewer, longer decode steps) the prefill is slowed less than with plain decode steps, under the per-step
+    term; the busy-share term cannot tell the two apart."""
+    import dataclasses
+
+    from controller.planner.profile import Calibration
+
+    prof = make_profile(prefill_per_token=2e-4)
+    trace = [RequestSpec(0.01 * i, 32, 200) for i in range(8)] + [RequestSpec(0.5, 3000, 2)]
+
+    speculative = SpeculationConfig(drafter="self_sparse", k_policy="fixed", k=4)
+
+    def long_prompt_ttft(cal, spec) -> float:
+        return simulate(prof.with_calibration(cal), disagg(spec=spec), trace).records[-1].ttft_s
+
+    alone = long_prompt_ttft(Calibration.identity("disaggregated"), NO_SPECULATION)
+    per_step = dataclasses.replace(Calibration.identity("disaggregated"), contention_step_s=0.003)
+    slowed_plain, slowed_spec = long_prompt_ttft(per_step, NO_SPECULATION), long_prompt_ttft(per_step, speculative)
+    assert alone < slowed_spec < slowed_plain
+    share = dataclasses.replace(Calibration.identity("disaggregated"), contention_scale=1.3)
+    assert long_prompt_ttft(share, speculative) == pytest.approx(long_prompt_ttft(share, NO_SPECULATION), rel=0.02)
+
+
+def test_contention_fit_recovers_the_term_behind_a_burst():
+    """Latencies of a burst simulated with a known per-step contention cost: the calibration's burst rate
+    keeps the instances busy, and the grid search finds the cost behind them."""
     import dataclasses
 
     from controller.planner.calibrate import BURST_UTILISATION, burst_trace, calibration_lengths, fit_contention
@@ -281,11 +323,13 @@ def test_contention_fit_recovers_the_factor_behind_a_burst():
     trace = burst_trace(prof, config, calibration_lengths(3000, 24, 1), (17, 33, 65), seed=0)
     util = simulate(prof, config, trace).instance_utilisation
     assert sum(util.values()) / len(util) >= BURST_UTILISATION
-    truth = prof.with_calibration(dataclasses.replace(Calibration.identity("disaggregated"), contention_scale=1.4))
+    truth = prof.with_calibration(dataclasses.replace(Calibration.identity("disaggregated"), contention_step_s=0.0023))
     rows = [{"prompt": r.prompt_tokens, "tokens": r.completion_tokens, "ttft_s": r.ttft_s,
              "decode_s": r.finish_s - r.first_token_s} for r in simulate(truth, config, trace).records]
-    scale, err = fit_contention(prof, config, trace, rows, seeds=1)
-    assert scale == pytest.approx(1.4) and err == pytest.approx(0.0, abs=1e-9)
+    assert rows != [{"prompt": r.prompt_tokens, "tokens": r.completion_tokens, "ttft_s": r.ttft_s,
+                     "decode_s": r.finish_s - r.first_token_s} for r in simulate(prof, config, trace).records]
+    per_step, err = fit_contention(prof, config, trace, rows, seeds=1)
+    assert per_step == pytest.approx(0.0023) and err == pytest.approx(0.0, abs=1e-9)
 
 
 def test_burst_falls_back_to_the_busiest_rate_when_the_target_is_out_of_reach(monkeypatch):

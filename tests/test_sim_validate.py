@@ -58,13 +58,14 @@ def test_sweep_repeat_refuses_sweeps_of_different_traces():
 def test_serving_interference_divides_logged_passes_by_the_profile_and_splits_by_overlap():
     import os
 
-    from benchmarks.serving_interference import predicted_s, summarise
+    from benchmarks.serving_interference import summarise
+    from controller.planner.interference import pass_row, predicted_s
     from controller.planner.profile import Profile
 
     profile = Profile.load(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "profile_local_cpu.json"))
 
     def rec(kind: str, end: float, ratio: float, **shape) -> dict:
-        r = {"kind": kind, "end_s": end, "seconds": 0.0, "shape": shape}
+        r = pass_row({"kind": kind, "end_s": end, "seconds": 0.0, "shape": shape})
         r["seconds"] = ratio * predicted_s(profile, r)
         return r
 
@@ -79,7 +80,7 @@ def test_serving_interference_divides_logged_passes_by_the_profile_and_splits_by
     d_inside = rec("decode", 0.0, 1.5, **decode)
     d_inside["end_s"] = 100.0 + d_inside["seconds"]  # starts at 100, well inside the prefill pass
     d_apart = [rec("decode", 200.0 + i, 1.2, **decode) for i in range(2)]
-    rows = {r["kind"]: r for r in summarise(profile, isolated, [long_prefill, d_inside, *d_apart])}
+    rows = {r["kind"]: r for r in summarise(profile, None, isolated, [long_prefill, d_inside, *d_apart])}
     dec = rows["decode"]
     assert dec["passes"] == {"isolated": 3, "burst_other_busy": 1, "burst_other_idle": 2}
     assert dec["median_ratio"]["isolated"] == pytest.approx(1.2)
@@ -98,3 +99,12 @@ def test_a_difference_of_exactly_the_tolerance_counts_as_within():
     assert within_tolerance(abs(0.625 - 0.675))
     assert within_tolerance(0.0) and within_tolerance(0.0375)
     assert not within_tolerance(abs(0.6125 - 0.675))
+
+
+def test_prefill_throughput_spans_the_first_tokens():
+    """Prompt tokens over the span from the first to the last first token; requests without one are
+    counted in neither (None when fewer than two first tokens)."""
+    from benchmarks.sim_validate import prefill_throughput
+
+    assert prefill_throughput([0.0, 1.0, 2.0], [0.5, 0.5, None], [100, 200, 300]) == pytest.approx(300.0)
+    assert prefill_throughput([0.0], [0.5], [100]) is None

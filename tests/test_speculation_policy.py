@@ -334,3 +334,21 @@ def test_the_chosen_k_sticks_while_it_stays_within_the_margin():
     assert [policy.choose(target, draft).k for _ in range(4)] == [other] * 4
     slow_down(2 * AdaptiveK.STICK_MARGIN)
     assert policy.choose(target, draft).k == best.k
+
+
+def test_policy_without_exploration_always_takes_the_best_k():
+    """Costs that are never corrected (the cluster simulator) leave every k unmeasured: an exploring policy
+    then takes an untried neighbour of the best k instead of the best; explore=False takes the best k at
+    every decision, the k that maximises the predicted rate."""
+    args = (5, fitted_cost(0.010, 0.0004), fitted_cost(0.002, 0.0), AcceptanceEstimator(prior=0.8))
+    target, draft = shapes(4, 1000)
+    exploring, settled = AdaptiveK(*args), AdaptiveK(*args, explore=False)
+    rates = {}
+    for _ in range(50):
+        best = settled.choose(target, draft)
+        rates[best.k] = best.expected_tokens_per_s
+        assert best.k == settled.choose(target, draft).k
+    assert len(rates) == 1
+    best_k = next(iter(rates))
+    # the exploring policy, never fed back, keeps trying other k's
+    assert any(exploring.choose(target, draft).k != best_k for _ in range(50))

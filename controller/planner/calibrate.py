@@ -12,13 +12,25 @@ it serves the config for real (Ray + gRPC on localhost), sends isolated requests
 
 by non-negative least squares of the relative error. The simulator applies the fitted terms.
 
+The workers also hand over the passes they timed meanwhile (``modeling/pass_log.py``): the prefill
+worker's own passes give ``prefill_pass_scale``, the share of the TTFT scale that holds the worker (the rest
+is latency of the request path); and when the config speculates, a few isolated requests served with its
+speculation give the in-place speed of verify and draft passes relative to plain decode passes
+(``verify_pass_scale``, ``draft_pass_scale``), the costs the real policy learns online.
+
 Isolated requests leave the rest of the machine idle. When several instances share one machine (the
 CPU cluster: workers, router, gRPC server and clients on the same cores), a step runs slower while the
 other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
 arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
-``BURST_UTILISATION`` of the time) is served for real, then replayed through the simulator for a grid
-of contention factors; the factor whose simulated TTFT and decode-time distributions match the measured
-ones best (least squares of the log ratio of sorted values) is kept as ``contention_scale``.
+``BURST_UTILISATION`` of the time) is served for real. The contention term, ``contention_step_s`` (the
+seconds each busy instance loses per worker step completed while no core is idle; the simulator's model,
+``sim_instances._Instance._contention``), is fitted to the workers' passes during the burst: each pass's
+slowdown against the steps completed meanwhile (``interference.py``). Measured so, the slowdown of prefill
+passes follows the decode role's step rate, not its busy share: speculative steps, fewer and longer, slow
+the prefill worker less than plain decode steps at the same busy share. Where passes are not logged
+(colocated instances run mixed steps) the burst is instead replayed through the simulator for a grid of
+per-step costs, keeping the one whose simulated TTFT and decode-time distributions match the measured ones
+best (least squares of the log ratio of sorted values).
 
 The calibration never uses the SLO sweeps it is validated against (``benchmarks/sim_validate.py``):
 its prompts, lengths and arrivals are its own.
@@ -29,11 +41,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import statistics
 import threading
 import time
 
 from tqdm import tqdm
 
+from controller.planner.interference import activities, fit_step_contention, pass_row
 from controller.planner.profile import Calibration, Profile, prefill_features, transfer_features
 from controller.planner.workload import RequestSpec
 from decode_worker.policy import PassShape, fit_nonnegative_relative
@@ -92,22 +106,41 @@ def random_prompts(config, lengths: list[int], rng: random.Random) -> list[list[
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
 
-def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool) -> list[dict]:
+def drain_passes(config) -> list[dict]:
+    """The passes the workers of the disaggregated cluster serving ``config`` timed since the last drain
+    (``modeling/pass_log.py``), as ``interference.pass_row`` rows."""
+    import ray
+
+    names = [f"prefill-{i}" for i in range(config.prefill.instances)] + \
+            [f"decode-{i}" for i in range(config.decode.instances)]
+    actors = [ray.get_actor(f"magicserve-{n}", namespace=config.ray.namespace) for n in names]
+    return [pass_row(r) for log in ray.get([a.pass_log.remote() for a in actors]) for r in log]
+
+
+def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool
+            ) -> tuple[list[dict], list[dict]]:
     """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths;
-    output lengths cycle through ``output_tokens`` so the decode slope is identifiable."""
+    output lengths cycle through ``output_tokens`` so the decode slope is identifiable. Returns the
+    requests' rows and the workers' timed passes (disaggregated; colocated: none)."""
     from controller.client import Client
     from controller.server import serve_in_thread
 
     prompts = random_prompts(config, [64, 64] + lengths, random.Random(seed))
+    logged = config.mode == "disaggregated"
+    shift = 2 % len(output_tokens)  # the timed requests' outputs continue the warm-ups' cycle
     with serve_in_thread(config) as address, Client(address) as client:
-        rows = time_isolated(client, prompts, output_tokens)[2:]  # two warm-up requests first (not recorded)
+        time_isolated(client, prompts[:2], output_tokens)  # two warm-up requests (not recorded)
+        if logged:
+            drain_passes(config)
+        rows = time_isolated(client, prompts[2:], output_tokens[shift:] + output_tokens[:shift])
+        passes = drain_passes(config) if logged else []
     if progress:
         tqdm.write(f"calibration: {len(rows)} isolated requests timed")
-    return rows
+    return rows, passes
 
 
 BURST_UTILISATION = 0.6  # mean busy share of the instances the burst's rate aims at (simulated)
-CONTENTION_GRID = tuple(round(1.0 + 0.02 * i, 2) for i in range(101))  # 1.00 .. 3.00
+CONTENTION_STEP_GRID = tuple(round(1e-4 * i, 4) for i in range(101))  # seconds per step: 0 .. 10 ms
 
 
 def burst_trace(profile: Profile, sim_config, lengths: list[int], output_tokens: tuple[int, ...],
@@ -167,25 +200,30 @@ def send_burst(client, trace: list[RequestSpec], prompts: list[list[int]]) -> li
     return rows
 
 
-def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -> list[dict]:
-    """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival)."""
+def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -> tuple[list[dict], list[dict]]:
+    """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival).
+    Returns the requests' rows and the workers' timed passes meanwhile (disaggregated; colocated: none)."""
     from controller.client import Client
     from controller.server import serve_in_thread
 
     prompts = random_prompts(config, [r.prompt_tokens for r in trace], random.Random(seed + 1))
+    logged = config.mode == "disaggregated"
     with serve_in_thread(config) as address, Client(address) as client:
         for _ in client.generate_stream(prompts[0][:64], max_tokens=4, ignore_eos=True):
             pass  # warm-up
+        if logged:
+            drain_passes(config)
         rows = send_burst(client, trace, prompts)
+        passes = drain_passes(config) if logged else []
     if progress:
         tqdm.write(f"calibration burst: {len(trace)} overlapping requests over {trace[-1].arrival_s:.1f} s timed")
-    return rows
+    return rows, passes
 
 
 def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows: list[dict],
                    seeds: int = 3) -> tuple[float, float]:
-    """(contention_scale, RMS of log(simulated / measured)) over the burst's TTFTs and decode times;
-    ``profile`` carries the isolated terms of the mode.
+    """(contention_step_s, RMS of log(simulated / measured)) over the burst's TTFTs and decode times;
+    ``profile`` carries the isolated terms of the mode (its contention terms are replaced).
 
     The distributions are compared, not request by request (the i-th shortest simulated TTFT against
     the i-th shortest measured one, and so on): which instance a request lands on when two have equally
@@ -199,9 +237,9 @@ def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows:
 
     base = profile.calibration(sim_config.mode)
     decoding = [i for i, row in enumerate(rows) if row["tokens"] > 1]
-    best = (math.inf, 1.0)
-    for scale in CONTENTION_GRID:
-        trial = profile.with_calibration(dataclasses.replace(base, contention_scale=scale))
+    best = (math.inf, 0.0)
+    for per_step in CONTENTION_STEP_GRID:
+        trial = profile.with_calibration(dataclasses.replace(base, contention_scale=1.0, contention_step_s=per_step))
         sq, n = 0.0, 0
         for seed in range(seeds):
             recs = simulate(trial, sim_config, trace, seed=seed).records
@@ -212,8 +250,63 @@ def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows:
             sq += quantile_sq([recs[i].finish_s - recs[i].first_token_s for i in decoding],
                               [rows[i]["decode_s"] for i in decoding])
             n += len(recs) + len(decoding)
-        best = min(best, (sq / max(1, n), scale))
+        best = min(best, (sq / max(1, n), per_step))
     return best[1], math.sqrt(best[0])
+
+
+SPECULATIVE_REQUESTS = 8  # isolated requests served with speculation for the pass scales
+SPECULATIVE_OUTPUT_TOKENS = 65
+MIN_REFERENCE_PASSES = 10  # plain decode passes of the speculating run needed to serve as the reference
+
+
+def measure_speculative_passes(config, lengths: list[int], seed: int, progress: bool) -> list[dict]:
+    """Serve ``config`` with its speculation for real, isolated requests of the given prompt lengths
+    (``SPECULATIVE_OUTPUT_TOKENS`` each); the workers' timed passes (``drain_passes``)."""
+    from controller.client import Client
+    from controller.server import serve_in_thread
+
+    prompts = random_prompts(config, [64] + lengths, random.Random(seed + 5))
+    with serve_in_thread(config) as address, Client(address) as client:
+        time_isolated(client, prompts[:1], (8,))  # warm-up
+        drain_passes(config)
+        time_isolated(client, prompts[1:], (SPECULATIVE_OUTPUT_TOKENS,))
+        passes = drain_passes(config)
+    if progress:
+        tqdm.write(f"calibration: {len(lengths)} isolated requests with speculation, "
+                   f"{sum(p['kind'] == 'verify' for p in passes)} verify passes timed")
+    return passes
+
+
+def _median_ratio(model, passes: list[dict]) -> float | None:
+    ratios = [p["seconds"] / max(1e-9, model.predict_pass(PassShape(int(p["seqs"]), int(p["kv_tokens"]),
+                                                                     int(p["new_tokens"]), int(p["passes"]))))
+              for p in passes]
+    return statistics.median(ratios) if ratios else None
+
+
+def fit_prefill_pass_scale(profile: Profile, prefill_passes: list[dict]) -> float:
+    """Median measured / profiled time of the prefill worker's own passes in place (0.0: none logged)."""
+    model = profile.prefill_model(1)
+    ratios = [p["seconds"] / model.predict(p) for p in prefill_passes]
+    return statistics.median(ratios) if ratios else 0.0
+
+
+def fit_pass_scales(profile: Profile, drafter: str, decode_passes: list[dict], verify_passes: list[dict],
+                    draft_passes: list[dict]) -> tuple[float, float, int]:
+    """(verify_pass_scale, draft_pass_scale, verify passes used): the median measured / profiled time of
+    verify and of draft passes over that of plain decode passes (one device per instance, as the local
+    cluster runs). (1.0, 1.0, 0) when a kind is missing (e.g. the policy never speculated).
+
+    Served, a speculating worker's k = 1 step costs less relative to its k = 0 step than the profile says
+    (``benchmarks/serving_interference.py --speculation``), which is why the real policy, learning its costs
+    in place, speculates where the profile's costs alone would not."""
+    target = profile.target_model(1)
+    plain = _median_ratio(target, decode_passes)
+    verify = _median_ratio(target, verify_passes)
+    draft = _median_ratio(profile.draft_model(drafter, 1), draft_passes)
+    if not plain or not verify or not draft:
+        return 1.0, 1.0, 0
+    return verify / plain, draft / plain, len(verify_passes)
 
 
 def _fit_offset_and_scale(predicted: list[float], measured: list[float]) -> tuple[float, float, float]:
@@ -227,8 +320,11 @@ def _fit_offset_and_scale(predicted: list[float], measured: list[float]) -> tupl
     return offset, scale, err
 
 
-def fit(profile: Profile, mode: str, rows: list[dict], chunk: int) -> Calibration:
-    """The isolated terms of ``mode`` from isolated requests' rows (prompt, tokens, ttft_s, decode_s)."""
+def fit(profile: Profile, mode: str, rows: list[dict], chunk: int, prefill_passes: list[dict] | None = None
+        ) -> Calibration:
+    """The isolated terms of ``mode`` from isolated requests' rows (prompt, tokens, ttft_s, decode_s), and
+    the prefill worker's in-place pass scale from its timed passes during them (``prefill_passes``: rows of
+    ``prefill_features`` and ``seconds``; none: the simulator charges the whole TTFT scale to the worker)."""
     rows = [{**r, "prompt": int(r["prompt"]), "tokens": int(r["tokens"])} for r in rows]  # stored as floats
     overhead, pscale, ttft_err = _fit_offset_and_scale(
         [predicted_prefill_s(profile, r["prompt"], chunk) for r in rows], [r["ttft_s"] for r in rows])
@@ -236,7 +332,9 @@ def fit(profile: Profile, mode: str, rows: list[dict], chunk: int) -> Calibratio
     start, dscale, dec_err = _fit_offset_and_scale(
         [predicted_decode_s(profile, r["prompt"], r["tokens"] - 1) for r in rows],
         [max(1e-6, r["decode_s"] - t) for r, t in zip(rows, tail)])
-    return Calibration(mode, overhead, pscale, start, dscale, len(rows), ttft_err, dec_err)
+    pass_scale = fit_prefill_pass_scale(profile, prefill_passes or [])
+    return Calibration(mode, overhead, pscale, start, dscale, len(rows), ttft_err, dec_err,
+                       prefill_pass_scale=min(pass_scale, pscale))
 
 
 OUTPUT_TOKENS = (17, 33, 65)  # output lengths the calibration's requests cycle through
@@ -247,14 +345,16 @@ def max_calibration_prompt(config) -> int:
     return min(config.limits.max_prompt_tokens, 4096)
 
 
-def calibration_config(config):
-    """``config`` as calibration serves it: a free port, speculation off (decode steps countable)."""
+def calibration_config(config, keep_speculation: bool = False):
+    """``config`` as calibration serves it: a free port, speculation off (decode steps countable) unless
+    ``keep_speculation``."""
     from controller.config import parse_config, to_dict
 
     raw = to_dict(config)
     raw["model"]["path"] = config.model_path
     raw["server"]["port"] = 0
-    raw["decode"]["speculation"] = {"drafter": "none"}
+    if not keep_speculation:
+        raw["decode"]["speculation"] = {"drafter": "none"}
     return dataclasses.replace(parse_config(raw), source=config.source)
 
 
@@ -269,15 +369,41 @@ class CalibrationRun:
     calibration: Calibration
     isolated: list[dict[str, float]]
     burst: list[dict[str, float]]
+    passes: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)  # kind -> drain_passes rows
 
     def samples(self) -> dict[str, list[dict[str, float]]]:
         """The measurements under the profile's ``samples`` keys of this mode."""
         mode = self.calibration.mode
-        return {isolated_key(mode): self.isolated, burst_key(mode): self.burst}
+        return {isolated_key(mode): self.isolated, burst_key(mode): self.burst,
+                **{passes_key(mode, kind): rows for kind, rows in self.passes.items()}}
 
 
 def isolated_key(mode: str) -> str:
     return f"calibration/{mode}/isolated"
+
+
+PASS_SAMPLE_KINDS = ("decode", "verify", "draft")  # the speculative pass scales' inputs (``with_pass_scales``)
+BURST_PASS_KINDS = ("prefill", "decode", "step")  # the burst's log (speculation off), for the contention fit
+
+
+def burst_passes_kind(kind: str) -> str:
+    return f"burst_{kind}"
+
+
+def passes_key(mode: str, kind: str) -> str:
+    return f"calibration/{mode}/passes/{kind}"
+
+
+def _pass_rows(passes: list[dict], kind: str) -> list[dict[str, float]]:
+    return [{f: float(v) for f, v in p.items() if f != "kind"} for p in passes if p["kind"] == kind]
+
+
+def with_pass_scales(profile: Profile, cal: Calibration, spec, passes: dict[str, list[dict]]) -> Calibration:
+    """``cal`` with the speculative pass scales fitted to ``passes`` (kind -> rows), for drafter ``spec``."""
+    if not spec.enabled or not all(passes.get(k) for k in PASS_SAMPLE_KINDS):
+        return cal
+    verify, draft, n = fit_pass_scales(profile, spec.drafter, passes["decode"], passes["verify"], passes["draft"])
+    return dataclasses.replace(cal, verify_pass_scale=verify, draft_pass_scale=draft, speculative_passes=n)
 
 
 def burst_key(mode: str) -> str:
@@ -296,30 +422,53 @@ def _burst_rows(trace: list[RequestSpec], rows: list[dict]) -> list[dict[str, fl
 def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS, seed: int = 0,
               progress: bool = True, burst_requests: int = 40) -> CalibrationRun:
     """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
-    isolated terms, then (``burst_requests`` > 0) the contention factor on a burst."""
+    isolated terms, then (``burst_requests`` > 0) the contention term on a burst."""
     run_config = calibration_config(config)
     mode = run_config.mode
     chunk = _chunk_of(run_config)
     max_prompt = max_calibration_prompt(run_config)
-    rows = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed, progress)
-    cal = fit(profile, mode, rows, chunk)
+    rows, plain_passes = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed,
+                                 progress)
+    passes: dict[str, list[dict[str, float]]] = {"prefill": _pass_rows(plain_passes, "prefill")} if plain_passes else {}
+    cal = fit(profile, mode, rows, chunk, passes.get("prefill", []))
+    spec = config.decode.speculation if mode == "disaggregated" else None
+    if spec is not None and spec.enabled:
+        spec_passes = measure_speculative_passes(calibration_config(config, keep_speculation=True),
+                                                 calibration_lengths(max_prompt, SPECULATIVE_REQUESTS, seed + 7),
+                                                 seed, progress)
+        # the reference: plain decode passes of the speculating worker itself (its k = 0 steps), the costs
+        # its policy weighs against each other; the speculation-off run's when it hardly ever took k = 0
+        reference = _pass_rows(spec_passes, "decode")
+        passes.update({"decode": reference if len(reference) >= MIN_REFERENCE_PASSES else _pass_rows(plain_passes, "decode"),
+                       **{k: _pass_rows(spec_passes, k) for k in ("verify", "draft")}})
+        cal = with_pass_scales(profile, cal, spec, passes)
     if burst_requests <= 0:
-        return CalibrationRun(cal, rows, [])
+        return CalibrationRun(cal, rows, [], passes)
     from controller.planner.simulator import SimConfig
 
     isolated = profile.with_calibration(cal)
     sim_config = SimConfig.from_cluster_config(run_config)
     trace = burst_trace(isolated, sim_config, calibration_lengths(max_prompt, burst_requests, seed + 1),
                         output_tokens, seed)
-    burst = measure_burst(run_config, trace, seed, progress)
-    return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst), rows, _burst_rows(trace, burst))
+    burst, burst_passes = measure_burst(run_config, trace, seed, progress)
+    passes.update({burst_passes_kind(k): _pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
+    return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst, burst_passes), rows,
+                          _burst_rows(trace, burst), {k: v for k, v in passes.items() if v})
 
 
 def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[RequestSpec],
-                    burst: list[dict]) -> Calibration:
-    """``cal`` (isolated terms) completed by the contention factor fitted to the burst ``trace`` measured as ``burst``."""
-    scale, err = fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
-    return dataclasses.replace(cal, contention_scale=scale, contention_requests=len(burst), contention_fit_error=err)
+                    burst: list[dict], burst_passes: list[dict] | None = None) -> Calibration:
+    """``cal`` (isolated terms) completed by the contention term of the burst ``trace`` measured as ``burst``:
+    fitted to the workers' own passes during it when they were logged (``interference.fit_step_contention``;
+    ``contention_fit_error`` is then the RMS of the passes' slowdowns about the fit), else to the requests'
+    latency distributions (``fit_contention``; RMS of log(simulated / measured))."""
+    if burst_passes:
+        fitted = fit_step_contention(activities(profile, burst_passes))
+        per_step, err = fitted.step_s, fitted.rms
+    else:
+        per_step, err = fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
+    return dataclasses.replace(cal, contention_scale=1.0, contention_step_s=per_step, contention_requests=len(burst),
+                               contention_fit_error=err)
 
 
 def refit(config, profile: Profile) -> Calibration:
@@ -334,9 +483,14 @@ def refit(config, profile: Profile) -> Calibration:
     if not rows:
         raise ProfileError(f"profile has no stored calibration measurements for mode {mode!r} "
                            f"(samples[{isolated_key(mode)!r}]); run `magicserve profile --calibrate-only` first")
-    cal = fit(profile, mode, rows, _chunk_of(run_config))
+    cal = fit(profile, mode, rows, _chunk_of(run_config), profile.samples.get(passes_key(mode, "prefill"), []))
+    if mode == "disaggregated":
+        passes = {k: profile.samples.get(passes_key(mode, k), []) for k in PASS_SAMPLE_KINDS}
+        cal = with_pass_scales(profile, cal, config.decode.speculation, passes)
     burst = profile.samples.get(burst_key(mode), [])
     if not burst:
         return cal
     trace = [RequestSpec(r["arrival_s"], int(r["prompt"]), int(r["output_tokens"])) for r in burst]
-    return with_contention(profile, cal, SimConfig.from_cluster_config(run_config), trace, burst)
+    burst_passes = [{"kind": kind, **row} for kind in BURST_PASS_KINDS
+                    for row in profile.samples.get(passes_key(mode, burst_passes_kind(kind)), [])]
+    return with_contention(profile, cal, SimConfig.from_cluster_config(run_config), trace, burst, burst_passes)

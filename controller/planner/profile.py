@@ -95,12 +95,24 @@ class AcceptanceEntry:
 @dataclass(frozen=True)
 class Calibration:
     """Serving-path terms of one mode (``disaggregated`` or ``colocated``): the first seven are fitted on
-    isolated requests; ``contention_scale`` on a burst of overlapping ones (``calibrate.py``).
+    isolated requests; the contention term on a burst of overlapping ones (``calibrate.py``).
 
-    contention_scale: how much longer a step takes while every other instance of the cluster is busy
-    (workers sharing cores, memory bandwidth and the server's CPU); the simulator interpolates linearly
-    in the share of other instances busy when a step starts. 1.0 = no contention (unmeasured, or
-    instances on separate devices)."""
+    verify_pass_scale, draft_pass_scale: the profile times passes in a loop on an idle machine; served, the
+    decode worker's passes run at other speeds, and not the same for each kind (plain decode passes ~1.2x the
+    profile, verify passes ~0.95x on the CPU cluster). ``decode_scale`` covers plain decode steps (the
+    isolated requests run without speculation); these two put a speculative step's verify and draft passes
+    in the same units, for its duration and for the simulated policy's choice of k (the real policy learns
+    the in-place costs online).
+
+    Contention (``sim_instances._Instance._contention``), how much longer a step takes while other instances
+    of the cluster are busy (workers sharing cores, memory bandwidth and the server's CPU):
+    contention_step_s: seconds a busy instance loses per step completed by itself or by the other busy
+    instances (each step's outputs are polled, streamed and received by processes on the same cores), what
+    calibrations fit since session 10: it sees that many short decode steps interfere more than fewer,
+    longer speculative ones (``benchmarks/serving_interference.py``);
+    contention_scale: the older term, a factor interpolated linearly in the share of other instances busy
+    (profiles calibrated before contention_step_s keep it; new fits leave it at 1.0).
+    1.0 and 0.0 = no contention (unmeasured, or instances on separate devices)."""
 
     mode: str
     ttft_overhead_s: float
@@ -111,12 +123,38 @@ class Calibration:
     ttft_fit_error: float  # relative RMS
     decode_fit_error: float
     contention_scale: float = 1.0
-    contention_requests: int = 0  # requests of the burst behind contention_scale
+    contention_step_s: float = 0.0  # seconds each busy instance loses per step completed while no core is idle
+    contention_requests: int = 0  # requests of the burst behind the contention term
     contention_fit_error: float = 0.0  # RMS of log(simulated / measured) latency over the burst
+    # the prefill worker's passes in place, measured / profiled (0.0: unmeasured, the worker is charged the
+    # whole prefill_scale). The rest of prefill_scale is TTFT latency that does not hold the worker: the
+    # prefill throughput measured under saturating load agrees with this scale, not with prefill_scale
+    # (benchmarks/sim_validate.py's prefill tok/s column)
+    prefill_pass_scale: float = 0.0
+    # speculative steps in place, relative to plain decode passes (1.0: unmeasured): a verify pass's and a draft
+    # pass's measured / profiled time over a plain decode pass's, medians of the decode workers' timed passes
+    verify_pass_scale: float = 1.0
+    draft_pass_scale: float = 1.0
+    speculative_passes: int = 0  # verify passes behind the two scales
 
     @staticmethod
     def identity(mode: str) -> "Calibration":
         return Calibration(mode, 0.0, 1.0, 0.0, 1.0, 0, 0.0, 0.0)
+
+    @property
+    def prefill_busy_scale(self) -> float:
+        """The factor on a prefill step's profiled time for the time it holds the prefill worker."""
+        return self.prefill_pass_scale or self.prefill_scale
+
+    def without_contention(self) -> "Calibration":
+        """The isolated terms alone (no contention term)."""
+        return dataclasses.replace(self, contention_scale=1.0, contention_step_s=0.0)
+
+    def contention_summary(self) -> str:
+        """The contention term in words, e.g. '2.4 ms per step' (for reports)."""
+        parts = ([f"{1e3 * self.contention_step_s:.1f} ms per step"] if self.contention_step_s else []) + \
+                ([f"{self.contention_scale:.2f}x when busy"] if self.contention_scale != 1.0 else [])
+        return " + ".join(parts) or "none"
 
 
 @dataclass(frozen=True)

@@ -781,7 +781,9 @@ def run_cli(args) -> int:
                             burst_requests=args.burst_requests)
             cal = run.calibration
             _print_calibration(cal)
-            profile = dataclasses.replace(profile.with_calibration(cal), samples={**profile.samples, **run.samples()})
+            stale = f"calibration/{cal.mode}/"  # an earlier calibration's measurements of this mode go
+            kept = {k: v for k, v in profile.samples.items() if not k.startswith(stale)}
+            profile = dataclasses.replace(profile.with_calibration(cal), samples={**kept, **run.samples()})
     profile.save(args.out)
     print(f"wrote {args.out}")
     return 0
@@ -791,8 +793,11 @@ def _print_calibration(cal) -> None:
     print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
           f"predicted prefill (fit error {cal.ttft_fit_error:.1%}); decode = {1e3 * cal.decode_start_s:.1f} ms + "
           f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
-          f"contention {cal.contention_scale:.2f}x with the other instances busy ({cal.contention_requests}-request "
-          f"burst, RMS log error {cal.contention_fit_error:.2f})")
+          f"contention {cal.contention_summary()} while other instances are busy ({cal.contention_requests}-request "
+          f"burst, RMS log error {cal.contention_fit_error:.2f})"
+          + (f"; speculative steps in place: verify passes {cal.verify_pass_scale:.2f}x, draft passes "
+             f"{cal.draft_pass_scale:.2f}x a plain decode pass's ratio ({cal.speculative_passes} verify passes)"
+             if cal.speculative_passes else ""))
 
 
 def iter_fits(profile: Profile) -> Iterable[tuple[str, FittedModel]]:

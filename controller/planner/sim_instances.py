@@ -40,6 +40,7 @@ class SimRequest:
     first_token_s: float = math.nan
     finish_s: float = math.nan
     kv_ready_s: float = math.nan
+    prefill_latency_s: float = 0.0  # TTFT latency beyond the prefill worker's busy time (Calibration.prefill_pass_scale)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     preemptions: int = 0
@@ -73,6 +74,7 @@ class _Instance:
         self.assigned: set[int] = set()
         self.steps = 0
         self.busy_s = 0.0
+        self.step_s = 0.0  # duration of the step in progress (or of the last one)
 
     def kick(self) -> None:
         if self.busy:
@@ -81,7 +83,8 @@ class _Instance:
         if planned is None:
             return
         duration, done = planned
-        duration *= self._contention()
+        duration *= self._contention(duration)
+        self.step_s = duration
         self.busy = True
         self.steps += 1
         self.busy_s += duration
@@ -96,13 +99,29 @@ class _Instance:
     def _plan_step(self):
         raise NotImplementedError
 
-    def _contention(self) -> float:
-        """Step-time factor for the other instances busy as this step starts (calibrated; 1 when alone)."""
-        scale = self.sim.calibration.contention_scale
-        if scale == 1.0 or len(self.sim.instances) < 2:
+    def _contention(self, duration: float) -> float:
+        """Step-time factor for what the other instances do as this step (of ``duration`` alone) starts;
+        1 when no other instance is busy. Two calibrated terms (``Calibration``), either may be off:
+
+        * ``contention_scale``: (scale - 1) x the share of the other instances that are busy;
+        * ``contention_step_s``: every step of a worker sends its outputs through processes that share the
+          cores (the router's poll, gRPC, the client); while another instance is busy no core is idle, so that
+          work slows each busy instance by ``contention_step_s`` per step completed. The factor is
+          1 + contention_step_s x (this step's rate, 1 / duration, plus the rate of each busy other
+          instance, 1 / its current step's duration): many short steps (plain decode) slow a prefill
+          instance more than fewer, longer ones (speculative steps), at the same busy share."""
+        cal = self.sim.calibration
+        scale, per_step = cal.contention_scale, cal.contention_step_s
+        if (scale == 1.0 and per_step == 0.0) or len(self.sim.instances) < 2:
             return 1.0  # the common case (GPU profiles, one instance) builds nothing per step
-        busy_others = sum(i.busy for i in self.sim.instances if i is not self)
-        return 1.0 + (scale - 1.0) * busy_others / (len(self.sim.instances) - 1)
+        busy_others = [i for i in self.sim.instances if i is not self and i.busy]
+        if not busy_others:
+            return 1.0
+        factor = 1.0 + (scale - 1.0) * len(busy_others) / (len(self.sim.instances) - 1)
+        if per_step > 0.0:
+            rate = 1.0 / max(duration, 1e-6) + sum(1.0 / max(i.step_s, 1e-6) for i in busy_others)
+            factor += per_step * rate
+        return factor
 
     def _take(self, blocks: int) -> bool:
         if blocks > self.free_blocks:
@@ -154,7 +173,13 @@ class PrefillSim(_Instance):
             budget -= n
         if not chunks:
             return None
-        duration = self.cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * self.sim.calibration.prefill_scale
+        cal = self.sim.calibration
+        duration = self.cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_busy_scale
+        # what the isolated TTFT scale has beyond the worker's own passes: latency of the request, not busy time
+        latency_scale = cal.prefill_scale - cal.prefill_busy_scale
+        if latency_scale > 0:
+            for req, s, n in chunks:
+                req.prefill_latency_s += latency_scale * self.cost.predict(prefill_features([(s, n)]))
         return duration, lambda: self._done(chunks)
 
     def _done(self, chunks: list[tuple[SimRequest, int, int]]) -> None:
@@ -168,7 +193,7 @@ class PrefillSim(_Instance):
             self.channel_free_at[dest] = end
             if last:
                 self.running.remove(req)
-                self.sim.on_first_token(req, now)
+                self.sim.on_first_token(req, now + req.prefill_latency_s)
                 self.sim.at(end, lambda req=req: self._transferred(req))
 
     def _transferred(self, req: SimRequest) -> None:
@@ -182,11 +207,13 @@ class _FittedCost:
 
     ready = True
 
-    def __init__(self, model: FittedModel):
+    def __init__(self, model: FittedModel, speculative_scale: float = 1.0):
         self.model = model
+        self.speculative_scale = speculative_scale  # for passes of more than one new token per sequence
 
     def predict(self, shape: PassShape) -> float:
-        return self.model.predict_pass(shape)
+        scale = self.speculative_scale if shape.new_tokens > shape.seqs else 1.0
+        return scale * self.model.predict_pass(shape)
 
 
 def accepted_drafts(rng: random.Random, rate: float, k: int) -> int:
@@ -213,8 +240,13 @@ class DecodeSim(_Instance):
         # the policy's acceptance belief: set to the profile's rates before every choice (``_choose_k``),
         # so the simulated verdicts are not fed back into it
         self.acceptance = AcceptanceEstimator()
-        self.policy = (AdaptiveK(spec.max_k, _FittedCost(self.target), _FittedCost(self.draft), self.acceptance,
-                                 spec.tpot_slo_ms / 1000 if spec.tpot_slo_ms else None)
+        cal = sim.calibration
+        # in-place speed of speculative passes relative to plain decode ones (Calibration): the real policy
+        # learns its costs online, in place, so the simulated one chooses k with the same relative costs
+        self.verify_scale, self.draft_scale = cal.verify_pass_scale, cal.draft_pass_scale
+        self.policy = (AdaptiveK(spec.max_k, _FittedCost(self.target, self.verify_scale),
+                                 _FittedCost(self.draft, self.draft_scale), self.acceptance,
+                                 spec.tpot_slo_ms / 1000 if spec.tpot_slo_ms else None, explore=False)
                        if spec.enabled and spec.k_policy == "adaptive" else None)
         self.recompute = profile.costs(tp, pp).prefill  # recompute after preemption (None: use target)
         self.held: dict[int, int] = {}  # request index -> blocks held (reserved or live)
@@ -259,9 +291,11 @@ class DecodeSim(_Instance):
             return None
         lens = [r.context for r in self.live]
         b = len(lens)
-        duration = recompute_s + self.target.predict_pass(PassShape(b, sum(lens) + b * k, b * (k + 1)))
+        target = self.target.predict_pass(PassShape(b, sum(lens) + b * k, b * (k + 1)))
+        duration = recompute_s + target * (self.verify_scale if k else 1.0)
         for step in range(k):
-            duration += self.draft.predict_pass(PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
+            duration += self.draft_scale * self.draft.predict_pass(
+                PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
         batch = list(self.live)
         self.k_counts[k] = self.k_counts.get(k, 0) + 1
         return duration * self.sim.calibration.decode_scale, lambda: self._done(batch, k)
@@ -422,10 +456,10 @@ class ColocatedSim(_Instance):
             b = len(decodes)
             seconds += self.decode_cost.predict_pass(PassShape(b, sum(r.context for r in decodes), b)) * cal.decode_scale
         if chunks:
-            seconds += self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_scale
+            seconds += self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_busy_scale
         if decodes and chunks:
             fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in (self.decode_cost, self.prefill_cost)]
-            seconds -= min(fixed) * min(cal.decode_scale, cal.prefill_scale)
+            seconds -= min(fixed) * min(cal.decode_scale, cal.prefill_busy_scale)
         return seconds
 
     def _done(self, decodes: list[SimRequest], chunks: list) -> None:
