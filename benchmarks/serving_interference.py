@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
 from controller.planner.interference import (  # noqa: E402
-    IDLE_SHARE, PassActivity, activities, fit_step_contention, predicted_s, reference_ratios,
+    IDLE_SHARE, PassActivity, activities, fit_contention_terms, predicted_s, reference_ratios,
 )
 from controller.planner.profile import Profile  # noqa: E402
 
@@ -143,12 +143,13 @@ def write_markdown(result: dict, path: str) -> None:
                      f"| {fmt(m['isolated'])} | {fmt(m['burst'])} | {fmt(m['busy'])} | {fmt(m['idle'])} "
                      f"| **{fmt(r['interference'])}** | {fmt(r['interference_other_busy'])} "
                      f"| {fmt(r['interference_other_idle'])} |")
-    fit = result.get("step_contention")
+    fit = result.get("contention_fit")
     if fit:
-        lines += ["", f"The calibration's fit on these burst passes (`interference.fit_step_contention`, every pass of "
-                      f"both roles, weighted by duration): **{1e3 * fit['step_s']:.2f} ms per step** "
-                      f"(RMS of the slowdowns about it {fit['rms']:.2f}, {fit['passes']} passes). Compare the profile's "
-                      "`calibrations[].contention_step_s`."]
+        lines += ["", f"The calibration's fit on these burst passes (`interference.fit_contention_terms`, every pass of "
+                      f"both roles, weighted by duration, non-negative): busy-share factor **{fit['busy_scale']:.2f}x**, "
+                      f"**{1e3 * fit['step_s']:.2f} ms per step** (RMS of the slowdowns about it {fit['rms']:.2f}, "
+                      f"{fit['passes']} passes). Compare the profile's `calibrations[].contention_scale` and "
+                      "`contention_step_s`."]
     act = result.get("prefill_vs_other_activity") or {}
     if act:
         lines += ["", "## Prefill passes against what the decode role did meanwhile", "",
@@ -190,14 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     isolated, burst = measure(config, profile, args.requests, args.burst_requests, args.seed)
     drafter = config.decode.speculation.drafter if args.speculation and config.decode.speculation.enabled else None
     acts = activities(profile, burst, drafter)
-    fitted = fit_step_contention(acts)
+    fitted = fit_contention_terms(acts)
     result = {"command": "python benchmarks/serving_interference.py "
                          + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
               "config": os.path.relpath(args.config, ROOT), "profile": os.path.relpath(args.profile, ROOT),
               "requests": args.requests, "burst_requests": args.burst_requests, "seed": args.seed,
               "speculation": args.speculation, "rows": summarise(profile, drafter, isolated, burst),
               "prefill_vs_other_activity": explain(acts),
-              "step_contention": {"step_s": fitted.step_s, "rms": fitted.rms, "passes": fitted.passes},
+              "contention_fit": {"busy_scale": fitted.busy_scale, "step_s": fitted.step_s, "rms": fitted.rms,
+                                 "passes": fitted.passes},
               "isolated_passes": isolated, "burst_passes": burst}
     record(result, args.out, write_markdown)
     return 0

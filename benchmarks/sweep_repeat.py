@@ -51,7 +51,7 @@ def check_same_trace(first: dict, other: dict, name: str) -> None:
 
 
 def compare(sweeps: list[tuple[str, dict]]) -> dict:
-    (first_name, first), others = sweeps[0], sweeps[1:]
+    (_, first), others = sweeps[0], sweeps[1:]
     for name, sweep in others:
         check_same_trace(first, sweep, name)
     s = first["settings"]

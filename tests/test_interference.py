@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.planner.interference import activities, covered, fit_step_contention, reference_ratios
+from controller.planner.interference import activities, covered, fit_contention_terms, reference_ratios
 from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, FittedModel, InstanceCosts, Profile,
                                         prefill_features)
 
@@ -32,23 +32,28 @@ def decode_rows(start: float, seconds: float) -> list[dict]:
 
 
 def timeline(step_s: float, decode_gap_s: float) -> list[dict]:
-    """1000-token prefill passes back to back over [0, 4) s; decode steps over [0, 2) s only, each followed
-    by ``decode_gap_s`` idle. While both run, each pass is stretched by the per-step model with cost
-    ``step_s``: its own rate (1 / its duration, the other role busy throughout) plus the other's steps."""
+    """1000-token prefill passes back to back over [0, 4) s; decode steps of 5 ms over [0, 1) s and of
+    20 ms over [1, 2) s (plain and speculative-like steps), each followed by ``decode_gap_s`` idle, none
+    after 2 s. Each prefill pass is stretched by the per-step model with cost ``step_s``: the decode steps
+    completed during it, plus its own step (1 / its duration) times the share of it the decode role was busy,
+    as rates over its (stretched) duration: duration / alone - 1 = step_s x (steps + share) / duration."""
     rows: list[dict] = []
-    # decode: contended by the prefill (busy throughout [0, 2)): 1 + step_s / DECODE_S (own) + prefill rate
-    prefill_alone = 1000 * PREFILL_PER_TOKEN
-    decode_s = DECODE_S * (1 + step_s / DECODE_S + step_s / prefill_alone)
-    t = 0.0
-    while t + decode_s < 2.0:
-        rows += decode_rows(t, decode_s)
-        t += decode_s + decode_gap_s
-    decode_rate = 1.0 / (decode_s + decode_gap_s)
-    busy_share = decode_s / (decode_s + decode_gap_s)
+    for begin, end, decode_s in ((0.0, 1.0, DECODE_S), (1.0, 2.0, 4 * DECODE_S)):
+        t = begin
+        while t + decode_s <= end:
+            rows += decode_rows(t, decode_s)
+            t += decode_s + decode_gap_s
+    decode_spans = [(r["end_s"] - r["seconds"], r["end_s"]) for r in rows if r["kind"] == "decode"]
+    step_ends = [r["end_s"] for r in rows if r["kind"] == "step"]
+    alone = 1000 * PREFILL_PER_TOKEN
     t = 0.0
     while t < 4.0:
-        contended = t + prefill_alone < 2.0
-        seconds = prefill_alone * (1 + step_s * (decode_rate + busy_share / prefill_alone)) if contended else prefill_alone
+        # the stretched duration depends on the steps inside it: iterate to the fixed point
+        seconds = alone
+        for _ in range(50):
+            share = covered(t, t + seconds, decode_spans)
+            steps = sum(t < e <= t + seconds for e in step_ends)
+            seconds = alone * (1 + step_s * (steps + share) / seconds)
         rows.append(prefill_row(t, seconds, 1000))
         t += seconds
     return rows
@@ -68,13 +73,34 @@ def test_fit_recovers_the_per_step_cost_behind_a_timeline(gap):
     assert refs["prefill"] == pytest.approx(1.0)  # the uncontended half of the prefill passes
     prefill = [a for a in acts if a.kind == "prefill"]
     assert max(a.ratio for a in prefill) > 1.1  # the contended ones are visibly slower
-    fit = fit_step_contention([a for a in acts if a.kind == "prefill"])
-    assert fit.step_s == pytest.approx(0.002, rel=0.1)
+    fit = fit_contention_terms([a for a in acts if a.kind == "prefill"])
+    assert fit.step_s == pytest.approx(0.002, rel=0.1) and fit.busy_scale == pytest.approx(1.0, abs=0.03)
 
 
 def test_no_contention_fits_zero():
     rows = [prefill_row(0.1 * i, 0.1, 1000) for i in range(20)]
     for i in range(100):
         rows += decode_rows(0.02 * i, DECODE_S)
-    fit = fit_step_contention(activities(profile(), rows))
-    assert fit.step_s == pytest.approx(0.0, abs=1e-9) and fit.rms == pytest.approx(0.0, abs=1e-9)
+    fit = fit_contention_terms(activities(profile(), rows))
+    assert fit.step_s == pytest.approx(0.0, abs=1e-9) and fit.busy_scale == pytest.approx(1.0)
+    assert fit.rms == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_slowdown_that_follows_the_busy_share_fits_the_busy_share_term():
+    """Prefill passes slowed by 30 % whenever the decode role is busy, whatever its step rate (slow and
+    fast decode steps): the fit puts it on the busy-share term, not on the step term."""
+    rows = []
+    t = 0.0
+    for i in range(40):  # prefill passes of 0.1 s alone; [0, 2): contended by 5 ms steps, [2, 4): by 25 ms steps
+        contended = t < 4.0 and i % 2 == 0
+        seconds = 0.1 * (1.3 if contended else 1.0)
+        if contended:
+            step = 0.005 if t < 2.0 else 0.025
+            s = t
+            while s + step <= t + seconds:
+                rows += decode_rows(s, step)
+                s += step
+        rows.append(prefill_row(t, seconds, 1000))
+        t += seconds + 0.001
+    fit = fit_contention_terms([a for a in activities(profile(), rows) if a.kind == "prefill"])
+    assert fit.busy_scale == pytest.approx(1.3, abs=0.03) and fit.step_s < 2e-4

@@ -270,7 +270,7 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert "calibration (disaggregated)" in capsys.readouterr().out
     cal = Profile.load(str(out)).calibration("disaggregated")
     assert cal.requests == 5
-    assert cal.contention_requests == 6 and cal.contention_scale == 1.0 and 0.0 <= cal.contention_step_s <= 0.01
+    assert cal.contention_requests == 6 and cal.contention_scale >= 1.0 and 0.0 <= cal.contention_step_s <= 0.02
     assert math.isfinite(cal.contention_fit_error)
     assert cal.prefill_scale > 0 and cal.decode_scale > 0 and cal.ttft_overhead_s >= 0 and cal.decode_start_s >= 0
     assert math.isfinite(cal.ttft_fit_error) and math.isfinite(cal.decode_fit_error)
@@ -296,7 +296,7 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration"]) == 0
     assert "calibration (disaggregated)" in capsys.readouterr().out
     refitted = Profile.load(str(out)).calibration("disaggregated")
-    assert refitted.prefill_scale == pytest.approx(cal.prefill_scale) and refitted.contention_step_s == cal.contention_step_s
+    assert refitted.prefill_scale == pytest.approx(cal.prefill_scale) and (refitted.contention_step_s, refitted.contention_scale) == (cal.contention_step_s, cal.contention_scale)
     assert (refitted.verify_pass_scale, refitted.draft_pass_scale) == pytest.approx((cal.verify_pass_scale, cal.draft_pass_scale))
     # a mode never calibrated has nothing to refit: an error naming the mode
     colocated = tmp_path / "colocated.yaml"

@@ -22,15 +22,16 @@ Isolated requests leave the rest of the machine idle. When several instances sha
 CPU cluster: workers, router, gRPC server and clients on the same cores), a step runs slower while the
 other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
 arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
-``BURST_UTILISATION`` of the time) is served for real. The contention term, ``contention_step_s`` (the
-seconds each busy instance loses per worker step completed while no core is idle; the simulator's model,
-``sim_instances._Instance._contention``), is fitted to the workers' passes during the burst: each pass's
-slowdown against the steps completed meanwhile (``interference.py``). Measured so, the slowdown of prefill
-passes follows the decode role's step rate, not its busy share: speculative steps, fewer and longer, slow
-the prefill worker less than plain decode steps at the same busy share. Where passes are not logged
-(colocated instances run mixed steps) the burst is instead replayed through the simulator for a grid of
-per-step costs, keeping the one whose simulated TTFT and decode-time distributions match the measured ones
-best (least squares of the log ratio of sorted values).
+``BURST_UTILISATION`` of the time) is served for real. The simulator's two contention terms
+(``sim_instances._Instance._contention``): ``contention_scale``, a factor on a step while the other
+instances are busy, and ``contention_step_s``, the seconds each busy instance loses per worker step
+completed while no core is idle (many short plain decode steps would then slow the prefill worker more
+than fewer, longer speculative ones), are fitted, non-negative, to the workers' passes during the burst:
+each pass's slowdown against the other role's busy share and the steps completed meanwhile
+(``interference.py``). Where passes are not logged (colocated instances run mixed steps) the burst is
+instead replayed through the simulator for a grid of per-step costs, keeping the one whose simulated TTFT
+and decode-time distributions match the measured ones best (least squares of the log ratio of sorted
+values).
 
 The calibration never uses the SLO sweeps it is validated against (``benchmarks/sim_validate.py``):
 its prompts, lengths and arrivals are its own.
@@ -47,7 +48,7 @@ import time
 
 from tqdm import tqdm
 
-from controller.planner.interference import activities, fit_step_contention, pass_row
+from controller.planner.interference import activities, fit_contention_terms, pass_row, reference_ratios
 from controller.planner.profile import Calibration, Profile, prefill_features, transfer_features
 from controller.planner.workload import RequestSpec
 from decode_worker.policy import PassShape, fit_nonnegative_relative
@@ -459,15 +460,22 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
 def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[RequestSpec],
                     burst: list[dict], burst_passes: list[dict] | None = None) -> Calibration:
     """``cal`` (isolated terms) completed by the contention term of the burst ``trace`` measured as ``burst``:
-    fitted to the workers' own passes during it when they were logged (``interference.fit_step_contention``;
-    ``contention_fit_error`` is then the RMS of the passes' slowdowns about the fit), else to the requests'
-    latency distributions (``fit_contention``; RMS of log(simulated / measured))."""
+    fitted to the workers' own passes during it when they were logged (both terms,
+    ``interference.fit_contention_terms``; ``contention_fit_error`` is then the RMS of the passes' slowdowns
+    about the fit), else to the requests' latency distributions (the per-step term, ``fit_contention``; RMS
+    of log(simulated / measured))."""
     if burst_passes:
-        fitted = fit_step_contention(activities(profile, burst_passes))
-        per_step, err = fitted.step_s, fitted.rms
+        acts = activities(profile, burst_passes)
+        fitted = fit_contention_terms(acts)
+        # the contention term is a slowdown over the burst's own passes that ran alone: the prefill worker's
+        # busy scale is theirs too (the isolated phase ran in another cluster start, a few per cent apart)
+        alone = reference_ratios(acts).get("prefill")
+        if alone:
+            cal = dataclasses.replace(cal, prefill_pass_scale=min(alone, cal.prefill_scale))
+        scale, per_step, err = fitted.busy_scale, fitted.step_s, fitted.rms
     else:
-        per_step, err = fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
-    return dataclasses.replace(cal, contention_scale=1.0, contention_step_s=per_step, contention_requests=len(burst),
+        scale, (per_step, err) = 1.0, fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
+    return dataclasses.replace(cal, contention_scale=scale, contention_step_s=per_step, contention_requests=len(burst),
                                contention_fit_error=err)
 
 

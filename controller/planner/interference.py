@@ -116,24 +116,58 @@ def contention_variable(a: PassActivity) -> float:
 
 
 @dataclass(frozen=True)
-class StepContentionFit:
-    step_s: float  # contention_step_s
+class ContentionFit:
+    """The simulator's two contention terms fitted to a burst's passes (``fit_contention_terms``)."""
+
+    busy_scale: float  # Calibration.contention_scale: 1 + slowdown while the other role is busy throughout
+    step_s: float  # Calibration.contention_step_s: seconds per step completed while no core is idle
     rms: float  # time-weighted RMS of (slowdown - fitted slowdown) over the passes
     passes: int
 
 
-def fit_step_contention(acts: list[PassActivity]) -> StepContentionFit:
-    """Weighted least squares (through the origin, weights = pass durations) of each pass's slowdown over its kind's reference ratio,
-    ``ratio / reference - 1``, on the simulator's contention variable: the other role's step rate during
-    the pass, plus this pass's own step rate (1 / its duration) times the share of it the other role was
-    busy (a worker's own steps cost it time only while no core is idle). Slowdowns are clipped to
-    [-0.5, 2] so that a few passes stalled by something else (a garbage collection, the OS) do not steer it."""
+def fit_contention_terms(acts: list[PassActivity]) -> ContentionFit:
+    """Weighted least squares (through the origin, weights = pass durations) of each pass's slowdown over
+    its kind's reference ratio, ``ratio / reference - 1``, on the simulator's two contention variables:
+    the share of the pass the other role was busy (``contention_scale`` - 1 per unit), and the steps that
+    cost it time (``contention_variable``; ``contention_step_s`` per step). Both coefficients are kept
+    non-negative (a negative one is dropped and the other refitted alone). Slowdowns are clipped to
+    [-0.5, 2] so that a few passes stalled by something else (a garbage collection, the OS) do not steer it.
+
+    Which variable carries the slowdown is an empirical question the burst answers: in two pairs of runs
+    on the CPU cluster (``benchmarks/serving_interference.py`` with and without ``--speculation``), one
+    pair followed the decode role's step rate, the other its busy share as well."""
     refs = reference_ratios(acts)
-    xs = [contention_variable(a) for a in acts]
+    share = [a.other_busy_share for a in acts]
+    steps = [contention_variable(a) for a in acts]
     ys = [min(2.0, max(-0.5, a.ratio / refs[a.kind] - 1.0)) for a in acts]
     ws = [a.seconds for a in acts]  # by time: a slowdown matters for as long as the pass it stretches
-    sxx = sum(w * x * x for w, x in zip(ws, xs))
-    step_s = min(MAX_STEP_S, max(0.0, sum(w * x * y for w, x, y in zip(ws, xs, ys)) / sxx)) if sxx > 0 else 0.0
+    coef = _nonnegative_fit([share, steps], ys, ws)
+    coef[1] = min(coef[1], MAX_STEP_S)
     total = sum(ws)
-    rms = (sum(w * (y - step_s * x) ** 2 for w, x, y in zip(ws, xs, ys)) / total) ** 0.5 if total > 0 else 0.0
-    return StepContentionFit(step_s, rms, len(xs))
+    fitted = [coef[0] * a + coef[1] * b for a, b in zip(share, steps)]
+    rms = (sum(w * (y - f) ** 2 for w, y, f in zip(ws, ys, fitted)) / total) ** 0.5 if total > 0 else 0.0
+    return ContentionFit(1.0 + coef[0], coef[1], rms, len(acts))
+
+
+def _nonnegative_fit(columns: list[list[float]], ys: list[float], ws: list[float]) -> list[float]:
+    """Weighted least squares through the origin with non-negative coefficients, for one or two columns."""
+    def solve(idx: list[int]) -> list[float]:
+        a = [[sum(w * columns[i][n] * columns[j][n] for n, w in enumerate(ws)) for j in idx] for i in idx]
+        b = [sum(w * columns[i][n] * y for n, (w, y) in enumerate(zip(ws, ys))) for i in idx]
+        if len(idx) == 1:
+            return [b[0] / a[0][0] if a[0][0] > 0 else 0.0]
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        if abs(det) < 1e-18:
+            return [float("nan"), float("nan")]
+        return [(b[0] * a[1][1] - b[1] * a[0][1]) / det, (a[0][0] * b[1] - a[1][0] * b[0]) / det]
+
+    both = solve([0, 1])
+    if all(c >= 0 for c in both):
+        return both
+    best, best_sse = [0.0, 0.0], sum(w * y * y for w, y in zip(ws, ys))
+    for i in (0, 1):
+        c = max(0.0, solve([i])[0])
+        sse = sum(w * (y - c * columns[i][n]) ** 2 for n, (w, y) in enumerate(zip(ws, ys)))
+        if sse < best_sse:
+            best, best_sse = [c if j == i else 0.0 for j in (0, 1)], sse
+    return best

@@ -106,12 +106,13 @@ class Calibration:
 
     Contention (``sim_instances._Instance._contention``), how much longer a step takes while other instances
     of the cluster are busy (workers sharing cores, memory bandwidth and the server's CPU):
+    contention_scale: a factor interpolated linearly in the share of the other instances busy as a step starts;
     contention_step_s: seconds a busy instance loses per step completed by itself or by the other busy
-    instances (each step's outputs are polled, streamed and received by processes on the same cores), what
-    calibrations fit since session 10: it sees that many short decode steps interfere more than fewer,
-    longer speculative ones (``benchmarks/serving_interference.py``);
-    contention_scale: the older term, a factor interpolated linearly in the share of other instances busy
-    (profiles calibrated before contention_step_s keep it; new fits leave it at 1.0).
+    instances (each step's outputs are polled, streamed and received by processes on the same cores): with
+    it, many short decode steps interfere more than fewer, longer speculative ones at the same busy share.
+    A calibration fits both, non-negative, to the workers' passes during its burst
+    (``interference.fit_contention_terms``); which of the two carries the slowdown is what the burst shows
+    (``benchmarks/serving_interference.py`` measured it both ways in different runs).
     1.0 and 0.0 = no contention (unmeasured, or instances on separate devices)."""
 
     mode: str
@@ -151,9 +152,9 @@ class Calibration:
         return dataclasses.replace(self, contention_scale=1.0, contention_step_s=0.0)
 
     def contention_summary(self) -> str:
-        """The contention term in words, e.g. '2.4 ms per step' (for reports)."""
-        parts = ([f"{1e3 * self.contention_step_s:.1f} ms per step"] if self.contention_step_s else []) + \
-                ([f"{self.contention_scale:.2f}x when busy"] if self.contention_scale != 1.0 else [])
+        """The contention terms in words, e.g. '1.30x + 2.4 ms per step' (for reports)."""
+        parts = ([f"{self.contention_scale:.2f}x"] if self.contention_scale != 1.0 else []) + \
+                ([f"{1e3 * self.contention_step_s:.1f} ms per step"] if self.contention_step_s else [])
         return " + ".join(parts) or "none"
 
 

@@ -791,10 +791,12 @@ def run_cli(args) -> int:
 
 def _print_calibration(cal) -> None:
     print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
-          f"predicted prefill (fit error {cal.ttft_fit_error:.1%}); decode = {1e3 * cal.decode_start_s:.1f} ms + "
+          f"predicted prefill (fit error {cal.ttft_fit_error:.1%}"
+          + (f"; the worker's own passes {cal.prefill_pass_scale:.3f} x" if cal.prefill_pass_scale else "")
+          + f"); decode = {1e3 * cal.decode_start_s:.1f} ms + "
           f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
           f"contention {cal.contention_summary()} while other instances are busy ({cal.contention_requests}-request "
-          f"burst, RMS log error {cal.contention_fit_error:.2f})"
+          f"burst, fit RMS {cal.contention_fit_error:.2f})"
           + (f"; speculative steps in place: verify passes {cal.verify_pass_scale:.2f}x, draft passes "
              f"{cal.draft_pass_scale:.2f}x a plain decode pass's ratio ({cal.speculative_passes} verify passes)"
              if cal.speculative_passes else ""))
