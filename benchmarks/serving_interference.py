@@ -98,7 +98,8 @@ def explain(acts: list[PassActivity], kind: str = "prefill") -> dict:
     return {"reference_ratio": refs[kind], "fits": fits, "bins": bins}
 
 
-def measure(config, profile: Profile, requests: int, burst_requests: int, seed: int) -> tuple[list[dict], list[dict]]:
+def measure(config, profile: Profile, requests: int, burst_requests: int, seed: int, output_requests: int = 0
+            ) -> tuple[list[dict], list[dict]]:
     """Serve ``config`` as the calibration does; the passes of all workers (``interference.pass_row`` rows),
     isolated phase and burst."""
     from controller.client import Client
@@ -122,6 +123,11 @@ def measure(config, profile: Profile, requests: int, burst_requests: int, seed: 
         isolated = cal.drain_passes(config)
         cal.send_burst(client, trace, cal.random_prompts(config, [r.prompt_tokens for r in trace], random.Random(seed + 3)))
         burst = cal.drain_passes(config)
+        if output_requests:
+            out_trace = cal.output_burst_trace(config, output_requests, seed)
+            cal.send_burst(client, out_trace,
+                           cal.random_prompts(config, [r.prompt_tokens for r in out_trace], random.Random(seed + 4)))
+            burst += cal.drain_passes(config)
     return isolated, burst
 
 
@@ -131,7 +137,9 @@ def write_markdown(result: dict, path: str) -> None:
              f"`{result['command']}`", "",
              f"Config `{result['config']}` served as the calibration serves it "
              f"(speculation {'as configured' if result.get('speculation') else 'off'}): {result['requests']} "
-             f"isolated requests, then a {result['burst_requests']}-request burst; profile `{result['profile']}`. "
+             f"isolated requests, then a {result['burst_requests']}-request burst and a {result.get('output_burst', 0)}-request "
+             "output burst (short prompts, long outputs); burst figures cover both; "
+             f"profile `{result['profile']}`. "
              "Ratio = measured pass time / the profile's prediction for its shape (median). 'Other busy': a worker of "
              f"the other role ran passes over at least {OVERLAP:.0%} of this pass.", "",
              "| pass | passes (isolated / burst, other busy / other idle) | isolated | burst | burst, other busy "
@@ -147,9 +155,10 @@ def write_markdown(result: dict, path: str) -> None:
     if fit:
         lines += ["", f"The calibration's fit on these burst passes (`interference.fit_contention_terms`, every pass of "
                       f"both roles, weighted by duration, non-negative): busy-share factor **{fit['busy_scale']:.2f}x**, "
-                      f"**{1e3 * fit['step_s']:.2f} ms per step** (RMS of the slowdowns about it {fit['rms']:.2f}, "
-                      f"{fit['passes']} passes). Compare the profile's `calibrations[].contention_scale` and "
-                      "`contention_step_s`."]
+                      f"**{1e3 * fit['step_s']:.2f} ms per step**, **{1e3 * fit.get('output_s', 0.0):.3f} ms per "
+                      f"sequence output** (RMS of the slowdowns about it {fit['rms']:.2f}, {fit['passes']} passes). "
+                      "Compare the profile's `calibrations[].contention_scale`, `contention_step_s` and "
+                      "`contention_output_s`."]
     act = result.get("prefill_vs_other_activity") or {}
     if act:
         lines += ["", "## Prefill passes against what the decode role did meanwhile", "",
@@ -178,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=os.path.join(ROOT, "benchmarks", "results", "profile_local_cpu.json"))
     ap.add_argument("--requests", type=int, default=16, help="isolated requests (as the calibration)")
     ap.add_argument("--burst-requests", type=int, default=40, help="burst requests (as the calibration)")
+    ap.add_argument("--output-burst", type=int, default=32,
+                    help="requests of the calibration's second burst (short prompts, long outputs; 0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculation", action="store_true",
                     help="serve with the config's speculation (the calibration switches it off)")
@@ -188,18 +199,21 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     profile = Profile.load(args.profile)
     config = calibration_config(load_config(args.config), keep_speculation=args.speculation)
-    isolated, burst = measure(config, profile, args.requests, args.burst_requests, args.seed)
+    if args.output_burst < 0:
+        ap.error(f"--output-burst: must be >= 0, got {args.output_burst}")
+    isolated, burst = measure(config, profile, args.requests, args.burst_requests, args.seed, args.output_burst)
     drafter = config.decode.speculation.drafter if args.speculation and config.decode.speculation.enabled else None
     acts = activities(profile, burst, drafter)
     fitted = fit_contention_terms(acts)
     result = {"command": "python benchmarks/serving_interference.py "
                          + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
               "config": os.path.relpath(args.config, ROOT), "profile": os.path.relpath(args.profile, ROOT),
-              "requests": args.requests, "burst_requests": args.burst_requests, "seed": args.seed,
+              "requests": args.requests, "burst_requests": args.burst_requests, "output_burst": args.output_burst,
+              "seed": args.seed,
               "speculation": args.speculation, "rows": summarise(profile, drafter, isolated, burst),
               "prefill_vs_other_activity": explain(acts),
-              "contention_fit": {"busy_scale": fitted.busy_scale, "step_s": fitted.step_s, "rms": fitted.rms,
-                                 "passes": fitted.passes},
+              "contention_fit": {"busy_scale": fitted.busy_scale, "step_s": fitted.step_s, "output_s": fitted.output_s,
+                                 "rms": fitted.rms, "passes": fitted.passes},
               "isolated_passes": isolated, "burst_passes": burst}
     record(result, args.out, write_markdown)
     return 0

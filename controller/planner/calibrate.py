@@ -22,12 +22,14 @@ Isolated requests leave the rest of the machine idle. When several instances sha
 CPU cluster: workers, router, gRPC server and clients on the same cores), a step runs slower while the
 other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
 arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
-``BURST_UTILISATION`` of the time) is served for real. The simulator's two contention terms
+``BURST_UTILISATION`` of the time) is served for real, then (disaggregated) a second burst of short prompts
+with long outputs arriving together, which fills the decode batch. The simulator's three contention terms
 (``sim_instances._Instance._contention``): ``contention_scale``, a factor on a step while the other
 instances are busy, and ``contention_step_s``, the seconds each busy instance loses per worker step
 completed while no core is idle (many short plain decode steps would then slow the prefill worker more
-than fewer, longer speculative ones), are fitted, non-negative, to the workers' passes during the burst:
-each pass's slowdown against the other role's busy share and the steps completed meanwhile
+than fewer, longer speculative ones), and ``contention_output_s``, the same per sequence output (a decode
+step over many sequences streams many), are fitted, non-negative, to the workers' passes during the bursts:
+each pass's slowdown against the other role's busy share and the steps and outputs completed meanwhile
 (``interference.py``). Where passes are not logged (colocated instances run mixed steps) the burst is
 instead replayed through the simulator for a grid of per-step costs, keeping the one whose simulated TTFT
 and decode-time distributions match the measured ones best (least squares of the log ratio of sorted
@@ -201,9 +203,31 @@ def send_burst(client, trace: list[RequestSpec], prompts: list[list[int]]) -> li
     return rows
 
 
-def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -> tuple[list[dict], list[dict]]:
-    """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival).
-    Returns the requests' rows and the workers' timed passes meanwhile (disaggregated; colocated: none)."""
+OUTPUT_BURST_REQUESTS = 32  # the second burst: short prompts, long outputs, arriving together
+OUTPUT_BURST_RATE = 16.0  # requests per second
+OUTPUT_BURST_TOKENS = 129
+
+
+def output_burst_trace(config, requests: int, seed: int) -> list[RequestSpec]:
+    """A burst that fills the decode batch: ``requests`` prompts of 64-512 tokens, each generating
+    ``OUTPUT_BURST_TOKENS`` (at most the config's limit), Poisson arrivals at ``OUTPUT_BURST_RATE``. Decode steps
+    then carry many sequences, so the contention fit can tell a cost per sequence output from one per step
+    (the first burst's decode batches are mostly one or two sequences)."""
+    rng = random.Random(seed + 11)
+    lengths = calibration_lengths(min(512, max_calibration_prompt(config)), requests, seed + 11)
+    tokens = min(OUTPUT_BURST_TOKENS, config.limits.max_tokens)
+    t, trace = 0.0, []
+    for n in lengths:
+        trace.append(RequestSpec(t, n, tokens))
+        t += rng.expovariate(OUTPUT_BURST_RATE)
+    return trace
+
+
+def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool,
+                  output_trace: list[RequestSpec] | None = None) -> tuple[list[dict], list[dict]]:
+    """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival), then
+    ``output_trace`` if given. Returns the first trace's rows and the workers' timed passes during both
+    (disaggregated; colocated: none)."""
     from controller.client import Client
     from controller.server import serve_in_thread
 
@@ -216,6 +240,10 @@ def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool) -
             drain_passes(config)
         rows = send_burst(client, trace, prompts)
         passes = drain_passes(config) if logged else []
+        if output_trace:
+            send_burst(client, output_trace,
+                       random_prompts(config, [r.prompt_tokens for r in output_trace], random.Random(seed + 12)))
+            passes += drain_passes(config) if logged else []
     if progress:
         tqdm.write(f"calibration burst: {len(trace)} overlapping requests over {trace[-1].arrival_s:.1f} s timed")
     return rows, passes
@@ -240,7 +268,7 @@ def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows:
     decoding = [i for i, row in enumerate(rows) if row["tokens"] > 1]
     best = (math.inf, 0.0)
     for per_step in CONTENTION_STEP_GRID:
-        trial = profile.with_calibration(dataclasses.replace(base, contention_scale=1.0, contention_step_s=per_step))
+        trial = profile.with_calibration(dataclasses.replace(base.without_contention(), contention_step_s=per_step))
         sq, n = 0.0, 0
         for seed in range(seeds):
             recs = simulate(trial, sim_config, trace, seed=seed).records
@@ -451,7 +479,8 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
     sim_config = SimConfig.from_cluster_config(run_config)
     trace = burst_trace(isolated, sim_config, calibration_lengths(max_prompt, burst_requests, seed + 1),
                         output_tokens, seed)
-    burst, burst_passes = measure_burst(run_config, trace, seed, progress)
+    output_trace = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed) if mode == "disaggregated" else None
+    burst, burst_passes = measure_burst(run_config, trace, seed, progress, output_trace)
     passes.update({burst_passes_kind(k): _pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
     return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst, burst_passes), rows,
                           _burst_rows(trace, burst), {k: v for k, v in passes.items() if v})
@@ -472,11 +501,12 @@ def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[
         alone = reference_ratios(acts).get("prefill")
         if alone:
             cal = dataclasses.replace(cal, prefill_pass_scale=min(alone, cal.prefill_scale))
-        scale, per_step, err = fitted.busy_scale, fitted.step_s, fitted.rms
+        scale, per_step, per_output, err = fitted.busy_scale, fitted.step_s, fitted.output_s, fitted.rms
     else:
-        scale, (per_step, err) = 1.0, fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
-    return dataclasses.replace(cal, contention_scale=scale, contention_step_s=per_step, contention_requests=len(burst),
-                               contention_fit_error=err)
+        scale, per_output = 1.0, 0.0
+        per_step, err = fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
+    return dataclasses.replace(cal, contention_scale=scale, contention_step_s=per_step, contention_output_s=per_output,
+                               contention_requests=len(burst), contention_fit_error=err)
 
 
 def refit(config, profile: Profile) -> Calibration:

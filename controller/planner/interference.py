@@ -77,6 +77,8 @@ class PassActivity:
     ratio: float  # measured / profiled time
     other_busy_share: float  # share of the pass the other role spent in passes
     other_step_rate: float  # the other role's steps completed per second during the pass
+    outputs: int = 1  # sequences this pass's step gives an output to (decode: its batch; prefill: its chunks)
+    other_output_rate: float = 0.0  # outputs per second of the other role's steps completed during the pass
 
 
 def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -> list[PassActivity]:
@@ -85,15 +87,22 @@ def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -
     for role in ("prefill", "decode"):
         others = [r for r in rows if ROLE_OF_KIND[r["kind"]] != role]
         spans = intervals([r for r in others if r["kind"] in PASS_KINDS])
-        ends = sorted(r["end_s"] for r in others if r["kind"] in STEP_END_KINDS)
+        ends = sorted((r["end_s"], outputs_of(r)) for r in others if r["kind"] in STEP_END_KINDS)
         for r in rows:
             if r["kind"] not in PASS_KINDS or ROLE_OF_KIND[r["kind"]] != role:
                 continue
             start, end = r["end_s"] - r["seconds"], r["end_s"]
-            steps = sum(start < t <= end for t in ends)
+            done = [n for t, n in ends if start < t <= end]
+            span = max(end - start, 1e-9)
             out.append(PassActivity(r["kind"], r["seconds"], r["seconds"] / predicted_s(profile, r, drafter),
-                                    covered(start, end, spans), steps / max(end - start, 1e-9)))
+                                    covered(start, end, spans), len(done) / span, outputs_of(r), sum(done) / span))
     return out
+
+
+def outputs_of(row: dict) -> int:
+    """Sequences a step (or the step a pass belongs to) gives an output to: its batch (prefill: its
+    chunks, an upper bound on the first tokens it emits)."""
+    return max(1, int(row.get("seqs", 1)))
 
 
 def reference_ratios(acts: list[PassActivity]) -> dict[str, float]:
@@ -115,59 +124,56 @@ def contention_variable(a: PassActivity) -> float:
     return a.other_step_rate + a.other_busy_share / max(a.seconds, 1e-6)
 
 
+def output_variable(a: PassActivity) -> float:
+    """Outputs per second that cost this pass time under the simulator's model: the other role's steps',
+    and its own step's while the other role is busy."""
+    return a.other_output_rate + a.other_busy_share * a.outputs / max(a.seconds, 1e-6)
+
+
 @dataclass(frozen=True)
 class ContentionFit:
-    """The simulator's two contention terms fitted to a burst's passes (``fit_contention_terms``)."""
+    """The simulator's contention terms fitted to a burst's passes (``fit_contention_terms``)."""
 
     busy_scale: float  # Calibration.contention_scale: 1 + slowdown while the other role is busy throughout
     step_s: float  # Calibration.contention_step_s: seconds per step completed while no core is idle
+    output_s: float  # Calibration.contention_output_s: seconds per sequence output while no core is idle
     rms: float  # time-weighted RMS of (slowdown - fitted slowdown) over the passes
     passes: int
 
 
 def fit_contention_terms(acts: list[PassActivity]) -> ContentionFit:
     """Weighted least squares (through the origin, weights = pass durations) of each pass's slowdown over
-    its kind's reference ratio, ``ratio / reference - 1``, on the simulator's two contention variables:
-    the share of the pass the other role was busy (``contention_scale`` - 1 per unit), and the steps that
-    cost it time (``contention_variable``; ``contention_step_s`` per step). Both coefficients are kept
-    non-negative (a negative one is dropped and the other refitted alone). Slowdowns are clipped to
-    [-0.5, 2] so that a few passes stalled by something else (a garbage collection, the OS) do not steer it.
+    its kind's reference ratio, ``ratio / reference - 1``, on the simulator's three contention variables:
+    the share of the pass the other role was busy (``contention_scale`` - 1 per unit), the steps that cost
+    it time (``contention_variable``; ``contention_step_s`` each) and the sequence outputs that do
+    (``output_variable``; ``contention_output_s`` each). Coefficients are non-negative (the best fit over
+    the subsets of variables whose own fit is). Slowdowns are clipped to [-0.5, 2] so that a few passes
+    stalled by something else (a garbage collection, the OS) do not steer it.
 
     Which variable carries the slowdown is an empirical question the burst answers: in two pairs of runs
     on the CPU cluster (``benchmarks/serving_interference.py`` with and without ``--speculation``), one
-    pair followed the decode role's step rate, the other its busy share as well."""
+    pair followed the decode role's step rate, the other its busy share."""
+    import itertools
+
+    import numpy as np
+
     refs = reference_ratios(acts)
-    share = [a.other_busy_share for a in acts]
-    steps = [contention_variable(a) for a in acts]
-    ys = [min(2.0, max(-0.5, a.ratio / refs[a.kind] - 1.0)) for a in acts]
-    ws = [a.seconds for a in acts]  # by time: a slowdown matters for as long as the pass it stretches
-    coef = _nonnegative_fit([share, steps], ys, ws)
-    coef[1] = min(coef[1], MAX_STEP_S)
-    total = sum(ws)
-    fitted = [coef[0] * a + coef[1] * b for a, b in zip(share, steps)]
-    rms = (sum(w * (y - f) ** 2 for w, y, f in zip(ws, ys, fitted)) / total) ** 0.5 if total > 0 else 0.0
-    return ContentionFit(1.0 + coef[0], coef[1], rms, len(acts))
-
-
-def _nonnegative_fit(columns: list[list[float]], ys: list[float], ws: list[float]) -> list[float]:
-    """Weighted least squares through the origin with non-negative coefficients, for one or two columns."""
-    def solve(idx: list[int]) -> list[float]:
-        a = [[sum(w * columns[i][n] * columns[j][n] for n, w in enumerate(ws)) for j in idx] for i in idx]
-        b = [sum(w * columns[i][n] * y for n, (w, y) in enumerate(zip(ws, ys))) for i in idx]
-        if len(idx) == 1:
-            return [b[0] / a[0][0] if a[0][0] > 0 else 0.0]
-        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
-        if abs(det) < 1e-18:
-            return [float("nan"), float("nan")]
-        return [(b[0] * a[1][1] - b[1] * a[0][1]) / det, (a[0][0] * b[1] - a[1][0] * b[0]) / det]
-
-    both = solve([0, 1])
-    if all(c >= 0 for c in both):
-        return both
-    best, best_sse = [0.0, 0.0], sum(w * y * y for w, y in zip(ws, ys))
-    for i in (0, 1):
-        c = max(0.0, solve([i])[0])
-        sse = sum(w * (y - c * columns[i][n]) ** 2 for n, (w, y) in enumerate(zip(ws, ys)))
-        if sse < best_sse:
-            best, best_sse = [c if j == i else 0.0 for j in (0, 1)], sse
-    return best
+    x = np.array([[a.other_busy_share, contention_variable(a), output_variable(a)] for a in acts], dtype=float)
+    y = np.array([min(2.0, max(-0.5, a.ratio / refs[a.kind] - 1.0)) for a in acts], dtype=float)
+    w = np.array([a.seconds for a in acts], dtype=float)  # by time: a slowdown matters as long as its pass
+    if not len(acts) or w.sum() <= 0:
+        return ContentionFit(1.0, 0.0, 0.0, 0.0, len(acts))
+    sw = np.sqrt(w)
+    best_coef, best_sse = np.zeros(3), float((w * y * y).sum())
+    for size in (1, 2, 3):
+        for cols in itertools.combinations(range(3), size):
+            sub = x[:, cols]
+            coef = np.linalg.lstsq(sub * sw[:, None], y * sw, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            sse = float((w * (y - sub @ coef) ** 2).sum())
+            if sse < best_sse - 1e-12:
+                best_coef, best_sse = np.zeros(3), sse
+                best_coef[list(cols)] = coef
+    step_s, output_s = min(float(best_coef[1]), MAX_STEP_S), min(float(best_coef[2]), MAX_STEP_S)
+    return ContentionFit(1.0 + float(best_coef[0]), step_s, output_s, (best_sse / w.sum()) ** 0.5, len(acts))

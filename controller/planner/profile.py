@@ -109,9 +109,10 @@ class Calibration:
     contention_scale: a factor interpolated linearly in the share of the other instances busy as a step starts;
     contention_step_s: seconds a busy instance loses per step completed by itself or by the other busy
     instances (each step's outputs are polled, streamed and received by processes on the same cores): with
-    it, many short decode steps interfere more than fewer, longer speculative ones at the same busy share.
-    A calibration fits both, non-negative, to the workers' passes during its burst
-    (``interference.fit_contention_terms``); which of the two carries the slowdown is what the burst shows
+    it, many short decode steps interfere more than fewer, longer speculative ones at the same busy share;
+    contention_output_s: the same per sequence output (a decode step over many sequences streams many).
+    A calibration fits all three, non-negative, to the workers' passes during its bursts
+    (``interference.fit_contention_terms``); which of them carries the slowdown is what the bursts show
     (``benchmarks/serving_interference.py`` measured it both ways in different runs).
     1.0 and 0.0 = no contention (unmeasured, or instances on separate devices)."""
 
@@ -125,6 +126,7 @@ class Calibration:
     decode_fit_error: float
     contention_scale: float = 1.0
     contention_step_s: float = 0.0  # seconds each busy instance loses per step completed while no core is idle
+    contention_output_s: float = 0.0  # seconds each busy instance loses per sequence output while no core is idle
     contention_requests: int = 0  # requests of the burst behind the contention term
     contention_fit_error: float = 0.0  # RMS of log(simulated / measured) latency over the burst
     # the prefill worker's passes in place, measured / profiled (0.0: unmeasured, the worker is charged the
@@ -149,12 +151,13 @@ class Calibration:
 
     def without_contention(self) -> "Calibration":
         """The isolated terms alone (no contention term)."""
-        return dataclasses.replace(self, contention_scale=1.0, contention_step_s=0.0)
+        return dataclasses.replace(self, contention_scale=1.0, contention_step_s=0.0, contention_output_s=0.0)
 
     def contention_summary(self) -> str:
         """The contention terms in words, e.g. '1.30x + 2.4 ms per step' (for reports)."""
         parts = ([f"{self.contention_scale:.2f}x"] if self.contention_scale != 1.0 else []) + \
-                ([f"{1e3 * self.contention_step_s:.1f} ms per step"] if self.contention_step_s else [])
+                ([f"{1e3 * self.contention_step_s:.1f} ms per step"] if self.contention_step_s else []) + \
+                ([f"{1e3 * self.contention_output_s:.2f} ms per output"] if self.contention_output_s else [])
         return " + ".join(parts) or "none"
 
 

@@ -75,6 +75,7 @@ class _Instance:
         self.steps = 0
         self.busy_s = 0.0
         self.step_s = 0.0  # duration of the step in progress (or of the last one)
+        self.step_outputs = 1  # sequences the step being planned / in progress gives an output to
 
     def kick(self) -> None:
         if self.busy:
@@ -101,7 +102,7 @@ class _Instance:
 
     def _contention(self, duration: float) -> float:
         """Step-time factor for what the other instances do as this step (of ``duration`` alone) starts;
-        1 when no other instance is busy. Two calibrated terms (``Calibration``), either may be off:
+        1 when no other instance is busy. Three calibrated terms (``Calibration``), each may be off:
 
         * ``contention_scale``: (scale - 1) x the share of the other instances that are busy;
         * ``contention_step_s``: every step of a worker sends its outputs through processes that share the
@@ -109,10 +110,12 @@ class _Instance:
           work slows each busy instance by ``contention_step_s`` per step completed. The factor is
           1 + contention_step_s x (this step's rate, 1 / duration, plus the rate of each busy other
           instance, 1 / its current step's duration): many short steps (plain decode) slow a prefill
-          instance more than fewer, longer ones (speculative steps), at the same busy share."""
+          instance more than fewer, longer ones (speculative steps), at the same busy share;
+        * ``contention_output_s``: the same per sequence output (a step's batch; a prefill step's chunks):
+          a decode step over many sequences streams many outputs."""
         cal = self.sim.calibration
-        scale, per_step = cal.contention_scale, cal.contention_step_s
-        if (scale == 1.0 and per_step == 0.0) or len(self.sim.instances) < 2:
+        scale, per_step, per_output = cal.contention_scale, cal.contention_step_s, cal.contention_output_s
+        if (scale == 1.0 and per_step == 0.0 and per_output == 0.0) or len(self.sim.instances) < 2:
             return 1.0  # the common case (GPU profiles, one instance) builds nothing per step
         busy_others = [i for i in self.sim.instances if i is not self and i.busy]
         if not busy_others:
@@ -121,6 +124,9 @@ class _Instance:
         if per_step > 0.0:
             rate = 1.0 / max(duration, 1e-6) + sum(1.0 / max(i.step_s, 1e-6) for i in busy_others)
             factor += per_step * rate
+        if per_output > 0.0:
+            rate = self.step_outputs / max(duration, 1e-6) + sum(i.step_outputs / max(i.step_s, 1e-6) for i in busy_others)
+            factor += per_output * rate
         return factor
 
     def _take(self, blocks: int) -> bool:
@@ -180,6 +186,7 @@ class PrefillSim(_Instance):
         if latency_scale > 0:
             for req, s, n in chunks:
                 req.prefill_latency_s += latency_scale * self.cost.predict(prefill_features([(s, n)]))
+        self.step_outputs = len(chunks)
         return duration, lambda: self._done(chunks)
 
     def _done(self, chunks: list[tuple[SimRequest, int, int]]) -> None:
@@ -298,6 +305,7 @@ class DecodeSim(_Instance):
                 PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
         batch = list(self.live)
         self.k_counts[k] = self.k_counts.get(k, 0) + 1
+        self.step_outputs = b
         return duration * self.sim.calibration.decode_scale, lambda: self._done(batch, k)
 
     def _choose_k(self) -> int:
@@ -433,6 +441,7 @@ class ColocatedSim(_Instance):
         if not decodes and not chunks:
             return None
         duration = self._step_seconds(decodes, chunks)
+        self.step_outputs = len(decodes) + len(chunks)
         return duration, lambda: self._done(decodes, chunks)
 
     @staticmethod
