@@ -13,8 +13,9 @@ is divided by the profile's prediction for its shape. Reported per pass kind: th
 cluster otherwise idle (isolated requests), under the burst while a worker of the other role was running
 a pass for most of this one, and under the burst while it was not; and their quotients, the
 interference. Then the prefill passes against the decode role's busy share and step rate (which of the two
-explains the slowdown), and the calibration's per-step fit on all passes. ``--speculation`` serves the
-config's speculation (the calibration switches it off). Colocated instances do not log passes (mixed
+explains the slowdown), and the calibration's contention fit on all passes. ``--speculation`` serves the
+config's speculation (the calibration switches it off); ``--output-burst N`` sends the calibration's second
+burst after the first (short prompts, long outputs; its passes count with the burst's). Colocated instances do not log passes (mixed
 steps). Writes OUT.json and OUT.md.
 """
 

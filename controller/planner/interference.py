@@ -2,15 +2,16 @@
 
 Every prefill and decode worker times its passes where they run (``modeling/pass_log.py``): kind, shape,
 duration and wall-clock end, so the passes of different processes line up on one time axis. Under a
-burst of overlapping requests a pass runs slower than the profile says, and the slowdown follows what
-the other role does meanwhile. Measured on the CPU cluster (``benchmarks/serving_interference.py``),
-a prefill pass's slowdown follows the decode role's *step rate* (each step's outputs are polled,
-streamed and received by processes on the same cores), not its busy share: speculative decode steps,
-fewer and longer, slow the prefill worker less than plain ones at the same busy share.
+burst of overlapping requests a pass runs slower than the profile says, and the slowdown depends on what
+the other role does meanwhile: whether it is busy, how many steps it completes (each step's outputs are
+polled, streamed and received by processes on the same cores) and how many sequence outputs those steps
+carry. Which of these carries the slowdown differed between runs on the CPU cluster
+(``benchmarks/serving_interference.py``): one pair of bursts followed the decode role's step rate, the
+recorded ones its busy share, and a burst of long outputs adds a cost per sequence output.
 
-This module turns a burst's pass log into the simulator's contention term (``Calibration.contention_step_s``,
-applied in ``sim_instances._Instance._contention``): every busy instance loses ``contention_step_s`` per
-step completed by itself or by the other busy instances while no core is idle.
+This module turns a burst's pass log into the simulator's three contention terms (``Calibration``'s
+``contention_scale``, ``contention_step_s`` and ``contention_output_s``, applied in
+``sim_instances._Instance._contention``), fitted non-negative so that the burst decides between them.
 
 Pass rows are flat dicts (``pass_row``).
 """
@@ -150,9 +151,9 @@ def fit_contention_terms(acts: list[PassActivity]) -> ContentionFit:
     the subsets of variables whose own fit is). Slowdowns are clipped to [-0.5, 2] so that a few passes
     stalled by something else (a garbage collection, the OS) do not steer it.
 
-    Which variable carries the slowdown is an empirical question the burst answers: in two pairs of runs
-    on the CPU cluster (``benchmarks/serving_interference.py`` with and without ``--speculation``), one
-    pair followed the decode role's step rate, the other its busy share."""
+    Which variable carries the slowdown is an empirical question the bursts answer: in pairs of runs on
+    the CPU cluster (``benchmarks/serving_interference.py`` with and without ``--speculation``), one pair
+    followed the decode role's step rate, the later ones its busy share."""
     import itertools
 
     import numpy as np
