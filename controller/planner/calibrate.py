@@ -50,7 +50,7 @@ import time
 
 from tqdm import tqdm
 
-from controller.planner.interference import activities, fit_contention_terms, pass_row, reference_ratios
+from controller.planner.interference import activities, fit_contention_terms, pass_row, predicted_s, reference_ratios
 from controller.planner.profile import Calibration, Profile, prefill_features, transfer_features
 from controller.planner.workload import RequestSpec
 from decode_worker.policy import PassShape, fit_nonnegative_relative
@@ -306,18 +306,15 @@ def measure_speculative_passes(config, lengths: list[int], seed: int, progress: 
     return passes
 
 
-def _median_ratio(model, passes: list[dict]) -> float | None:
-    ratios = [p["seconds"] / max(1e-9, model.predict_pass(PassShape(int(p["seqs"]), int(p["kv_tokens"]),
-                                                                     int(p["new_tokens"]), int(p["passes"]))))
-              for p in passes]
+def _median_ratio(profile: Profile, kind: str, passes: list[dict], drafter: str | None = None) -> float | None:
+    """Median measured / profiled time of stored pass rows of ``kind`` (None: no rows)."""
+    ratios = [p["seconds"] / predicted_s(profile, {"kind": kind, **p}, drafter) for p in passes]
     return statistics.median(ratios) if ratios else None
 
 
 def fit_prefill_pass_scale(profile: Profile, prefill_passes: list[dict]) -> float:
     """Median measured / profiled time of the prefill worker's own passes in place (0.0: none logged)."""
-    model = profile.prefill_model(1)
-    ratios = [p["seconds"] / model.predict(p) for p in prefill_passes]
-    return statistics.median(ratios) if ratios else 0.0
+    return _median_ratio(profile, "prefill", prefill_passes) or 0.0
 
 
 def fit_pass_scales(profile: Profile, drafter: str, decode_passes: list[dict], verify_passes: list[dict],
@@ -329,10 +326,9 @@ def fit_pass_scales(profile: Profile, drafter: str, decode_passes: list[dict], v
     Served, a speculating worker's k = 1 step costs less relative to its k = 0 step than the profile says
     (``benchmarks/serving_interference.py --speculation``), which is why the real policy, learning its costs
     in place, speculates where the profile's costs alone would not."""
-    target = profile.target_model(1)
-    plain = _median_ratio(target, decode_passes)
-    verify = _median_ratio(target, verify_passes)
-    draft = _median_ratio(profile.draft_model(drafter, 1), draft_passes)
+    plain = _median_ratio(profile, "decode", decode_passes)
+    verify = _median_ratio(profile, "verify", verify_passes)
+    draft = _median_ratio(profile, "draft", draft_passes, drafter)
     if not plain or not verify or not draft:
         return 1.0, 1.0, 0
     return verify / plain, draft / plain, len(verify_passes)

@@ -78,8 +78,8 @@ class PassActivity:
     ratio: float  # measured / profiled time
     other_busy_share: float  # share of the pass the other role spent in passes
     other_step_rate: float  # the other role's steps completed per second during the pass
-    outputs: int = 1  # sequences this pass's step gives an output to (decode: its batch; prefill: its chunks)
-    other_output_rate: float = 0.0  # outputs per second of the other role's steps completed during the pass
+    outputs: int  # sequences this pass's step gives an output to (decode: its batch; prefill: its chunks)
+    other_output_rate: float  # outputs per second of the other role's steps completed during the pass
 
 
 def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -> list[PassActivity]:
