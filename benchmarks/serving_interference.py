@@ -1,10 +1,10 @@
 """How much slower the workers' own forward passes run inside the serving cluster than the profile says,
-alone and under a burst: the interference the simulator's contention factor stands for, measured in place.
+alone and under a burst: the interference the simulator's contention terms stand for, measured in place.
 
     python benchmarks/serving_interference.py --config cluster_configs/local-no-spec.yaml \\
         --profile benchmarks/results/profile_local_cpu.json --out benchmarks/results/serving_interference
 
-The calibration (``controller/planner/calibrate.py``) fits its contention term to the same kind of pass
+The calibration (``controller/planner/calibrate.py``) fits its contention terms to the same kind of pass
 log (``controller/planner/interference.py``). Here the disaggregated cluster is served for real as
 the calibration serves it (speculation off; isolated requests, then a burst, with the calibration's
 prompt and output lengths and its way of picking the burst's rate; other random token ids), and each
@@ -15,8 +15,8 @@ a pass for most of this one, and under the burst while it was not; and their quo
 interference. Then the prefill passes against the decode role's busy share and step rate (which of the two
 explains the slowdown), and the calibration's contention fit on all passes. ``--speculation`` serves the
 config's speculation (the calibration switches it off); ``--output-burst N`` sends the calibration's second
-burst after the first (short prompts, long outputs; its passes count with the burst's). Colocated instances do not log passes (mixed
-steps). Writes OUT.json and OUT.md.
+burst after the first (short prompts, long outputs; its passes count with the burst's). Colocated
+instances do not log passes (mixed steps). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations

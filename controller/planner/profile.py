@@ -94,12 +94,13 @@ class AcceptanceEntry:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Serving-path terms of one mode (``disaggregated`` or ``colocated``): the first seven are fitted on
-    isolated requests; the contention term on a burst of overlapping ones (``calibrate.py``).
+    """Serving-path terms of one mode (``disaggregated`` or ``colocated``), fitted by ``calibrate.py``: the
+    first seven on isolated requests; the contention terms on bursts of overlapping ones; the pass scales on
+    the workers' own pass logs.
 
     verify_pass_scale, draft_pass_scale: the profile times passes in a loop on an idle machine; served, the
-    decode worker's passes run at other speeds, and not the same for each kind (plain decode passes ~1.2x the
-    profile, verify passes ~0.95x on the CPU cluster). ``decode_scale`` covers plain decode steps (the
+    decode worker's passes run at other speeds, and not the same for each kind (plain decode passes slower
+    against the profile than verify passes: ``benchmarks/results/serving_interference_spec.md``). ``decode_scale`` covers plain decode steps (the
     isolated requests run without speculation); these two put a speculative step's verify and draft passes
     in the same units, for its duration and for the simulated policy's choice of k (the real policy learns
     the in-place costs online).
@@ -128,7 +129,9 @@ class Calibration:
     contention_step_s: float = 0.0  # seconds each busy instance loses per step completed while no core is idle
     contention_output_s: float = 0.0  # seconds each busy instance loses per sequence output while no core is idle
     contention_requests: int = 0  # requests of the burst behind the contention term
-    contention_fit_error: float = 0.0  # RMS of log(simulated / measured) latency over the burst
+    # fitted on pass logs: time-weighted RMS of the passes' slowdowns about the fit; else (colocated, older
+    # profiles): RMS of log(simulated / measured) latency over the burst
+    contention_fit_error: float = 0.0
     # the prefill worker's passes in place, measured / profiled (0.0: unmeasured, the worker is charged the
     # whole prefill_scale). The rest of prefill_scale is TTFT latency that does not hold the worker: the
     # prefill throughput measured under saturating load agrees with this scale, not with prefill_scale
