@@ -12,11 +12,12 @@ prefill and decode worker hands over the passes it timed (``modeling/pass_log.py
 is divided by the profile's prediction for its shape. Reported per pass kind: the median ratio with the
 cluster otherwise idle (isolated requests), under the burst while a worker of the other role was running
 a pass for most of this one, and under the burst while it was not; and their quotients, the
-interference. Then the prefill passes against the decode role's busy share and step rate (which of the two
-explains the slowdown), and the calibration's contention fit on all passes. ``--speculation`` serves the
+interference. Then the prefill passes (colocated: the mixed ones) against the decode role's (the other
+instances') busy share and step rate (which of the two explains the slowdown), and the calibration's contention fit on all passes. ``--speculation`` serves the
 config's speculation (the calibration switches it off); ``--output-burst N`` sends the calibration's second
-burst after the first (short prompts, long outputs; its passes count with the burst's). Colocated
-instances do not log passes (mixed steps). Writes OUT.json and OUT.md.
+burst after the first (short prompts, long outputs; its passes count with the burst's). A colocated config's
+instances log their mixed prefill + decode steps (kind ``mixed``), and each contends with the other
+instances. Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from controller.planner.interference import (  # noqa: E402
 )
 from controller.planner.profile import Profile  # noqa: E402
 
-KINDS = ("prefill", "decode", "verify", "draft")
-OVERLAP = 0.5  # share of a pass that passes of the other role must cover for it to count as "other busy"
-RATE_BINS = (0.0, 25.0, 50.0, 100.0, 150.0, float("inf"))  # other role's step completions per second
+KINDS = ("prefill", "decode", "verify", "draft", "mixed")
+OVERLAP = 0.5  # share of a pass that passes of the other workers must cover for it to count as "other busy"
+RATE_BINS = (0.0, 25.0, 50.0, 100.0, 150.0, float("inf"))  # other workers' step completions per second
 
 
 def summarise(profile: Profile, drafter: str | None, isolated: list[dict], burst: list[dict]) -> list[dict]:
@@ -96,7 +97,7 @@ def explain(acts: list[PassActivity], kind: str = "prefill") -> dict:
             bins.append({"step_rate": [lo, None if math.isinf(hi) else hi], "passes": len(sel),
                          "interference": 1.0 + statistics.median(v for _, v in sel),
                          "busy_share": statistics.median(a.other_busy_share for a, _ in sel)})
-    return {"reference_ratio": refs[kind], "fits": fits, "bins": bins}
+    return {"kind": kind, "reference_ratio": refs[kind], "fits": fits, "bins": bins}
 
 
 def measure(config, profile: Profile, requests: int, burst_requests: int, seed: int, output_requests: int = 0
@@ -108,13 +109,11 @@ def measure(config, profile: Profile, requests: int, burst_requests: int, seed: 
     from controller.planner.simulator import SimConfig
     from controller.server import serve_in_thread
 
-    if config.mode != "disaggregated":
-        raise SystemExit(f"--config: mode must be disaggregated (colocated instances do not log passes), got {config.mode!r}")
     max_prompt = cal.max_calibration_prompt(config)
     lengths = cal.calibration_lengths(max_prompt, requests, seed)
     outputs = cal.OUTPUT_TOKENS
     # the burst's rate as the calibration picks it: the isolated terms, no contention
-    isolated_terms = profile.with_calibration(profile.calibration("disaggregated").without_contention())
+    isolated_terms = profile.with_calibration(profile.calibration(config.mode).without_contention())
     trace = cal.burst_trace(isolated_terms, SimConfig.from_cluster_config(config),
                             cal.calibration_lengths(max_prompt, burst_requests, seed + 1), outputs, seed)
     with serve_in_thread(config) as address, Client(address) as client:
@@ -141,8 +140,8 @@ def write_markdown(result: dict, path: str) -> None:
              f"isolated requests, then a {result['burst_requests']}-request burst and a {result.get('output_burst', 0)}-request "
              "output burst (short prompts, long outputs); burst figures cover both; "
              f"profile `{result['profile']}`. "
-             "Ratio = measured pass time / the profile's prediction for its shape (median). 'Other busy': a worker of "
-             f"the other role ran passes over at least {OVERLAP:.0%} of this pass.", "",
+             "Ratio = measured pass time / the profile's prediction for its shape (median). 'Other busy': the other "
+             f"workers (disaggregated: of the other role) ran passes over at least {OVERLAP:.0%} of this pass.", "",
              "| pass | passes (isolated / burst, other busy / other idle) | isolated | burst | burst, other busy "
              "| burst, other idle | interference (burst / isolated) | other busy | other idle |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -155,19 +154,21 @@ def write_markdown(result: dict, path: str) -> None:
     fit = result.get("contention_fit")
     if fit:
         lines += ["", f"The calibration's fit on these burst passes (`interference.fit_contention_terms`, every pass of "
-                      f"both roles, weighted by duration, non-negative): busy-share factor **{fit['busy_scale']:.2f}x**, "
+                      f"every worker, weighted by duration, non-negative): busy-share factor **{fit['busy_scale']:.2f}x**, "
                       f"**{1e3 * fit['step_s']:.2f} ms per step**, **{1e3 * fit.get('output_s', 0.0):.3f} ms per "
                       f"sequence output** (RMS of the slowdowns about it {fit['rms']:.2f}, {fit['passes']} passes). "
                       "Compare the profile's `calibrations[].contention_scale`, `contention_step_s` and "
                       "`contention_output_s`."]
     act = result.get("prefill_vs_other_activity") or {}
     if act:
-        lines += ["", "## Prefill passes against what the decode role did meanwhile", "",
-                  f"Interference of each burst prefill pass (its ratio over the median ratio of the burst's prefill "
-                  f"passes that ran alone, other role busy < {IDLE_SHARE:.0%}: {act['reference_ratio']:.2f}) against "
-                  "the share of it the decode role spent in passes and the decode steps it completed per second "
+        kind = act["kind"]
+        other = "the decode role" if kind == "prefill" else "the other instances"
+        lines += ["", f"## {kind.capitalize()} passes against what {other} did meanwhile", "",
+                  f"Interference of each burst {kind} pass (its ratio over the median ratio of the burst's {kind} "
+                  f"passes that ran alone, others busy < {IDLE_SHARE:.0%}: {act['reference_ratio']:.2f}) against "
+                  f"the share of it {other} spent in passes and the steps they completed per second "
                   "meanwhile.", "",
-                  "| decode steps / s | passes | median interference | median busy share |", "|---|---:|---:|---:|"]
+                  "| other steps / s | passes | median interference | median busy share |", "|---|---:|---:|---:|"]
         for b in act["bins"]:
             lo, hi = b["step_rate"]
             lines.append(f"| {lo:.0f}-{'' if hi is None else f'{hi:.0f}'} | {b['passes']} "
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_burst < 0:
         ap.error(f"--output-burst: must be >= 0, got {args.output_burst}")
     isolated, burst = measure(config, profile, args.requests, args.burst_requests, args.seed, args.output_burst)
-    drafter = config.decode.speculation.drafter if args.speculation and config.decode.speculation.enabled else None
+    spec = config.decode.speculation if config.mode == "disaggregated" else None
+    drafter = spec.drafter if args.speculation and spec is not None and spec.enabled else None
     acts = activities(profile, burst, drafter)
     fitted = fit_contention_terms(acts)
     result = {"command": "python benchmarks/serving_interference.py "
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               "requests": args.requests, "burst_requests": args.burst_requests, "output_burst": args.output_burst,
               "seed": args.seed,
               "speculation": args.speculation, "rows": summarise(profile, drafter, isolated, burst),
-              "prefill_vs_other_activity": explain(acts),
+              "prefill_vs_other_activity": explain(acts, "mixed" if config.mode == "colocated" else "prefill"),
               "contention_fit": {"busy_scale": fitted.busy_scale, "step_s": fitted.step_s, "output_s": fitted.output_s,
                                  "rms": fitted.rms, "passes": fitted.passes},
               "isolated_passes": isolated, "burst_passes": burst}

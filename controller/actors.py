@@ -260,8 +260,7 @@ class ColocatedActor(_LoopActor):
                     "tokens_generated": self._tokens_generated}
 
     def _pass_log(self):
-        raise NotImplementedError("pass_log: colocated instances do not log their passes (mixed prefill and "
-                                  "decode steps); prefill and decode instances do")
+        return self.engine.pass_log
 
     def _step(self) -> list:
         from decode_worker.worker import TokenDelta

@@ -21,6 +21,7 @@ from modeling.runner import ModelRunner, StepInput
 from modeling.sampling import RequestSampler, SamplingParams
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
 from modeling.output import OutputStream
+from modeling.pass_log import PassLog
 from modeling.sequence import FinishReason, Sequence
 from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
 
@@ -98,6 +99,7 @@ class ReferenceEngine:
         self.scheduler = ChunkedPrefillScheduler(SchedulerConfig(config.token_budget, config.max_num_seqs), self.pool)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self.pass_log = PassLog()  # one "mixed" record per step
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -156,7 +158,9 @@ class ReferenceEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        t0 = time.perf_counter()
         logits = self.runner.run([self._step_input(c) for c in chunks])
+        self._record_pass(chunks, time.perf_counter() - t0)
         return self._process(chunks, logits)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[Completion]:
@@ -202,6 +206,17 @@ class ReferenceEngine:
             block_table=seq.block_table.blocks,
             num_logits=1 if chunk.sample else 0,
         )
+
+    def _record_pass(self, chunks: list[ScheduledChunk], seconds: float) -> None:
+        """Log the step's pass: a chunk of one generated token (not recomputed) is a decode token, the
+        rest are prefill chunks, as the simulator's colocated instance divides a step."""
+        def is_decode(c: ScheduledChunk) -> bool:
+            return c.num_tokens == 1 and c.start >= c.seq.num_prompt
+
+        decodes = [c for c in chunks if is_decode(c)]
+        prefills = [[c.start, c.num_tokens] for c in chunks if not is_decode(c)]
+        self.pass_log.record("mixed", seconds, chunks=prefills, decode_seqs=len(decodes),
+                             decode_kv_tokens=sum(c.start + 1 for c in decodes))
 
     def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

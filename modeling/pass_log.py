@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-PASS_KINDS = ("prefill", "decode", "draft", "verify", "step")
+PASS_KINDS = ("prefill", "decode", "draft", "verify", "step", "mixed")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,10 @@ class PassRecord:
     passes of one speculative step as one record, ``passes`` (k) and the same three fields summed over them.
     A decode worker's step is one ``decode`` record, or one ``draft`` record followed by one ``verify``, then
     one ``step`` record: the whole step (choice of k, memory, passes, verification, commit), ``k`` and
-    ``seqs``; what it has beyond its passes is the step's fixed cost."""
+    ``seqs``; what it has beyond its passes is the step's fixed cost. mixed: one step of the colocated
+    reference engine, prefill chunks and decode tokens in one pass: ``chunks`` as [start, length] pairs
+    (prompt chunks, and generated tokens recomputed after preemption) and the decode part as
+    ``decode_seqs`` and ``decode_kv_tokens`` (KV positions read, including the new token's)."""
 
     kind: str
     end_s: float  # time.time() when the pass ended

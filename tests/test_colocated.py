@@ -75,6 +75,41 @@ def test_status_shows_colocated_instances(server):
         assert i.total_kv_blocks == KV_TOKENS // BLOCK
 
 
+def test_engine_logs_each_step_as_one_mixed_pass(llama_dir):
+    """modeling/engine.py: one "mixed" record per step, prompt chunks as prefill, the tokens after the first
+    as decode tokens reading their KV positions: the shape the simulator prices a colocated step by."""
+    engine = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=4096, token_budget=64, attention_backend="torch"))
+    prompts = prompts_of([100, 30], seed=4)
+    done = engine.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [len(c.token_ids) for c in done] == [5, 5]
+    records = engine.pass_log.drain()
+    assert {r["kind"] for r in records} == {"mixed"} and all(r["seconds"] > 0 for r in records)
+    shapes = [r["shape"] for r in records]
+    # budget 64: [0, 64) of the first prompt, then [64, 100) with most of the second prompt
+    assert [s["chunks"] for s in shapes[:2]] == [[[0, 64]], [[64, 36], [0, 28]]]
+    assert [s["chunks"] for s in shapes[2:]] == [[[28, 2]]] + [[]] * (len(shapes) - 3)  # then decode only
+    assert sum(s["decode_seqs"] for s in shapes) == 2 * 4  # every token after the first
+    # decode tokens read their whole context: positions 100..103 and 30..33, one more each step
+    assert sum(s["decode_kv_tokens"] for s in shapes) == sum(range(101, 105)) + sum(range(31, 35))
+    assert len(engine.pass_log) == 0
+
+
+def test_instances_hand_over_their_mixed_passes(server):
+    """The colocated actors hand over their engines' pass logs (what the calibration's contention fit reads)."""
+    import ray
+
+    actors = [ray.get_actor(f"magicserve-colocated-{k}", namespace="magicserve") for k in range(INSTANCES)]
+    for actor in actors:
+        ray.get(actor.pass_log.remote())  # drop the passes of earlier tests
+    ids, _ = stream_ids(server, prompts_of([100], seed=7)[0], max_tokens=12, ignore_eos=True)
+    assert len(ids) == 12
+    records = [r for actor in actors for r in ray.get(actor.pass_log.remote())]
+    assert {r["kind"] for r in records} == {"mixed"}
+    # chunk_tokens 64: [0, 64), [64, 100), then one decode token per step for the 11 tokens after the first
+    assert [c for r in records for c in r["shape"]["chunks"]] == [[0, 64], [64, 36]]
+    assert [r["shape"]["decode_kv_tokens"] for r in records if r["shape"]["decode_seqs"]] == list(range(101, 112))
+
+
 def test_concurrent_greedy_equals_reference(server, reference):
     prompts = prompts_of([4, 33, 120, 9], seed=1)
     expected = [c.token_ids for c in reference.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from controller.planner.interference import activities, covered, fit_contention_terms, reference_ratios
+from controller.planner.interference import (activities, covered, fit_contention_terms, outputs_of, pass_row,
+                                             predicted_s, reference_ratios)
 from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, FittedModel, InstanceCosts, Profile,
-                                        prefill_features)
+                                        mixed_pass_seconds, prefill_features)
 
 PASS = ("passes", "seqs", "kv_tokens", "new_tokens")
 DECODE_S = 0.005  # profiled plain decode pass
@@ -62,6 +63,7 @@ def timeline(step_s: float, decode_gap_s: float) -> list[dict]:
 def test_covered_share():
     spans = [(0.0, 1.0), (2.0, 3.0)]
     assert covered(0.5, 2.5, spans) == pytest.approx(0.5)
+    assert covered(0.5, 2.5, spans + [(0.5, 2.5)], workers=2) == pytest.approx(0.75)  # mean over two workers
     assert covered(3.0, 4.0, spans) == 0.0
     assert covered(1.0, 1.0, spans) == 0.0
 
@@ -104,3 +106,43 @@ def test_a_slowdown_that_follows_the_busy_share_fits_the_busy_share_term():
         t += seconds + 0.001
     fit = fit_contention_terms([a for a in activities(profile(), rows) if a.kind == "prefill"])
     assert fit.busy_scale == pytest.approx(1.3, abs=0.03) and fit.step_s < 2e-4
+
+
+def mixed_row(worker: int, start: float, seconds: float, chunks: list[tuple[int, int]], decode_seqs: int,
+              decode_kv_tokens: int) -> dict:
+    """A colocated instance's step as ``pass_row`` makes it from the engine's pass log."""
+    record = {"kind": "mixed", "seconds": seconds, "end_s": start + seconds,
+              "shape": {"chunks": [list(c) for c in chunks], "decode_seqs": decode_seqs,
+                        "decode_kv_tokens": decode_kv_tokens}}
+    return pass_row(record, worker)
+
+
+def test_mixed_passes_are_priced_as_the_simulator_prices_a_colocated_step():
+    p = profile()
+    row = mixed_row(0, 0.0, 0.1, [(0, 500), (100, 200)], 3, 600)
+    expected = mixed_pass_seconds(p.prefill_model(1), p.target_model(1), prefill_features([(0, 500), (100, 200)]), 3, 600)
+    assert predicted_s(p, row) == pytest.approx(expected)
+    assert expected == pytest.approx(700 * PREFILL_PER_TOKEN + DECODE_S)  # (this profile's prefill has no fixed cost)
+    assert predicted_s(p, mixed_row(0, 0.0, 0.1, [], 2, 300)) == pytest.approx(DECODE_S)
+    assert outputs_of(row) == 5  # three decode tokens and two prefill chunks
+
+
+def test_colocated_instances_contend_with_each_other():
+    """Two colocated instances whose steps run 40 % slower while the other one is in a step: grouped by
+    worker, each pass is measured against the other instance's activity, and the fit finds the factor."""
+    rows = []
+    for worker, (begin, end) in enumerate([(0.0, 3.0), (1.5, 4.5)]):  # overlapping over [1.5, 3)
+        t = begin
+        while t < end:
+            overlap = 1.5 <= t < 3.0
+            seconds = (400 * PREFILL_PER_TOKEN + DECODE_S) * (1.4 if overlap else 1.0)  # alone: as profiled
+            rows.append(mixed_row(worker, t, seconds, [(0, 400)], 1, 500))
+            t += seconds
+    acts = activities(profile(), rows)
+    assert {a.kind for a in acts} == {"mixed"} and len(acts) == len(rows)
+    assert reference_ratios(acts)["mixed"] == pytest.approx(1.0, rel=1e-6)
+    fit = fit_contention_terms(acts)
+    assert fit.busy_scale == pytest.approx(1.4, abs=0.05)
+    # without the worker index (rows of one role) there is nobody to contend with: no slowdown explained
+    alone = activities(profile(), [{k: v for k, v in r.items() if k != "worker"} for r in rows])
+    assert all(a.other_busy_share == 0.0 for a in alone)

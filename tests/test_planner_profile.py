@@ -301,10 +301,25 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     # a mode never calibrated has nothing to refit: an error naming the mode
     colocated = tmp_path / "colocated.yaml"
     colocated.write_text(f"mode: colocated\nmodel: {{path: {llama_dir}, dtype: bfloat16}}\n"
-                         "colocated: {instances: 1, threads: 1, chunk_tokens: 128, kv_cache_tokens: 4096}\n"
-                         "limits: {max_prompt_tokens: 512, max_tokens: 256}\n")
+                         "colocated: {instances: 2, threads: 1, chunk_tokens: 128, kv_cache_tokens: 4096}\n"
+                         "limits: {max_prompt_tokens: 512, max_tokens: 256}\nray: {num_cpus: 4}\n")
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 2
     assert "'colocated'" in capsys.readouterr().err
+    # colocated instances log their mixed steps: the contention terms are fitted to those passes
+    disaggregated = Profile.load(str(out)).calibration("disaggregated")
+    assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--calibrate-only", "--no-progress",
+                     "--calibration-requests", "4", "--burst-requests", "6"]) == 0
+    stored = Profile.load(str(out))
+    colo = stored.calibration("colocated")
+    mixed = stored.samples["calibration/colocated/passes/burst_mixed"]
+    assert len(mixed) > 32 and {p["worker"] for p in mixed} == {0.0, 1.0}  # both instances, both bursts
+    assert colo.contention_requests == 6 and colo.contention_scale >= 1.0 and math.isfinite(colo.contention_fit_error)
+    assert stored.calibration("disaggregated") == disaggregated  # each mode's calibration is its own
+    assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 0
+    colo_refit = Profile.load(str(out)).calibration("colocated")
+    assert (colo_refit.contention_scale, colo_refit.contention_step_s, colo_refit.contention_output_s) == \
+        (colo.contention_scale, colo.contention_step_s, colo.contention_output_s)
+    capsys.readouterr()
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration", "--calibrate-only"]) == 2
     assert "does not combine" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",

@@ -22,16 +22,17 @@ Isolated requests leave the rest of the machine idle. When several instances sha
 CPU cluster: workers, router, gRPC server and clients on the same cores), a step runs slower while the
 other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
 arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
-``BURST_UTILISATION`` of the time) is served for real, then (disaggregated) a second burst of short prompts
-with long outputs arriving together, which fills the decode batch. The simulator's three contention terms
+``BURST_UTILISATION`` of the time) is served for real, then a second burst of short prompts with long
+outputs arriving together, which fills the decode batch. The simulator's three contention terms
 (``sim_instances._Instance._contention``): ``contention_scale``, a factor on a step while the other
 instances are busy, and ``contention_step_s``, the seconds each busy instance loses per worker step
 completed while no core is idle (many short plain decode steps would then slow the prefill worker more
 than fewer, longer speculative ones), and ``contention_output_s``, the same per sequence output (a decode
 step over many sequences streams many), are fitted, non-negative, to the workers' passes during the bursts:
-each pass's slowdown against the other role's busy share and the steps and outputs completed meanwhile
-(``interference.py``). Where passes are not logged (colocated instances run mixed steps) the burst is
-instead replayed through the simulator for a grid of per-step costs, keeping the one whose simulated TTFT
+each pass's slowdown against the other workers' busy share and the steps and outputs completed meanwhile
+(``interference.py``; colocated instances log their mixed prefill + decode steps, and contend with each
+other). Where no passes were logged (profiles measured before colocated instances logged theirs) the
+burst is instead replayed through the simulator for a grid of per-step costs, keeping the one whose simulated TTFT
 and decode-time distributions match the measured ones best (least squares of the log ratio of sorted
 values).
 
@@ -110,33 +111,31 @@ def random_prompts(config, lengths: list[int], rng: random.Random) -> list[list[
 
 
 def drain_passes(config) -> list[dict]:
-    """The passes the workers of the disaggregated cluster serving ``config`` timed since the last drain
-    (``modeling/pass_log.py``), as ``interference.pass_row`` rows."""
+    """The passes the workers of the cluster serving ``config`` timed since the last drain
+    (``modeling/pass_log.py``), as ``interference.pass_row`` rows whose ``worker`` is the worker's index."""
     import ray
 
-    names = [f"prefill-{i}" for i in range(config.prefill.instances)] + \
-            [f"decode-{i}" for i in range(config.decode.instances)]
+    names = [f"{role}-{i}" for role, pool in config.pools.items() for i in range(pool.instances)]
     actors = [ray.get_actor(f"magicserve-{n}", namespace=config.ray.namespace) for n in names]
-    return [pass_row(r) for log in ray.get([a.pass_log.remote() for a in actors]) for r in log]
+    logs = ray.get([a.pass_log.remote() for a in actors])
+    return [pass_row(r, worker) for worker, log in enumerate(logs) for r in log]
 
 
 def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool
             ) -> tuple[list[dict], list[dict]]:
     """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths;
     output lengths cycle through ``output_tokens`` so the decode slope is identifiable. Returns the
-    requests' rows and the workers' timed passes (disaggregated; colocated: none)."""
+    requests' rows and the workers' timed passes."""
     from controller.client import Client
     from controller.server import serve_in_thread
 
     prompts = random_prompts(config, [64, 64] + lengths, random.Random(seed))
-    logged = config.mode == "disaggregated"
     shift = 2 % len(output_tokens)  # the timed requests' outputs continue the warm-ups' cycle
     with serve_in_thread(config) as address, Client(address) as client:
         time_isolated(client, prompts[:2], output_tokens)  # two warm-up requests (not recorded)
-        if logged:
-            drain_passes(config)
+        drain_passes(config)
         rows = time_isolated(client, prompts[2:], output_tokens[shift:] + output_tokens[:shift])
-        passes = drain_passes(config) if logged else []
+        passes = drain_passes(config)
     if progress:
         tqdm.write(f"calibration: {len(rows)} isolated requests timed")
     return rows, passes
@@ -226,24 +225,21 @@ def output_burst_trace(config, requests: int, seed: int) -> list[RequestSpec]:
 def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool,
                   output_trace: list[RequestSpec] | None = None) -> tuple[list[dict], list[dict]]:
     """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival), then
-    ``output_trace`` if given. Returns the first trace's rows and the workers' timed passes during both
-    (disaggregated; colocated: none)."""
+    ``output_trace`` if given. Returns the first trace's rows and the workers' timed passes during both."""
     from controller.client import Client
     from controller.server import serve_in_thread
 
     prompts = random_prompts(config, [r.prompt_tokens for r in trace], random.Random(seed + 1))
-    logged = config.mode == "disaggregated"
     with serve_in_thread(config) as address, Client(address) as client:
         for _ in client.generate_stream(prompts[0][:64], max_tokens=4, ignore_eos=True):
             pass  # warm-up
-        if logged:
-            drain_passes(config)
+        drain_passes(config)
         rows = send_burst(client, trace, prompts)
-        passes = drain_passes(config) if logged else []
+        passes = drain_passes(config)
         if output_trace:
             send_burst(client, output_trace,
                        random_prompts(config, [r.prompt_tokens for r in output_trace], random.Random(seed + 12)))
-            passes += drain_passes(config) if logged else []
+            passes += drain_passes(config)
     if progress:
         tqdm.write(f"calibration burst: {len(trace)} overlapping requests over {trace[-1].arrival_s:.1f} s timed")
     return rows, passes
@@ -408,7 +404,7 @@ def isolated_key(mode: str) -> str:
 
 
 PASS_SAMPLE_KINDS = ("decode", "verify", "draft")  # the speculative pass scales' inputs (``with_pass_scales``)
-BURST_PASS_KINDS = ("prefill", "decode", "step")  # the burst's log (speculation off), for the contention fit
+BURST_PASS_KINDS = ("prefill", "decode", "step", "mixed")  # the burst's log (speculation off), for the contention fit
 
 
 def burst_passes_kind(kind: str) -> str:
@@ -475,7 +471,7 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
     sim_config = SimConfig.from_cluster_config(run_config)
     trace = burst_trace(isolated, sim_config, calibration_lengths(max_prompt, burst_requests, seed + 1),
                         output_tokens, seed)
-    output_trace = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed) if mode == "disaggregated" else None
+    output_trace = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed)
     burst, burst_passes = measure_burst(run_config, trace, seed, progress, output_trace)
     passes.update({burst_passes_kind(k): _pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
     return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst, burst_passes), rows,

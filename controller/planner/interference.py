@@ -13,6 +13,10 @@ This module turns a burst's pass log into the simulator's three contention terms
 ``contention_scale``, ``contention_step_s`` and ``contention_output_s``, applied in
 ``sim_instances._Instance._contention``), fitted non-negative so that the burst decides between them.
 
+Colocated instances log one ``mixed`` record per step (prefill chunks and decode tokens in one pass), and
+there the other instances are what a pass contends with: the passes are grouped by the worker that ran
+them (a row's ``worker``; rows without one, stored before it was logged, by role).
+
 Pass rows are flat dicts (``pass_row``).
 """
 
@@ -21,33 +25,50 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from controller.planner.profile import Profile, prefill_features
+from controller.planner.profile import Profile, mixed_pass_seconds, prefill_features
 from decode_worker.policy import PassShape
 
-ROLE_OF_KIND = {"prefill": "prefill", "decode": "decode", "draft": "decode", "verify": "decode", "step": "decode"}
-PASS_KINDS = ("prefill", "decode", "draft", "verify")  # timed passes ("step" records wrap a decode step's passes)
-STEP_END_KINDS = ("prefill", "step")  # what ends a worker step (its outputs go out)
+ROLE_OF_KIND = {"prefill": "prefill", "decode": "decode", "draft": "decode", "verify": "decode", "step": "decode",
+                "mixed": "colocated"}
+PASS_KINDS = ("prefill", "decode", "draft", "verify", "mixed")  # timed passes ("step" records wrap a decode step's)
+STEP_END_KINDS = ("prefill", "step", "mixed")  # what ends a worker step (its outputs go out)
 IDLE_SHARE = 0.1  # a pass the other role covers less than this runs "alone": its kind's reference ratio
 MIN_REFERENCE = 5  # passes a kind needs below IDLE_SHARE for a reference of its own
 MAX_STEP_S = 0.02  # the fit's range of contention_step_s (seconds per step)
 DECODE_FIELDS = ("seqs", "kv_tokens", "new_tokens", "k")  # k: step records only
+MIXED_DECODE_FIELDS = ("decode_seqs", "decode_kv_tokens")  # a mixed pass's decode part
 
 
-def pass_row(record: dict) -> dict:
-    """A pass-log record (``PassRecord`` as a dict) as a flat row: ``kind``, ``seconds``, ``end_s`` and its
-    shape: a prefill pass its ``prefill_features``, decode-role records ``passes`` and ``DECODE_FIELDS``."""
+def pass_row(record: dict, worker: int | None = None) -> dict:
+    """A pass-log record (``PassRecord`` as a dict) as a flat row: ``kind``, ``seconds``, ``end_s``, the
+    ``worker`` that logged it (an index, when given) and its shape: a prefill pass its ``prefill_features``,
+    decode-role records ``passes`` and ``DECODE_FIELDS``, a mixed pass the ``prefill_features`` of its
+    chunks and ``MIXED_DECODE_FIELDS``."""
     shape = record["shape"]
-    if record["kind"] == "prefill":
+    if record["kind"] in ("prefill", "mixed"):
         fields = prefill_features([tuple(c) for c in shape["chunks"]])
+        if record["kind"] == "mixed":
+            fields.update({f: shape[f] for f in MIXED_DECODE_FIELDS})
     else:
         fields = {"passes": shape.get("passes", 1), **{f: shape.get(f, 0) for f in DECODE_FIELDS}}
-    return {"kind": record["kind"], "seconds": record["seconds"], "end_s": record["end_s"], **fields}
+    row = {"kind": record["kind"], "seconds": record["seconds"], "end_s": record["end_s"], **fields}
+    if worker is not None:
+        row["worker"] = worker
+    return row
+
+
+def worker_of(row: dict):
+    """Which worker ran a row's pass: its ``worker`` index, else (rows stored without one) its role."""
+    return row.get("worker", ROLE_OF_KIND[row["kind"]])
 
 
 def predicted_s(profile: Profile, row: dict, drafter: str | None = None) -> float:
     """The profile's time for a logged pass (one device per instance, as on the CPU cluster)."""
     if row["kind"] == "prefill":
         return profile.prefill_model(1).predict(row)
+    if row["kind"] == "mixed":
+        return mixed_pass_seconds(profile.prefill_model(1), profile.target_model(1), row, int(row["decode_seqs"]),
+                                  int(row["decode_kv_tokens"]))
     shape = PassShape(int(row["seqs"]), int(row["kv_tokens"]), int(row["new_tokens"]), int(row.get("passes", 1)))
     if row["kind"] == "draft":
         if drafter is None:
@@ -60,13 +81,14 @@ def intervals(rows: list[dict]) -> list[tuple[float, float]]:
     return sorted((r["end_s"] - r["seconds"], r["end_s"]) for r in rows)
 
 
-def covered(start: float, end: float, spans: list[tuple[float, float]]) -> float:
-    """Share of [start, end] covered by ``spans``, summed and capped at 1: exact for the passes of one
-    worker (disjoint); with several workers of the other role, overlapping passes count twice."""
+def covered(start: float, end: float, spans: list[tuple[float, float]], workers: int = 1) -> float:
+    """Share of [start, end] covered by ``spans``, the passes of ``workers`` workers (each worker's passes
+    are disjoint), as the mean over those workers: the simulator's share of the other instances that are
+    busy. Capped at 1."""
     if end <= start:
         return 0.0
     total = sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans if b > start and a < end)
-    return min(1.0, total / (end - start))
+    return min(1.0, total / (end - start) / max(1, workers))
 
 
 @dataclass(frozen=True)
@@ -76,33 +98,38 @@ class PassActivity:
     kind: str
     seconds: float
     ratio: float  # measured / profiled time
-    other_busy_share: float  # share of the pass the other role spent in passes
-    other_step_rate: float  # the other role's steps completed per second during the pass
+    other_busy_share: float  # share of the other workers busy in passes during the pass (their mean)
+    other_step_rate: float  # the other workers' steps completed per second during the pass
     outputs: int  # sequences this pass's step gives an output to (decode: its batch; prefill: its chunks)
-    other_output_rate: float  # outputs per second of the other role's steps completed during the pass
+    other_output_rate: float  # outputs per second of the other workers' steps completed during the pass
 
 
 def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -> list[PassActivity]:
-    """Every timed pass of ``rows`` with the other role's activity during it."""
+    """Every timed pass of ``rows`` with the other workers' activity during it (``worker_of``: the other
+    role's workers for rows stored without a worker)."""
     out = []
-    for role in ("prefill", "decode"):
-        others = [r for r in rows if ROLE_OF_KIND[r["kind"]] != role]
+    workers = list(dict.fromkeys(worker_of(r) for r in rows))  # in order of appearance (deterministic)
+    for worker in workers:
+        others = [r for r in rows if worker_of(r) != worker]
         spans = intervals([r for r in others if r["kind"] in PASS_KINDS])
         ends = sorted((r["end_s"], outputs_of(r)) for r in others if r["kind"] in STEP_END_KINDS)
         for r in rows:
-            if r["kind"] not in PASS_KINDS or ROLE_OF_KIND[r["kind"]] != role:
+            if r["kind"] not in PASS_KINDS or worker_of(r) != worker:
                 continue
             start, end = r["end_s"] - r["seconds"], r["end_s"]
             done = [n for t, n in ends if start < t <= end]
             span = max(end - start, 1e-9)
             out.append(PassActivity(r["kind"], r["seconds"], r["seconds"] / predicted_s(profile, r, drafter),
-                                    covered(start, end, spans), len(done) / span, outputs_of(r), sum(done) / span))
+                                    covered(start, end, spans, len(workers) - 1), len(done) / span, outputs_of(r),
+                                    sum(done) / span))
     return out
 
 
 def outputs_of(row: dict) -> int:
     """Sequences a step (or the step a pass belongs to) gives an output to: its batch (prefill: its
-    chunks, an upper bound on the first tokens it emits)."""
+    chunks, an upper bound on the first tokens it emits; mixed: both)."""
+    if row["kind"] == "mixed":
+        return max(1, int(row["decode_seqs"] + row["seqs"]))
     return max(1, int(row.get("seqs", 1)))
 
 

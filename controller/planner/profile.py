@@ -129,8 +129,9 @@ class Calibration:
     contention_step_s: float = 0.0  # seconds each busy instance loses per step completed while no core is idle
     contention_output_s: float = 0.0  # seconds each busy instance loses per sequence output while no core is idle
     contention_requests: int = 0  # requests of the burst behind the contention term
-    # fitted on pass logs: time-weighted RMS of the passes' slowdowns about the fit; else (colocated, older
-    # profiles): RMS of log(simulated / measured) latency over the burst
+    # fitted on pass logs: time-weighted RMS of the passes' slowdowns about the fit; else (profiles
+    # calibrated before the workers, then the colocated instances, logged passes): RMS of
+    # log(simulated / measured) latency over the burst
     contention_fit_error: float = 0.0
     # the prefill worker's passes in place, measured / profiled (0.0: unmeasured, the worker is charged the
     # whole prefill_scale). The rest of prefill_scale is TTFT latency that does not hold the worker: the
@@ -335,6 +336,25 @@ def prefill_features(chunks: list[tuple[int, int]]) -> dict[str, float]:
     """Features of one prefill step from its chunks as (start, length) pairs."""
     return {"passes": 1.0, "seqs": float(len(chunks)), "tokens": float(sum(n for _, n in chunks)),
             "attn_pairs": float(sum(n * (s + n) for s, n in chunks)), "kv_tokens": float(sum(s + n for s, n in chunks))}
+
+
+def mixed_pass_seconds(prefill_cost: FittedModel, decode_cost: FittedModel, prefill: dict[str, float] | None,
+                       decode_seqs: int, decode_kv_tokens: int, prefill_scale: float = 1.0,
+                       decode_scale: float = 1.0) -> float:
+    """One pass of the colocated engine over prefill chunks (their ``prefill_features``; None or no tokens:
+    none) and ``decode_seqs`` decode tokens reading ``decode_kv_tokens`` KV positions: the decode part priced
+    by the target-pass model, the prefill part by the prefill model (each times its scale), the fixed
+    per-pass cost counted once."""
+    has_prefill = prefill is not None and prefill.get("tokens", 0.0) > 0
+    seconds = 0.0
+    if decode_seqs:
+        seconds += decode_cost.predict_pass(PassShape(decode_seqs, decode_kv_tokens, decode_seqs)) * decode_scale
+    if has_prefill:
+        seconds += prefill_cost.predict(prefill) * prefill_scale
+    if decode_seqs and has_prefill:
+        fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in (decode_cost, prefill_cost)]
+        seconds -= min(fixed) * min(decode_scale, prefill_scale)
+    return seconds
 
 
 def transfer_features(tokens: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from controller.planner.profile import FittedModel, Profile, prefill_features
+from controller.planner.profile import FittedModel, Profile, mixed_pass_seconds, prefill_features
 from decode_worker.config import SpeculationConfig
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape
 
@@ -460,16 +460,9 @@ class ColocatedSim(_Instance):
         """One forward pass over decode tokens and prefill chunks: the decode part priced by the target-pass
         model, the prefill part by the prefill model, the fixed per-pass cost counted once."""
         cal = self.sim.calibration
-        seconds = 0.0
-        if decodes:
-            b = len(decodes)
-            seconds += self.decode_cost.predict_pass(PassShape(b, sum(r.context for r in decodes), b)) * cal.decode_scale
-        if chunks:
-            seconds += self.prefill_cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_busy_scale
-        if decodes and chunks:
-            fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in (self.decode_cost, self.prefill_cost)]
-            seconds -= min(fixed) * min(cal.decode_scale, cal.prefill_busy_scale)
-        return seconds
+        prefill = prefill_features([(s, n) for _, s, n in chunks]) if chunks else None
+        return mixed_pass_seconds(self.prefill_cost, self.decode_cost, prefill, len(decodes),
+                                  sum(r.context for r in decodes), cal.prefill_busy_scale, cal.decode_scale)
 
     def _done(self, decodes: list[SimRequest], chunks: list) -> None:
         now = self.sim.now
