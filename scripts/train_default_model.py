@@ -10,12 +10,11 @@ Stages:
   1. corpus: ``*.py`` files of the stdlib (see ``scripts/_corpus.py``), split train / held-out by path hash;
   2. tokenizer: byte-level BPE (``tokenizers``), ``<|endoftext|>`` separates documents and is EOS;
   3. model: Llama with grouped-query attention, tied embeddings, RoPE theta 500000;
-  4. training on CPU: bf16 autocast, fp32 master weights, AdamW, warmup + cosine; first
-     ``short_steps`` at ``short_seq_len`` tokens, then ``long_steps`` at ``long_seq_len`` so positions up to
-     4K are in distribution (the cosine ends here), then ``long_extension_steps`` more at ``long_seq_len``
-     at the final learning rate so the model learns to use that context, then ``file_window_steps`` at
-     ``long_seq_len`` on windows that lie inside one long file (a short re-warm and a second cosine), so
-     every position's context is the same document; a checkpoint every ``ckpt_every`` steps;
+  4. training on CPU: bf16 autocast, fp32 master weights, AdamW, one warmup + cosine over the whole run;
+     first ``short_steps`` at ``short_seq_len`` tokens on random windows of the token stream, then
+     ``long_steps`` at ``long_seq_len`` on windows that lie inside one long file, so positions up to 4K
+     are in distribution and every position's context is the same document; a checkpoint every
+     ``ckpt_every`` steps;
   5. export: Hugging Face Llama directory (bf16 safetensors, tokenizer, configs) to ``models/<name>/``.
 
 Scratch files (token cache, checkpoints, logs) go to ``runs/<name>/`` (git-ignored).
@@ -78,27 +77,20 @@ class TrainConfig:
     seed: int = 1234
     holdout_permille: int = 40  # 4 % of files held out for evaluation
     model: ModelShape = field(default_factory=ModelShape)
-    # Phase 1: short sequences.
+    # Phase 1: short sequences, random windows of the concatenated token stream.
     short_seq_len: int = 512
     short_batch: int = 16
-    short_steps: int = 650
-    # Phase 2: long sequences (positions up to long_seq_len in distribution).
+    short_steps: int = 760
+    # Phase 2: long sequences (positions up to long_seq_len in distribution), each window inside one
+    # training file of at least long_seq_len + 1 tokens (a random stream offset straddles a document
+    # boundary in a good share of 4K windows, and then the context beyond the boundary is useless).
+    # Files are drawn in proportion to their length; a window starts at the file's first token with
+    # probability file_start_share (where imports and definitions that the rest of the file uses live),
+    # else at a uniform offset.
     long_seq_len: int = 4096
     long_batch: int = 2
     long_micro_batch: int = 1  # gradient accumulation: long_batch / long_micro_batch micro-steps
-    long_steps: int = 100
-    # Phase 3: more long sequences at the final (minimum) learning rate, so the model learns to use
-    # context up to long_seq_len. A separate phase keeps phases 1-2 (and their LR schedule) unchanged.
-    long_extension_steps: int = 300
-    # Phase 4: windows inside single training files of at least long_seq_len + 1 tokens (a random
-    # stream offset straddles a document boundary in a good share of 4K windows, and then the context
-    # beyond the boundary is useless). Files are drawn in proportion to their length; a window starts
-    # at the file's first token with probability file_start_share (where imports and definitions that
-    # the rest of the file uses live), else at a uniform offset. LR: linear re-warm over
-    # file_window_warmup steps to file_window_lr, cosine back to the floor (lr * min_lr_ratio).
-    file_window_steps: int = 400
-    file_window_lr: float = 6e-4
-    file_window_warmup: int = 20
+    long_steps: int = 460
     file_start_share: float = 0.25
     # Optimiser.
     lr: float = 2e-3
@@ -115,18 +107,8 @@ class TrainConfig:
     eval_batches: int = 4
 
     @property
-    def decay_steps(self) -> int:
-        """Steps over which the LR warms up and decays (phases 1-2); phase 3 runs at the floor."""
-        return self.short_steps + self.long_steps
-
-    @property
-    def file_window_start(self) -> int:
-        """First step of phase 4."""
-        return self.short_steps + self.long_steps + self.long_extension_steps
-
-    @property
     def total_steps(self) -> int:
-        return self.file_window_start + self.file_window_steps
+        return self.short_steps + self.long_steps
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,18 +279,10 @@ def make_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, cosine decay to ``min_lr_ratio * lr`` over phases 1-2, flat at the floor in phase 3;
-    phase 4 re-warms to ``file_window_lr`` and decays back to the floor."""
-    floor = cfg.lr * cfg.min_lr_ratio
-    if step >= cfg.file_window_start:
-        k = step - cfg.file_window_start
-        if k < cfg.file_window_warmup:
-            return floor + (cfg.file_window_lr - floor) * (k + 1) / cfg.file_window_warmup
-        progress = (k - cfg.file_window_warmup) / max(1, cfg.file_window_steps - cfg.file_window_warmup)
-        return floor + (cfg.file_window_lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    """Linear warmup over ``warmup_steps``, then one cosine to ``min_lr_ratio * lr`` at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.decay_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - 1 - cfg.warmup_steps))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -338,9 +312,9 @@ def heldout_loss(model: CausalLM, held: np.ndarray, cfg: TrainConfig, seq_len: i
 def train_step(model, opt, tokens: np.ndarray, spans, step: int, cfg: TrainConfig) -> tuple[float, float]:
     """One optimiser step (with gradient accumulation in the long phases). Returns (loss, grad norm).
 
-    ``spans`` are the stream's ``document_spans`` (phase 4 samples windows inside documents)."""
+    ``spans`` are the stream's ``document_spans`` (phase 2 samples windows inside documents)."""
     seq_len, batch, micro = phase_of(step, cfg)
-    if step >= cfg.file_window_start:
+    if step >= cfg.short_steps:
         rows = sample_file_windows(tokens, spans, batch, seq_len, cfg.file_start_share, cfg.seed, step)
     else:
         rows = sample_batch(tokens, batch, seq_len, cfg.seed, step)
@@ -473,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
                   "tokens": seq_len * batch, "elapsed": elapsed}
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{record['lr']:.2e}", seq=seq_len)
         done = step + 1
-        if done % cfg.eval_every == 0 or done in (cfg.total_steps, cfg.short_steps, cfg.file_window_start):
+        if done % cfg.eval_every == 0 or done in (cfg.total_steps, cfg.short_steps):
             record["heldout_loss_512"] = heldout_loss(model, held_tokens, cfg, 512)
             if done > cfg.short_steps:
                 record["heldout_loss_4096"] = heldout_loss(model, held_tokens, cfg, 4096)
@@ -496,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         "parameters": model.config.num_parameters(),
         "training_wall_time_s": elapsed,
         "train_tokens_seen": cfg.short_steps * cfg.short_seq_len * cfg.short_batch
-        + (cfg.long_steps + cfg.long_extension_steps + cfg.file_window_steps) * cfg.long_seq_len * cfg.long_batch,
+        + cfg.long_steps * cfg.long_seq_len * cfg.long_batch,
         "final_heldout_loss_512": heldout_loss(model, held_tokens, cfg, 512),
         "final_heldout_loss_4096": heldout_loss(model, held_tokens, cfg, 4096),
         "torch": torch.__version__,
