@@ -8,6 +8,12 @@ automatically when the source or flags change. ``-march=native`` ties a build to
 extension name carries a hash of the CPU's feature flags: hosts sharing a cache directory but differing
 in CPU features get separate builds (and never load code with instructions they lack).
 
+Builds are serialised by an OS lock (``fcntl.flock`` on ``magicserve.build.lock`` in the build directory),
+which the kernel releases when the holder exits, however it exits. torch's own lock (a ``lock`` file that
+its builder deletes when done) outlives a builder that is killed mid-build, and every later load would
+then wait for it forever; whoever holds the OS lock knows no other magicserve build is running, so a
+``lock`` file it finds is stale and is removed.
+
 Set ``MAGICSERVE_DISABLE_CPU_KERNEL=1`` to skip the kernel (``auto`` then resolves to torch).
 
 :class:`CpuPagedAttentionBackend` runs the kernel for steps whose longest query block is at most
@@ -17,6 +23,8 @@ Set ``MAGICSERVE_DISABLE_CPU_KERNEL=1`` to skip the kernel (``auto`` then resolv
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import math
@@ -61,6 +69,25 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+@contextlib.contextmanager
+def exclusive_build(build_dir: str):
+    """Hold the OS-level build lock of ``build_dir``; remove a stale torch ``lock`` file found under it.
+
+    Blocks while another process holds the lock (builds serialise); the kernel drops the lock when the holder
+    exits, so a killed builder never blocks the next one."""
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "magicserve.build.lock"), "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                log.warning("removing a stale extension build lock %s (its builder did not finish)", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load_cpu_kernel() -> ModuleType:
     """The compiled extension (built on the first call; cached in-process and on disk).
 
@@ -76,15 +103,17 @@ def load_cpu_kernel() -> ModuleType:
         from torch.utils import cpp_extension
 
         t0 = time.perf_counter()
+        name = f"{_EXT_BASE_NAME}_{_cpu_fingerprint()}"
         try:
-            _module = cpp_extension.load(
-                name=f"{_EXT_BASE_NAME}_{_cpu_fingerprint()}",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=[],
-                with_cuda=False,
-                verbose=False,
-            )
+            with exclusive_build(cpp_extension._get_build_directory(name, verbose=False)):
+                _module = cpp_extension.load(
+                    name=name,
+                    sources=[str(_SOURCE)],
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=[],
+                    with_cuda=False,
+                    verbose=False,
+                )
         except Exception as err:  # compiler missing, compile error, ninja missing, ...
             _error = f"cpu attention kernel: build of {_SOURCE.name} failed: {type(err).__name__}: {err}"
             raise RuntimeError(_error) from err
