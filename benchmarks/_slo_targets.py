@@ -31,7 +31,10 @@ class TargetError(RuntimeError):
 class RequestRecord:
     """One measured request. Times are seconds; ``sent_s`` is relative to the start of the rate,
     ``ttft_s`` and ``e2e_s`` to ``sent_s``. ``finish_reason`` is the server's ("stop", "length",
-    "abort"), "unfinished" when the rate's time limit cut it off, None after an error."""
+    "abort"), "unfinished" when the rate's time limit cut it off, None after an error.
+    ``server_ttft_s`` / ``server_tpot_s``: the same figures as the server timed them (from the request's
+    arrival at its router), where the target reports them (magicserve's usage; None for OpenAI targets).
+    The client's own figures include its lateness in sending and in reading tokens; the server's do not."""
 
     index: int
     arrival_s: float
@@ -45,6 +48,8 @@ class RequestRecord:
     e2e_s: float | None = None
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
+    server_ttft_s: float | None = None
+    server_tpot_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
     _last_token_s: float | None = field(default=None, repr=False)  # not serialised (see to_json)
@@ -122,6 +127,7 @@ class GrpcTarget:
                     continue
                 u = chunk.usage
                 record.draft_tokens, record.accepted_tokens = u["draft_tokens"], u["accepted_draft_tokens"]
+                record.server_ttft_s, record.server_tpot_s = u["ttft_ms"] / 1e3, u["mean_tpot_ms"] / 1e3
                 record.finish(chunk.finish_reason, now, u["completion_tokens"])
         except grpc.RpcError as err:
             raise TargetError(f"{err.code().name}: {err.details()}") from None

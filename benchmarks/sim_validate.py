@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._slo_plots import _pyplot  # noqa: E402
-from benchmarks.slo_sweep import attainment_of, percentile  # noqa: E402
+from benchmarks.slo_sweep import TIMINGS, attainment_of, has_server_timing, percentile  # noqa: E402
 from controller.config import load_config  # noqa: E402
 from controller.planner.profile import Profile  # noqa: E402
 from controller.planner.simulator import SimConfig, simulate  # noqa: E402
@@ -43,10 +43,23 @@ def within_tolerance(worst_gap: float) -> bool:
     return worst_gap <= TOLERANCE + ROUNDING
 
 
-def simulate_rate(profile: Profile, config: SimConfig, row: dict, ttft_s: float, tpot_s: float, seeds: int) -> dict:
+ARRIVALS = ("sent", "trace")
+
+
+def arrival_of(rec: dict, arrivals: str) -> float:
+    """When the simulated request arrives: when the load generator actually sent it ("sent", the
+    default: a starved load generator sends late, and the server saw the late arrival), or when the
+    trace asked for it ("trace")."""
+    if arrivals == "sent" and rec.get("sent_s") is not None:
+        return rec["sent_s"]
+    return rec["arrival_s"]
+
+
+def simulate_rate(profile: Profile, config: SimConfig, row: dict, ttft_s: float, tpot_s: float, seeds: int,
+                  arrivals: str = "sent") -> dict:
     """Mean simulated attainment (and latency percentiles of seed 0) for one recorded rate."""
-    recs = sorted(row["records"], key=lambda r: r["arrival_s"])
-    trace = [RequestSpec(r["arrival_s"], r["prompt_tokens"], r["output_tokens"]) for r in recs]
+    recs = sorted(row["records"], key=lambda r: arrival_of(r, arrivals))
+    trace = [RequestSpec(arrival_of(r, arrivals), r["prompt_tokens"], r["output_tokens"]) for r in recs]
     limit = row["time_limit_s"] - trace[-1].arrival_s if row.get("time_limit_s") else None
     shares = {k: [] for k in KEYS}
     first = None
@@ -90,27 +103,41 @@ def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def compare(sweep: dict, profile: Profile, config: SimConfig, seeds: int) -> dict:
+def compare(sweep: dict, profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
+            arrivals: str = "sent") -> dict:
+    """Simulated vs measured attainment rate by rate. ``timing``: whose clock the measured TTFT / TPOT are
+    read on, "client" (the load generator's) or "server" (the server's usage report); the other clock's
+    measured attainment is reported beside it where the sweep has both."""
     s = sweep["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
     rows = []
     for row in sweep["rates"]:
-        sim = simulate_rate(profile, config, row, ttft_s, tpot_s, seeds)
-        measured = attainment_of(row["records"], ttft_s, tpot_s)
+        if timing == "server" and not has_server_timing(row["records"]):
+            raise ValueError(f"--timing server: the sweep's records at {row['rate']:g} req/s carry no server timings "
+                             "(recorded before they were, or an OpenAI-compatible target); use --timing client")
+        sim = simulate_rate(profile, config, row, ttft_s, tpot_s, seeds, arrivals)
+        measured = attainment_of(row["records"], ttft_s, tpot_s, timing)
+        other = "server" if timing == "client" else "client"
+        other_both = (attainment_of(row["records"], ttft_s, tpot_s, other)["both"]
+                      if other == "client" or has_server_timing(row["records"]) else None)
         lo, hi = wilson_interval(measured["both"], len(row["records"]))
         rows.append({"rate": row["rate"], "requests": len(row["records"]),
+                     f"measured_{other}_clock_both": other_both,
                      "measured": {k: measured[k] for k in KEYS}, "simulated": sim["attainment"],
                      "measured_ci95_both": [lo, hi], "inside_ci95_both": lo <= sim["attainment"]["both"] <= hi,
                      "diff": {k: sim["attainment"][k] - measured[k] for k in KEYS},
-                     "measured_latency_ms": row.get("latency_ms", {}), "simulated_latency_ms": sim["latency_ms"],
+                     "measured_latency_ms": row.get("latency_ms" if timing == "client" else "server_latency_ms", {}), "simulated_latency_ms": sim["latency_ms"],
                      "simulated_utilisation": sim["utilisation"], "simulated_k_counts": sim["k_counts"],
                      "prefill_tokens_per_s": {
-                         "measured": prefill_throughput([r["arrival_s"] for r in row["records"]],
-                                                        [r.get("ttft_s") for r in row["records"]],
+                         # first tokens at send + TTFT (the TTFTs are measured from the sends)
+                         "measured": prefill_throughput([arrival_of(r, "sent") for r in row["records"]],
+                                                        [r.get("ttft_s" if timing == "client" else "server_ttft_s")
+                                                         for r in row["records"]],
                                                         [r["prompt_tokens"] for r in row["records"]]),
                          "simulated": sim["prefill_tokens_per_s"]}})
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
+            "timing": timing, "arrivals": arrivals,
             "max_abs_diff_both": worst, "within_tolerance": within_tolerance(worst), "tolerance": TOLERANCE,
             "inside_ci95_both": sum(r["inside_ci95_both"] for r in rows)}
 
@@ -124,7 +151,11 @@ def write_markdown(result: dict, path: str) -> None:
     lines = [f"# Simulator vs measured: {result['label']}", "", f"`{result['command']}`", "",
              f"Sweep `{result['sweep']}` ({result['workload']}), profile `{result['profile']}` ({result['hardware']}), "
              f"SLOs TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms; simulated attainment is the mean of "
-             f"{result['seeds']} seeds.", "",
+             f"{result['seeds']} seeds. Measured TTFT / TPOT on the {result['timing']}'s clock"
+             + (" (the load generator's: what a user sees)" if result["timing"] == "client" else
+                " (its usage report, from arrival at the router: without the load generator's lateness)")
+             + "; simulated arrivals " + ("when the load generator sent each request" if result["arrivals"] == "sent"
+                                          else "when the trace asked for them") + ".", "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
              "| prefill tok/s over the first tokens: meas. / sim. |",
@@ -137,6 +168,12 @@ def write_markdown(result: dict, path: str) -> None:
                      f"| {m['ttft_only']:.0%} / {s['ttft_only']:.0%} | {m['tpot_only']:.0%} / {s['tpot_only']:.0%} "
                      f"| {_ms(ml.get('ttft_p50'))} / {_ms(sl.get('ttft_p50'))} | {_ms(ml.get('tpot_p50'))} / {_ms(sl.get('tpot_p50'))} "
                      f"| {_ms(r['prefill_tokens_per_s']['measured'])} / {_ms(r['prefill_tokens_per_s']['simulated'])} |")
+    other = "server" if result["timing"] == "client" else "client"
+    beside = [r.get(f"measured_{other}_clock_both") for r in result["rows"]]
+    if all(b is not None for b in beside):
+        lines += ["", f"Measured on the {other}'s clock instead (both SLOs): "
+                  + ", ".join(f"{r['rate']:g} req/s {b:.1%} (diff {100 * (r['simulated']['both'] - b):+.1f})"
+                              for r, b in zip(result["rows"], beside)) + "."]
     verdict = "within" if result["within_tolerance"] else "NOT within"
     lines += ["", f"Largest difference on both SLOs: **{100 * result['max_abs_diff_both']:.1f} points**, "
                   f"{verdict} the {100 * result['tolerance']:.0f}-point criterion at every rate. The simulated "
@@ -173,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", required=True, help="profile JSON of the machine the sweep ran on")
     ap.add_argument("--config", required=True, help="the cluster YAML the sweep's server ran")
     ap.add_argument("--seeds", type=int, default=5, help="simulations per rate (acceptance is random)")
+    ap.add_argument("--timing", default="client", choices=TIMINGS,
+                    help="whose clock the measured TTFT / TPOT are read on: the load generator's (client, what a "
+                         "user sees) or the server's usage report (server, without the load generator's lateness)")
+    ap.add_argument("--arrivals", default="sent", choices=ARRIVALS,
+                    help="simulated arrivals: when each request was sent (sent) or when the trace asked (trace)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
     args = ap.parse_args(argv)
@@ -182,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         sweep = json.load(f)
     profile = Profile.load(args.profile)
     config = SimConfig.from_cluster_config(load_config(args.config))
-    result = compare(sweep, profile, config, args.seeds)
+    try:
+        result = compare(sweep, profile, config, args.seeds, args.timing, args.arrivals)
+    except ValueError as err:
+        ap.error(str(err))
     result.update(label=args.label or sweep["settings"].get("label", os.path.basename(args.config)),
                   sweep=os.path.relpath(args.sweep, ROOT), profile=os.path.relpath(args.profile, ROOT),
                   hardware=profile.hardware, workload=sweep["settings"]["workload"], seeds=args.seeds,

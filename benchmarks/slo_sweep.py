@@ -256,16 +256,30 @@ async def sweep(target, plans: list[RatePlan], warm: list[tuple[int, list[int]]]
 # analysis (on JSON records, so saved sweeps can be re-analysed)
 
 
-def outcome_of(rec: dict) -> RequestOutcome:
-    """A recorded request as the shared SLO definition sees it (unfinished / failed: never attains)."""
+TIMINGS = ("client", "server")
+
+
+def outcome_of(rec: dict, timing: str = "client") -> RequestOutcome:
+    """A recorded request as the shared SLO definition sees it (unfinished / failed: never attains).
+    ``timing``: "client" (the load generator's clock, what a user sees) or "server" (the server's own
+    TTFT / TPOT from its usage report, free of the load generator's lateness)."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing: expected one of {', '.join(TIMINGS)}, got {timing!r}")
+    prefix = "" if timing == "client" else "server_"
     ok = rec.get("error") is None and rec.get("finish_reason") in ("stop", "length")
-    ttft = rec["ttft_s"] if rec.get("ttft_s") is not None else math.inf
-    tpot = rec["tpot_s"] if rec.get("tpot_s") is not None else math.inf
+    ttft = rec[prefix + "ttft_s"] if rec.get(prefix + "ttft_s") is not None else math.inf
+    tpot = rec[prefix + "tpot_s"] if rec.get(prefix + "tpot_s") is not None else math.inf
     return RequestOutcome(ok and ttft < math.inf and tpot < math.inf, ttft, tpot)
 
 
-def attainment_of(records: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> dict:
-    a = attainment([outcome_of(r) for r in records], ttft_slo_s, tpot_slo_s)
+def has_server_timing(records: list[dict]) -> bool:
+    """Whether the target reported its own timings (every finished request carries them)."""
+    done = [r for r in records if r.get("error") is None and r.get("finish_reason") in ("stop", "length")]
+    return bool(done) and all(r.get("server_ttft_s") is not None for r in done)
+
+
+def attainment_of(records: list[dict], ttft_slo_s: float, tpot_slo_s: float, timing: str = "client") -> dict:
+    a = attainment([outcome_of(r, timing) for r in records], ttft_slo_s, tpot_slo_s)
     return {"both": a.both, "ttft_only": a.ttft_only, "tpot_only": a.tpot_only, "requests": a.requests}
 
 
@@ -298,8 +312,19 @@ def summarize_rate(rate: float, records: list[dict], duration_s: float, time_lim
         "output_tokens_per_s": sum(r["completion_tokens"] for r in finished) / duration_s if duration_s > 0 else 0.0,
         "acceptance_rate": accepted / draft if draft else None,
         "client": {"send_lag_max_s": max(send_lag, default=0.0), "loop_lag_max_s": loop_lag_max_s},
+        **server_view(records, ttft_slo_s, tpot_slo_s),
         "records": records,
     }
+
+
+def server_view(records: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> dict:
+    """Attainment and latency percentiles on the server's own timings (empty where it reports none)."""
+    if not has_server_timing(records):
+        return {}
+    finished = [r for r in records if outcome_of(r).ok]
+    return {"server_attainment": attainment_of(records, ttft_slo_s, tpot_slo_s, "server"),
+            "server_latency_ms": {f"{name}_p{q}": 1e3 * percentile([r[f"server_{name}_s"] for r in finished], q)
+                                  for name in ("ttft", "tpot") for q in (50, 90)}}
 
 
 def analyse(result: dict) -> dict:
@@ -368,6 +393,17 @@ def write_markdown(result: dict, path: str) -> None:
                   f"{1e3 * worst['client']['loop_lag_max_s']:.0f} ms (at {worst['rate']:g} req/s; sends up to "
                   f"{1e3 * worst['client']['send_lag_max_s']:.0f} ms late). Requests went out late and tokens were "
                   "read late: treat these figures with care (CPU shared with the server?)."]
+    served = [r for r in result["rates"] if "server_attainment" in r]
+    if served:
+        lines += ["", "The same requests on the server's own clock (its usage report: from arrival at the router, "
+                  "without the load generator's lateness):", "",
+                  "| rate (req/s) | both SLOs | TTFT only | TPOT only | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for r in served:
+            a, lat = r["server_attainment"], r["server_latency_ms"]
+            lines.append(f"| {r['rate']:g} | {a['both']:.0%} | {a['ttft_only']:.0%} | {a['tpot_only']:.0%} "
+                         f"| {_fmt_ms(lat['ttft_p50'])} / {_fmt_ms(lat['ttft_p90'])} "
+                         f"| {_fmt_ms(lat['tpot_p50'])} / {_fmt_ms(lat['tpot_p90'])} |")
     errors = sorted({rec["error"] for r in result["rates"] for rec in r["records"] if rec["error"]})
     if errors:
         lines += ["", "Errors seen: " + "; ".join(f"`{e[:120]}`" for e in errors[:5])]
@@ -437,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vllm-kv-space-gib", type=float, default=4.0, help="--launch-vllm: VLLM_CPU_KVCACHE_SPACE")
     t.add_argument("--vllm-args", default="", help="--launch-vllm: extra server arguments (one shell-quoted string)")
     t.add_argument("--launch-timeout-s", type=float, default=600.0, help="how long a launched server may take to start")
+    t.add_argument("--server-nice", type=int, default=0,
+                   help="--launch / --launch-vllm: niceness added to the launched server (0-19), so that the load "
+                        "generator, sharing the cores, sends and reads on time")
     w = ap.add_argument_group("workload")
     w.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
     w.add_argument("--trace", default=None, help="JSON-lines trace (arrival_s, prompt_tokens, output_tokens) "
@@ -507,6 +546,8 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
                         ("--launch-timeout-s", args.launch_timeout_s)):
         if value is not None and value <= 0:
             ap.error(f"{flag}: must be > 0, got {value:g}")
+    if not 0 <= args.server_nice <= 19:
+        ap.error(f"--server-nice: must be in 0..19, got {args.server_nice}")
     if args.num_requests is not None and args.num_requests < 1:
         ap.error(f"--num-requests: must be >= 1, got {args.num_requests}")
     if args.warmup < 0:
@@ -575,7 +616,7 @@ def settings_of(args) -> dict:
     keys = ("target", "address", "url", "served_model", "launch", "launch_vllm", "max_model_len", "vllm_kv_space_gib",
             "vllm_args", "workload", "trace", "num_requests", "rates", "cv", "seed", "temperature", "model", "warmup",
             "time_limit_s", "ttft_slo_ms", "tpot_slo_ms", "attainment_target", "slo_scales", "scale_rate", "label",
-            "cores")
+            "cores", "server_nice")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -586,12 +627,13 @@ def launched_server(args):
 
     if args.launch:
         host, port = args.address.rsplit(":", 1)
-        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s)
+        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s, nice=args.server_nice)
     elif args.launch_vllm:
         port = free_port()
         args.url = f"http://127.0.0.1:{port}"
         server = vllm_server(args.launch_vllm, port, args.max_model_len, args.vllm_kv_space_gib,
-                             args.launch_timeout_s, shlex.split(args.vllm_args), args.vllm_python)
+                             args.launch_timeout_s, shlex.split(args.vllm_args), args.vllm_python,
+                             nice=args.server_nice)
     else:
         yield None
         return

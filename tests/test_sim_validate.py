@@ -108,3 +108,39 @@ def test_prefill_throughput_spans_the_first_tokens():
 
     assert prefill_throughput([0.0, 1.0, 2.0], [0.5, 0.5, None], [100, 200, 300]) == pytest.approx(300.0)
     assert prefill_throughput([0.0], [0.5], [100]) is None
+
+
+def _profile():
+    import os
+
+    from controller.planner.profile import Profile
+
+    return Profile.load(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "profile_local_cpu.json"))
+
+
+def test_sim_validate_replays_send_times_and_reads_either_clock():
+    from benchmarks.sim_validate import compare, simulate_rate
+    from controller.config import load_config
+    from controller.planner.simulator import SimConfig
+
+    import os
+
+    config = SimConfig.from_cluster_config(load_config(os.path.join(os.path.dirname(__file__), "..", "cluster_configs",
+                                                                    "local.yaml")))
+    sweep = _sweep({2.0: [0.3, 0.3, 0.3, 0.3]})
+    row = sweep["rates"][0]
+    for r in row["records"]:
+        r["sent_s"] = 5.0  # a starved load generator sent all four at once, 5 s late
+    burst = simulate_rate(_profile(), config, row, 1.0, 0.05, seeds=1, arrivals="sent")
+    spaced = simulate_rate(_profile(), config, row, 1.0, 0.05, seeds=1, arrivals="trace")
+    # four prompts at once queue behind each other: the burst's median TTFT is the longer
+    assert burst["latency_ms"]["ttft_p50"] > spaced["latency_ms"]["ttft_p50"]
+
+    with pytest.raises(ValueError, match="--timing server"):
+        compare(sweep, _profile(), config, seeds=1, timing="server")
+    for r in row["records"]:
+        r.update(server_ttft_s=2.0, server_tpot_s=0.01)  # every request late on the server's clock
+    result = compare(sweep, _profile(), config, seeds=1, timing="server")
+    (out,) = result["rows"]
+    assert out["measured"]["both"] == 0.0 and out["measured_client_clock_both"] == 1.0
+    assert result["timing"] == "server" and result["arrivals"] == "sent"

@@ -166,6 +166,20 @@ def test_records_to_attainment():
     assert math.isclose(row["latency_ms"]["ttft_p50"], 1000.0)
 
 
+def test_attainment_on_the_servers_clock():
+    late = rec(0, 1.5, 0.05)  # the client saw the first token late ...
+    late.update(server_ttft_s=0.4, server_tpot_s=0.05)  # ... the server sent it in time
+    slow = rec(1, 0.5, 0.05)
+    slow.update(server_ttft_s=0.45, server_tpot_s=0.2)
+    assert slo_sweep.attainment_of([late, slow], 1.0, 0.1)["both"] == 0.5  # client: only `slow` (TPOT 0.05)
+    assert slo_sweep.attainment_of([late, slow], 1.0, 0.1, "server")["both"] == 0.5  # server: only `late`
+    assert slo_sweep.outcome_of(late, "server").ttft_s == 0.4 and slo_sweep.outcome_of(late).ttft_s == 1.5
+    assert slo_sweep.server_view([late, slow], 1.0, 0.1)["server_attainment"]["ttft_only"] == 1.0
+    assert slo_sweep.server_view([rec(2, 0.5, 0.05)], 1.0, 0.1) == {}  # an OpenAI target reports none
+    with pytest.raises(ValueError, match="timing"):
+        slo_sweep.outcome_of(late, "wall")
+
+
 def test_analysis_figures_and_compare(tmp_path):
     result = slo_sweep.analyse(sweep_result())
     assert result["goodput"]["both"] == pytest.approx(1.0 + (1.0 - 0.9) / (1.0 - 0.25))
@@ -196,6 +210,7 @@ def test_analysis_figures_and_compare(tmp_path):
     (["--address", "a:1", "--scale-rate", "3", "--rates", "1,2"], "--scale-rate"),
     (["--address", "a:1", "--workload", "nope"], "--workload"),
     (["--address", "nohost"], "--address"),
+    (["--address", "a:1", "--server-nice", "20"], "--server-nice"),
 ])
 def test_bad_arguments_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -262,6 +277,14 @@ def test_managed_server_stops_its_process_group(tmp_path):
     time.sleep(0.2)
     assert not _alive(leader) and not _alive(child)
 
+    # a launched server runs below the load generator's priority when asked; so do the processes it starts
+    niced = ManagedServer("niced", [sys.executable, "-c", code], flag.exists, startup_timeout_s=30, stop_grace_s=0.5,
+                          log_path=str(tmp_path / "log3"), nice=5)
+    flag.unlink()
+    with niced:
+        child = int(child_pid.read_text())
+        assert [os.getpriority(os.PRIO_PROCESS, p) - os.nice(0) for p in (niced.proc.pid, child)] == [5, 5]
+
     failing = ManagedServer("broken", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
                             lambda: False, startup_timeout_s=30, log_path=str(tmp_path / "log2"))
     with pytest.raises(LaunchError, match="(?s)exited with code 3.*no model here"):
@@ -308,6 +331,10 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
         assert r["finish_reason"] == "length"
         assert 0 < r["ttft_s"] <= r["e2e_s"] and r["tpot_s"] > 0
         assert r["draft_tokens"] >= r["accepted_tokens"] >= 0
+        # the server's clock starts when the request reaches it and stops when it sends: inside the client's
+        assert 0 < r["server_ttft_s"] <= r["ttft_s"] and r["server_tpot_s"] > 0
+    assert row["server_attainment"]["requests"] == 3 and row["server_latency_ms"]["ttft_p50"] > 0
+    assert "on the server's own clock" in open(out + ".md").read()
     assert [r["arrival_s"] for r in row["records"]] == pytest.approx([0.0, 0.6, 1.0])  # the trace rescaled to 2 req/s
     assert row["attainment"]["requests"] == 3 and 0.0 <= row["attainment"]["both"] <= 1.0
     assert result["settings"]["rates"] == [2.0] and "goodput" in result
