@@ -146,3 +146,20 @@ def test_colocated_instances_contend_with_each_other():
     # without the worker index (rows of one role) there is nobody to contend with: no slowdown explained
     alone = activities(profile(), [{k: v for k, v in r.items() if k != "worker"} for r in rows])
     assert all(a.other_busy_share == 0.0 for a in alone)
+
+
+def test_the_spread_of_passes_about_the_fit_is_kept_per_role():
+    """Prefill passes alone, half at 0.8x and half at 1.2x the profile: the contention terms fit none,
+    and the spread about the fit is kept for the simulator with mean 1 (0.8 / 1.2 about a median of 1)."""
+    from controller.planner.interference import NOISE_QUANTILES, step_noise
+
+    rows = [prefill_row(0.2 * i, 0.1 * (0.8 if i % 2 else 1.2), 1000) for i in range(200)]
+    fit = fit_contention_terms(activities(profile(), rows))
+    spread = fit.noise["prefill"]
+    assert len(spread) == NOISE_QUANTILES and sum(spread) / len(spread) == pytest.approx(1.0)
+    assert spread[0] == pytest.approx(0.8, abs=0.01) and spread[-1] == pytest.approx(1.2, abs=0.01)
+    assert "decode" not in fit.noise  # no decode passes
+    assert step_noise([1.0] * 10) == ()  # too few passes to say
+    # a stall beyond the range is kept as the range's end; the mean stays 1
+    tail = step_noise([1.0] * 200 + [50.0] * 20)
+    assert max(tail) / min(tail) == pytest.approx(5.0) and sum(tail) / len(tail) == pytest.approx(1.0)

@@ -50,6 +50,12 @@ def test_profile_round_trip(tmp_path):
     assert p.kv_capacity("decode", 1) == 4096 and p.kv_capacity("prefill", 1) == 2048
     assert p.acceptance_rate("self_sparse", 300, 100) == 0.8
     assert p.acceptance_rate("self_sparse", 256, 5000) == 0.6
+    # a calibration with its spread of step times comes back as it went (tuples, not JSON lists)
+    from controller.planner.profile import Calibration
+
+    cal = dataclasses.replace(Calibration.identity("colocated"), step_noise={"colocated": (0.7, 1.0, 1.3)})
+    p.with_calibration(cal).save(path)
+    assert Profile.load(path).calibration("colocated") == cal
 
 
 def test_profile_lookups_name_what_is_missing():

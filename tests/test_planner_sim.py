@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 
 import pytest
 import yaml
@@ -266,6 +267,35 @@ def test_contention_slows_the_steps_of_an_instance_while_another_is_busy():
     # a single instance has no one to contend with
     solo = simulate(busy, colocated(instances=1), [RequestSpec(0.0, 400, 5), RequestSpec(0.0, 400, 5)]).records
     assert solo[0].ttft_s == pytest.approx(alone.ttft_s)
+
+
+def test_step_noise_spreads_step_times_at_the_same_mean_and_queues_grow_with_it():
+    """Step times drawn from the calibrated spread (half the steps 0.5x, half 1.5x): a request alone takes
+    one of the two times; near capacity the mean TTFT grows (queueing behind slow steps outweighs the fast
+    ones), while at low load it stays about the same; the same seed gives the same run."""
+    import dataclasses
+
+    from controller.planner.profile import Calibration
+
+    prof = make_profile()
+    noisy = prof.with_calibration(dataclasses.replace(Calibration.identity("colocated"),
+                                                      step_noise={"colocated": (0.5, 1.5)}))
+    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 64))
+    alone = simulate(prof, cfg, [RequestSpec(0.0, 400, 2)]).records[0].ttft_s
+    draws = {round(simulate(noisy, cfg, [RequestSpec(0.0, 400, 2)], seed=s).records[0].ttft_s / alone, 6)
+             for s in range(20)}
+    assert draws == {0.5, 1.5}
+
+    def mean_ttft(p, rate: float, seed: int = 0) -> float:
+        trace = [RequestSpec(i / rate, 400, 2) for i in range(300)]  # a prefill of 45 ms + 2 decode steps
+        return statistics.fmean(r.ttft_s for r in simulate(p, cfg, trace, seed=seed).records)
+
+    busy_rate = 0.95 / (alone + 0.01)
+    assert mean_ttft(noisy, busy_rate) > 1.5 * mean_ttft(prof, busy_rate)
+    assert mean_ttft(noisy, 2.0) == pytest.approx(mean_ttft(prof, 2.0), rel=0.15)
+    assert mean_ttft(noisy, busy_rate, seed=3) == mean_ttft(noisy, busy_rate, seed=3)
+    # the isolated terms alone carry no spread
+    assert noisy.calibration("colocated").without_contention().step_noise == {}
 
 
 def test_per_step_contention_charges_each_busy_instance_for_every_step_completed():

@@ -483,7 +483,7 @@ def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[
     """``cal`` (isolated terms) completed by the contention term of the burst ``trace`` measured as ``burst``:
     fitted to the workers' own passes during it when they were logged (both terms,
     ``interference.fit_contention_terms``; ``contention_fit_error`` is then the RMS of the passes' slowdowns
-    about the fit), else to the requests' latency distributions (the per-step term, ``fit_contention``; RMS
+    about the fit, and ``step_noise`` their spread about it), else to the requests' latency distributions (the per-step term, ``fit_contention``; RMS
     of log(simulated / measured))."""
     if burst_passes:
         acts = activities(profile, burst_passes)
@@ -494,11 +494,12 @@ def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[
         if alone:
             cal = dataclasses.replace(cal, prefill_pass_scale=min(alone, cal.prefill_scale))
         scale, per_step, per_output, err = fitted.busy_scale, fitted.step_s, fitted.output_s, fitted.rms
+        noise = fitted.noise
     else:
-        scale, per_output = 1.0, 0.0
+        scale, per_output, noise = 1.0, 0.0, {}
         per_step, err = fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
     return dataclasses.replace(cal, contention_scale=scale, contention_step_s=per_step, contention_output_s=per_output,
-                               contention_requests=len(burst), contention_fit_error=err)
+                               contention_requests=len(burst), contention_fit_error=err, step_noise=noise)
 
 
 def refit(config, profile: Profile) -> Calibration:

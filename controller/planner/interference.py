@@ -23,7 +23,7 @@ Pass rows are flat dicts (``pass_row``).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.planner.profile import Profile, mixed_pass_seconds, prefill_features
 from decode_worker.policy import PassShape
@@ -37,6 +37,9 @@ MIN_REFERENCE = 5  # passes a kind needs below IDLE_SHARE for a reference of its
 MAX_STEP_S = 0.02  # the fit's range of contention_step_s (seconds per step)
 DECODE_FIELDS = ("seqs", "kv_tokens", "new_tokens", "k")  # k: step records only
 MIXED_DECODE_FIELDS = ("decode_seqs", "decode_kv_tokens")  # a mixed pass's decode part
+NOISE_QUANTILES = 40  # quantiles kept of each role's pass-time spread about the contention fit
+MIN_NOISE_PASSES = 2 * NOISE_QUANTILES  # passes a role needs for its spread to be kept
+NOISE_RANGE = (0.2, 5.0)  # a pass at most 5x its fitted time (a stall) and at least a fifth of it
 
 
 def pass_row(record: dict, worker: int | None = None) -> dict:
@@ -167,6 +170,9 @@ class ContentionFit:
     output_s: float  # Calibration.contention_output_s: seconds per sequence output while no core is idle
     rms: float  # time-weighted RMS of (slowdown - fitted slowdown) over the passes
     passes: int
+    # per role (ROLE_OF_KIND), the spread of the passes about the fit: NOISE_QUANTILES equal-probability
+    # quantiles of measured / fitted time, scaled to mean 1 (``step_noise``); empty for fewer passes
+    noise: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def fit_contention_terms(acts: list[PassActivity]) -> ContentionFit:
@@ -204,4 +210,27 @@ def fit_contention_terms(acts: list[PassActivity]) -> ContentionFit:
                 best_coef, best_sse = np.zeros(3), sse
                 best_coef[list(cols)] = coef
     step_s, output_s = min(float(best_coef[1]), MAX_STEP_S), min(float(best_coef[2]), MAX_STEP_S)
-    return ContentionFit(1.0 + float(best_coef[0]), step_s, output_s, (best_sse / w.sum()) ** 0.5, len(acts))
+    coef = np.array([best_coef[0], step_s, output_s])
+    # the spread about the fit, unclipped (stalls included: they are what queues behind a slow pass)
+    factors = np.array([a.ratio / refs[a.kind] for a in acts]) / np.maximum(1.0 + x @ coef, 1e-6)
+    return ContentionFit(1.0 + float(best_coef[0]), step_s, output_s, (best_sse / w.sum()) ** 0.5, len(acts),
+                         {role: step_noise([f for f, a in zip(factors, acts) if ROLE_OF_KIND[a.kind] == role])
+                          for role in sorted({ROLE_OF_KIND[a.kind] for a in acts})})
+
+
+def step_noise(factors: list[float]) -> tuple[float, ...]:
+    """``NOISE_QUANTILES`` equal-probability quantiles (the midpoints of as many bins) of measured / fitted
+    pass times, bounded to ``NOISE_RANGE`` and scaled to mean 1: the simulator draws one per step, so its
+    steps vary about the fitted time as the measured passes did, at the same mean. Empty (no spread
+    modelled) with fewer than ``MIN_NOISE_PASSES`` passes."""
+    if len(factors) < MIN_NOISE_PASSES:
+        return ()
+    v = sorted(min(NOISE_RANGE[1], max(NOISE_RANGE[0], float(f))) for f in factors)
+    qs = []
+    for i in range(NOISE_QUANTILES):
+        pos = (len(v) - 1) * (i + 0.5) / NOISE_QUANTILES
+        lo = int(pos)
+        hi = min(lo + 1, len(v) - 1)
+        qs.append(v[lo] + (v[hi] - v[lo]) * (pos - lo))
+    mean = sum(qs) / len(qs)
+    return tuple(q / mean for q in qs)

@@ -143,6 +143,12 @@ class Calibration:
     verify_pass_scale: float = 1.0
     draft_pass_scale: float = 1.0
     speculative_passes: int = 0  # verify passes behind the two scales
+    # per role ("prefill", "decode", "colocated"), how a step's time varies about the fitted time: equal-
+    # probability quantiles of the burst's passes' measured / fitted time, mean 1 (``interference.step_noise``).
+    # The simulator draws one per step (``sim_instances._Instance._noise``): near capacity a queue grows with the
+    # service times' variance, not only their mean. Empty: every step takes its fitted time (unmeasured, or a
+    # profile calibrated before the spread was kept)
+    step_noise: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @staticmethod
     def identity(mode: str) -> "Calibration":
@@ -154,8 +160,9 @@ class Calibration:
         return self.prefill_pass_scale or self.prefill_scale
 
     def without_contention(self) -> "Calibration":
-        """The isolated terms alone (no contention term)."""
-        return dataclasses.replace(self, contention_scale=1.0, contention_step_s=0.0, contention_output_s=0.0)
+        """The isolated terms alone (no contention term, no spread of step times)."""
+        return dataclasses.replace(self, contention_scale=1.0, contention_step_s=0.0, contention_output_s=0.0,
+                                   step_noise={})
 
     def contention_summary(self) -> str:
         """The contention terms in words, e.g. '1.30x + 2.4 ms per step' (for reports)."""
@@ -306,7 +313,9 @@ class Profile:
                 source=str(d["source"]), instances=instances, kv_transfer=fitted(d["kv_transfer"]),
                 acceptance=tuple(AcceptanceEntry(**a) for a in d.get("acceptance", [])),
                 notes=str(d.get("notes", "")), version=int(d["version"]),
-                calibrations=tuple(Calibration(**c) for c in d.get("calibrations", [])),
+                calibrations=tuple(Calibration(**{**c, "step_noise": {str(role): tuple(float(q) for q in qs)
+                                                                      for role, qs in c.get("step_noise", {}).items()}})
+                                   for c in d.get("calibrations", [])),
                 samples={str(k): [{str(f): float(x) for f, x in row.items()} for row in v]
                          for k, v in samples.items()},
             )

@@ -799,7 +799,11 @@ def _print_calibration(cal) -> None:
           f"burst, fit RMS {cal.contention_fit_error:.2f})"
           + (f"; speculative steps in place: verify passes {cal.verify_pass_scale:.2f}x, draft passes "
              f"{cal.draft_pass_scale:.2f}x a plain decode pass's ratio ({cal.speculative_passes} verify passes)"
-             if cal.speculative_passes else ""))
+             if cal.speculative_passes else "")
+          + (f"; step times about the fit (p10 / p50 / p90): "
+             + ", ".join(f"{role} {q[len(q) // 10]:.2f} / {q[len(q) // 2]:.2f} / {q[(9 * len(q)) // 10]:.2f}"
+                         for role, q in cal.step_noise.items() if q)
+             if any(cal.step_noise.values()) else ""))
 
 
 def iter_fits(profile: Profile) -> Iterable[tuple[str, FittedModel]]:

@@ -84,7 +84,7 @@ class _Instance:
         if planned is None:
             return
         duration, done = planned
-        duration *= self._contention(duration)
+        duration *= self._contention(duration) * self._noise()
         self.step_s = duration
         self.busy = True
         self.steps += 1
@@ -99,6 +99,12 @@ class _Instance:
 
     def _plan_step(self):
         raise NotImplementedError
+
+    def _noise(self) -> float:
+        """This step's draw of the calibrated spread of step times about the fitted time (mean 1;
+        ``Calibration.step_noise`` of this instance's role); 1 where none was measured."""
+        quantiles = self.sim.calibration.step_noise.get(self.role)
+        return self.sim.noise_rng.choice(quantiles) if quantiles else 1.0
 
     def _contention(self, duration: float) -> float:
         """Step-time factor for what the other instances do as this step (of ``duration`` alone) starts;
@@ -141,6 +147,10 @@ class _Instance:
 
 
 class PrefillSim(_Instance):
+    """A prefill instance: chunks of queued prompts up to its token budget per step, then the KV transfer."""
+
+    role = "prefill"  # Calibration.step_noise key
+
     def __init__(self, sim, name: str, profile: Profile, tp: int, pp: int, capacity_tokens: int, block_size: int,
                  token_budget: int, max_num_seqs: int):
         super().__init__(sim, name, capacity_tokens, block_size)
@@ -232,6 +242,10 @@ def accepted_drafts(rng: random.Random, rate: float, k: int) -> int:
 
 
 class DecodeSim(_Instance):
+    """A decode instance: one (speculative) step over its running batch at a time."""
+
+    role = "decode"  # Calibration.step_noise key
+
     def __init__(self, sim, name: str, profile: Profile, tp: int, pp: int, capacity_tokens: int, block_size: int,
                  max_num_seqs: int, spec: SpeculationConfig, rng: random.Random):
         super().__init__(sim, name, capacity_tokens, block_size)
@@ -379,6 +393,8 @@ class DecodeSim(_Instance):
 
 class ColocatedSim(_Instance):
     """The reference engine: decode tokens and prefill chunks share each step's token budget."""
+
+    role = "colocated"  # Calibration.step_noise key
 
     def __init__(self, sim, name: str, profile: Profile, tp: int, pp: int, capacity_tokens: int, block_size: int,
                  token_budget: int, max_num_seqs: int):

@@ -176,6 +176,7 @@ class Simulation:
         self._in_flight = 0
         self.calibration = profile.calibration(config.mode)  # serving-path terms (identity if unmeasured)
         rng = random.Random(seed)
+        self.noise_rng = random.Random(seed + 104729)  # step-time spread: its own stream, apart from acceptance
         c, bs = config, config.block_size
         if c.mode == "colocated":
             p = c.colocated
