@@ -103,41 +103,54 @@ def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def compare(sweep: dict, profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
+def _mean_of(dicts: list[dict]) -> dict:
+    return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]}
+
+
+def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
             arrivals: str = "sent") -> dict:
-    """Simulated vs measured attainment rate by rate. ``timing``: whose clock the measured TTFT / TPOT are
-    read on, "client" (the load generator's) or "server" (the server's usage report); the other clock's
-    measured attainment is reported beside it where the sweep has both."""
-    s = sweep["settings"]
+    """Simulated vs measured attainment rate by rate. ``sweeps``: one recorded sweep, or repeats of one trace
+    (the caller checks that they are): the measured attainment is then that of all their requests pooled, the
+    simulated one the mean over the repeats (each replayed with its own send times), and each repeat's own
+    measured attainment is kept beside (``measured_per_repeat_both``). ``timing``: whose clock the measured
+    TTFT / TPOT are read on, "client" (the load generator's) or "server" (the server's usage report); the
+    other clock's measured attainment is reported beside it where the sweeps have both."""
+    sweeps = [sweeps] if isinstance(sweeps, dict) else list(sweeps)
+    s = sweeps[0]["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
+    other = "server" if timing == "client" else "client"
+    ttft_key = "ttft_s" if timing == "client" else "server_ttft_s"
     rows = []
-    for row in sweep["rates"]:
-        if timing == "server" and not has_server_timing(row["records"]):
-            raise ValueError(f"--timing server: the sweep's records at {row['rate']:g} req/s carry no server timings "
+    for i, first in enumerate(sweeps[0]["rates"]):
+        repeats = [sw["rates"][i] for sw in sweeps]
+        if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
+            raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
-        sim = simulate_rate(profile, config, row, ttft_s, tpot_s, seeds, arrivals)
-        measured = attainment_of(row["records"], ttft_s, tpot_s, timing)
-        other = "server" if timing == "client" else "client"
-        other_both = (attainment_of(row["records"], ttft_s, tpot_s, other)["both"]
-                      if other == "client" or has_server_timing(row["records"]) else None)
-        lo, hi = wilson_interval(measured["both"], len(row["records"]))
-        rows.append({"rate": row["rate"], "requests": len(row["records"]),
+        sims = [simulate_rate(profile, config, row, ttft_s, tpot_s, seeds, arrivals) for row in repeats]
+        pooled = [r for row in repeats for r in row["records"]]
+        simulated = _mean_of([sim["attainment"] for sim in sims])
+        measured = attainment_of(pooled, ttft_s, tpot_s, timing)
+        other_both = (attainment_of(pooled, ttft_s, tpot_s, other)["both"]
+                      if other == "client" or all(has_server_timing(row["records"]) for row in repeats) else None)
+        lo, hi = wilson_interval(measured["both"], len(pooled))
+        # first tokens at send + TTFT (the TTFTs are measured from the sends); the first repeat's
+        throughput = prefill_throughput([arrival_of(r, "sent") for r in first["records"]],
+                                        [r.get(ttft_key) for r in first["records"]],
+                                        [r["prompt_tokens"] for r in first["records"]])
+        rows.append({"rate": first["rate"], "requests": len(pooled),
                      f"measured_{other}_clock_both": other_both,
-                     "measured": {k: measured[k] for k in KEYS}, "simulated": sim["attainment"],
-                     "measured_ci95_both": [lo, hi], "inside_ci95_both": lo <= sim["attainment"]["both"] <= hi,
-                     "diff": {k: sim["attainment"][k] - measured[k] for k in KEYS},
-                     "measured_latency_ms": row.get("latency_ms" if timing == "client" else "server_latency_ms", {}), "simulated_latency_ms": sim["latency_ms"],
-                     "simulated_utilisation": sim["utilisation"], "simulated_k_counts": sim["k_counts"],
-                     "prefill_tokens_per_s": {
-                         # first tokens at send + TTFT (the TTFTs are measured from the sends)
-                         "measured": prefill_throughput([arrival_of(r, "sent") for r in row["records"]],
-                                                        [r.get("ttft_s" if timing == "client" else "server_ttft_s")
-                                                         for r in row["records"]],
-                                                        [r["prompt_tokens"] for r in row["records"]]),
-                         "simulated": sim["prefill_tokens_per_s"]}})
+                     "measured_per_repeat_both": [attainment_of(row["records"], ttft_s, tpot_s, timing)["both"]
+                                                  for row in repeats],
+                     "measured": {k: measured[k] for k in KEYS}, "simulated": simulated,
+                     "measured_ci95_both": [lo, hi], "inside_ci95_both": lo <= simulated["both"] <= hi,
+                     "diff": {k: simulated[k] - measured[k] for k in KEYS},
+                     "measured_latency_ms": first.get("latency_ms" if timing == "client" else "server_latency_ms", {}),
+                     "simulated_latency_ms": sims[0]["latency_ms"],
+                     "simulated_utilisation": sims[0]["utilisation"], "simulated_k_counts": sims[0]["k_counts"],
+                     "prefill_tokens_per_s": {"measured": throughput, "simulated": sims[0]["prefill_tokens_per_s"]}})
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
-            "timing": timing, "arrivals": arrivals,
+            "timing": timing, "arrivals": arrivals, "repeats": len(sweeps),
             "max_abs_diff_both": worst, "within_tolerance": within_tolerance(worst), "tolerance": TOLERANCE,
             "inside_ci95_both": sum(r["inside_ci95_both"] for r in rows)}
 
@@ -148,6 +161,7 @@ def _ms(v) -> str:
 
 def write_markdown(result: dict, path: str) -> None:
     slo = result["slo"]
+    repeats = result.get("repeats", 1) > 1
     lines = [f"# Simulator vs measured: {result['label']}", "", f"`{result['command']}`", "",
              f"Sweep `{result['sweep']}` ({result['workload']}), profile `{result['profile']}` ({result['hardware']}), "
              f"SLOs TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms; simulated attainment is the mean of "
@@ -155,11 +169,14 @@ def write_markdown(result: dict, path: str) -> None:
              + (" (the load generator's: what a user sees)" if result["timing"] == "client" else
                 " (its usage report, from arrival at the router: without the load generator's lateness)")
              + "; simulated arrivals " + ("when the load generator sent each request" if result["arrivals"] == "sent"
-                                          else "when the trace asked for them") + ".", "",
+                                          else "when the trace asked for them") + "."
+             + (f" {result['repeats']} repeats of the trace: measured = their requests pooled, simulated = the mean "
+                "over the repeats; each repeat's own measured attainment in the last column."
+                if result.get("repeats", 1) > 1 else ""), "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
-             "| prefill tok/s over the first tokens: meas. / sim. |",
-             "|---:|---:|---:|---:|---:|---|---|---|---|---|"]
+             "| prefill tok/s over the first tokens: meas. / sim. |" + (" each repeat: meas. |" if repeats else ""),
+             "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "")]
     for r in result["rows"]:
         m, s, ml, sl = r["measured"], r["simulated"], r["measured_latency_ms"], r["simulated_latency_ms"]
         lo, hi = r["measured_ci95_both"]
@@ -167,7 +184,8 @@ def write_markdown(result: dict, path: str) -> None:
                      f"| {100 * r['diff']['both']:+.1f} "
                      f"| {m['ttft_only']:.0%} / {s['ttft_only']:.0%} | {m['tpot_only']:.0%} / {s['tpot_only']:.0%} "
                      f"| {_ms(ml.get('ttft_p50'))} / {_ms(sl.get('ttft_p50'))} | {_ms(ml.get('tpot_p50'))} / {_ms(sl.get('tpot_p50'))} "
-                     f"| {_ms(r['prefill_tokens_per_s']['measured'])} / {_ms(r['prefill_tokens_per_s']['simulated'])} |")
+                     f"| {_ms(r['prefill_tokens_per_s']['measured'])} / {_ms(r['prefill_tokens_per_s']['simulated'])} |"
+                     + (" " + " / ".join(f"{b:.1%}" for b in r["measured_per_repeat_both"]) + " |" if repeats else ""))
     other = "server" if result["timing"] == "client" else "client"
     beside = [r.get(f"measured_{other}_clock_both") for r in result["rows"]]
     if all(b is not None for b in beside):
@@ -206,7 +224,9 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", required=True, help="a sweep JSON written by benchmarks/slo_sweep.py")
+    ap.add_argument("--sweep", required=True, action="append",
+                    help="a sweep JSON written by benchmarks/slo_sweep.py; repeat the flag for repeats of one trace "
+                         "(their requests are pooled: benchmarks/sweep_repeat.py shows how far they differ)")
     ap.add_argument("--profile", required=True, help="profile JSON of the machine the sweep ran on")
     ap.add_argument("--config", required=True, help="the cluster YAML the sweep's server ran")
     ap.add_argument("--seeds", type=int, default=5, help="simulations per rate (acceptance is random)")
@@ -220,16 +240,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error("--seeds: must be >= 1")
-    with open(args.sweep, encoding="utf-8") as f:
-        sweep = json.load(f)
+    from benchmarks.sweep_repeat import check_same_trace  # (sweep_repeat imports this module)
+
+    sweeps = []
+    for path in args.sweep:
+        with open(path, encoding="utf-8") as f:
+            sweeps.append(json.load(f))
     profile = Profile.load(args.profile)
     config = SimConfig.from_cluster_config(load_config(args.config))
     try:
-        result = compare(sweep, profile, config, args.seeds, args.timing, args.arrivals)
-    except ValueError as err:
+        for path, sweep in zip(args.sweep[1:], sweeps[1:]):
+            check_same_trace(sweeps[0], sweep, f"--sweep {path}")
+        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals)
+    except ValueError as err:  # SweepMismatch too
         ap.error(str(err))
+    sweep = sweeps[0]
     result.update(label=args.label or sweep["settings"].get("label", os.path.basename(args.config)),
-                  sweep=os.path.relpath(args.sweep, ROOT), profile=os.path.relpath(args.profile, ROOT),
+                  sweep=", ".join(os.path.relpath(p, ROOT) for p in args.sweep), profile=os.path.relpath(args.profile, ROOT),
                   hardware=profile.hardware, workload=sweep["settings"]["workload"], seeds=args.seeds,
                   command="python benchmarks/sim_validate.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

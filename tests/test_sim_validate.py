@@ -144,3 +144,33 @@ def test_sim_validate_replays_send_times_and_reads_either_clock():
     (out,) = result["rows"]
     assert out["measured"]["both"] == 0.0 and out["measured_client_clock_both"] == 1.0
     assert result["timing"] == "server" and result["arrivals"] == "sent"
+
+
+def test_sim_validate_pools_repeats_of_one_trace(tmp_path):
+    """Two repeats of one trace: measured attainment over the pooled requests, each repeat's beside it; a
+    sweep of another trace is refused naming it."""
+    import json
+    import os
+
+    from benchmarks import sim_validate
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    first, again = _sweep({2.0: [0.3, 0.3, 0.3, 0.3]}), _sweep({2.0: [0.3, 2.0, 2.0, 2.0]})
+    paths = []
+    for name, sweep in (("a", first), ("b", again)):
+        paths += ["--sweep", str(tmp_path / f"{name}.json")]
+        json.dump(sweep, open(tmp_path / f"{name}.json", "w"))
+    common = ["--profile", os.path.join(root, "benchmarks", "results", "profile_local_cpu.json"),
+              "--config", os.path.join(root, "cluster_configs", "local.yaml"), "--seeds", "1"]
+    assert sim_validate.main(paths + common + ["--out", str(tmp_path / "v")]) == 0
+    result = json.load(open(tmp_path / "v.json"))
+    (row,) = result["rows"]
+    assert result["repeats"] == 2 and row["requests"] == 8
+    assert row["measured_per_repeat_both"] == [1.0, 0.25] and row["measured"]["both"] == pytest.approx(5 / 8)
+    assert "each repeat" in open(tmp_path / "v.md").read()
+
+    other = _sweep({2.0: [0.3, 0.3, 0.3, 0.3]}, seed=1)
+    json.dump(other, open(tmp_path / "c.json", "w"))
+    with pytest.raises(SystemExit):
+        sim_validate.main(["--sweep", str(tmp_path / "a.json"), "--sweep", str(tmp_path / "c.json")] + common
+                          + ["--out", str(tmp_path / "w")])
