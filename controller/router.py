@@ -143,9 +143,10 @@ class Router:
             raise RouterError("UNAVAILABLE", "server is shutting down")
         if request_id in self._active:
             raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already running")
+        arrival = time.perf_counter()  # before admission: the TTFT reported includes any wait for a slot
         await self._admit()
         record = RequestRecord(request_id, self.counters, self.kv_transfer)
-        active = _Active(record, list(prompt_ids), params, asyncio.Queue(), time.perf_counter())
+        active = _Active(record, list(prompt_ids), params, asyncio.Queue(), arrival)
         self._active[request_id] = active
         try:
             await self._place(active)

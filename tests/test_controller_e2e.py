@@ -119,10 +119,16 @@ def test_queue_limit_gives_resource_exhausted(server):
     """8 running + 4 queued fit; the rest are refused, none is lost."""
     prompt = prompts_of([20], seed=4)[0]
 
+    served = []  # (client-side seconds, the server's own TTFT + decode time in its usage report)
+
     def call(_):
         try:
             with Client(server) as c:
-                return c.generate(prompt, max_tokens=150, ignore_eos=True).finish_reason
+                t0 = time.perf_counter()
+                result = c.generate(prompt, max_tokens=150, ignore_eos=True)
+                u = result.usage
+                served.append((time.perf_counter() - t0, (u["ttft_ms"] + 149 * u["mean_tpot_ms"]) / 1e3))
+                return result.finish_reason
         except grpc.RpcError as err:
             return err.code().name
 
@@ -131,6 +137,9 @@ def test_queue_limit_gives_resource_exhausted(server):
     assert outcomes.count("length") >= 12
     assert set(outcomes) <= {"length", "RESOURCE_EXHAUSTED"}
     assert "RESOURCE_EXHAUSTED" in outcomes
+    # the queued requests waited about a whole request for a slot: the server's TTFT counts that wait
+    for client_s, server_s in served:
+        assert server_s >= 0.8 * client_s, served
 
 
 def test_workers_hand_over_their_timed_passes(server):
