@@ -172,7 +172,7 @@ def write_markdown(result: dict, path: str) -> None:
                                           else "when the trace asked for them") + "."
              + (f" {result['repeats']} repeats of the trace: measured = their requests pooled, simulated = the mean "
                 "over the repeats; each repeat's own measured attainment in the last column."
-                if result.get("repeats", 1) > 1 else ""), "",
+                if repeats else ""), "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
              "| prefill tok/s over the first tokens: meas. / sim. |" + (" each repeat: meas. |" if repeats else ""),

@@ -266,15 +266,20 @@ def outcome_of(rec: dict, timing: str = "client") -> RequestOutcome:
     if timing not in TIMINGS:
         raise ValueError(f"timing: expected one of {', '.join(TIMINGS)}, got {timing!r}")
     prefix = "" if timing == "client" else "server_"
-    ok = rec.get("error") is None and rec.get("finish_reason") in ("stop", "length")
+    ok = finished_normally(rec)
     ttft = rec[prefix + "ttft_s"] if rec.get(prefix + "ttft_s") is not None else math.inf
     tpot = rec[prefix + "tpot_s"] if rec.get(prefix + "tpot_s") is not None else math.inf
     return RequestOutcome(ok and ttft < math.inf and tpot < math.inf, ttft, tpot)
 
 
+def finished_normally(rec: dict) -> bool:
+    """A recorded request that ended without error at EOS / a stop or at its length (``RequestRecord.ok``)."""
+    return rec.get("error") is None and rec.get("finish_reason") in ("stop", "length")
+
+
 def has_server_timing(records: list[dict]) -> bool:
     """Whether the target reported its own timings (every finished request carries them)."""
-    done = [r for r in records if r.get("error") is None and r.get("finish_reason") in ("stop", "length")]
+    done = [r for r in records if finished_normally(r)]
     return bool(done) and all(r.get("server_ttft_s") is not None for r in done)
 
 

@@ -223,14 +223,10 @@ def step_noise(factors: list[float]) -> tuple[float, ...]:
     pass times, bounded to ``NOISE_RANGE`` and scaled to mean 1: the simulator draws one per step, so its
     steps vary about the fitted time as the measured passes did, at the same mean. Empty (no spread
     modelled) with fewer than ``MIN_NOISE_PASSES`` passes."""
+    import numpy as np
+
     if len(factors) < MIN_NOISE_PASSES:
         return ()
-    v = sorted(min(NOISE_RANGE[1], max(NOISE_RANGE[0], float(f))) for f in factors)
-    qs = []
-    for i in range(NOISE_QUANTILES):
-        pos = (len(v) - 1) * (i + 0.5) / NOISE_QUANTILES
-        lo = int(pos)
-        hi = min(lo + 1, len(v) - 1)
-        qs.append(v[lo] + (v[hi] - v[lo]) * (pos - lo))
-    mean = sum(qs) / len(qs)
-    return tuple(q / mean for q in qs)
+    bounded = np.clip(np.asarray(factors, dtype=float), *NOISE_RANGE)
+    qs = np.quantile(bounded, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES)  # linear interpolation
+    return tuple(float(q) for q in qs / qs.mean())
