@@ -9,6 +9,12 @@ and compare SLO attainment rate by rate.
 The criterion (issue: simulator validation) is |simulated - measured| <= 5 percentage points of
 attainment at every swept rate, on both SLOs together; TTFT-only and TPOT-only are reported beside it.
 Acceptance is random in the simulator, so each rate is simulated with ``--seeds`` seeds and averaged.
+
+``--speed``: a profile describes the machine when it was taken, and a shared machine drifts. Sweeps that
+sent speed probes (``slo_sweep.py --speed-probes``: lone requests on the idle server before every rate and
+after the last) say how fast it ran around each rate; with ``--speed probe`` (the default, ``auto``, where
+the sweep has them) each rate is simulated on the profile rescaled by its speed factor
+(``benchmarks/_speed_probe.py``), and the factor is reported beside the rate.
 Writes OUT.json, OUT.md and OUT.png (measured and simulated attainment vs rate).
 """
 
@@ -26,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._slo_plots import _pyplot  # noqa: E402
+from benchmarks._speed_probe import has_probes, probes_around, speed_of  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, attainment_of, has_server_timing, percentile  # noqa: E402
 from controller.config import load_config  # noqa: E402
 from controller.planner.profile import Profile  # noqa: E402
@@ -44,6 +51,18 @@ def within_tolerance(worst_gap: float) -> bool:
 
 
 ARRIVALS = ("sent", "trace")
+SPEEDS = ("auto", "probe", "none")
+
+
+def resolve_speed(speed: str, sweeps: list[dict]) -> str:
+    """"probe" or "none" for ``--speed`` on these sweeps ("auto": probe where every sweep has probes)."""
+    if speed not in SPEEDS:
+        raise ValueError(f"speed: expected one of {', '.join(SPEEDS)}, got {speed!r}")
+    probed = all(has_probes(sw) for sw in sweeps)
+    if speed == "probe" and not probed:
+        raise ValueError("--speed probe: a sweep lacks speed probes around some rate (recorded before "
+                         "slo_sweep.py sent them, with --speed-probes 0, or every probe failed); use --speed none")
+    return "probe" if speed == "probe" or (speed == "auto" and probed) else "none"
 
 
 def arrival_of(rec: dict, arrivals: str) -> float:
@@ -108,14 +127,16 @@ def _mean_of(dicts: list[dict]) -> dict:
 
 
 def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
-            arrivals: str = "sent") -> dict:
+            arrivals: str = "sent", speed: str = "none") -> dict:
     """Simulated vs measured attainment rate by rate. ``sweeps``: one recorded sweep, or repeats of one trace
     (the caller checks that they are): the measured attainment is then that of all their requests pooled, the
     simulated one the mean over the repeats (each replayed with its own send times), and each repeat's own
     measured attainment is kept beside (``measured_per_repeat_both``). ``timing``: whose clock the measured
     TTFT / TPOT are read on, "client" (the load generator's) or "server" (the server's usage report); the
-    other clock's measured attainment is reported beside it where the sweeps have both."""
+    other clock's measured attainment is reported beside it where the sweeps have both. ``speed``: "probe"
+    simulates each repeat's rate on the profile rescaled by the speed probes around it (``resolve_speed``)."""
     sweeps = [sweeps] if isinstance(sweeps, dict) else list(sweeps)
+    speed = resolve_speed(speed, sweeps)
     s = sweeps[0]["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
     other = "server" if timing == "client" else "client"
@@ -126,7 +147,9 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
         if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
             raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
-        sims = [simulate_rate(profile, config, row, ttft_s, tpot_s, seeds, arrivals) for row in repeats]
+        speeds = [speed_of(profile, config, probes_around(sw, i), timing) for sw in sweeps] if speed == "probe" else []
+        sims = [simulate_rate(profile.at_speed(est.factor) if speeds else profile, config, row, ttft_s, tpot_s,
+                              seeds, arrivals) for row, est in zip(repeats, speeds or [None] * len(repeats))]
         pooled = [r for row in repeats for r in row["records"]]
         simulated = _mean_of([sim["attainment"] for sim in sims])
         measured = attainment_of(pooled, ttft_s, tpot_s, timing)
@@ -147,10 +170,12 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
                      "measured_latency_ms": first.get("latency_ms" if timing == "client" else "server_latency_ms", {}),
                      "simulated_latency_ms": sims[0]["latency_ms"],
                      "simulated_utilisation": sims[0]["utilisation"], "simulated_k_counts": sims[0]["k_counts"],
-                     "prefill_tokens_per_s": {"measured": throughput, "simulated": sims[0]["prefill_tokens_per_s"]}})
+                     "prefill_tokens_per_s": {"measured": throughput, "simulated": sims[0]["prefill_tokens_per_s"]},
+                     "speed": [{"factor": e.factor, "ttft_ratios": list(e.ttft_ratios), "tpot_ratio": e.tpot_ratio}
+                               for e in speeds]})
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
-            "timing": timing, "arrivals": arrivals, "repeats": len(sweeps),
+            "timing": timing, "arrivals": arrivals, "repeats": len(sweeps), "speed": speed,
             "max_abs_diff_both": worst, "within_tolerance": within_tolerance(worst), "tolerance": TOLERANCE,
             "inside_ci95_both": sum(r["inside_ci95_both"] for r in rows)}
 
@@ -159,9 +184,14 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
+def _ratio(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def write_markdown(result: dict, path: str) -> None:
     slo = result["slo"]
     repeats = result.get("repeats", 1) > 1
+    probed = result.get("speed") == "probe"
     lines = [f"# Simulator vs measured: {result['label']}", "", f"`{result['command']}`", "",
              f"Sweep `{result['sweep']}` ({result['workload']}), profile `{result['profile']}` ({result['hardware']}), "
              f"SLOs TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms; simulated attainment is the mean of "
@@ -172,11 +202,15 @@ def write_markdown(result: dict, path: str) -> None:
                                           else "when the trace asked for them") + "."
              + (f" {result['repeats']} repeats of the trace: measured = their requests pooled, simulated = the mean "
                 "over the repeats; each repeat's own measured attainment in the last column."
-                if repeats else ""), "",
+                if repeats else "")
+             + (" Each rate simulated on the profile rescaled by the machine's speed then (speed factor: measured / "
+                "simulated TTFT of the lone speed-probe requests before and after the rate, median; 1.10 = 10 % slower "
+                "than profiled; TPOT ratio of the same probes beside it, not applied)." if probed else ""), "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
-             "| prefill tok/s over the first tokens: meas. / sim. |" + (" each repeat: meas. |" if repeats else ""),
-             "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "")]
+             "| prefill tok/s over the first tokens: meas. / sim. |" + (" each repeat: meas. |" if repeats else "")
+             + (" speed factor (TPOT ratio) |" if probed else ""),
+             "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "") + ("---|" if probed else "")]
     for r in result["rows"]:
         m, s, ml, sl = r["measured"], r["simulated"], r["measured_latency_ms"], r["simulated_latency_ms"]
         lo, hi = r["measured_ci95_both"]
@@ -185,7 +219,9 @@ def write_markdown(result: dict, path: str) -> None:
                      f"| {m['ttft_only']:.0%} / {s['ttft_only']:.0%} | {m['tpot_only']:.0%} / {s['tpot_only']:.0%} "
                      f"| {_ms(ml.get('ttft_p50'))} / {_ms(sl.get('ttft_p50'))} | {_ms(ml.get('tpot_p50'))} / {_ms(sl.get('tpot_p50'))} "
                      f"| {_ms(r['prefill_tokens_per_s']['measured'])} / {_ms(r['prefill_tokens_per_s']['simulated'])} |"
-                     + (" " + " / ".join(f"{b:.1%}" for b in r["measured_per_repeat_both"]) + " |" if repeats else ""))
+                     + (" " + " / ".join(f"{b:.1%}" for b in r["measured_per_repeat_both"]) + " |" if repeats else "")
+                     + (" " + " / ".join(f"{e['factor']:.3f} ({_ratio(e['tpot_ratio'])})" for e in r["speed"]) + " |"
+                        if probed else ""))
     other = "server" if result["timing"] == "client" else "client"
     beside = [r.get(f"measured_{other}_clock_both") for r in result["rows"]]
     if all(b is not None for b in beside):
@@ -235,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                          "user sees) or the server's usage report (server, without the load generator's lateness)")
     ap.add_argument("--arrivals", default="sent", choices=ARRIVALS,
                     help="simulated arrivals: when each request was sent (sent) or when the trace asked (trace)")
+    ap.add_argument("--speed", default="auto", choices=SPEEDS,
+                    help="probe: simulate each rate on the profile rescaled by the sweep's speed probes around it "
+                         "(the machine's speed then); none: the profile as it is; auto (default): probe where every "
+                         "sweep has probes, else none")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
     args = ap.parse_args(argv)
@@ -251,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for path, sweep in zip(args.sweep[1:], sweeps[1:]):
             check_same_trace(sweeps[0], sweep, f"--sweep {path}")
-        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals)
+        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, args.speed)
     except ValueError as err:  # SweepMismatch too
         ap.error(str(err))
     sweep = sweeps[0]

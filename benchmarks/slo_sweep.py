@@ -16,8 +16,10 @@ source (the bundled model never trained on them) tokenized with the model's toke
 sent as token ids, at seeded offsets that differ per rate (no prefix-cache hits across rates).
 Requests go out at their arrival times whatever is still running (open loop), greedy by default, with
 ``ignore_eos`` and ``max_tokens`` = the trace's output length. A few warm-up requests run first and are
-not recorded. Each rate has a time limit; requests not finished by then are cancelled and recorded as
-unfinished, and never attain. Errors are recorded, not raised.
+not recorded. Before every rate and after the last, with the server idle, ``--speed-probes`` lone requests
+of one fixed shape measure how fast the machine runs then (``benchmarks/_speed_probe.py``; recorded with the
+rate, read by ``sim_validate.py``). Each rate has a time limit; requests not finished by then are
+cancelled and recorded as unfinished, and never attain. Errors are recorded, not raised.
 
 Times are taken on the client: TTFT at the first streamed token, TPOT = (last token time - first token
 time) / (tokens - 1), end to end at the final message. Attainment and goodput are
@@ -45,13 +47,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks._speed_probe import probe_latency_ms, probe_prompt_tokens, run_probe  # noqa: E402
 from benchmarks._slo_targets import GrpcTarget, OpenAITarget, RequestRecord, TargetError, parse_http_url  # noqa: E402
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from controller.planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
@@ -159,6 +162,7 @@ class RateRun:
     records: list[RequestRecord]
     duration_s: float
     loop_lag_max_s: float
+    speed_probe: list[dict] = field(default_factory=list)  # the probe set sent just before the rate
 
 
 async def _watch_loop_lag(lags: list[float], period_s: float = 0.02) -> None:
@@ -237,17 +241,28 @@ async def warm_up(target, prompts: list[tuple[int, list[int]]], trace: list[Requ
         print(f"warm-up request failed: {e}", file=sys.stderr)
 
 
-async def sweep(target, plans: list[RatePlan], warm: list[tuple[int, list[int]]], args, on_rate) -> dict:
-    """Warm up, then every rate in turn (waiting for the server to drain in between)."""
+async def sweep(target, plans: list[RatePlan], warm: list[tuple[int, list[int]]], args, on_rate,
+                probes: list[list[list[int]]] | None = None) -> tuple[dict, list[dict]]:
+    """Warm up, then every rate in turn (waiting for the server to drain in between). ``probes``: one set of
+    speed-probe prompts per rate plus one, sent with the server idle before each rate and after the last.
+    Returns what the server says about itself and the records of the probe set sent after the last rate."""
     tag = f"slo{random.randrange(16 ** 6):06x}"
+    probes = probes or [[] for _ in range(len(plans) + 1)]
+
+    async def idle_probe(i: int) -> list[dict]:
+        if not await target.wait_idle(60.0):
+            print("server still busy 60 s after the previous rate; going on", file=sys.stderr)
+        return await run_probe(target, probes[i], f"{tag}-p{i}") if probes[i] else []
+
     try:
         server = await target.start()
         await warm_up(target, warm, plans[0].trace, args, tag)
         for i, plan in enumerate(plans):
-            if not await target.wait_idle(60.0):
-                print("server still busy 60 s after the previous rate; going on", file=sys.stderr)
-            on_rate(plan, await run_rate(target, plan, args, f"{tag}-r{i}"))
-        return server
+            before = await idle_probe(i)
+            run = await run_rate(target, plan, args, f"{tag}-r{i}")
+            run.speed_probe = before
+            on_rate(plan, run)
+        return server, await idle_probe(len(plans))
     finally:
         await target.close()
 
@@ -300,7 +315,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize_rate(rate: float, records: list[dict], duration_s: float, time_limit_s: float,
-                   ttft_slo_s: float, tpot_slo_s: float, loop_lag_max_s: float = 0.0) -> dict:
+                   ttft_slo_s: float, tpot_slo_s: float, loop_lag_max_s: float = 0.0,
+                   speed_probe: list[dict] | None = None) -> dict:
     finished = [r for r in records if outcome_of(r).ok]
     send_lag = [r["sent_s"] - r["arrival_s"] for r in records if r["sent_s"] is not None]
     draft = sum(r["draft_tokens"] or 0 for r in finished)
@@ -319,6 +335,7 @@ def summarize_rate(rate: float, records: list[dict], duration_s: float, time_lim
         "client": {"send_lag_max_s": max(send_lag, default=0.0), "loop_lag_max_s": loop_lag_max_s},
         **server_view(records, ttft_slo_s, tpot_slo_s),
         "records": records,
+        "speed_probe": speed_probe or [],
     }
 
 
@@ -409,6 +426,7 @@ def write_markdown(result: dict, path: str) -> None:
             lines.append(f"| {r['rate']:g} | {a['both']:.0%} | {a['ttft_only']:.0%} | {a['tpot_only']:.0%} "
                          f"| {_fmt_ms(lat['ttft_p50'])} / {_fmt_ms(lat['ttft_p90'])} "
                          f"| {_fmt_ms(lat['tpot_p50'])} / {_fmt_ms(lat['tpot_p90'])} |")
+    lines += probe_lines(result)
     errors = sorted({rec["error"] for r in result["rates"] for rec in r["records"] if rec["error"]})
     if errors:
         lines += ["", "Errors seen: " + "; ".join(f"`{e[:120]}`" for e in errors[:5])]
@@ -423,6 +441,24 @@ def write_markdown(result: dict, path: str) -> None:
               f"![attainment vs SLO scale]({os.path.basename(files['scale_png'])})", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
+
+
+def probe_lines(result: dict) -> list[str]:
+    """The speed probes as a table (empty where the sweep sent none): how fast the machine served a lone
+    request before each rate and after the last; a drift shows here before it shows in attainment."""
+    sets = [(f"before {r['rate']:g} req/s", r.get("speed_probe") or []) for r in result["rates"]]
+    sets.append(("after the last rate", result.get("speed_probe_after") or []))
+    if not any(recs for _, recs in sets):
+        return []
+    first = next(recs for _, recs in sets if recs)[0]
+    lines = ["", f"Speed probes (lone requests on the idle server, {first['prompt_tokens']}-token prompts, "
+                 f"{first['output_tokens']} tokens out; `sim_validate.py` reads them as the machine's speed):", "",
+             "| when | probes | TTFT p50 (ms) | TPOT p50 (ms) |", "|---|---:|---:|---:|"]
+    for when, recs in sets:
+        lat = probe_latency_ms(recs)
+        lines.append(f"| {when} | {lat['requests']} of {len(recs)} | {_fmt_ms(lat['ttft_p50'])} "
+                     f"| {_fmt_ms(lat['tpot_p50'])} |")
+    return lines
 
 
 def write_outputs(result: dict, prefix: str) -> dict:
@@ -494,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", default=None, help="checkpoint directory whose tokenizer builds the prompts "
                                                  "(default: the launched model, else the bundled one)")
     w.add_argument("--warmup", type=int, default=2, help="warm-up requests (not recorded)")
+    w.add_argument("--speed-probes", type=int, default=3,
+                   help="lone requests (a 512-token prompt, 16 tokens out) sent with the server idle before every "
+                        "rate and after the last: how fast the machine ran then, for sim_validate (0: none)")
     w.add_argument("--time-limit-s", type=float, default=None,
                    help="per rate, from its start (default: the last arrival + 60 s)")
     s = ap.add_argument_group("SLOs and output")
@@ -557,6 +596,8 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--num-requests: must be >= 1, got {args.num_requests}")
     if args.warmup < 0:
         ap.error(f"--warmup: must be >= 0, got {args.warmup}")
+    if args.speed_probes < 0:
+        ap.error(f"--speed-probes: must be >= 0, got {args.speed_probes}")
     if args.temperature < 0:
         ap.error(f"--temperature: must be >= 0 (0 = greedy), got {args.temperature:g}")
     if not 0 < args.attainment_target <= 1:
@@ -620,8 +661,8 @@ def _free_port() -> int:
 def settings_of(args) -> dict:
     keys = ("target", "address", "url", "served_model", "launch", "launch_vllm", "max_model_len", "vllm_kv_space_gib",
             "vllm_args", "workload", "trace", "num_requests", "rates", "cv", "seed", "temperature", "model", "warmup",
-            "time_limit_s", "ttft_slo_ms", "tpot_slo_ms", "attainment_target", "slo_scales", "scale_rate", "label",
-            "cores", "server_nice")
+            "speed_probes", "time_limit_s", "ttft_slo_ms", "tpot_slo_ms", "attainment_target", "slo_scales",
+            "scale_rate", "label", "cores", "server_nice")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -659,14 +700,25 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous)
 
 
-def prepare(args, base_trace: list[RequestSpec] | None) -> tuple[list[RatePlan], list[tuple[int, list[int]]]]:
-    """Every rate's requests and prompts, plus the warm-up prompts: built before any server starts
-    (no tokenizing while measuring; a bad --model fails early)."""
+@dataclass
+class Prepared:
+    """Everything a sweep sends, built before any server starts (no tokenizing while measuring; a bad
+    --model fails early): every rate's requests and prompts, the warm-up prompts, and one set of
+    speed-probe prompts per rate plus one (each set at its own offsets: no prompt is sent twice)."""
+
+    plans: list[RatePlan]
+    warm: list[tuple[int, list[int]]]
+    probes: list[list[list[int]]]
+
+
+def prepare(args, base_trace: list[RequestSpec] | None) -> Prepared:
     longest = max(r.prompt_tokens for r in reference_trace(args, base_trace))
     corpus = heldout_corpus(args.model, max(CORPUS_MIN_TOKENS, 4 * longest))
     plans = plan_rates(args, base_trace, corpus)
     warm = make_prompts(corpus, [r.prompt_tokens for r in plans[0].trace[: args.warmup]], seed=args.seed * 1000)
-    return plans, warm
+    sets, n = len(plans) + 1, args.speed_probes
+    flat = make_prompts(corpus, [probe_prompt_tokens(longest)] * (sets * n), seed=args.seed * 1000 + 999)
+    return Prepared(plans, warm, [[ids for _, ids in flat[i * n:(i + 1) * n]] for i in range(sets)])
 
 
 def new_result(args, argv: list[str] | None) -> dict:
@@ -680,7 +732,7 @@ def new_result(args, argv: list[str] | None) -> dict:
 def record_rate(args, result: dict, plan: RatePlan, run: RateRun) -> None:
     """Summarise one rate into ``result``, report it, and save what there is so far."""
     row = summarize_rate(plan.rate, [r.to_json() for r in run.records], run.duration_s, plan.time_limit_s,
-                         args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, run.loop_lag_max_s)
+                         args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, run.loop_lag_max_s, run.speed_probe)
     result["rates"].append(row)
     a = row["attainment"]
     print(f"rate {plan.rate:g} req/s: attainment both {a['both']:.0%}, TTFT {a['ttft_only']:.0%}, "
@@ -697,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     validate(ap, args)
     base_trace = resolve(ap, args)
-    plans, warm = prepare(args, base_trace)
+    prepared = prepare(args, base_trace)
     result = new_result(args, argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     try:
@@ -705,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
             result["settings"] = settings_of(args)
             target = GrpcTarget(args.address) if args.target == "grpc" else OpenAITarget(args.url, args.served_model)
             on_rate = functools.partial(record_rate, args, result)
-            result["server"] = asyncio.run(sweep(target, plans, warm, args, on_rate))
+            result["server"], result["speed_probe_after"] = asyncio.run(
+                sweep(target, prepared.plans, prepared.warm, args, on_rate, prepared.probes))
             if server is not None:
                 result["server"].update(startup_s=server.startup_s, log=server.log_path)
     except (TargetError, LaunchError) as err:

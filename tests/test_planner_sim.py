@@ -382,3 +382,27 @@ def test_burst_falls_back_to_the_busiest_rate_when_the_target_is_out_of_reach(mo
     for stretch in (2.0, 10.0):  # the same arrivals at lower rates keep the instances less busy
         other = [dataclasses.replace(r, arrival_s=r.arrival_s * stretch) for r in trace]
         assert busy(trace) > busy(other)
+
+
+@pytest.mark.parametrize("config_name,workload,rate", [("local.yaml", "long_doc", 0.3),  # speculates at long contexts
+                                                        ("local-colocated.yaml", "chat", 4.0)])
+def test_a_profile_at_speed_f_runs_a_trace_f_times_as_slow(config_name, workload, rate):
+    """``Profile.at_speed``: a machine f times as slow serving arrivals f times as far apart is the same run
+    with every time multiplied by f. On the recorded CPU profile, whose calibrations carry every term (per-step
+    and per-output contention, the spread of step times, speculation with the adaptive policy)."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    profile = Profile.load(os.path.join(root, "benchmarks", "results", "profile_local_cpu.json"))
+    config = SimConfig.from_cluster_config(load_config(os.path.join(root, "cluster_configs", config_name)))
+    trace = make_trace(workload_shape(workload), rate, 20, seed=3)
+    f = 1.3
+    base = simulate(profile, config, trace, seed=1)
+    slow = simulate(profile.at_speed(f), config, [RequestSpec(f * r.arrival_s, r.prompt_tokens, r.output_tokens)
+                                                  for r in trace], seed=1)
+    assert any(r.accepted_tokens for r in base.records) or config.mode == "colocated"
+    for a, b in zip(base.records, slow.records):
+        assert b.ttft_s == pytest.approx(f * a.ttft_s, rel=1e-9)
+        assert b.tpot_s == pytest.approx(f * a.tpot_s, rel=1e-9)
+        assert (b.accepted_tokens, b.completion_tokens) == (a.accepted_tokens, a.completion_tokens)
+    assert slow.instance_utilisation == pytest.approx(base.instance_utilisation, rel=1e-9)
+    with pytest.raises(ValueError, match="speed factor"):
+        profile.at_speed(0.0)

@@ -174,3 +174,59 @@ def test_sim_validate_pools_repeats_of_one_trace(tmp_path):
     with pytest.raises(SystemExit):
         sim_validate.main(["--sweep", str(tmp_path / "a.json"), "--sweep", str(tmp_path / "c.json")] + common
                           + ["--out", str(tmp_path / "w")])
+
+
+def _probe_records(profile, config, factor: float, prompts=(512, 512, 512)) -> list[dict]:
+    """Probe records as slo_sweep.py writes them, each TTFT ``factor`` x what the simulator gives the lone
+    request under ``profile`` (a machine that slowed by ``factor`` since it was profiled)."""
+    from controller.planner.simulator import simulate
+    from controller.planner.workload import RequestSpec
+
+    quiet = profile
+    for cal in profile.calibrations:
+        quiet = quiet.with_calibration(cal.without_contention())
+    out = []
+    for n in prompts:
+        sim = simulate(quiet, config, [RequestSpec(0.0, n, 16)]).records[0]
+        out.append({"prompt_tokens": n, "output_tokens": 16, "ttft_s": factor * sim.ttft_s, "tpot_s": 0.02,
+                    "finish_reason": "length", "error": None})
+    return out
+
+
+def test_speed_probes_rescale_the_profile_rate_by_rate():
+    """A sweep whose probes say the machine ran 25 % slow around its second rate: that rate is simulated on
+    the profile at 1.25x (measured / simulated lone TTFT, median), the first at 1.0; a failed probe is left
+    out; --speed probe on a sweep without probes is refused, auto falls back to the profile as it is."""
+    import os
+
+    from benchmarks._speed_probe import speed_of
+    from benchmarks.sim_validate import compare
+    from controller.config import load_config
+    from controller.planner.simulator import SimConfig
+
+    config = SimConfig.from_cluster_config(load_config(os.path.join(os.path.dirname(__file__), "..", "cluster_configs",
+                                                                    "local-colocated.yaml")))
+    profile = _profile()
+    est = speed_of(profile, config, _probe_records(profile, config, 1.25, (512, 300, 512)))
+    assert est.factor == pytest.approx(1.25) and est.probes == 3 and est.tpot_ratio > 0
+    failed = {"prompt_tokens": 512, "output_tokens": 16, "ttft_s": None, "tpot_s": None, "finish_reason": None,
+              "error": "TargetError: boom"}
+    assert speed_of(profile, config, _probe_records(profile, config, 0.9) + [failed]).probes == 3
+    with pytest.raises(ValueError, match="no successful probe"):
+        speed_of(profile, config, [failed])
+
+    sweep = _sweep({2.0: [0.3] * 8, 3.0: [0.3] * 8})
+    with pytest.raises(ValueError, match="--speed probe"):
+        compare(sweep, profile, config, seeds=1, speed="probe")
+    assert compare(sweep, profile, config, seeds=1, speed="auto")["speed"] == "none"
+    sweep["rates"][0]["speed_probe"] = _probe_records(profile, config, 1.0)
+    sweep["rates"][1]["speed_probe"] = _probe_records(profile, config, 1.0)[:1] + _probe_records(profile, config, 1.25)
+    sweep["speed_probe_after"] = _probe_records(profile, config, 1.25)
+    result = compare(sweep, profile, config, seeds=1, speed="auto")
+    assert result["speed"] == "probe"
+    first, second = ([e["factor"] for e in row["speed"]] for row in result["rows"])
+    # rate 1: its own set (1.0 x3) and the next (1.0, 1.25 x3) -> median of seven: 1.0
+    assert first == pytest.approx([1.0]) and second == pytest.approx([1.25])
+    # the slower machine serves the same requests later
+    assert result["rows"][1]["simulated_latency_ms"]["ttft_p50"] > \
+        compare(sweep, profile, config, seeds=1, speed="none")["rows"][1]["simulated_latency_ms"]["ttft_p50"]

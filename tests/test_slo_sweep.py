@@ -320,10 +320,18 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
     out = str(tmp_path / "sweep")
     code = slo_sweep.main(["--target", "grpc", "--address", server, "--model", llama_dir, "--trace", str(trace),
                            "--rates", "2", "--warmup", "1", "--time-limit-s", "60", "--ttft-slo-ms", "5000",
-                           "--tpot-slo-ms", "1000", "--out", out])
+                           "--tpot-slo-ms", "1000", "--speed-probes", "2", "--out", out])
     assert code == 0
     result = json.load(open(out + ".json"))
     (row,) = result["rates"]
+    # speed probes before the rate and after it: lone requests of the trace's longest prompt, 16 tokens out
+    for probes in (row["speed_probe"], result["speed_probe_after"]):
+        assert len(probes) == 2
+        for p in probes:
+            assert p["error"] is None and (p["prompt_tokens"], p["completion_tokens"]) == (64, 16)
+            assert 0 < p["server_ttft_s"] <= p["ttft_s"] and p["wall_time"] > 0
+    assert row["speed_probe"][0]["wall_time"] < result["speed_probe_after"][0]["wall_time"]
+    assert "Speed probes" in open(out + ".md").read()
     assert row["rate"] == 2.0 and row["requests"] == 3
     for r, (p, o) in zip(row["records"], [(40, 8), (64, 12), (24, 6)]):
         assert r["error"] is None, r

@@ -216,6 +216,31 @@ class Profile:
         others = tuple(c for c in self.calibrations if c.mode != cal.mode)
         return dataclasses.replace(self, calibrations=others + (cal,))
 
+    def at_speed(self, factor: float) -> "Profile":
+        """This profile on a machine ``factor`` times as slow (2.0: every pass takes twice as long; 0.8:
+        faster): every cost model and every time term of the calibrations multiplied by ``factor``; what
+        is a ratio (pass scales, contention factors, the spread of step times, acceptance, KV capacity)
+        is unchanged. Invariant: simulating ``at_speed(f)`` on a trace whose arrival times are all
+        multiplied by ``f`` gives the same run with every time multiplied by ``f`` (the per-step
+        contention terms are seconds per step and scale with the steps). ``benchmarks/_speed_probe.py``
+        measures the factor of a machine whose speed drifted since it was profiled."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"speed factor: expected a positive finite number, got {factor!r}")
+
+        def scaled(m: FittedModel | None) -> FittedModel | None:
+            return None if m is None else dataclasses.replace(m, coefficients=tuple(factor * c for c in m.coefficients))
+
+        instances = tuple(dataclasses.replace(c, prefill=scaled(c.prefill), target_pass=scaled(c.target_pass),
+                                              draft_pass={k: scaled(v) for k, v in c.draft_pass.items()})
+                          for c in self.instances)
+        calibrations = tuple(dataclasses.replace(c, ttft_overhead_s=factor * c.ttft_overhead_s,
+                                                 decode_start_s=factor * c.decode_start_s,
+                                                 contention_step_s=factor * c.contention_step_s,
+                                                 contention_output_s=factor * c.contention_output_s)
+                             for c in self.calibrations)
+        return dataclasses.replace(self, instances=instances, kv_transfer=scaled(self.kv_transfer),
+                                   calibrations=calibrations)
+
     def costs(self, tensor_parallel: int, pipeline_parallel: int = 1) -> InstanceCosts:
         for c in self.instances:
             if c.tensor_parallel == tensor_parallel and c.pipeline_parallel == pipeline_parallel:
