@@ -23,6 +23,12 @@ from typing import AsyncIterator, Callable
 Clock = Callable[[], float]  # seconds since the start of the rate
 
 
+def finished_normally(rec: dict) -> bool:
+    """A request (a ``RequestRecord``'s fields, or its JSON) that ended without error at EOS / a stop or at
+    its length: the SLO definition's ``ok``."""
+    return rec.get("error") is None and rec.get("finish_reason") in ("stop", "length")
+
+
 class TargetError(RuntimeError):
     """A request the server refused or broke off; the message is recorded as the request's error."""
 
@@ -79,7 +85,7 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         """Finished normally (the SLO definition's ``ok``)."""
-        return self.error is None and self.finish_reason in ("stop", "length")
+        return finished_normally(self.__dict__)
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}

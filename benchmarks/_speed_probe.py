@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from benchmarks._slo_targets import RequestRecord
+from benchmarks._slo_targets import RequestRecord, finished_normally
 from controller.planner.profile import Profile
 from controller.planner.simulator import SimConfig, simulate
 from controller.planner.workload import RequestSpec
@@ -59,7 +59,7 @@ async def run_probe(target, prompts: list[list[int]], tag: str) -> list[dict]:
 
 def probe_latency_ms(records: list[dict]) -> dict:
     """Median TTFT and TPOT (ms, client clock) of a probe set's successful requests (None when none)."""
-    ok = [r for r in records if r.get("error") is None and r.get("ttft_s") is not None]
+    ok = _usable(records, "client")
     return {"requests": len(ok),
             "ttft_p50": 1e3 * statistics.median(r["ttft_s"] for r in ok) if ok else None,
             "tpot_p50": 1e3 * statistics.median(r["tpot_s"] for r in ok if r.get("tpot_s") is not None)
@@ -74,15 +74,15 @@ def probes_around(sweep: dict, index: int) -> list[dict]:
     return list(rows[index].get("speed_probe") or []) + list(after or [])
 
 
-def has_probes(sweep: dict) -> bool:
-    """Whether every rate of a recorded sweep is bracketed by successful probes."""
-    return all(_usable(probes_around(sweep, i), "client") for i in range(len(sweep["rates"])))
+def has_probes(sweep: dict, timing: str = "client") -> bool:
+    """Whether every rate of a recorded sweep is bracketed by successful probes timed on ``timing``'s clock."""
+    return all(_usable(probes_around(sweep, i), timing) for i in range(len(sweep["rates"])))
 
 
 def _usable(records: list[dict], timing: str) -> list[dict]:
+    """The probes that finished normally and carry a TTFT on ``timing``'s clock ("client" or "server")."""
     prefix = "" if timing == "client" else "server_"
-    return [r for r in records if r.get("error") is None and r.get("finish_reason") in ("stop", "length")
-            and r.get(prefix + "ttft_s") is not None]
+    return [r for r in records if finished_normally(r) and r.get(prefix + "ttft_s") is not None]
 
 
 @dataclass(frozen=True)
@@ -104,15 +104,18 @@ def speed_of(profile: Profile, config: SimConfig, records: list[dict], timing: s
     if not usable:
         raise ValueError("speed probe: no successful probe requests to read")
     prefix = "" if timing == "client" else "server_"
-    quiet = profile
-    for cal in profile.calibrations:
-        quiet = quiet.with_calibration(cal.without_contention())
+    quiet = profile.without_contention()
+    # (prompt, output) -> simulated (TTFT, mean TPOT): the probes share one shape, simulated once
+    simulated: dict[tuple[int, int], tuple[float, float]] = {}
     ttft, tpot = [], []
     for rec in usable:
-        spec = [RequestSpec(0.0, rec["prompt_tokens"], rec["output_tokens"])]
-        sims = [simulate(quiet, config, spec, seed=seed).records[0] for seed in range(TPOT_SEEDS)]
-        ttft.append(rec[prefix + "ttft_s"] / sims[0].ttft_s)
-        sim_tpot = statistics.fmean(s.tpot_s for s in sims)
+        shape = (rec["prompt_tokens"], rec["output_tokens"])
+        if shape not in simulated:
+            sims = [simulate(quiet, config, [RequestSpec(0.0, *shape)], seed=seed).records[0]
+                    for seed in range(TPOT_SEEDS)]
+            simulated[shape] = (sims[0].ttft_s, statistics.fmean(s.tpot_s for s in sims))
+        sim_ttft, sim_tpot = simulated[shape]
+        ttft.append(rec[prefix + "ttft_s"] / sim_ttft)
         if rec.get(prefix + "tpot_s") is not None and sim_tpot > 0:
             tpot.append(rec[prefix + "tpot_s"] / sim_tpot)
     return SpeedEstimate(statistics.median(ttft), tuple(ttft), statistics.median(tpot) if tpot else None, len(usable))

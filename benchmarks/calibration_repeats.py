@@ -50,12 +50,6 @@ def validate(profile: Profile, seeds: int) -> dict[str, dict]:
     return out
 
 
-def without_contention(profile: Profile) -> Profile:
-    for cal in profile.calibrations:
-        profile = profile.with_calibration(cal.without_contention())
-    return profile
-
-
 def write_markdown(result: dict, path: str) -> None:
     lines = ["# Simulator agreement across calibration runs", "", f"`{result['command']}`", "",
              f"Base profile `{result['profile']}`; each repeat calibrates both modes afresh ({result['calibration_requests']} "
@@ -102,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             profile = profile.with_calibration(cal)
         repeats.append({"repeat": i + 1, "calibrations": [dataclasses.asdict(c) for c in profile.calibrations],
                         "with_contention": validate(profile, args.seeds),
-                        "without_contention": validate(without_contention(profile), args.seeds),
+                        "without_contention": validate(profile.without_contention(), args.seeds),
                         "seconds": time.time() - t0})
         print(f"repeat {i + 1}: " + ", ".join(f"{s} {v['max_gap_pts']:.1f}"
                                               for s, v in repeats[-1]["with_contention"].items()), flush=True)

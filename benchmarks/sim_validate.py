@@ -15,6 +15,7 @@ sent speed probes (``slo_sweep.py --speed-probes``: lone requests on the idle se
 after the last) say how fast it ran around each rate; with ``--speed probe`` (the default, ``auto``, where
 the sweep has them) each rate is simulated on the profile rescaled by its speed factor
 (``benchmarks/_speed_probe.py``), and the factor is reported beside the rate.
+
 Writes OUT.json, OUT.md and OUT.png (measured and simulated attainment vs rate).
 """
 
@@ -54,11 +55,11 @@ ARRIVALS = ("sent", "trace")
 SPEEDS = ("auto", "probe", "none")
 
 
-def resolve_speed(speed: str, sweeps: list[dict]) -> str:
+def resolve_speed(speed: str, sweeps: list[dict], timing: str = "client") -> str:
     """"probe" or "none" for ``--speed`` on these sweeps ("auto": probe where every sweep has probes)."""
     if speed not in SPEEDS:
         raise ValueError(f"speed: expected one of {', '.join(SPEEDS)}, got {speed!r}")
-    probed = all(has_probes(sw) for sw in sweeps)
+    probed = all(has_probes(sw, timing) for sw in sweeps)
     if speed == "probe" and not probed:
         raise ValueError("--speed probe: a sweep lacks speed probes around some rate (recorded before "
                          "slo_sweep.py sent them, with --speed-probes 0, or every probe failed); use --speed none")
@@ -136,7 +137,7 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
     other clock's measured attainment is reported beside it where the sweeps have both. ``speed``: "probe"
     simulates each repeat's rate on the profile rescaled by the speed probes around it (``resolve_speed``)."""
     sweeps = [sweeps] if isinstance(sweeps, dict) else list(sweeps)
-    speed = resolve_speed(speed, sweeps)
+    speed = resolve_speed(speed, sweeps, timing)
     s = sweeps[0]["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
     other = "server" if timing == "client" else "client"
@@ -148,8 +149,8 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
             raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
         speeds = [speed_of(profile, config, probes_around(sw, i), timing) for sw in sweeps] if speed == "probe" else []
-        sims = [simulate_rate(profile.at_speed(est.factor) if speeds else profile, config, row, ttft_s, tpot_s,
-                              seeds, arrivals) for row, est in zip(repeats, speeds or [None] * len(repeats))]
+        profiles = [profile.at_speed(e.factor) for e in speeds] if speeds else [profile] * len(repeats)
+        sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals) for p, row in zip(profiles, repeats)]
         pooled = [r for row in repeats for r in row["records"]]
         simulated = _mean_of([sim["attainment"] for sim in sims])
         measured = attainment_of(pooled, ttft_s, tpot_s, timing)

@@ -55,7 +55,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._speed_probe import probe_latency_ms, probe_prompt_tokens, run_probe  # noqa: E402
-from benchmarks._slo_targets import GrpcTarget, OpenAITarget, RequestRecord, TargetError, parse_http_url  # noqa: E402
+from benchmarks._slo_targets import (GrpcTarget, OpenAITarget, RequestRecord, TargetError,  # noqa: E402
+                                     finished_normally, parse_http_url)
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from controller.planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
 from controller.planner.workload import (WORKLOADS, RequestSpec, WorkloadError, load_trace, make_trace,  # noqa: E402
@@ -285,11 +286,6 @@ def outcome_of(rec: dict, timing: str = "client") -> RequestOutcome:
     ttft = rec[prefix + "ttft_s"] if rec.get(prefix + "ttft_s") is not None else math.inf
     tpot = rec[prefix + "tpot_s"] if rec.get(prefix + "tpot_s") is not None else math.inf
     return RequestOutcome(ok and ttft < math.inf and tpot < math.inf, ttft, tpot)
-
-
-def finished_normally(rec: dict) -> bool:
-    """A recorded request that ended without error at EOS / a stop or at its length (``RequestRecord.ok``)."""
-    return rec.get("error") is None and rec.get("finish_reason") in ("stop", "length")
 
 
 def has_server_timing(records: list[dict]) -> bool:

@@ -182,9 +182,7 @@ def _probe_records(profile, config, factor: float, prompts=(512, 512, 512)) -> l
     from controller.planner.simulator import simulate
     from controller.planner.workload import RequestSpec
 
-    quiet = profile
-    for cal in profile.calibrations:
-        quiet = quiet.with_calibration(cal.without_contention())
+    quiet = profile.without_contention()
     out = []
     for n in prompts:
         sim = simulate(quiet, config, [RequestSpec(0.0, n, 16)]).records[0]

@@ -216,6 +216,11 @@ class Profile:
         others = tuple(c for c in self.calibrations if c.mode != cal.mode)
         return dataclasses.replace(self, calibrations=others + (cal,))
 
+    def without_contention(self) -> "Profile":
+        """Every calibration's isolated terms alone (``Calibration.without_contention``): how a request
+        alone on the cluster is served."""
+        return dataclasses.replace(self, calibrations=tuple(c.without_contention() for c in self.calibrations))
+
     def at_speed(self, factor: float) -> "Profile":
         """This profile on a machine ``factor`` times as slow (2.0: every pass takes twice as long; 0.8:
         faster): every cost model and every time term of the calibrations multiplied by ``factor``; what
