@@ -6,7 +6,7 @@ the TTFT ratio, on everything, as sim_validate.py --speed probe does). Run from 
         benchmarks/results/same_session_14/profile_local_cpu.json cluster_configs/local-colocated.yaml \
         benchmarks/results/same_session_14/slo_chat_colocated_{1,2,3}.json
 
-It printed worst gaps 15.7 / 15.2 / 23.5 (colocated) and 10.9 / 6.9 / 9.1 (disaggregated + speculation,
+Its output for both configurations is in split_factors.txt: worst gaps 15.7 / 15.2 / 23.5 (colocated) and 10.9 / 6.9 / 9.1 (disaggregated + speculation,
 with cluster_configs/local.yaml), against 10.4 / 13.7 / 11.3 and 11.2 / 8.3 / 7.9 with one factor."""
 import dataclasses, json, sys
 from benchmarks._speed_probe import speed_of, probes_around
