@@ -139,12 +139,14 @@ def http_healthy(url: str) -> Callable[[], bool]:
     return check
 
 
-def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float, nice: int = 0) -> ManagedServer:
+def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float, nice: int = 0,
+                      pass_log_rpc: bool = False) -> ManagedServer:
     """``magicserve serve --config CONFIG --port PORT``, run as ``python -m controller.cli`` with this
     interpreter and this checkout (the console script could belong to another install). ``nice`` > 0
     lowers the priority of the server and its Ray workers below the load generator's, so that a load
-    generator sharing the cores sends and reads on time."""
-    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port)]
+    generator sharing the cores sends and reads on time. ``pass_log_rpc``: serve ``DrainPassLog``."""
+    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port),
+            *(["--pass-log-rpc"] if pass_log_rpc else [])]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return ManagedServer("magicserve", argv, grpc_healthy(f"{host}:{port}"), startup_timeout_s, env=env,
                          stop_grace_s=60.0, nice=nice)

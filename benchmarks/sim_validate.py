@@ -10,11 +10,18 @@ The criterion (issue: simulator validation) is |simulated - measured| <= 5 perce
 attainment at every swept rate, on both SLOs together; TTFT-only and TPOT-only are reported beside it.
 Acceptance is random in the simulator, so each rate is simulated with ``--seeds`` seeds and averaged.
 
-``--speed``: a profile describes the machine when it was taken, and a shared machine drifts. Sweeps that
-sent speed probes (``slo_sweep.py --speed-probes``: lone requests on the idle server before every rate and
-after the last) say how fast it ran around each rate; with ``--speed probe`` (the default, ``auto``, where
-the sweep has them) each rate is simulated on the profile rescaled by its speed factor
-(``benchmarks/_speed_probe.py``), and the factor is reported beside the rate.
+``--speed``: a profile describes the machine when it was taken, and a shared machine drifts. Each rate can
+be simulated on the profile rescaled (``Profile.at_speed``) by how fast the machine ran then:
+
+* ``load``: from the workers' own timed passes during the rate (``slo_sweep.py`` keeps them in
+  PREFIX.passes.json.gz), priced by the calibrated pass model given what the rest of the cluster did
+  meanwhile (``controller/planner/load_speed.py``): the speed under that very load;
+* ``probe``: from the lone speed-probe requests on the idle server before and after the rate
+  (``slo_sweep.py --speed-probes``, ``benchmarks/_speed_probe.py``): the idle machine's speed around it;
+* ``none``: the profile as it is.
+
+``auto`` (the default) takes ``load`` where every sweep kept pass logs, else ``probe`` where every sweep has
+probes, else ``none``. The factor is reported beside each rate.
 
 Writes OUT.json, OUT.md and OUT.png (measured and simulated attainment vs rate).
 """
@@ -33,9 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._slo_plots import _pyplot  # noqa: E402
+from benchmarks import _pass_logs  # noqa: E402
 from benchmarks._speed_probe import has_probes, probes_around, speed_of  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, attainment_of, has_server_timing, percentile  # noqa: E402
 from controller.config import load_config  # noqa: E402
+from controller.planner.load_speed import load_speed  # noqa: E402
 from controller.planner.profile import Profile  # noqa: E402
 from controller.planner.simulator import SimConfig, simulate  # noqa: E402
 from controller.planner.slo import attainment  # noqa: E402
@@ -52,18 +61,27 @@ def within_tolerance(worst_gap: float) -> bool:
 
 
 ARRIVALS = ("sent", "trace")
-SPEEDS = ("auto", "probe", "none")
+SPEEDS = ("auto", "load", "probe", "none")
 
 
-def resolve_speed(speed: str, sweeps: list[dict], timing: str = "client") -> str:
-    """"probe" or "none" for ``--speed`` on these sweeps ("auto": probe where every sweep has probes)."""
+def resolve_speed(speed: str, sweeps: list[dict], timing: str = "client", pass_logs: list | None = None) -> str:
+    """"load", "probe" or "none" for ``--speed`` on these sweeps (``pass_logs``: each sweep's per-rate logs,
+    or None where it kept none). "auto": load where every sweep kept pass logs, else probe where every
+    sweep has probes, else none."""
     if speed not in SPEEDS:
         raise ValueError(f"speed: expected one of {', '.join(SPEEDS)}, got {speed!r}")
+    logged = bool(pass_logs) and len(pass_logs) == len(sweeps) and all(logs is not None for logs in pass_logs)
+    if speed == "load" and not logged:
+        raise ValueError("--speed load: a sweep kept no pass logs of its workers (recorded before slo_sweep.py kept "
+                         "them, with --pass-log off, against a server without DrainPassLog, or its "
+                         "PREFIX.passes.json.gz is missing); use --speed probe or none")
     probed = all(has_probes(sw, timing) for sw in sweeps)
     if speed == "probe" and not probed:
         raise ValueError("--speed probe: a sweep lacks speed probes around some rate (recorded before "
                          "slo_sweep.py sent them, with --speed-probes 0, or every probe failed); use --speed none")
-    return "probe" if speed == "probe" or (speed == "auto" and probed) else "none"
+    if speed == "auto":
+        return "load" if logged else "probe" if probed else "none"
+    return speed
 
 
 def arrival_of(rec: dict, arrivals: str) -> float:
@@ -127,17 +145,41 @@ def _mean_of(dicts: list[dict]) -> dict:
     return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]}
 
 
+def speed_factors(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict], pass_logs: list | None,
+                  index: int, timing: str) -> list[dict]:
+    """The speed of the machine at rate ``index`` of each sweep (``speed``: "load" or "probe"; none for
+    "none"), as records with the ``factor`` to rescale the profile by."""
+    if speed == "load":
+        drafter = config.speculation.drafter if config.mode == "disaggregated" and config.speculation.enabled else None
+        out = []
+        for logs in pass_logs:
+            instances = logs[index]["instances"]
+            est = load_speed(profile, config.mode, _pass_logs.rows_of(instances), drafter)
+            out.append({"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
+                        "busy_s": est.busy_s, "complete": _pass_logs.complete(instances)})
+        return out
+    if speed == "probe":
+        return [{"source": "probe", **_probe_record(speed_of(profile, config, probes_around(sw, index), timing))}
+                for sw in sweeps]
+    return []
+
+
+def _probe_record(e) -> dict:
+    return {"factor": e.factor, "ttft_ratios": list(e.ttft_ratios), "tpot_ratio": e.tpot_ratio}
+
+
 def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
-            arrivals: str = "sent", speed: str = "none") -> dict:
+            arrivals: str = "sent", speed: str = "none", pass_logs: list | None = None) -> dict:
     """Simulated vs measured attainment rate by rate. ``sweeps``: one recorded sweep, or repeats of one trace
     (the caller checks that they are): the measured attainment is then that of all their requests pooled, the
     simulated one the mean over the repeats (each replayed with its own send times), and each repeat's own
     measured attainment is kept beside (``measured_per_repeat_both``). ``timing``: whose clock the measured
     TTFT / TPOT are read on, "client" (the load generator's) or "server" (the server's usage report); the
-    other clock's measured attainment is reported beside it where the sweeps have both. ``speed``: "probe"
-    simulates each repeat's rate on the profile rescaled by the speed probes around it (``resolve_speed``)."""
+    other clock's measured attainment is reported beside it where the sweeps have both. ``speed``: "load"
+    simulates each repeat's rate on the profile rescaled by the workers' pass logs during it (``pass_logs``:
+    per sweep, ``_pass_logs.load``), "probe" by the speed probes around it (``resolve_speed``)."""
     sweeps = [sweeps] if isinstance(sweeps, dict) else list(sweeps)
-    speed = resolve_speed(speed, sweeps, timing)
+    speed = resolve_speed(speed, sweeps, timing, pass_logs)
     s = sweeps[0]["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
     other = "server" if timing == "client" else "client"
@@ -148,8 +190,8 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
         if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
             raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
-        speeds = [speed_of(profile, config, probes_around(sw, i), timing) for sw in sweeps] if speed == "probe" else []
-        profiles = [profile.at_speed(e.factor) for e in speeds] if speeds else [profile] * len(repeats)
+        speeds = speed_factors(speed, profile, config, sweeps, pass_logs, i, timing)
+        profiles = [profile.at_speed(e["factor"]) for e in speeds] if speeds else [profile] * len(repeats)
         sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals) for p, row in zip(profiles, repeats)]
         pooled = [r for row in repeats for r in row["records"]]
         simulated = _mean_of([sim["attainment"] for sim in sims])
@@ -172,8 +214,7 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
                      "simulated_latency_ms": sims[0]["latency_ms"],
                      "simulated_utilisation": sims[0]["utilisation"], "simulated_k_counts": sims[0]["k_counts"],
                      "prefill_tokens_per_s": {"measured": throughput, "simulated": sims[0]["prefill_tokens_per_s"]},
-                     "speed": [{"factor": e.factor, "ttft_ratios": list(e.ttft_ratios), "tpot_ratio": e.tpot_ratio}
-                               for e in speeds]})
+                     "speed": speeds})
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
             "timing": timing, "arrivals": arrivals, "repeats": len(sweeps), "speed": speed,
@@ -189,10 +230,30 @@ def _ratio(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+SPEED_NOTES = {
+    "probe": " Each rate simulated on the profile rescaled by the machine's speed then (speed factor: measured / "
+             "simulated TTFT of the lone speed-probe requests before and after the rate, median; 1.10 = 10 % slower "
+             "than profiled; TPOT ratio of the same probes beside it, not applied).",
+    "load": " Each rate simulated on the profile rescaled by the machine's speed under that load (load speed factor: "
+            "the workers' timed passes during the rate over the calibrated pass model given what the other workers "
+            "did meanwhile, time-weighted; 1.10 = 10 % slower than profiled; controller/planner/load_speed.py). The "
+            "same ratio per role beside it, not applied.",
+}
+SPEED_COLUMNS = {"probe": "speed factor (TPOT ratio)", "load": "load speed factor (per role)"}
+
+
+def _speed_cell(e: dict) -> str:
+    if e.get("source") == "load":
+        roles = ", ".join(f"{role} {v:.3f}" for role, v in e["by_role"].items())
+        return f"{e['factor']:.3f} ({roles}{'' if e['complete'] else '; passes dropped'})"
+    return f"{e['factor']:.3f} ({_ratio(e['tpot_ratio'])})"
+
+
 def write_markdown(result: dict, path: str) -> None:
     slo = result["slo"]
     repeats = result.get("repeats", 1) > 1
-    probed = result.get("speed") == "probe"
+    speed = result.get("speed", "none")
+    scaled = speed in ("load", "probe")
     lines = [f"# Simulator vs measured: {result['label']}", "", f"`{result['command']}`", "",
              f"Sweep `{result['sweep']}` ({result['workload']}), profile `{result['profile']}` ({result['hardware']}), "
              f"SLOs TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms; simulated attainment is the mean of "
@@ -204,14 +265,12 @@ def write_markdown(result: dict, path: str) -> None:
              + (f" {result['repeats']} repeats of the trace: measured = their requests pooled, simulated = the mean "
                 "over the repeats; each repeat's own measured attainment in the last column."
                 if repeats else "")
-             + (" Each rate simulated on the profile rescaled by the machine's speed then (speed factor: measured / "
-                "simulated TTFT of the lone speed-probe requests before and after the rate, median; 1.10 = 10 % slower "
-                "than profiled; TPOT ratio of the same probes beside it, not applied)." if probed else ""), "",
+             + SPEED_NOTES.get(speed, ""), "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
              "| prefill tok/s over the first tokens: meas. / sim. |" + (" each repeat: meas. |" if repeats else "")
-             + (" speed factor (TPOT ratio) |" if probed else ""),
-             "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "") + ("---|" if probed else "")]
+             + (f" {SPEED_COLUMNS[speed]} |" if scaled else ""),
+             "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "") + ("---|" if scaled else "")]
     for r in result["rows"]:
         m, s, ml, sl = r["measured"], r["simulated"], r["measured_latency_ms"], r["simulated_latency_ms"]
         lo, hi = r["measured_ci95_both"]
@@ -221,8 +280,7 @@ def write_markdown(result: dict, path: str) -> None:
                      f"| {_ms(ml.get('ttft_p50'))} / {_ms(sl.get('ttft_p50'))} | {_ms(ml.get('tpot_p50'))} / {_ms(sl.get('tpot_p50'))} "
                      f"| {_ms(r['prefill_tokens_per_s']['measured'])} / {_ms(r['prefill_tokens_per_s']['simulated'])} |"
                      + (" " + " / ".join(f"{b:.1%}" for b in r["measured_per_repeat_both"]) + " |" if repeats else "")
-                     + (" " + " / ".join(f"{e['factor']:.3f} ({_ratio(e['tpot_ratio'])})" for e in r["speed"]) + " |"
-                        if probed else ""))
+                     + (" " + " / ".join(_speed_cell(e) for e in r["speed"]) + " |" if scaled else ""))
     other = "server" if result["timing"] == "client" else "client"
     beside = [r.get(f"measured_{other}_clock_both") for r in result["rows"]]
     if all(b is not None for b in beside):
@@ -273,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arrivals", default="sent", choices=ARRIVALS,
                     help="simulated arrivals: when each request was sent (sent) or when the trace asked (trace)")
     ap.add_argument("--speed", default="auto", choices=SPEEDS,
-                    help="probe: simulate each rate on the profile rescaled by the sweep's speed probes around it "
-                         "(the machine's speed then); none: the profile as it is; auto (default): probe where every "
-                         "sweep has probes, else none")
+                    help="load: simulate each rate on the profile rescaled by the workers' timed passes during it (the "
+                         "machine's speed under that load); probe: by the sweep's speed probes around it (the idle "
+                         "machine's speed then); none: the profile as it is; auto (default): load where every sweep "
+                         "kept pass logs, else probe where every sweep has probes, else none")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
     args = ap.parse_args(argv)
@@ -292,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for path, sweep in zip(args.sweep[1:], sweeps[1:]):
             check_same_trace(sweeps[0], sweep, f"--sweep {path}")
-        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, args.speed)
+        pass_logs = [_pass_logs.load(path, sweep) for path, sweep in zip(args.sweep, sweeps)]
+        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, args.speed, pass_logs)
     except ValueError as err:  # SweepMismatch too
         ap.error(str(err))
     sweep = sweeps[0]

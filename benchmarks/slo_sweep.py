@@ -18,8 +18,11 @@ Requests go out at their arrival times whatever is still running (open loop), gr
 ``ignore_eos`` and ``max_tokens`` = the trace's output length. A few warm-up requests run first and are
 not recorded. Before every rate and after the last, with the server idle, ``--speed-probes`` lone requests
 of one fixed shape measure how fast the machine runs then (``benchmarks/_speed_probe.py``; recorded with the
-rate, read by ``sim_validate.py``). Each rate has a time limit; requests not finished by then are
-cancelled and recorded as unfinished, and never attain. Errors are recorded, not raised.
+rate, read by ``sim_validate.py``). Against magicserve (``--pass-log auto``), the workers' own timed passes of
+every rate are drained once the rate is over (``DrainPassLog``; a launched server enables it) and kept in
+PREFIX.passes.json.gz (``benchmarks/_pass_logs.py``): how fast the machine ran under that load. Each rate has
+a time limit; requests not finished by then are cancelled and recorded as unfinished, and never attain.
+Errors are recorded, not raised.
 
 Times are taken on the client: TTFT at the first streamed token, TPOT = (last token time - first token
 time) / (tokens - 1), end to end at the final message. Attainment and goodput are
@@ -54,6 +57,7 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import _pass_logs  # noqa: E402
 from benchmarks._speed_probe import probe_latency_ms, probe_prompt_tokens, run_probe  # noqa: E402
 from benchmarks._slo_targets import (GrpcTarget, OpenAITarget, RequestRecord, TargetError,  # noqa: E402
                                      finished_normally, parse_http_url)
@@ -164,6 +168,7 @@ class RateRun:
     duration_s: float
     loop_lag_max_s: float
     speed_probe: list[dict] = field(default_factory=list)  # the probe set sent just before the rate
+    pass_log: list[dict] | None = None  # the workers' passes during the rate (``_pass_logs``); None: not collected
 
 
 async def _watch_loop_lag(lags: list[float], period_s: float = 0.02) -> None:
@@ -249,10 +254,14 @@ async def sweep(target, plans: list[RatePlan], warm: list[tuple[int, list[int]]]
     Returns what the server says about itself and the records of the probe set sent after the last rate."""
     tag = f"slo{random.randrange(16 ** 6):06x}"
     probes = probes or [[] for _ in range(len(plans) + 1)]
+    passes = _pass_logs.PassLogCollector(target) if args.pass_log == "auto" else None
 
-    async def idle_probe(i: int) -> list[dict]:
+    async def wait_idle() -> None:
         if not await target.wait_idle(60.0):
             print("server still busy 60 s after the previous rate; going on", file=sys.stderr)
+
+    async def idle_probe(i: int) -> list[dict]:
+        await wait_idle()
         return await run_probe(target, probes[i], f"{tag}-p{i}") if probes[i] else []
 
     try:
@@ -260,8 +269,13 @@ async def sweep(target, plans: list[RatePlan], warm: list[tuple[int, list[int]]]
         await warm_up(target, warm, plans[0].trace, args, tag)
         for i, plan in enumerate(plans):
             before = await idle_probe(i)
+            if passes:
+                await passes.drain()  # the warm-up's and the probes' passes: not the rate's
             run = await run_rate(target, plan, args, f"{tag}-r{i}")
             run.speed_probe = before
+            if passes:
+                await wait_idle()  # cancelled requests' last passes belong to the rate too
+                run.pass_log = await passes.drain()
             on_rate(plan, run)
         return server, await idle_probe(len(plans))
     finally:
@@ -423,6 +437,13 @@ def write_markdown(result: dict, path: str) -> None:
                          f"| {_fmt_ms(lat['ttft_p50'])} / {_fmt_ms(lat['ttft_p90'])} "
                          f"| {_fmt_ms(lat['tpot_p50'])} / {_fmt_ms(lat['tpot_p90'])} |")
     lines += probe_lines(result)
+    if result.get("pass_log_file"):
+        logs = [r["pass_log"] for r in result["rates"]]
+        dropped = sum(p["dropped"] for p in logs)
+        lines += ["", f"Workers' pass logs (their timed passes during each rate, for `sim_validate.py --speed load`): "
+                  f"`{result['pass_log_file']}`, " + ", ".join(f"{r['rate']:g} req/s {p['passes']}" for r, p in
+                                                               zip(result["rates"], logs))
+                  + " passes; " + (f"**{dropped} dropped** (full logs)." if dropped else "none dropped.")]
     errors = sorted({rec["error"] for r in result["rates"] for rec in r["records"] if rec["error"]})
     if errors:
         lines += ["", "Errors seen: " + "; ".join(f"`{e[:120]}`" for e in errors[:5])]
@@ -529,6 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--speed-probes", type=int, default=3,
                    help="lone requests (a 512-token prompt, 16 tokens out) sent with the server idle before every "
                         "rate and after the last: how fast the machine ran then, for sim_validate (0: none)")
+    w.add_argument("--pass-log", default="auto", choices=["auto", "off"],
+                   help="auto: drain the magicserve workers' timed passes after every rate (DrainPassLog; --launch "
+                        "enables it on the server it starts) into PREFIX.passes.json.gz, for sim_validate's load "
+                        "speed; skipped where the server does not serve it. off: never")
     w.add_argument("--time-limit-s", type=float, default=None,
                    help="per rate, from its start (default: the last arrival + 60 s)")
     s = ap.add_argument_group("SLOs and output")
@@ -657,7 +682,7 @@ def _free_port() -> int:
 def settings_of(args) -> dict:
     keys = ("target", "address", "url", "served_model", "launch", "launch_vllm", "max_model_len", "vllm_kv_space_gib",
             "vllm_args", "workload", "trace", "num_requests", "rates", "cv", "seed", "temperature", "model", "warmup",
-            "speed_probes", "time_limit_s", "ttft_slo_ms", "tpot_slo_ms", "attainment_target", "slo_scales",
+            "speed_probes", "pass_log", "time_limit_s", "ttft_slo_ms", "tpot_slo_ms", "attainment_target", "slo_scales",
             "scale_rate", "label", "cores", "server_nice")
     return {k: getattr(args, k) for k in keys}
 
@@ -669,7 +694,8 @@ def launched_server(args):
 
     if args.launch:
         host, port = args.address.rsplit(":", 1)
-        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s, nice=args.server_nice)
+        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s, nice=args.server_nice,
+                                   pass_log_rpc=args.pass_log == "auto")
     elif args.launch_vllm:
         port = free_port()
         args.url = f"http://127.0.0.1:{port}"
@@ -725,11 +751,24 @@ def new_result(args, argv: list[str] | None) -> dict:
             "settings": None, "rates": []}
 
 
-def record_rate(args, result: dict, plan: RatePlan, run: RateRun) -> None:
-    """Summarise one rate into ``result``, report it, and save what there is so far."""
+def record_rate(args, result: dict, pass_logs: list[dict], plan: RatePlan, run: RateRun) -> None:
+    """Summarise one rate into ``result``, report it, and save what there is so far (the workers' pass logs,
+    when collected, into ``pass_logs`` and PREFIX.passes.json.gz)."""
     row = summarize_rate(plan.rate, [r.to_json() for r in run.records], run.duration_s, plan.time_limit_s,
                          args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, run.loop_lag_max_s, run.speed_probe)
     result["rates"].append(row)
+    if run.pass_log is not None and len(pass_logs) == len(result["rates"]) - 1:  # every rate so far has one
+        row["pass_log"] = _pass_logs.summary(run.pass_log)
+        pass_logs.append({"rate": plan.rate, "instances": run.pass_log})
+        _pass_logs.write(args.out + _pass_logs.SUFFIX, pass_logs)
+        result["pass_log_file"] = os.path.basename(args.out + _pass_logs.SUFFIX)
+        if row["pass_log"]["dropped"]:
+            print(f"pass logs: the workers dropped {row['pass_log']['dropped']} passes of this rate (their logs were "
+                  "full): its load speed reads only the later part", file=sys.stderr)
+    elif result.pop("pass_log_file", None):  # a rate without: the file would not cover the sweep
+        print("pass logs: missing for this rate; the sweep keeps none", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            os.remove(args.out + _pass_logs.SUFFIX)
     a = row["attainment"]
     print(f"rate {plan.rate:g} req/s: attainment both {a['both']:.0%}, TTFT {a['ttft_only']:.0%}, "
           f"TPOT {a['tpot_only']:.0%}; {row['finished']} finished, {row['errors']} errors, "
@@ -752,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_unwinds(), launched_server(args) as server:
             result["settings"] = settings_of(args)
             target = GrpcTarget(args.address) if args.target == "grpc" else OpenAITarget(args.url, args.served_model)
-            on_rate = functools.partial(record_rate, args, result)
+            on_rate = functools.partial(record_rate, args, result, [])
             result["server"], result["speed_probe_after"] = asyncio.run(
                 sweep(target, prepared.plans, prepared.warm, args, on_rate, prepared.probes))
             if server is not None:

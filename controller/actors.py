@@ -101,8 +101,13 @@ class _LoopActor:
 
     def pass_log(self) -> list[dict]:
         """The worker's timed forward passes since the last call (``modeling/pass_log.py``)."""
-        with self._lock:
-            return self._pass_log().drain()
+        return self._pass_log().drain()
+
+    def pass_log_counted(self) -> dict:
+        """``pass_log`` with ``dropped``: passes the log could not keep since the last call
+        (``{"records": [...], "dropped": n}``)."""
+        records, dropped = self._pass_log().take()
+        return {"records": records, "dropped": dropped}
 
     def _pass_log(self):
         return self.worker.pass_log

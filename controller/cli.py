@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a cluster config over gRPC")
     serve.add_argument("--config", default=LOCAL_CONFIG, help="cluster config YAML (default: the embedded local.yaml)")
     serve.add_argument("--port", type=int, default=None, help="override server.port")
+    serve.add_argument("--pass-log-rpc", action="store_true",
+                       help="override server.pass_log_rpc: serve DrainPassLog (the workers' timed passes)")
     gen = sub.add_parser("generate", help="stream a completion from a server")
     _add_client_args(gen)
     _add_sampling_args(gen)
@@ -149,8 +151,9 @@ def cmd_serve(args) -> int:
     from controller.config import load_config
     from controller.server import serve_forever
 
-    overrides = {"server": {"port": args.port}} if args.port is not None else None
-    config = load_config(args.config, overrides)
+    server = {**({"port": args.port} if args.port is not None else {}),
+              **({"pass_log_rpc": True} if args.pass_log_rpc else {})}
+    config = load_config(args.config, {"server": server} if server else None)
 
     def ready(port: int) -> None:
         print(f"magicserve: serving {config.model_path} on {config.server.host}:{port} "

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import grpc
@@ -80,6 +81,19 @@ def to_result(res: pb.GenerateResult) -> Result:
                   usage_dict(res.usage))
 
 
+def pass_log_of(messages: list[pb.InstancePasses]) -> list[dict]:
+    """A ``DrainPassLog`` stream as plain data, one entry per instance (its batches joined, in order):
+    ``name``, ``role``, ``dropped`` and ``records`` (``modeling/pass_log.py``'s dicts: ``kind``, ``end_s``,
+    ``seconds``, ``shape``)."""
+    out: dict[str, dict] = {}
+    for m in messages:
+        inst = out.setdefault(m.name, {"name": m.name, "role": m.role, "dropped": 0, "records": []})
+        inst["dropped"] += int(m.dropped)
+        inst["records"].extend({"kind": p.kind, "end_s": p.end_unix_s, "seconds": p.seconds,
+                                "shape": json.loads(p.shape_json)} for p in m.passes)
+    return list(out.values())
+
+
 def _credentials(tls_ca: str | None):
     if tls_ca is None:
         return None
@@ -115,6 +129,10 @@ class Client:
 
     def status(self) -> pb.ClusterStatus:
         return self._stub.GetClusterStatus(pb.ClusterStatusRequest(), metadata=self._metadata)
+
+    def drain_pass_log(self) -> list[dict]:
+        """The workers' timed passes since the last drain (``pass_log_of``); the server must enable it."""
+        return pass_log_of(list(self._stub.DrainPassLog(pb.PassLogRequest(), metadata=self._metadata)))
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until the channel connects; ``TimeoutError`` (naming the address) after ``timeout_s``."""
@@ -159,6 +177,9 @@ class AsyncClient:
 
     async def status(self) -> pb.ClusterStatus:
         return await self._stub.GetClusterStatus(pb.ClusterStatusRequest(), metadata=self._metadata)
+
+    async def drain_pass_log(self) -> list[dict]:
+        return pass_log_of([m async for m in self._stub.DrainPassLog(pb.PassLogRequest(), metadata=self._metadata)])
 
     async def close(self) -> None:
         await self._channel.close()

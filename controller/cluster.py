@@ -197,6 +197,13 @@ class Cluster:
             out.append(st)
         return out
 
+    async def drain_pass_logs(self) -> list[dict]:
+        """Every live instance's timed passes since the last drain (``modeling/pass_log.py``): per instance
+        ``name``, ``role``, ``records`` and ``dropped`` (passes its log could not keep)."""
+        live = [inst for inst in self.instances if inst.alive]
+        logs = await asyncio.gather(*(asyncio.wait_for(inst.handle.pass_log_counted.remote(), 30.0) for inst in live))
+        return [{"name": inst.name, "role": inst.role, **log} for inst, log in zip(live, logs)]
+
     def shutdown(self) -> None:
         import ray
 

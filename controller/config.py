@@ -170,6 +170,9 @@ class ServerSection:
     auth_token_env: str = ""  # name of an environment variable holding a bearer token ("" = no auth)
     max_message_bytes: int = 4 * 1024 * 1024
     workers: int = 16  # gRPC server threads
+    # DrainPassLog: hand out (and forget) the workers' timed passes, for measuring the cluster in place
+    # (benchmarks/slo_sweep.py). Off by default: a second reader would take records the first expects
+    pass_log_rpc: bool = False
 
     def check(self) -> list[tuple[str, str]]:
         errs = []

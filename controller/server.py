@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -31,6 +32,7 @@ log = logging.getLogger("magicserve.server")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._\-]{1,64}")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+PASS_LOG_BATCH = 2048  # passes per DrainPassLog message (well under the default 4 MiB message limit)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MagicServe"].full_name
 
 
@@ -88,11 +90,15 @@ class RequestValidator:
 
 
 class MagicServeServicer(pb_grpc.MagicServeServicer):
-    def __init__(self, router: Router, validator: RequestValidator, status_fn, model_name: str):
+    """``pass_log_fn``: an async callable returning the instances' drained pass logs
+    (``Cluster.drain_pass_logs``), or None where the config leaves ``DrainPassLog`` off."""
+
+    def __init__(self, router: Router, validator: RequestValidator, status_fn, model_name: str, pass_log_fn=None):
         self.router = router
         self.validator = validator
         self.status_fn = status_fn
         self.model_name = model_name
+        self.pass_log_fn = pass_log_fn
 
     async def _start(self, request, context):
         try:
@@ -138,6 +144,25 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 acceptance_rate=s.get("acceptance_rate", 0.0), mean_accepted_length=s.get("mean_accepted_length", 0.0),
                 tokens_generated=s.get("tokens_generated", 0)) for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name)
+
+
+    async def DrainPassLog(self, request, context):
+        if self.pass_log_fn is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "DrainPassLog is off; enable it with server.pass_log_rpc: true in the config "
+                                "or `magicserve serve --pass-log-rpc`")
+        try:
+            logs = await self.pass_log_fn()
+        except Exception as err:  # an instance that does not answer: say which call failed, not a stack
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"DrainPassLog: {type(err).__name__}: {err}")
+        for log in logs:
+            records = log["records"]
+            for start in range(0, max(1, len(records)), PASS_LOG_BATCH):  # one message even when empty
+                yield pb.InstancePasses(
+                    name=log["name"], role=log["role"], dropped=log["dropped"] if start == 0 else 0,
+                    passes=[pb.TimedPass(kind=r["kind"], end_unix_s=r["end_s"], seconds=r["seconds"],
+                                         shape_json=json.dumps(r["shape"], separators=(",", ":")))
+                            for r in records[start:start + PASS_LOG_BATCH]])
 
 
 def _usage(final: Final | None) -> pb.Usage:
@@ -230,7 +255,8 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         router = build_router(config, cluster)
         router.start()
         validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens)
-        servicer = MagicServeServicer(router, validator, cluster.statuses, os.path.basename(config.model_path))
+        servicer = MagicServeServicer(router, validator, cluster.statuses, os.path.basename(config.model_path),
+                                      cluster.drain_pass_logs if config.server.pass_log_rpc else None)
         server, port, health_servicer = await start_server(config, servicer)
         log.info("serving magicserve.v1 on %s:%d", config.server.host, port)
         if ready_callback is not None:

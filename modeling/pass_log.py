@@ -3,14 +3,17 @@
 The profiler times passes on an idle machine; a worker serving real traffic shares its cores with the
 rest of the cluster. Each worker keeps its last passes here (kind, shape, duration, wall-clock end, so
 passes of different processes can be lined up) and hands them over on request
-(``benchmarks/serving_interference.py``). Recording is a deque append per pass.
+(``benchmarks/serving_interference.py``, calibration, and the ``DrainPassLog`` RPC the SLO sweep reads while it
+loads the server). Recording is a deque append per pass; handing over swaps the deque under a lock of its own,
+so the worker's loop never waits for records being converted.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 PASS_KINDS = ("prefill", "decode", "draft", "verify", "step", "mixed")
 
@@ -34,23 +37,37 @@ class PassRecord:
 
 
 class PassLog:
-    """The last ``capacity`` passes of one worker (older ones drop off)."""
+    """The last ``capacity`` passes of one worker (older ones drop off, counted). Thread-safe: the worker
+    records on its loop thread, a caller drains from another."""
 
-    def __init__(self, capacity: int = 8192):
+    def __init__(self, capacity: int = 65536):
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        self._capacity = capacity
         self._records: deque[PassRecord] = deque(maxlen=capacity)
+        self._dropped = 0
+        self._lock = threading.Lock()
 
     def record(self, kind: str, seconds: float, **shape) -> None:
         if kind not in PASS_KINDS:
             raise ValueError(f"kind: must be one of {list(PASS_KINDS)}, got {kind!r}")
-        self._records.append(PassRecord(kind, time.time(), seconds, shape))
+        rec = PassRecord(kind, time.time(), seconds, shape)
+        with self._lock:
+            if len(self._records) == self._capacity:
+                self._dropped += 1
+            self._records.append(rec)
+
+    def take(self) -> tuple[list[dict], int]:
+        """(every kept record as a plain dict, oldest first; how many dropped off since the last
+        ``take`` / ``drain``); the log is emptied."""
+        with self._lock:
+            records, self._records = self._records, deque(maxlen=self._capacity)
+            dropped, self._dropped = self._dropped, 0
+        return [{"kind": r.kind, "end_s": r.end_s, "seconds": r.seconds, "shape": r.shape} for r in records], dropped
 
     def drain(self) -> list[dict]:
         """Every kept record as a plain dict (oldest first); the log is emptied."""
-        out = [asdict(r) for r in self._records]
-        self._records.clear()
-        return out
+        return self.take()[0]
 
     def __len__(self) -> int:
         return len(self._records)

@@ -110,6 +110,13 @@ def test_instances_hand_over_their_mixed_passes(server):
     assert [r["shape"]["decode_kv_tokens"] for r in records if r["shape"]["decode_seqs"]] == list(range(101, 112))
 
 
+def test_pass_log_rpc_is_off_unless_configured(server):
+    with Client(server) as c, pytest.raises(grpc.RpcError) as info:
+        c.drain_pass_log()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "server.pass_log_rpc" in info.value.details() and "--pass-log-rpc" in info.value.details()
+
+
 def test_concurrent_greedy_equals_reference(server, reference):
     prompts = prompts_of([4, 33, 120, 9], seed=1)
     expected = [c.token_ids for c in reference.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]

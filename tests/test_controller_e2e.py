@@ -27,6 +27,7 @@ def server(llama_dir):
         decode={"instances": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 5},
+        server={"port": 0, "pass_log_rpc": True},
     )
     with running_server(cfg) as address:
         yield address
@@ -143,20 +144,25 @@ def test_queue_limit_gives_resource_exhausted(server):
 
 
 def test_workers_hand_over_their_timed_passes(server):
-    """modeling/pass_log.py through the actors: what benchmarks/serving_interference.py reads."""
+    """modeling/pass_log.py through the DrainPassLog RPC (what benchmarks/slo_sweep.py reads) and through
+    the actors (what the calibration and benchmarks/serving_interference.py read)."""
     import ray
 
     prefill = ray.get_actor("magicserve-prefill-0", namespace="magicserve")
-    decodes = [ray.get_actor(f"magicserve-decode-{i}", namespace="magicserve") for i in range(2)]
-    for actor in (prefill, *decodes):
-        ray.get(actor.pass_log.remote())  # drop the passes of earlier tests
-    ids, last = stream_ids(server, prompts_of([100], seed=7)[0], max_tokens=12, ignore_eos=True)
+    with Client(server) as c:
+        c.drain_pass_log()  # drop the passes of earlier tests
+        ids, last = stream_ids(server, prompts_of([100], seed=7)[0], max_tokens=12, ignore_eos=True)
+        drained = c.drain_pass_log()
+        assert all(not inst["records"] for inst in c.drain_pass_log())  # handed over once
     assert len(ids) == 12 and last.finish_reason == "length"
-    passes = ray.get(prefill.pass_log.remote())
+    assert [(i["name"], i["role"], i["dropped"]) for i in drained] == [
+        ("prefill-0", "prefill", 0), ("decode-0", "decode", 0), ("decode-1", "decode", 0)]
+    passes = drained[0]["records"]
     assert {r["kind"] for r in passes} == {"prefill"} and all(r["seconds"] > 0 for r in passes)
+    assert all(abs(r["end_s"] - time.time()) < 300 for r in passes)  # wall-clock ends
     # chunk_tokens 64: the 100-token prompt is prefilled as [0, 64) then [64, 100)
     assert [c for r in passes for c in r["shape"]["chunks"]] == [[0, 64], [64, 36]]
-    logs = [ray.get(actor.pass_log.remote()) for actor in decodes]
+    logs = [inst["records"] for inst in drained[1:]]
     records = [r for log in logs for r in log]
     steps = [r for r in records if r["kind"] == "step"]
     decoded = [r for r in records if r["kind"] in ("decode", "verify")]
@@ -180,7 +186,10 @@ def test_workers_hand_over_their_timed_passes(server):
                 since_step += r["seconds"]
     assert all(r["shape"]["seqs"] == 1 and r["shape"]["kv_tokens"] > 100 for r in decoded)
     assert sum(r["shape"]["new_tokens"] for r in decoded) >= 11  # every token after the first was verified
-    assert ray.get(prefill.pass_log.remote()) == []  # handed over once
+    # the actors hand over the same logs directly
+    stream_ids(server, prompts_of([20], seed=8)[0], max_tokens=2, ignore_eos=True)
+    assert [c for r in ray.get(prefill.pass_log.remote()) for c in r["shape"]["chunks"]] == [[0, 20]]
+    assert ray.get(prefill.pass_log.remote()) == []
 
 
 def test_killed_decode_actor_does_not_take_the_service_down(server, reference):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from benchmarks.sim_validate import wilson_interval
@@ -228,3 +230,56 @@ def test_speed_probes_rescale_the_profile_rate_by_rate():
     # the slower machine serves the same requests later
     assert result["rows"][1]["simulated_latency_ms"]["ttft_p50"] > \
         compare(sweep, profile, config, seeds=1, speed="none")["rows"][1]["simulated_latency_ms"]["ttft_p50"]
+
+
+def _mixed_log(factor: float, seed: int = 0) -> list[dict]:
+    """A colocated rate's drained pass logs (two instances, ``modeling/pass_log.py`` records): mixed steps
+    of prompt chunks and decode tokens; ``factor`` stretches every duration and gap (a slower machine)."""
+    rng = random.Random(seed)
+    instances = []
+    for k in range(2):
+        t, records = 1.8e9 + factor * 0.01 * k, []
+        for _ in range(200):
+            chunks = [[0, rng.randrange(16, 256)]] if rng.random() < 0.3 else []
+            seqs = rng.randrange(0 if chunks else 1, 6)
+            seconds = factor * rng.uniform(0.01, 0.05)
+            records.append({"kind": "mixed", "end_s": t + seconds, "seconds": seconds,
+                            "shape": {"chunks": chunks, "decode_seqs": seqs, "decode_kv_tokens": 300 * seqs}})
+            t += seconds + factor * rng.uniform(0.0, 0.01)
+        instances.append({"name": f"colocated-{k}", "role": "colocated", "dropped": 0, "records": records})
+    return instances
+
+
+def test_load_speed_rescales_the_profile_rate_by_rate(tmp_path):
+    """A sweep whose workers' passes ran 25 % slower at its second rate than at its first: the second rate
+    is simulated on a profile 1.25x as slow as the first's (``--speed load``, chosen by auto); the logs
+    travel beside the sweep (``PREFIX.passes.json.gz``); --speed load without them is refused."""
+    import json
+    import os
+
+    from benchmarks import _pass_logs, sim_validate
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    sweep = _sweep({2.0: [0.3] * 8, 3.0: [0.3] * 8})
+    json.dump(sweep, open(tmp_path / "s.json", "w"))
+    common = ["--sweep", str(tmp_path / "s.json"), "--config", os.path.join(root, "cluster_configs", "local-colocated.yaml"),
+              "--profile", os.path.join(root, "benchmarks", "results", "same_session_14", "profile_local_cpu.json"),
+              "--seeds", "1"]
+    with pytest.raises(SystemExit):
+        sim_validate.main(common + ["--speed", "load", "--out", str(tmp_path / "v0")])
+    _pass_logs.write(str(tmp_path / "s.passes.json.gz"), [{"rate": 2.0, "instances": _mixed_log(1.0)},
+                                                          {"rate": 3.0, "instances": _mixed_log(1.25)}])
+    sweep["pass_log_file"] = "s.passes.json.gz"
+    json.dump(sweep, open(tmp_path / "s.json", "w"))
+    assert sim_validate.main(common + ["--out", str(tmp_path / "v")]) == 0
+    result = json.load(open(tmp_path / "v.json"))
+    assert result["speed"] == "load"
+    (first,), (second,) = (row["speed"] for row in result["rows"])
+    assert first["source"] == "load" and first["passes"] == 400 and first["complete"]
+    assert second["factor"] / first["factor"] == pytest.approx(1.25, rel=1e-6)
+    assert set(first["by_role"]) == {"colocated"}
+    assert "load speed factor" in open(tmp_path / "v.md").read()
+    # probes still selectable by name; a log whose rates differ from the sweep's is refused
+    _pass_logs.write(str(tmp_path / "s.passes.json.gz"), [{"rate": 2.0, "instances": _mixed_log(1.0)}])
+    with pytest.raises(SystemExit):
+        sim_validate.main(common + ["--out", str(tmp_path / "v1")])

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from benchmarks import slo_compare, slo_sweep
+from benchmarks import _pass_logs, slo_compare, slo_sweep
 from benchmarks._slo_targets import ChunkedDecoder, OpenAITarget, RequestRecord, SSEParser, TargetError
 from controller.defaults import DEFAULT_MODEL_DIR
 from controller.planner.workload import RequestSpec, save_trace
@@ -307,7 +307,7 @@ def server(llama_dir):
         "prefill": {"kv_cache_tokens": 2048, "attention_backend": "torch", "chunk_tokens": 64},
         "decode": {"kv_cache_tokens": 2048, "attention_backend": "torch",
                    "speculation": {"k_policy": "fixed", "k": 2, "budget": 32, "sink_tokens": 4}},
-        "server": {"port": 0},
+        "server": {"port": 0, "pass_log_rpc": True},
         "kv_transfer": {"timeout_s": 10},
     })
     with running_server(cfg) as address:
@@ -332,6 +332,18 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
             assert 0 < p["server_ttft_s"] <= p["ttft_s"] and p["wall_time"] > 0
     assert row["speed_probe"][0]["wall_time"] < result["speed_probe_after"][0]["wall_time"]
     assert "Speed probes" in open(out + ".md").read()
+    # the workers' passes of the rate, and only of the rate (not the warm-up's or the probes'): one prefill
+    # chunk per prompt (chunk_tokens 64), speculative decode steps (fixed k = 2)
+    (logged,) = _pass_logs.load(out + ".json", result)
+    assert result["pass_log_file"] == "sweep.passes.json.gz" and logged["rate"] == 2.0
+    assert [(i["name"], i["role"]) for i in logged["instances"]] == [("prefill-0", "prefill"), ("decode-0", "decode")]
+    prefill, decode = (i["records"] for i in logged["instances"])
+    assert sorted(c[1] for r in prefill for c in r["shape"]["chunks"]) == [24, 40, 64]
+    assert {r["kind"] for r in decode} == {"draft", "verify", "step"} or {r["kind"] for r in decode} == {
+        "draft", "verify", "decode", "step"}
+    assert all(r["end_s"] > row["speed_probe"][-1]["wall_time"] for r in prefill + decode)  # after the probes
+    assert row["pass_log"]["passes"] == len(prefill) + len(decode) and _pass_logs.complete(logged["instances"])
+    assert "Workers' pass logs" in open(out + ".md").read()
     assert row["rate"] == 2.0 and row["requests"] == 3
     for r, (p, o) in zip(row["records"], [(40, 8), (64, 12), (24, 6)]):
         assert r["error"] is None, r
@@ -348,3 +360,18 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
     assert result["settings"]["rates"] == [2.0] and "goodput" in result
     for suffix in ("_rate.png", "_scale.png", ".md"):
         assert os.path.getsize(out + suffix) > 0
+
+
+def test_pass_log_collection_stops_quietly_where_the_server_refuses(capsys):
+    """A server without DrainPassLog (or an OpenAI-compatible one): the sweep says so once and goes on."""
+    class Refusing:
+        calls = 0
+
+        async def drain_pass_log(self):
+            Refusing.calls += 1
+            raise TargetError("DrainPassLog: FAILED_PRECONDITION: DrainPassLog is off")
+
+    collector = _pass_logs.PassLogCollector(Refusing())
+    assert asyncio.run(collector.drain()) is None and asyncio.run(collector.drain()) is None
+    assert Refusing.calls == 1 and capsys.readouterr().err.count("not collected") == 1
+    assert asyncio.run(_pass_logs.PassLogCollector(OpenAITarget("http://127.0.0.1:1")).drain()) is None

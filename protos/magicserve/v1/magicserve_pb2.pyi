@@ -159,3 +159,31 @@ class ClusterStatus(_message.Message):
     running_requests: int
     model: str
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class PassLogRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TimedPass(_message.Message):
+    __slots__ = ("kind", "end_unix_s", "seconds", "shape_json")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_JSON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    end_unix_s: float
+    seconds: float
+    shape_json: str
+    def __init__(self, kind: _Optional[str] = ..., end_unix_s: _Optional[float] = ..., seconds: _Optional[float] = ..., shape_json: _Optional[str] = ...) -> None: ...
+
+class InstancePasses(_message.Message):
+    __slots__ = ("name", "role", "passes", "dropped")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    passes: _containers.RepeatedCompositeFieldContainer[TimedPass]
+    dropped: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., passes: _Optional[_Iterable[_Union[TimedPass, _Mapping]]] = ..., dropped: _Optional[int] = ...) -> None: ...

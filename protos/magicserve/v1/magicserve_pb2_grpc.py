@@ -49,6 +49,11 @@ class MagicServeStub:
                 request_serializer=magicserve_dot_v1_dot_magicserve__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=magicserve_dot_v1_dot_magicserve__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.DrainPassLog = channel.unary_stream(
+                '/magicserve.v1.MagicServe/DrainPassLog',
+                request_serializer=magicserve_dot_v1_dot_magicserve__pb2.PassLogRequest.SerializeToString,
+                response_deserializer=magicserve_dot_v1_dot_magicserve__pb2.InstancePasses.FromString,
+                _registered_method=True)
 
 
 class MagicServeServicer:
@@ -75,6 +80,16 @@ class MagicServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainPassLog(self, request, context):
+        """The forward passes every worker timed since the last call (and forgets them): kind, duration,
+        wall-clock end and shape, for measuring a cluster in place. Streamed in batches (an instance's
+        passes may span several messages, in order). Off unless the server enables it (server.pass_log_rpc,
+        or `magicserve serve --pass-log-rpc`): FAILED_PRECONDITION otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MagicServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_MagicServeServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=magicserve_dot_v1_dot_magicserve__pb2.ClusterStatusRequest.FromString,
                     response_serializer=magicserve_dot_v1_dot_magicserve__pb2.ClusterStatus.SerializeToString,
+            ),
+            'DrainPassLog': grpc.unary_stream_rpc_method_handler(
+                    servicer.DrainPassLog,
+                    request_deserializer=magicserve_dot_v1_dot_magicserve__pb2.PassLogRequest.FromString,
+                    response_serializer=magicserve_dot_v1_dot_magicserve__pb2.InstancePasses.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class MagicServe:
             '/magicserve.v1.MagicServe/GetClusterStatus',
             magicserve_dot_v1_dot_magicserve__pb2.ClusterStatusRequest.SerializeToString,
             magicserve_dot_v1_dot_magicserve__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainPassLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/magicserve.v1.MagicServe/DrainPassLog',
+            magicserve_dot_v1_dot_magicserve__pb2.PassLogRequest.SerializeToString,
+            magicserve_dot_v1_dot_magicserve__pb2.InstancePasses.FromString,
             options,
             channel_credentials,
             insecure,
