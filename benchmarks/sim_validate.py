@@ -156,7 +156,7 @@ def speed_factors(speed: str, profile: Profile, config: SimConfig, sweeps: list[
             instances = logs[index]["instances"]
             est = load_speed(profile, config.mode, _pass_logs.rows_of(instances), drafter)
             out.append({"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
-                        "busy_s": est.busy_s, "complete": _pass_logs.complete(instances)})
+                        "busy_s": est.busy_s, "complete": _pass_logs.complete(instances), "_estimate": est})
         return out
     if speed == "probe":
         return [{"source": "probe", **_probe_record(speed_of(profile, config, probes_around(sw, index), timing))}
@@ -191,7 +191,8 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
             raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
         speeds = speed_factors(speed, profile, config, sweeps, pass_logs, i, timing)
-        profiles = [profile.at_speed(e["factor"]) for e in speeds] if speeds else [profile] * len(repeats)
+        profiles = ([e.pop("_estimate").apply(profile) if e["source"] == "load" else profile.at_speed(e["factor"])
+                     for e in speeds] if speeds else [profile] * len(repeats))
         sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals) for p, row in zip(profiles, repeats)]
         pooled = [r for row in repeats for r in row["records"]]
         simulated = _mean_of([sim["attainment"] for sim in sims])
@@ -234,10 +235,11 @@ SPEED_NOTES = {
     "probe": " Each rate simulated on the profile rescaled by the machine's speed then (speed factor: measured / "
              "simulated TTFT of the lone speed-probe requests before and after the rate, median; 1.10 = 10 % slower "
              "than profiled; TPOT ratio of the same probes beside it, not applied).",
-    "load": " Each rate simulated on the profile rescaled by the machine's speed under that load (load speed factor: "
-            "the workers' timed passes during the rate over the calibrated pass model given what the other workers "
-            "did meanwhile, time-weighted; 1.10 = 10 % slower than profiled; controller/planner/load_speed.py). The "
-            "same ratio per role beside it, not applied.",
+    "load": " Each rate simulated on the profile rescaled, role by role, by the machine's speed under that load (the "
+            "workers' timed passes and steps during the rate over what the simulator charges for them, given what "
+            "the other workers did meanwhile; 1.10 = 10 % slower than the profile says; "
+            "controller/planner/load_speed.py): the per-role factors are applied, the time-weighted one scales the "
+            "per-step contention terms.",
 }
 SPEED_COLUMNS = {"probe": "speed factor (TPOT ratio)", "load": "load speed factor (per role)"}
 

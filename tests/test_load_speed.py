@@ -1,7 +1,7 @@
 """controller/planner/load_speed.py: the machine's speed under load, read from the workers' pass logs against
 the calibrated pass model; and interference.activities (what it reads) against a brute-force oracle.
 
-The recorded profile of session 14 keeps its calibration bursts' passes (the model's baseline)."""
+The recorded profile of session 14 keeps its calibration bursts' passes: real timelines with contention."""
 
 from __future__ import annotations
 
@@ -11,12 +11,18 @@ import random
 import pytest
 
 from controller.planner import interference
-from controller.planner.load_speed import burst_rows, load_speed, role_baselines
-from controller.planner.profile import Profile, ProfileError
+from controller.planner.calibrate import BURST_PASS_KINDS, burst_passes_kind, passes_key
+from controller.planner.load_speed import LoadSpeed, load_speed
+from controller.planner.profile import Profile
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 PROFILE = os.path.join(ROOT, "benchmarks", "results", "same_session_14", "profile_local_cpu.json")
-MODES = ("disaggregated", "colocated")
+
+
+def burst_rows(profile: Profile, mode: str) -> list[dict]:
+    """The calibration burst's passes of ``mode`` kept in the profile: a real cluster's timeline."""
+    return [{"kind": kind, **row} for kind in BURST_PASS_KINDS
+            for row in profile.samples.get(passes_key(mode, burst_passes_kind(kind)), [])]
 
 
 @pytest.fixture(scope="module")
@@ -31,37 +37,79 @@ def slowed(rows: list[dict], factor: float) -> list[dict]:
     return [{**r, "seconds": factor * r["seconds"], "end_s": t0 + factor * (r["end_s"] - t0)} for r in rows]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_calibration_burst_itself_runs_at_speed_one(profile, mode):
-    est = load_speed(profile, mode, burst_rows(profile, mode))
-    assert est.factor == pytest.approx(1.0, abs=1e-9)
-    assert all(v == pytest.approx(1.0, abs=1e-9) for v in est.by_role.values())
-    assert set(est.by_role) == ({"prefill", "decode"} if mode == "disaggregated" else {"colocated"})
-    assert est.passes == sum(r["kind"] != "step" for r in burst_rows(profile, mode))
+def priced_timeline(profile: Profile, prefill_factor: float, decode_factor: float, step_extra_s: float = 0.0):
+    """A disaggregated window whose passes take ``prefill_factor`` / ``decode_factor`` times what the simulator
+    charges (no contention in ``profile``): prefill passes on worker 0; on worker 1, speculative steps of a
+    verify pass and a k = 2 draft record, then the step record (its passes' time plus ``step_extra_s``)."""
+    cal = profile.calibration("disaggregated")
+    rows, t = [], 1.8e9
+    for n in range(1, 41):
+        row = {"kind": "prefill", "worker": 0, **interference.prefill_features([(0, 16 * n)])}
+        row["seconds"] = prefill_factor * interference.predicted_s(profile, row) * cal.prefill_busy_scale
+        row["end_s"] = t + row["seconds"]
+        t = row["end_s"]
+        rows.append(row)
+    t = 1.8e9
+    for n in range(1, 81):
+        seqs = 1 + n % 6
+        verify = {"kind": "verify", "worker": 1, "passes": 1, "seqs": seqs, "kv_tokens": 300 * seqs,
+                  "new_tokens": 3 * seqs, "k": 0}
+        draft = {"kind": "draft", "worker": 1, "passes": 2, "seqs": 2 * seqs, "kv_tokens": 64 * seqs,
+                 "new_tokens": 2 * seqs, "k": 0}
+        step_s = 0.0
+        for row, scale in ((draft, cal.draft_pass_scale), (verify, cal.verify_pass_scale)):
+            row["seconds"] = decode_factor * interference.predicted_s(profile, row, DRAFTER) * scale * cal.decode_scale
+            row["end_s"] = t + step_s + row["seconds"]
+            step_s += row["seconds"]
+        step = {"kind": "step", "worker": 1, "passes": 1, "seqs": seqs, "kv_tokens": 0, "new_tokens": 0, "k": 2,
+                "seconds": step_s + step_extra_s, "end_s": t + step_s + step_extra_s}
+        t = step["end_s"]
+        rows += [draft, verify, step]
+    return rows
 
 
-@pytest.mark.parametrize("mode", MODES)
+DRAFTER = "self_sparse"  # the recorded profile's drafter
+
+
+def test_passes_at_the_simulators_price_read_their_factor_per_role(profile):
+    quiet = profile.without_contention()
+    est = load_speed(quiet, "disaggregated", priced_timeline(quiet, 0.8, 1.3), DRAFTER)
+    assert est.by_role == {"decode": pytest.approx(1.3), "prefill": pytest.approx(0.8)}
+    assert min(est.by_role.values()) < est.factor < max(est.by_role.values())  # time-weighted between them
+    assert est.passes == 40 + 2 * 80
+    # the decode role's time is its whole steps: work beyond the passes reads as a slower decode role
+    slower = load_speed(quiet, "disaggregated", priced_timeline(quiet, 0.8, 1.3, step_extra_s=0.01), DRAFTER)
+    assert slower.by_role["decode"] > 1.35 and slower.by_role["prefill"] == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 @pytest.mark.parametrize("factor", [0.8, 1.3])
-def test_a_uniformly_slower_machine_reads_as_that_factor(profile, mode, factor):
+def test_a_uniformly_slower_machine_reads_that_much_slower(profile, mode, factor):
     """Busy shares are unchanged, steps per second fall by the factor; the per-step contention terms are
-    seconds per step and scale with the machine (Profile.at_speed): the fixed point is exactly the factor."""
-    est = load_speed(profile, mode, slowed(burst_rows(profile, mode), factor))
-    assert est.factor == pytest.approx(factor, rel=1e-6)
-    assert all(v == pytest.approx(factor, rel=1e-6) for v in est.by_role.values())
+    seconds per step and scale with the machine (Profile.at_speed): the fixed point moves by the factor."""
+    rows = burst_rows(profile, mode)
+    base, est = load_speed(profile, mode, rows), load_speed(profile, mode, slowed(rows, factor))
+    assert est.factor == pytest.approx(factor * base.factor, rel=1e-6)
+    assert est.by_role == {role: pytest.approx(factor * v, rel=1e-4) for role, v in base.by_role.items()}
+    assert set(est.by_role) == ({"prefill", "decode"} if mode == "disaggregated" else {"colocated"})
 
 
-def test_one_slower_role_moves_its_own_ratio_most(profile):
-    rows = [{**r, "seconds": 1.4 * r["seconds"]} if r["kind"] == "prefill" else r
-            for r in burst_rows(profile, "disaggregated")]
-    est = load_speed(profile, "disaggregated", rows)
-    assert est.by_role["prefill"] > 1.3 and est.by_role["decode"] < 1.1
-    assert 1.0 < est.factor < est.by_role["prefill"]  # time-weighted between the roles
+def test_role_speeds_rescale_their_own_terms(profile):
+    assert profile.at_role_speeds(1.2, 1.2, 1.2) == profile.at_speed(1.2)
+    faster_prefill = profile.at_role_speeds(0.5, 1.0, 1.0)
+    assert faster_prefill.prefill_model(1).coefficients == tuple(0.5 * c for c in profile.prefill_model(1).coefficients)
+    assert faster_prefill.target_model(1) == profile.target_model(1)
+    assert faster_prefill.kv_transfer.coefficients == tuple(0.5 * c for c in profile.kv_transfer.coefficients)
+    cal, new = profile.calibration("disaggregated"), faster_prefill.calibration("disaggregated")
+    assert (new.ttft_overhead_s, new.decode_start_s) == (0.5 * cal.ttft_overhead_s, cal.decode_start_s)
+    est = LoadSpeed(0.9, {"prefill": 0.5, "decode": 1.0}, 1, {})
+    assert est.apply(profile).calibration("disaggregated").contention_output_s == pytest.approx(
+        0.9 * cal.contention_output_s)
+    with pytest.raises(ValueError, match="decode"):
+        profile.at_role_speeds(1.0, 0.0, 1.0)
 
 
-def test_missing_inputs_are_errors_that_say_what_to_do(profile):
-    bare = Profile.load(os.path.join(ROOT, "benchmarks", "results", "profile_local_cpu.json"))  # no stored bursts
-    with pytest.raises(ProfileError, match="--calibrate-only"):
-        role_baselines(bare, "colocated")
+def test_missing_inputs_are_errors(profile):
     with pytest.raises(ValueError, match="no timed passes"):
         load_speed(profile, "colocated", [])
     draft = {"kind": "draft", "seconds": 0.01, "end_s": 1e9, "passes": 2, "seqs": 1, "kv_tokens": 60,

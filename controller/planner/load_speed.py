@@ -7,25 +7,28 @@ than the loaded run turned out to be (``benchmarks/results/same_session_14``). T
 *during* the load, from the passes the workers timed then (``modeling/pass_log.py``, drained through the
 ``DrainPassLog`` RPC by ``benchmarks/slo_sweep.py``).
 
-Each timed pass is priced by the calibrated pass model, the one the simulator runs, given what the rest of
-the cluster measurably did during it:
+Each role's time is priced exactly as the simulator prices its steps (``sim_instances``), given what the
+rest of the cluster measurably did meanwhile:
 
-    modelled = profiled time (``interference.predicted_s``) x kind scale x contention x role baseline
+* a prefill pass: profiled time x ``prefill_busy_scale``;
+* a decode step: its verify (or plain decode) and draft passes, each profiled time x its kind's scale
+  (``verify_pass_scale``, ``draft_pass_scale``), summed, x ``decode_scale``; measured as the whole step
+  (the worker's ``step`` records: passes plus the step's own work, which ``decode_scale`` covers);
+* a colocated (mixed) step: ``mixed_pass_seconds`` with both scales;
 
-* kind scale: ``verify_pass_scale`` / ``draft_pass_scale`` for speculative passes (1 otherwise);
-* contention: ``1 + (contention_scale - 1) x busy share + F x (contention_step_s x steps/s +
-  contention_output_s x outputs/s)`` with the other workers' busy share, steps and outputs measured from
-  their logged passes (``interference.activities``; the per-step terms are seconds per step, so they scale
-  with the speed F, as in ``Profile.at_speed``);
-* role baseline: measured / modelled of the same role's passes in the calibration burst the contention terms
-  were fitted to (stored in the profile's samples): what the model leaves out on average at the profile's
-  own speed (the reference ratio of passes that ran alone, the skew of the spread), so that the burst itself
-  reads exactly 1.
+each times the contention factor ``1 + (contention_scale - 1) x busy share + F x (contention_step_s x
+steps/s + contention_output_s x outputs/s)``, with the other workers' busy share, steps and outputs measured
+from their logged passes (``interference.activities``; the per-step terms are seconds per step and scale
+with the speed F, as in ``Profile.at_speed``). The step-time spread the simulator draws has mean 1.
 
-The **load speed factor** F solves F = sum(measured) / sum(modelled(F)) over every timed pass of the window
-(time-weighted: a role counts as long as it was busy); ``Profile.at_speed(F)`` is then the profile of the
-machine as it ran. It uses what the rate itself did (its passes), not its latencies: the simulator still has
-to get the queueing, batching and attainment right from that speed.
+A role's **speed factor** is its measured time over its priced time (1.0: as the simulator assumes; 0.8:
+20 % faster). ``LoadSpeed.apply`` rescales the profile role by role (``Profile.at_role_speeds``): the prefill
+model, the KV transfer and the TTFT overhead by the prefill role's factor, the target and draft models and
+the decode start by the decode role's, the per-step contention terms by the time-weighted factor of all
+roles (``factor``, the fixed point F above). Colocated instances are one role.
+
+It reads what the rate itself did (its passes), not its latencies: the simulator still has to get the
+queueing, batching, transfers and attainment right from those speeds.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.planner.interference import (ROLE_OF_KIND, PassActivity, activities, contention_variable,
-                                             output_variable, predicted_s)
-from controller.planner.profile import Calibration, Profile, ProfileError
+                                             output_variable, worker_of)
+from controller.planner.profile import Calibration, Profile, mixed_pass_seconds
 
 FIXED_POINT_ITERATIONS = 50
 FIXED_POINT_TOLERANCE = 1e-12
@@ -42,29 +45,25 @@ FIXED_POINT_TOLERANCE = 1e-12
 
 @dataclass(frozen=True)
 class LoadSpeed:
-    """The speed of the machine over a window of passes, relative to the profile (1.0: as profiled; 1.2:
-    20 % slower). ``by_role``: the same ratio over one role's passes alone (reported, not applied)."""
+    """The speed of the machine over a window of passes relative to what the simulator assumes (1.0: as
+    profiled; 1.2: 20 % slower): ``by_role`` per role (measured / priced time), ``factor`` over all of them
+    (time-weighted)."""
 
     factor: float
     by_role: dict[str, float]
     passes: int
-    busy_s: dict[str, float]  # seconds of timed passes per role
+    busy_s: dict[str, float]  # measured seconds per role (decode: its whole steps)
 
-
-def burst_rows(profile: Profile, mode: str) -> list[dict]:
-    """The calibration burst's pass rows of ``mode`` stored in ``profile`` (``calibrate.calibrate``)."""
-    from controller.planner.calibrate import BURST_PASS_KINDS, burst_passes_kind, passes_key
-
-    rows = [{"kind": kind, **row} for kind in BURST_PASS_KINDS
-            for row in profile.samples.get(passes_key(mode, burst_passes_kind(kind)), [])]
-    if not any(r["kind"] != "step" for r in rows):
-        raise ProfileError(f"profile has no calibration-burst passes for mode {mode!r} (samples "
-                           f"'{passes_key(mode, 'burst_*')}'); calibrate it with `magicserve profile --calibrate-only`")
-    return rows
+    def apply(self, profile: Profile) -> Profile:
+        """``profile`` on the machine as it ran: each role at its own factor."""
+        if "prefill" in self.by_role or "decode" in self.by_role:
+            return profile.at_role_speeds(self.by_role.get("prefill", self.factor),
+                                          self.by_role.get("decode", self.factor), self.factor)
+        return profile.at_speed(self.factor)
 
 
 def kind_scale(cal: Calibration, kind: str) -> float:
-    """The calibrated in-place speed of a pass kind relative to the profile's plain passes."""
+    """The calibrated in-place speed of a decode-role pass kind relative to a plain decode pass."""
     return {"verify": cal.verify_pass_scale, "draft": cal.draft_pass_scale}.get(kind, 1.0)
 
 
@@ -73,52 +72,59 @@ def _contention(cal: Calibration, a: PassActivity, speed: float) -> float:
             + speed * (cal.contention_step_s * contention_variable(a) + cal.contention_output_s * output_variable(a)))
 
 
-def _priced(profile: Profile, cal: Calibration, rows: list[dict], drafter: str | None
-            ) -> list[tuple[PassActivity, float]]:
-    """Each timed pass's activity and its profiled time times its kind scale."""
-    acts = activities(profile, rows, drafter)
-    return [(a, a.seconds / a.ratio * kind_scale(cal, a.kind)) for a in acts]
+def simulated_price(profile: Profile, cal: Calibration, row: dict, activity: PassActivity) -> float:
+    """What the simulator charges for a logged pass before contention: its profiled time (``activity``'s
+    measured time over its ratio) times the step scales of its role and kind."""
+    profiled = activity.seconds / activity.ratio
+    if row["kind"] == "prefill":
+        return profiled * cal.prefill_busy_scale
+    if row["kind"] == "mixed":
+        return mixed_pass_seconds(profile.prefill_model(1), profile.target_model(1), row, int(row["decode_seqs"]),
+                                  int(row["decode_kv_tokens"]), cal.prefill_busy_scale, cal.decode_scale)
+    return profiled * kind_scale(cal, row["kind"]) * cal.decode_scale
 
 
-def _ratios(cal: Calibration, priced: list[tuple[PassActivity, float]], speed: float,
-            baseline: dict[str, float]) -> dict[str, tuple[float, float]]:
-    """Per role: (measured seconds, modelled seconds at ``speed``)."""
-    out: dict[str, tuple[float, float]] = {}
-    for a, base in priced:
-        role = ROLE_OF_KIND[a.kind]
-        measured, modelled = out.get(role, (0.0, 0.0))
-        out[role] = (measured + a.seconds, modelled + base * _contention(cal, a, speed) * baseline.get(role, 1.0))
+def measured_by_role(rows: list[dict]) -> dict[str, float]:
+    """Seconds each role spent: prefill and mixed passes; the decode role's whole steps (``step`` records),
+    or its passes where it logged no steps."""
+    out: dict[str, float] = {}
+    stepped = any(r["kind"] == "step" for r in rows)
+    for r in rows:
+        role = ROLE_OF_KIND[r["kind"]]
+        if role == "decode" and (r["kind"] == "step") != stepped:
+            continue
+        out[role] = out.get(role, 0.0) + r["seconds"]
     return out
 
 
-def role_baselines(profile: Profile, mode: str) -> dict[str, float]:
-    """Per role, measured / modelled time of the calibration burst's passes at the profile's speed."""
-    cal = profile.calibration(mode)
-    return {role: m / p for role, (m, p) in _ratios(cal, _priced(profile, cal, burst_rows(profile, mode), None),
-                                                    1.0, {}).items() if p > 0}
-
-
 def load_speed(profile: Profile, mode: str, rows: list[dict], drafter: str | None = None) -> LoadSpeed:
-    """The load speed factor of ``rows`` (``interference.pass_row`` rows with ``worker`` indices: every
-    worker's passes over one window, e.g. one rate of an SLO sweep) against ``profile``'s calibration of
-    ``mode``. ``drafter``: the decode pool's drafter, when the rows hold draft passes."""
+    """The speed factors of ``rows`` (``interference.pass_row`` rows with ``worker`` indices: every worker's
+    passes over one window, e.g. one rate of an SLO sweep) against ``profile``'s calibration of ``mode``.
+    ``drafter``: the decode pool's drafter, when the rows hold draft passes."""
     cal = profile.calibration(mode)
-    baseline = role_baselines(profile, mode)
-    priced = _priced(profile, cal, rows, drafter)
-    if not priced:
+    acts = activities(profile, rows, drafter)
+    if not acts:
         raise ValueError("load speed: no timed passes to read")
-    missing = {ROLE_OF_KIND[a.kind] for a, _ in priced} - set(baseline)
-    if missing:
-        raise ProfileError(f"profile's calibration burst for mode {mode!r} has no passes of role(s) "
-                           f"{sorted(missing)}: cannot place them against it")
+    # activities() lists the timed passes grouped by worker, in order of appearance
+    workers = list(dict.fromkeys(worker_of(r) for r in rows))
+    timed = [r for w in workers for r in rows if worker_of(r) == w and r["kind"] in ROLE_OF_KIND and r["kind"] != "step"]
+    priced = [(a, simulated_price(profile, cal, r, a)) for a, r in zip(acts, timed)]
+    measured = measured_by_role(rows)
+
+    def modelled(speed: float) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for a, price in priced:
+            role = ROLE_OF_KIND[a.kind]
+            out[role] = out.get(role, 0.0) + price * _contention(cal, a, speed)
+        return out
+
     speed = 1.0
     for _ in range(FIXED_POINT_ITERATIONS):
-        per_role = _ratios(cal, priced, speed, baseline)
-        new = sum(m for m, _ in per_role.values()) / sum(p for _, p in per_role.values())
+        new = sum(measured.values()) / sum(modelled(speed).values())
         done = abs(new - speed) <= FIXED_POINT_TOLERANCE * new
         speed = new
         if done:
             break
-    per_role = _ratios(cal, priced, speed, baseline)
-    return LoadSpeed(speed, {role: m / p for role, (m, p) in sorted(per_role.items())}, len(priced),
-                     {role: m for role, (m, _) in sorted(per_role.items())})
+    per_role = modelled(speed)
+    return LoadSpeed(speed, {role: measured[role] / per_role[role] for role in sorted(per_role)}, len(priced),
+                     {role: measured[role] for role in sorted(per_role)})

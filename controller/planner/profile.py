@@ -229,21 +229,30 @@ class Profile:
         multiplied by ``f`` gives the same run with every time multiplied by ``f`` (the per-step
         contention terms are seconds per step and scale with the steps). ``benchmarks/_speed_probe.py``
         measures the factor of a machine whose speed drifted since it was profiled."""
-        if not (factor > 0 and math.isfinite(factor)):
-            raise ValueError(f"speed factor: expected a positive finite number, got {factor!r}")
+        return self.at_role_speeds(factor, factor, factor)
 
-        def scaled(m: FittedModel | None) -> FittedModel | None:
+    def at_role_speeds(self, prefill: float, decode: float, shared: float) -> "Profile":
+        """``at_speed`` with a factor per role (``controller/planner/load_speed.py`` measures them under
+        load): the prefill model, the KV transfer and the TTFT overhead times ``prefill``; the target and
+        draft models and the decode start times ``decode``; the per-step contention terms (time every busy
+        instance loses, whatever its role) times ``shared``."""
+        for name, factor in (("prefill", prefill), ("decode", decode), ("shared", shared)):
+            if not (factor > 0 and math.isfinite(factor)):
+                raise ValueError(f"speed factor ({name}): expected a positive finite number, got {factor!r}")
+
+        def scaled(m: FittedModel | None, factor: float) -> FittedModel | None:
             return None if m is None else dataclasses.replace(m, coefficients=tuple(factor * c for c in m.coefficients))
 
-        instances = tuple(dataclasses.replace(c, prefill=scaled(c.prefill), target_pass=scaled(c.target_pass),
-                                              draft_pass={k: scaled(v) for k, v in c.draft_pass.items()})
+        instances = tuple(dataclasses.replace(c, prefill=scaled(c.prefill, prefill),
+                                              target_pass=scaled(c.target_pass, decode),
+                                              draft_pass={k: scaled(v, decode) for k, v in c.draft_pass.items()})
                           for c in self.instances)
-        calibrations = tuple(dataclasses.replace(c, ttft_overhead_s=factor * c.ttft_overhead_s,
-                                                 decode_start_s=factor * c.decode_start_s,
-                                                 contention_step_s=factor * c.contention_step_s,
-                                                 contention_output_s=factor * c.contention_output_s)
+        calibrations = tuple(dataclasses.replace(c, ttft_overhead_s=prefill * c.ttft_overhead_s,
+                                                 decode_start_s=decode * c.decode_start_s,
+                                                 contention_step_s=shared * c.contention_step_s,
+                                                 contention_output_s=shared * c.contention_output_s)
                              for c in self.calibrations)
-        return dataclasses.replace(self, instances=instances, kv_transfer=scaled(self.kv_transfer),
+        return dataclasses.replace(self, instances=instances, kv_transfer=scaled(self.kv_transfer, prefill),
                                    calibrations=calibrations)
 
     def costs(self, tensor_parallel: int, pipeline_parallel: int = 1) -> InstanceCosts:
