@@ -11,11 +11,12 @@ attainment at every swept rate, on both SLOs together; TTFT-only and TPOT-only a
 Acceptance is random in the simulator, so each rate is simulated with ``--seeds`` seeds and averaged.
 
 ``--speed``: a profile describes the machine when it was taken, and a shared machine drifts. Each rate can
-be simulated on the profile rescaled (``Profile.at_speed``) by how fast the machine ran then:
+be simulated on the profile rescaled by how fast the machine ran then:
 
-* ``load``: from the workers' own timed passes during the rate (``slo_sweep.py`` keeps them in
-  PREFIX.passes.json.gz), priced by the calibrated pass model given what the rest of the cluster did
-  meanwhile (``controller/planner/load_speed.py``): the speed under that very load;
+* ``load``: from the workers' own timed passes and steps during the rate (``slo_sweep.py`` keeps them in
+  PREFIX.passes.json.gz) over what the simulator charges for them, given what the rest of the cluster did
+  meanwhile, role by role (``controller/planner/load_speed.py``, ``Profile.at_role_speeds``): the speed
+  under that very load;
 * ``probe``: from the lone speed-probe requests on the idle server before and after the rate
   (``slo_sweep.py --speed-probes``, ``benchmarks/_speed_probe.py``): the idle machine's speed around it;
 * ``none``: the profile as it is.
@@ -145,27 +146,27 @@ def _mean_of(dicts: list[dict]) -> dict:
     return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]}
 
 
-def speed_factors(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict], pass_logs: list | None,
-                  index: int, timing: str) -> list[dict]:
-    """The speed of the machine at rate ``index`` of each sweep (``speed``: "load" or "probe"; none for
-    "none"), as records with the ``factor`` to rescale the profile by."""
+def rescaled(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict], pass_logs: list | None,
+             index: int, timing: str) -> list[tuple[dict, Profile]]:
+    """Per sweep, the speed of the machine at its rate ``index`` (``speed``: "load" or "probe"; nothing for
+    "none") as a record for the report, and ``profile`` rescaled to it."""
     if speed == "load":
         drafter = config.speculation.drafter if config.mode == "disaggregated" and config.speculation.enabled else None
         out = []
         for logs in pass_logs:
             instances = logs[index]["instances"]
             est = load_speed(profile, config.mode, _pass_logs.rows_of(instances), drafter)
-            out.append({"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
-                        "busy_s": est.busy_s, "complete": _pass_logs.complete(instances), "_estimate": est})
+            out.append(({"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
+                         "busy_s": est.busy_s, "complete": _pass_logs.complete(instances)}, est.apply(profile)))
         return out
     if speed == "probe":
-        return [{"source": "probe", **_probe_record(speed_of(profile, config, probes_around(sw, index), timing))}
-                for sw in sweeps]
+        out = []
+        for sw in sweeps:
+            e = speed_of(profile, config, probes_around(sw, index), timing)
+            out.append(({"source": "probe", "factor": e.factor, "ttft_ratios": list(e.ttft_ratios),
+                         "tpot_ratio": e.tpot_ratio}, profile.at_speed(e.factor)))
+        return out
     return []
-
-
-def _probe_record(e) -> dict:
-    return {"factor": e.factor, "ttft_ratios": list(e.ttft_ratios), "tpot_ratio": e.tpot_ratio}
 
 
 def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
@@ -190,9 +191,9 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
         if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
             raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
-        speeds = speed_factors(speed, profile, config, sweeps, pass_logs, i, timing)
-        profiles = ([e.pop("_estimate").apply(profile) if e["source"] == "load" else profile.at_speed(e["factor"])
-                     for e in speeds] if speeds else [profile] * len(repeats))
+        scaled = rescaled(speed, profile, config, sweeps, pass_logs, i, timing)
+        speeds = [record for record, _ in scaled]
+        profiles = [p for _, p in scaled] or [profile] * len(repeats)
         sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals) for p, row in zip(profiles, repeats)]
         pooled = [r for row in repeats for r in row["records"]]
         simulated = _mean_of([sim["attainment"] for sim in sims])

@@ -145,7 +145,6 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 tokens_generated=s.get("tokens_generated", 0)) for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name)
 
-
     async def DrainPassLog(self, request, context):
         if self.pass_log_fn is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -155,14 +154,24 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
             logs = await self.pass_log_fn()
         except Exception as err:  # an instance that does not answer: say which call failed, not a stack
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"DrainPassLog: {type(err).__name__}: {err}")
-        for log in logs:
-            records = log["records"]
-            for start in range(0, max(1, len(records)), PASS_LOG_BATCH):  # one message even when empty
-                yield pb.InstancePasses(
-                    name=log["name"], role=log["role"], dropped=log["dropped"] if start == 0 else 0,
-                    passes=[pb.TimedPass(kind=r["kind"], end_unix_s=r["end_s"], seconds=r["seconds"],
-                                         shape_json=json.dumps(r["shape"], separators=(",", ":")))
-                            for r in records[start:start + PASS_LOG_BATCH]])
+        # up to 65536 passes per worker: encoded off the event loop that streams tokens
+        for message in await asyncio.to_thread(_pass_log_messages, logs):
+            yield message
+
+
+def _pass_log_messages(logs: list[dict]) -> list[pb.InstancePasses]:
+    """``Cluster.drain_pass_logs``'s logs as DrainPassLog messages: each instance's passes in batches of
+    ``PASS_LOG_BATCH``, one message even for an instance without passes."""
+    out = []
+    for log in logs:
+        records = log["records"]
+        for start in range(0, max(1, len(records)), PASS_LOG_BATCH):
+            out.append(pb.InstancePasses(
+                name=log["name"], role=log["role"], dropped=log["dropped"] if start == 0 else 0,
+                passes=[pb.TimedPass(kind=r["kind"], end_unix_s=r["end_s"], seconds=r["seconds"],
+                                     shape_json=json.dumps(r["shape"], separators=(",", ":")))
+                        for r in records[start:start + PASS_LOG_BATCH]]))
+    return out
 
 
 def _usage(final: Final | None) -> pb.Usage:

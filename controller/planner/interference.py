@@ -118,15 +118,12 @@ def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -
     workers = list(dict.fromkeys(worker_of(r) for r in rows))  # in order of appearance (deterministic)
     # times relative to the first pass: prefix sums of Unix times (1.8e9 s) would lose milliseconds
     t0 = min((r["end_s"] - r["seconds"] for r in rows), default=0.0)
-    for worker in workers:
+    for worker, mine in timed_rows(rows):
         others = [r for r in rows if worker_of(r) != worker]
         busy = _OverlapIntegral([(a - t0, b - t0) for a, b in intervals([r for r in others if r["kind"] in PASS_KINDS])])
         ends = sorted((r["end_s"] - t0, outputs_of(r)) for r in others if r["kind"] in STEP_END_KINDS)
         end_t = np.array([t for t, _ in ends], dtype=float)
         end_outputs = np.concatenate([[0.0], np.cumsum([n for _, n in ends], dtype=float)])
-        mine = [r for r in rows if r["kind"] in PASS_KINDS and worker_of(r) == worker]
-        if not mine:
-            continue
         end = np.array([r["end_s"] - t0 for r in mine], dtype=float)
         start = end - np.array([r["seconds"] for r in mine], dtype=float)
         lo, hi = np.searchsorted(end_t, start, side="right"), np.searchsorted(end_t, end, side="right")
@@ -138,6 +135,18 @@ def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -
             out.append(PassActivity(r["kind"], r["seconds"], r["seconds"] / predicted_s(profile, r, drafter),
                                     float(share[j]), float(steps[j]), outputs_of(r), float(outputs[j])))
     return out
+
+
+def timed_rows(rows: list[dict]) -> list[tuple[object, list[dict]]]:
+    """The timed passes of ``rows`` per worker (``worker_of``), workers in order of appearance, each worker's
+    in the order of ``rows``; workers without timed passes left out. ``activities`` lists its passes in
+    this order."""
+    by_worker: dict = {}
+    for r in rows:
+        by_worker.setdefault(worker_of(r), [])
+        if r["kind"] in PASS_KINDS:
+            by_worker[worker_of(r)].append(r)
+    return [(worker, mine) for worker, mine in by_worker.items() if mine]
 
 
 class _OverlapIntegral:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.planner.interference import (ROLE_OF_KIND, PassActivity, activities, contention_variable,
-                                             output_variable, worker_of)
+                                             output_variable, timed_rows)
 from controller.planner.profile import Calibration, Profile, mixed_pass_seconds
 
 FIXED_POINT_ITERATIONS = 50
@@ -105,9 +105,7 @@ def load_speed(profile: Profile, mode: str, rows: list[dict], drafter: str | Non
     acts = activities(profile, rows, drafter)
     if not acts:
         raise ValueError("load speed: no timed passes to read")
-    # activities() lists the timed passes grouped by worker, in order of appearance
-    workers = list(dict.fromkeys(worker_of(r) for r in rows))
-    timed = [r for w in workers for r in rows if worker_of(r) == w and r["kind"] in ROLE_OF_KIND and r["kind"] != "step"]
+    timed = [r for _, mine in timed_rows(rows) for r in mine]  # the order activities() lists them in
     priced = [(a, simulated_price(profile, cal, r, a)) for a, r in zip(acts, timed)]
     measured = measured_by_role(rows)
 
