@@ -7,6 +7,8 @@ goodput per core at the target attainment as a markdown table.
 Labels and core counts come from each sweep's settings (--label / --cores there); ``--labels`` and
 ``--cores`` here override them, comma-separated in file order. Goodput is re-derived from the recorded
 attainment with ``controller.planner.slo.goodput`` at ``--attainment-target`` (default: the sweeps').
+``--ttft-slo-ms`` / ``--tpot-slo-ms`` compare at other SLOs than the sweeps ran with: attainment is then
+recounted from every request's recorded TTFT and TPOT (``benchmarks/slo_map.py`` does it for a whole grid).
 Writes PREFIX.png and PREFIX.md.
 """
 
@@ -21,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._slo_plots import plot_compare  # noqa: E402
+from benchmarks.slo_map import MapError, attained, load_sweep  # noqa: E402
 from controller.planner.slo import goodput  # noqa: E402
 
 
@@ -36,7 +39,10 @@ def _split(text: str | None, n: int, flag: str, cast) -> list | None:
         raise SystemExit(f"slo_compare: error: {flag}: bad value in {text!r}") from None
 
 
-def load_systems(paths: list[str], labels: list[str] | None, cores: list[float] | None) -> list[dict]:
+def load_systems(paths: list[str], labels: list[str] | None, cores: list[float] | None,
+                 slo_ms: tuple[float, float] | None = None) -> list[dict]:
+    """One dict per sweep file. ``slo_ms`` (TTFT, TPOT): recount each rate's attainment of both SLOs at these
+    from the per-request records (and report them as the sweep's SLOs) instead of reading the recorded one."""
     systems = []
     for i, path in enumerate(paths):
         try:
@@ -50,9 +56,17 @@ def load_systems(paths: list[str], labels: list[str] | None, cores: list[float] 
         c = cores[i] if cores else s["cores"]
         if c <= 0:
             raise SystemExit(f"slo_compare: error: --cores: must be > 0, got {c:g}")
+        if slo_ms is None:
+            both = [r["attainment"]["both"] for r in sweep["rates"]]
+        else:
+            try:
+                outcomes = load_sweep(path).outcomes
+            except MapError as err:
+                raise SystemExit(f"slo_compare: error: {err}") from None
+            both = [attained(o, slo_ms[0] / 1e3, slo_ms[1] / 1e3) for o in outcomes]
+            s = {**s, "ttft_slo_ms": slo_ms[0], "tpot_slo_ms": slo_ms[1], "recounted": True}
         systems.append({"label": labels[i] if labels else s["label"], "cores": c, "path": path, "settings": s,
-                        "rates": [r["rate"] for r in sweep["rates"]],
-                        "both": [r["attainment"]["both"] for r in sweep["rates"]]})
+                        "rates": [r["rate"] for r in sweep["rates"]], "both": both})
     return systems
 
 
@@ -65,9 +79,10 @@ def compare(systems: list[dict], target: float, per_core: bool, prefix: str, com
     slo = f"TTFT {first['ttft_slo_ms']:g} ms, TPOT {first['tpot_slo_ms']:g} ms"
     xlabel = "request rate per core (req/s/core)" if per_core else "request rate (req/s)"
     plot_compare(prefix + ".png", systems, target, f"{first['workload']}: attainment of both SLOs ({slo})", xlabel)
+    recounted = " (recounted from the per-request records)" if first.get("recounted") else ""
     lines = [f"# SLO attainment: {', '.join(s['label'] for s in systems)} on {first['workload']}", "",
-             f"`{command}`", "", f"SLOs: {slo}; goodput = highest rate with >= {target:.0%} of requests meeting both "
-             "(interpolated between swept rates).", ""]
+             f"`{command}`", "", f"SLOs: {slo}{recounted}; goodput = highest rate with >= {target:.0%} of requests "
+             "meeting both (interpolated between swept rates).", ""]
     differing = [k for k in ("workload", "ttft_slo_ms", "tpot_slo_ms", "num_requests", "seed", "cv")
                  if len({str(s["settings"].get(k)) for s in systems}) > 1]
     if differing:
@@ -103,11 +118,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", default=None, help="comma-separated core counts, one per file")
     ap.add_argument("--attainment-target", type=float, default=None, help="default: the first sweep's")
     ap.add_argument("--per-core", action="store_true", help="x axis: request rate per core")
+    ap.add_argument("--ttft-slo-ms", type=float, default=None,
+                    help="compare at this TTFT SLO (recounted from the records; default: the sweeps' own)")
+    ap.add_argument("--tpot-slo-ms", type=float, default=None,
+                    help="compare at this TPOT SLO (recounted from the records; default: the sweeps' own)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "slo_compare"), help="output prefix")
     args = ap.parse_args(argv)
     labels = _split(args.labels, len(args.sweeps), "--labels", str)
     cores = _split(args.cores, len(args.sweeps), "--cores", float)
-    systems = load_systems(args.sweeps, labels, cores)
+    slo_ms = None
+    if args.ttft_slo_ms is not None or args.tpot_slo_ms is not None:
+        if args.ttft_slo_ms is None or args.tpot_slo_ms is None:
+            ap.error("--ttft-slo-ms and --tpot-slo-ms: give both to recount at other SLOs")
+        if args.ttft_slo_ms <= 0 or args.tpot_slo_ms <= 0:
+            ap.error(f"--ttft-slo-ms / --tpot-slo-ms: must be > 0, got {args.ttft_slo_ms:g} / {args.tpot_slo_ms:g}")
+        slo_ms = (args.ttft_slo_ms, args.tpot_slo_ms)
+    systems = load_systems(args.sweeps, labels, cores, slo_ms)
     target = args.attainment_target or systems[0]["settings"]["attainment_target"]
     if not 0 < target <= 1:
         ap.error(f"--attainment-target: must be in (0, 1], got {target:g}")
