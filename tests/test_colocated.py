@@ -49,6 +49,24 @@ def test_local_colocated_uses_the_cores_of_local_yaml():
     assert cores(colo) == cores(disagg) == 2
 
 
+def test_shipped_configs_load_and_the_prefill2_pair_reserves_the_cores_of_local_yaml():
+    """Every magicserve config under cluster_configs/ passes the loader ``serve`` uses (ray-cluster-gpu.yaml
+    is a ``ray up`` launcher file, not one). local-prefill2*.yaml run 3 threads but reserve local.yaml's 2 CPUs
+    and differ from each other only in speculation."""
+    names = sorted(n for n in os.listdir(CONFIG_DIR) if n.endswith(".yaml") and n != "ray-cluster-gpu.yaml")
+    assert {"local.yaml", "local-prefill2.yaml", "local-prefill2-no-spec.yaml"} <= set(names)
+    loaded = {n: load_config(os.path.join(CONFIG_DIR, n)) for n in names}
+    spec, no_spec = loaded["local-prefill2.yaml"], loaded["local-prefill2-no-spec.yaml"]
+    for cfg in (spec, no_spec):
+        assert (cfg.prefill.threads, cfg.decode.threads) == (2, 1)
+        assert sum(p.instances * p.cpus_per_instance for p in cfg.pools.values()) == 2
+    assert spec.decode.speculation == loaded["local.yaml"].decode.speculation
+    assert no_spec.decode.speculation.drafter == "none"
+    assert spec.prefill.chunk_tokens == no_spec.prefill.chunk_tokens == loaded["local.yaml"].prefill.chunk_tokens
+    one_by_two = loaded["local-colocated-1x2.yaml"].colocated
+    assert (one_by_two.instances, one_by_two.threads, one_by_two.cpus_per_instance) == (1, 2, 2)
+
+
 # -- served (one cluster for the module) ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -406,3 +406,18 @@ def test_a_profile_at_speed_f_runs_a_trace_f_times_as_slow(config_name, workload
     assert slow.instance_utilisation == pytest.approx(base.instance_utilisation, rel=1e-9)
     with pytest.raises(ValueError, match="speed factor"):
         profile.at_speed(0.0)
+
+
+def test_a_cpu_pools_threads_are_its_tensor_parallel_devices_both_ways():
+    """``plan_output`` writes a CPU pool of tp t as t threads; a config read back gives the same pool, and a
+    profile that measured no t-thread instance refuses it by name rather than simulating something else."""
+    from controller.planner.plan_output import _pool_fields
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    config = SimConfig.from_cluster_config(load_config(os.path.join(root, "cluster_configs", "local-prefill2.yaml")))
+    assert (config.prefill.tensor_parallel, config.prefill.pipeline_parallel) == (2, 1)
+    assert (config.decode.tensor_parallel, config.decode.pipeline_parallel) == (1, 1)
+    assert _pool_fields(config.prefill, gpu=False)["threads"] == 2
+    profile = Profile.load(os.path.join(root, "benchmarks", "results", "profile_local_cpu.json"))
+    with pytest.raises(ProfileError, match="tensor_parallel=2"):
+        simulate(profile, config, make_trace(workload_shape("long_doc"), 0.3, 3, seed=0))

@@ -97,13 +97,16 @@ class SimConfig:
 
     @staticmethod
     def from_cluster_config(cfg) -> "SimConfig":
-        """The simulation of a ``controller.config.ClusterConfig`` (CPU instances count their threads
-        as devices, so per-device goodput is per-core goodput there)."""
+        """The simulation of a ``controller.config.ClusterConfig``. A CPU instance's threads are its
+        ``tensor_parallel`` devices, as ``plan_output`` writes a CPU plan (so per-device goodput is per-core
+        goodput there, and a profile must hold costs measured at that many threads)."""
 
         def pool(section, budget: int, seqs: int) -> PoolPlan:
-            width = section.devices_per_instance or section.threads
-            tp = section.tensor_parallel if section.devices_per_instance else 1
-            return PoolPlan(section.instances, tp, max(1, width // tp), section.kv_cache_tokens, budget, seqs)
+            if not section.devices_per_instance:
+                return PoolPlan(section.instances, section.threads, 1, section.kv_cache_tokens, budget, seqs)
+            tp = section.tensor_parallel
+            return PoolPlan(section.instances, tp, max(1, section.devices_per_instance // tp), section.kv_cache_tokens,
+                            budget, seqs)
 
         common = dict(block_size=cfg.decode.block_size, max_concurrent=cfg.limits.max_concurrent_requests)
         if getattr(cfg, "mode", "disaggregated") == "colocated":
