@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._slo_plots import plot_compare  # noqa: E402
-from benchmarks.slo_map import MapError, attained, load_sweep  # noqa: E402
+from benchmarks.slo_map import MapError, attained, sweep_outcomes  # noqa: E402
 from controller.planner.slo import goodput  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def load_systems(paths: list[str], labels: list[str] | None, cores: list[float] 
             both = [r["attainment"]["both"] for r in sweep["rates"]]
         else:
             try:
-                outcomes = load_sweep(path).outcomes
+                outcomes = sweep_outcomes(sweep, path).outcomes
             except MapError as err:
                 raise SystemExit(f"slo_compare: error: {err}") from None
             both = [attained(o, slo_ms[0] / 1e3, slo_ms[1] / 1e3) for o in outcomes]

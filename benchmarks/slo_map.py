@@ -62,6 +62,7 @@ class SweepOutcomes:
     workload: str
     rates: list[float]  # ascending
     outcomes: list[list[RequestOutcome]]  # per rate
+    settings: dict  # the sweep's recorded settings (SLOs, attainment target, ...)
 
 
 @dataclass(frozen=True)
@@ -74,28 +75,33 @@ class Goodput:
     hi: float
 
 
-def load_sweep(path: str, timing: str = "client", label: str | None = None, cores: float | None = None) -> SweepOutcomes:
+def load_sweep(path: str, timing: str = "client") -> SweepOutcomes:
     """Read a ``slo_sweep.py`` JSON file. ``timing``: whose clock the TTFT / TPOT come from."""
     try:
         with open(path, encoding="utf-8") as f:
             sweep = json.load(f)
     except (OSError, ValueError) as err:
         raise MapError(f"{path}: cannot read a sweep JSON ({err})") from None
+    return sweep_outcomes(sweep, path, timing)
+
+
+def sweep_outcomes(sweep: dict, source: str, timing: str = "client") -> SweepOutcomes:
+    """A parsed ``slo_sweep.py`` result as the SLO definition sees it; ``source`` names it in errors."""
     if not isinstance(sweep, dict) or sweep.get("benchmark") != "slo_sweep" or not sweep.get("rates"):
-        raise MapError(f"{path}: not an slo_sweep result with rates")
+        raise MapError(f"{source}: not an slo_sweep result with rates")
     rows = sorted(sweep["rates"], key=lambda r: r["rate"])
     rates = [float(r["rate"]) for r in rows]
     if any(b <= a for a, b in zip(rates, rates[1:])):
-        raise MapError(f"{path}: a rate appears twice ({rates})")
+        raise MapError(f"{source}: a rate appears twice ({rates})")
     if any(not r.get("records") for r in rows):
-        raise MapError(f"{path}: a rate has no per-request records")
+        raise MapError(f"{source}: a rate has no per-request records")
     settings = sweep.get("settings", {})
-    c = cores if cores is not None else settings.get("cores")
-    if c is None or not c > 0:
-        raise MapError(f"{path}: cores: must be > 0 (the sweep's --cores, or --cores here), got {c}")
-    return SweepOutcomes(label or settings.get("label") or os.path.basename(path), float(c),
+    cores = settings.get("cores")
+    if cores is None or not cores > 0:
+        raise MapError(f"{source}: settings.cores: must be > 0 (the sweep's --cores), got {cores}")
+    return SweepOutcomes(settings.get("label") or os.path.basename(source), float(cores),
                          str(settings.get("workload")), rates,
-                         [[outcome_of(rec, timing) for rec in r["records"]] for r in rows])
+                         [[outcome_of(rec, timing) for rec in r["records"]] for r in rows], settings)
 
 
 def attained(outcomes: list[RequestOutcome], ttft_s: float, tpot_s: float) -> float:
@@ -387,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         for base in bases:
             if base.workload != cand.workload:
                 raise MapError(f"the sweeps ran different workloads ({cand.workload} and {base.workload}): no ratio")
-        with open(args.candidate, encoding="utf-8") as f:
-            settings = json.load(f)["settings"]
+        settings = cand.settings
         target = args.attainment_target if args.attainment_target is not None else settings["attainment_target"]
         if not 0 < target <= 1:
             raise MapError(f"--attainment-target: must be in (0, 1], got {target:g}")
