@@ -10,6 +10,7 @@ SLO pair is a recount of the same records at every swept rate, and the goodput (
 each (TTFT SLO, TPOT SLO) cell of a grid and divides the candidate's goodput per core by the baseline's.
 Given several baseline sweeps (say, two splits of the colocated engine over the same cores), each cell
 compares with the best of them there: the candidate has to beat every configuration, not a chosen one.
+Any system may be given as repeats of one trace (``A1.json,A2.json``): their requests are pooled per rate.
 
 Two things make a cell's ratio uncertain, and both are reported:
 
@@ -30,6 +31,7 @@ verdicts, the cell of the sweeps' own SLO) and PREFIX.png (both systems' goodput
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -75,14 +77,33 @@ class Goodput:
     hi: float
 
 
-def load_sweep(path: str, timing: str = "client") -> SweepOutcomes:
-    """Read a ``slo_sweep.py`` JSON file. ``timing``: whose clock the TTFT / TPOT come from."""
+def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            sweep = json.load(f)
+            return json.load(f)
     except (OSError, ValueError) as err:
         raise MapError(f"{path}: cannot read a sweep JSON ({err})") from None
-    return sweep_outcomes(sweep, path, timing)
+
+
+def load_sweep(spec: str, timing: str = "client") -> SweepOutcomes:
+    """Read a ``slo_sweep.py`` JSON file, or repeats of one trace as comma-separated files (checked request by
+    request, ``sweep_repeat.check_same_trace``): their requests pooled rate by rate, so drift between runs
+    averages out. ``timing``: whose clock the TTFT / TPOT come from."""
+    from benchmarks.sweep_repeat import SweepMismatch, check_same_trace
+
+    paths = [p for p in spec.split(",") if p]
+    sweeps = [_read_json(p) for p in paths]
+    parts = [sweep_outcomes(sweep, path, timing) for sweep, path in zip(sweeps, paths)]
+    for path, sweep in zip(paths[1:], sweeps[1:]):
+        try:
+            check_same_trace(sweeps[0], sweep, path)
+        except SweepMismatch as err:
+            raise MapError(f"{err} (comma-separated sweeps must be repeats of one trace)") from None
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return dataclasses.replace(first, label=f"{first.label} ({len(parts)} runs pooled)",
+                               outcomes=[[o for part in parts for o in part.outcomes[i]] for i in range(len(first.rates))])
 
 
 def sweep_outcomes(sweep: dict, source: str, timing: str = "client") -> SweepOutcomes:
@@ -365,7 +386,8 @@ def _numbers(text: str, flag: str, scale: float = 1.0) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("candidate", help="slo_sweep JSON of the system whose advantage is measured")
+    ap.add_argument("candidate", help="slo_sweep JSON of the system whose advantage is measured (for this and each "
+                    "baseline: repeats of one trace as comma-separated files, pooled)")
     ap.add_argument("baselines", nargs="+", metavar="baseline",
                     help="slo_sweep JSON of the system it is compared with; with several, each cell compares with "
                          "the one of highest goodput there (e.g. several configurations of the baseline system)")

@@ -201,3 +201,24 @@ def test_bootstrap_summary_ignores_resamples_without_a_ratio():
     assert summary["undefined"] == 3 and summary["resamples"] == 8
     assert (summary["q05"], summary["q50"], summary["q95"]) == (0.5, 2.0, math.inf)
     assert summary["share_at_target"] == 3 / 8  # 3.0, 2.0 and inf of all eight
+
+
+def test_repeats_of_one_trace_are_pooled_and_other_traces_refused(tmp_path):
+    def run(name, ttfts):  # one rate of 4 requests with the same trace fields, these TTFTs
+        sweep = {"benchmark": "slo_sweep",
+                 "settings": {"label": "s", "cores": 2, "workload": "w", "seed": 0, "num_requests": 4, "rates": [0.5],
+                              "cv": 1.0, "ttft_slo_ms": 3000.0, "tpot_slo_ms": 50.0},
+                 "rates": [{"rate": 0.5, "records": [{**_record(i, t, 0.01), "arrival_s": float(i), "prompt_tokens": 100,
+                                                       "output_tokens": 8} for i, t in enumerate(ttfts)]}]}
+        (tmp_path / name).write_text(json.dumps(sweep))
+        return str(tmp_path / name)
+
+    a, b = run("a.json", [1, 1, 1, 9]), run("b.json", [1, 9, 9, 9])
+    pooled = slo_map.load_sweep(f"{a},{b}")
+    assert pooled.label == "s (2 runs pooled)" and len(pooled.outcomes[0]) == 8
+    assert slo_map.attained(pooled.outcomes[0], 3.0, 0.05) == 4 / 8
+    other = json.loads((tmp_path / "b.json").read_text())
+    other["rates"][0]["records"][0]["prompt_tokens"] = 101
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    with pytest.raises(slo_map.MapError, match="differ from the first sweep's"):
+        slo_map.load_sweep(f"{a},{tmp_path / 'c.json'}")
