@@ -1,7 +1,8 @@
 """Ray actors around the prefill and decode workers, and the colocated reference engine.
 
 Each actor owns its worker and runs the worker's loop on a background thread; the router talks to it
-through small methods (submit, reserve, admit, abort, poll, status) that take the worker's lock.
+through small methods (submit, reserve, admit, abort, poll, status) that pass the worker's step gate
+(``controller/step_gate.py``: a call waiting when a step ends goes before the next step).
 Outputs are batched: ``poll`` returns everything produced since the previous poll (token deltas of a
 whole decode step travel in one Ray call, never one call per token).
 
@@ -16,6 +17,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from controller.step_gate import StepGate
 
 if TYPE_CHECKING:
     from modeling.sampling import SamplingParams
@@ -63,7 +66,7 @@ class _LoopActor:
     collects outputs in an outbox."""
 
     def _start_loop(self, name: str) -> None:
-        self._lock = threading.RLock()
+        self._gate = StepGate()  # the loop's steps and the control calls, fair to the calls
         self._outbox: list = []
         self._cond = threading.Condition()
         self._stop = False
@@ -74,7 +77,7 @@ class _LoopActor:
     def _loop(self) -> None:
         while not self._stop:
             try:
-                with self._lock:
+                with self._gate.step():
                     produced = self._step()
             except Exception:  # a crashed loop must be visible to the router, not silent
                 self._crashed = traceback.format_exc()
@@ -142,15 +145,15 @@ class PrefillActor(_LoopActor):
         self.worker.connect(decode_id, Rendezvous(host, port), generation)
 
     def submit(self, request) -> None:
-        with self._lock:
+        with self._gate.call():
             self.worker.add_request(request)
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
+        with self._gate.call():
             return self.worker.abort(request_id)
 
     def status(self) -> dict:
-        with self._lock:
+        with self._gate.call():
             return _scheduler_status(self.instance_id, "prefill", self.worker)
 
     def _step(self) -> list:
@@ -189,16 +192,16 @@ class DecodeActor(_LoopActor):
         self.receiver.connect(prefill_id, Rendezvous(host, port), generation)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        with self._lock:
+        with self._gate.call():
             return self.receiver.reserve(request_id, num_tokens)
 
     def admit(self, request) -> None:
         """Start decoding ``request`` as soon as its KV has arrived (now, if it already has)."""
-        with self._lock:
+        with self._gate.call():
             self._to_admit[request.request_id] = request
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
+        with self._gate.call():
             self._to_admit.pop(request_id, None)
             if request_id in self._arrived:
                 self._arrived.discard(request_id)
@@ -210,7 +213,7 @@ class DecodeActor(_LoopActor):
             return self.worker.abort(request_id)
 
     def status(self) -> dict:
-        with self._lock:
+        with self._gate.call():
             w = self.worker
             m = w.metrics.summary()
             return {"name": self.instance_id, "role": "decode", "device": str(w.loaded.device),
@@ -252,15 +255,15 @@ class ColocatedActor(_LoopActor):
         self._start_loop(f"colocated-loop-{instance_id}")
 
     def submit(self, request: ColocatedRequest) -> None:
-        with self._lock:
+        with self._gate.call():
             self.engine.add_request(list(request.prompt_ids), request.params, request.request_id)
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
+        with self._gate.call():
             return self.engine.abort(request_id)
 
     def status(self) -> dict:
-        with self._lock:
+        with self._gate.call():
             return {**_scheduler_status(self.instance_id, "colocated", self.engine),
                     "tokens_generated": self._tokens_generated}
 
