@@ -24,6 +24,12 @@ be simulated on the profile rescaled by how fast the machine ran then:
 ``auto`` (the default) takes ``load`` where every sweep kept pass logs, else ``probe`` where every sweep has
 probes, else ``none``. The factor is reported beside each rate.
 
+``--speed-window S`` (with ``load``): the machine's speed also drifts within a rate, so each rate's load speed
+is also read window by window, every S seconds of its pass log, and the simulator scales each step by its
+role's factor in the window it starts in (``load_speed.speed_timeline``). The pass log's clock is aligned
+with the trace's by the rate's recorded wall-clock start (``wall_start_s``), or, in sweeps recorded before it
+was kept, by taking the first pass to start when the first request was sent.
+
 Writes OUT.json, OUT.md and OUT.png (measured and simulated attainment vs rate).
 """
 
@@ -45,7 +51,7 @@ from benchmarks import _pass_logs  # noqa: E402
 from benchmarks._speed_probe import has_probes, probes_around, speed_of  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, attainment_of, has_server_timing, percentile  # noqa: E402
 from controller.config import load_config  # noqa: E402
-from controller.planner.load_speed import load_speed  # noqa: E402
+from controller.planner.load_speed import SpeedTimeline, load_speed, speed_timeline  # noqa: E402
 from controller.planner.profile import Profile  # noqa: E402
 from controller.planner.simulator import SimConfig, simulate  # noqa: E402
 from controller.planner.slo import attainment  # noqa: E402
@@ -95,15 +101,16 @@ def arrival_of(rec: dict, arrivals: str) -> float:
 
 
 def simulate_rate(profile: Profile, config: SimConfig, row: dict, ttft_s: float, tpot_s: float, seeds: int,
-                  arrivals: str = "sent") -> dict:
-    """Mean simulated attainment (and latency percentiles of seed 0) for one recorded rate."""
+                  arrivals: str = "sent", speed: SpeedTimeline | None = None) -> dict:
+    """Mean simulated attainment (and latency percentiles of seed 0) for one recorded rate; ``speed``: the
+    machine's speed through it relative to ``profile``."""
     recs = sorted(row["records"], key=lambda r: arrival_of(r, arrivals))
     trace = [RequestSpec(arrival_of(r, arrivals), r["prompt_tokens"], r["output_tokens"]) for r in recs]
     limit = row["time_limit_s"] - trace[-1].arrival_s if row.get("time_limit_s") else None
     shares = {k: [] for k in KEYS}
     first = None
     for seed in range(seeds):
-        res = simulate(profile, config, trace, seed=seed, time_limit_s=limit)
+        res = simulate(profile, config, trace, seed=seed, time_limit_s=limit, speed=speed)
         a = attainment(res.outcomes(), ttft_s, tpot_s)
         for k in KEYS:
             shares[k].append(getattr(a, k))
@@ -146,31 +153,52 @@ def _mean_of(dicts: list[dict]) -> dict:
     return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]}
 
 
+def pass_log_origin(row: dict, rows: list[dict], arrivals: str) -> tuple[float, str]:
+    """(simulated time of the first logged pass's start, how it was aligned) for a rate's records ``row``
+    and its pass rows: by the rate's wall-clock start where the sweep recorded it, else by taking the first
+    pass to start when the first request arrived (within the server's dispatch latency, tens of ms)."""
+    first_pass = min(r["end_s"] - r["seconds"] for r in rows)
+    if row.get("wall_start_s") is not None:
+        return first_pass - row["wall_start_s"], "wall clock"
+    return min(arrival_of(r, arrivals) for r in row["records"]), "first request"
+
+
 def rescaled(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict], pass_logs: list | None,
-             index: int, timing: str) -> list[tuple[dict, Profile]]:
+             index: int, timing: str, window_s: float | None = None, arrivals: str = "sent"
+             ) -> list[tuple[dict, Profile, SpeedTimeline | None]]:
     """Per sweep, the speed of the machine at its rate ``index`` (``speed``: "load" or "probe"; nothing for
-    "none") as a record for the report, and ``profile`` rescaled to it."""
+    "none") as a record for the report, ``profile`` rescaled to it, and (``window_s``, load only) its speed
+    window by window through the rate relative to that."""
     if speed == "load":
         drafter = config.speculation.drafter if config.mode == "disaggregated" and config.speculation.enabled else None
         out = []
-        for logs in pass_logs:
+        for sw, logs in zip(sweeps, pass_logs):
             instances = logs[index]["instances"]
-            est = load_speed(profile, config.mode, _pass_logs.rows_of(instances), drafter)
-            out.append(({"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
-                         "busy_s": est.busy_s, "complete": _pass_logs.complete(instances)}, est.apply(profile)))
+            rows = _pass_logs.rows_of(instances)
+            est = load_speed(profile, config.mode, rows, drafter)
+            record = {"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
+                      "busy_s": est.busy_s, "complete": _pass_logs.complete(instances)}
+            timeline = None
+            if window_s is not None:
+                origin, aligned = pass_log_origin(sw["rates"][index], rows, arrivals)
+                timeline = speed_timeline(profile, config.mode, rows, window_s, origin, drafter, est)
+                record["timeline"] = {"window_s": window_s, "aligned_by": aligned, "starts_s": list(timeline.starts_s),
+                                      "factors": list(timeline.factors)}
+            out.append((record, est.apply(profile), timeline))
         return out
     if speed == "probe":
         out = []
         for sw in sweeps:
             e = speed_of(profile, config, probes_around(sw, index), timing)
             out.append(({"source": "probe", "factor": e.factor, "ttft_ratios": list(e.ttft_ratios),
-                         "tpot_ratio": e.tpot_ratio}, profile.at_speed(e.factor)))
+                         "tpot_ratio": e.tpot_ratio}, profile.at_speed(e.factor), None))
         return out
     return []
 
 
 def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
-            arrivals: str = "sent", speed: str = "none", pass_logs: list | None = None) -> dict:
+            arrivals: str = "sent", speed: str = "none", pass_logs: list | None = None,
+            speed_window_s: float | None = None) -> dict:
     """Simulated vs measured attainment rate by rate. ``sweeps``: one recorded sweep, or repeats of one trace
     (the caller checks that they are): the measured attainment is then that of all their requests pooled, the
     simulated one the mean over the repeats (each replayed with its own send times), and each repeat's own
@@ -178,9 +206,12 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
     TTFT / TPOT are read on, "client" (the load generator's) or "server" (the server's usage report); the
     other clock's measured attainment is reported beside it where the sweeps have both. ``speed``: "load"
     simulates each repeat's rate on the profile rescaled by the workers' pass logs during it (``pass_logs``:
-    per sweep, ``_pass_logs.load``), "probe" by the speed probes around it (``resolve_speed``)."""
+    per sweep, ``_pass_logs.load``), "probe" by the speed probes around it (``resolve_speed``);
+    ``speed_window_s`` (load only) also window by window through the rate (``load_speed.speed_timeline``)."""
     sweeps = [sweeps] if isinstance(sweeps, dict) else list(sweeps)
     speed = resolve_speed(speed, sweeps, timing, pass_logs)
+    if speed_window_s is not None and speed != "load":
+        raise ValueError(f"--speed-window: needs --speed load (the pass logs), not {speed!r}")
     s = sweeps[0]["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
     other = "server" if timing == "client" else "client"
@@ -191,10 +222,12 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
         if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
             raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
-        scaled = rescaled(speed, profile, config, sweeps, pass_logs, i, timing)
-        speeds = [record for record, _ in scaled]
-        profiles = [p for _, p in scaled] or [profile] * len(repeats)
-        sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals) for p, row in zip(profiles, repeats)]
+        scaled = rescaled(speed, profile, config, sweeps, pass_logs, i, timing, speed_window_s, arrivals)
+        speeds = [record for record, _, _ in scaled]
+        profiles = [p for _, p, _ in scaled] or [profile] * len(repeats)
+        timelines = [t for _, _, t in scaled] or [None] * len(repeats)
+        sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals, t)
+                for p, row, t in zip(profiles, repeats, timelines)]
         pooled = [r for row in repeats for r in row["records"]]
         simulated = _mean_of([sim["attainment"] for sim in sims])
         measured = attainment_of(pooled, ttft_s, tpot_s, timing)
@@ -220,6 +253,7 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
             "timing": timing, "arrivals": arrivals, "repeats": len(sweeps), "speed": speed,
+            "speed_window_s": speed_window_s,
             "max_abs_diff_both": worst, "within_tolerance": within_tolerance(worst), "tolerance": TOLERANCE,
             "inside_ci95_both": sum(r["inside_ci95_both"] for r in rows)}
 
@@ -248,8 +282,18 @@ SPEED_COLUMNS = {"probe": "speed factor (TPOT ratio)", "load": "load speed facto
 def _speed_cell(e: dict) -> str:
     if e.get("source") == "load":
         roles = ", ".join(f"{role} {v:.3f}" for role, v in e["by_role"].items())
-        return f"{e['factor']:.3f} ({roles}{'' if e['complete'] else '; passes dropped'})"
+        spread = ""
+        if e.get("timeline"):
+            seen = [v for f in e["timeline"]["factors"] for v in f.values()]
+            spread = f"; windows x{min(seen, default=1.0):.2f}-{max(seen, default=1.0):.2f}"
+        return f"{e['factor']:.3f} ({roles}{'' if e['complete'] else '; passes dropped'}{spread})"
     return f"{e['factor']:.3f} ({_ratio(e['tpot_ratio'])})"
+
+
+def _alignments(result: dict) -> str:
+    ways = sorted({e["timeline"]["aligned_by"] for r in result["rows"] for e in r["speed"] if e.get("timeline")})
+    return " and ".join({"wall clock": "the rate's recorded wall-clock start",
+                         "first request": "the first pass starting when the first request was sent"}[w] for w in ways)
 
 
 def write_markdown(result: dict, path: str) -> None:
@@ -268,7 +312,11 @@ def write_markdown(result: dict, path: str) -> None:
              + (f" {result['repeats']} repeats of the trace: measured = their requests pooled, simulated = the mean "
                 "over the repeats; each repeat's own measured attainment in the last column."
                 if repeats else "")
-             + SPEED_NOTES.get(speed, ""), "",
+             + SPEED_NOTES.get(speed, "")
+             + (f" Within each rate, each step also scaled by its role's load speed in the {result['speed_window_s']:g}-s "
+                "window of the pass log it starts in, relative to the rate's (range in the last column: "
+                "controller/planner/load_speed.py speed_timeline); pass log aligned with the trace by "
+                + _alignments(result) + "." if result.get("speed_window_s") else ""), "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
              "| prefill tok/s over the first tokens: meas. / sim. |" + (" each repeat: meas. |" if repeats else "")
@@ -338,11 +386,17 @@ def main(argv: list[str] | None = None) -> int:
                          "machine's speed under that load); probe: by the sweep's speed probes around it (the idle "
                          "machine's speed then); none: the profile as it is; auto (default): load where every sweep "
                          "kept pass logs, else probe where every sweep has probes, else none")
+    ap.add_argument("--speed-window", type=float, default=None, metavar="SECONDS",
+                    help="with --speed load: also read the load speed window by window through each rate (every "
+                         "SECONDS of its pass log) and scale each simulated step by its window's factor (the "
+                         "machine's drift within a rate); default: one factor per rate")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error("--seeds: must be >= 1")
+    if args.speed_window is not None and not (args.speed_window > 0 and math.isfinite(args.speed_window)):
+        ap.error(f"--speed-window: expected a positive number of seconds, got {args.speed_window!r}")
     from benchmarks.sweep_repeat import check_same_trace  # (sweep_repeat imports this module)
 
     sweeps = []
@@ -355,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         for path, sweep in zip(args.sweep[1:], sweeps[1:]):
             check_same_trace(sweeps[0], sweep, f"--sweep {path}")
         pass_logs = [_pass_logs.load(path, sweep) for path, sweep in zip(args.sweep, sweeps)]
-        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, args.speed, pass_logs)
+        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, args.speed, pass_logs,
+                         args.speed_window)
     except ValueError as err:  # SweepMismatch too
         ap.error(str(err))
     sweep = sweeps[0]

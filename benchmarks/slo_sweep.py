@@ -169,6 +169,7 @@ class RateRun:
     loop_lag_max_s: float
     speed_probe: list[dict] = field(default_factory=list)  # the probe set sent just before the rate
     pass_log: list[dict] | None = None  # the workers' passes during the rate (``_pass_logs``); None: not collected
+    wall_start_s: float | None = None  # Unix time of the rate's clock zero (the pass logs' clock: they align)
 
 
 async def _watch_loop_lag(lags: list[float], period_s: float = 0.02) -> None:
@@ -183,7 +184,7 @@ async def run_rate(target, plan: RatePlan, args, tag: str) -> RateRun:
     """Send ``plan``'s requests at their arrival times (open loop), whatever is still running.
     Requests still running at the time limit are cancelled and marked unfinished."""
     loop = asyncio.get_running_loop()
-    t0 = loop.time()
+    t0, wall_t0 = loop.time(), time.time()
 
     def clock() -> float:
         return loop.time() - t0
@@ -228,7 +229,7 @@ async def run_rate(target, plan: RatePlan, args, tag: str) -> RateRun:
     for rec in records:
         if rec.finish_reason is None and rec.error is None:
             rec.finish_reason = "unfinished"
-    return RateRun(records, duration, lags[0])
+    return RateRun(records, duration, lags[0], wall_start_s=wall_t0)
 
 
 async def warm_up(target, prompts: list[tuple[int, list[int]]], trace: list[RequestSpec], args, tag: str) -> None:
@@ -756,6 +757,8 @@ def record_rate(args, result: dict, pass_logs: list[dict], plan: RatePlan, run: 
     when collected, into ``pass_logs`` and PREFIX.passes.json.gz)."""
     row = summarize_rate(plan.rate, [r.to_json() for r in run.records], run.duration_s, plan.time_limit_s,
                          args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, run.loop_lag_max_s, run.speed_probe)
+    if run.wall_start_s is not None:
+        row["wall_start_s"] = run.wall_start_s  # aligns the rate's records with its pass log (sim_validate)
     result["rates"].append(row)
     if run.pass_log is not None and len(pass_logs) == len(result["rates"]) - 1:  # every rate so far has one
         row["pass_log"] = _pass_logs.summary(run.pass_log)

@@ -82,6 +82,40 @@ def test_passes_at_the_simulators_price_read_their_factor_per_role(profile):
     assert slower.by_role["decode"] > 1.35 and slower.by_role["prefill"] == pytest.approx(0.8)
 
 
+def test_a_timeline_reads_each_windows_speed_against_the_rates(profile):
+    """A rate whose passes ran at the simulator's price for its first half and 1.5x that for its second: each
+    role's window factors are their window's speed over the rate's, 1.5 apart, aligned at ``origin_s``."""
+    from controller.planner.load_speed import MIN_WINDOW_PASSES, speed_timeline
+
+    quiet = profile.without_contention()
+    rows = priced_timeline(quiet, 1.0, 1.0)
+    t0 = min(r["end_s"] - r["seconds"] for r in rows)
+    half = (max(r["end_s"] for r in rows) - t0) / 2
+    def later_slower(r: dict) -> dict:  # each pass keeps its start; those from half on take 1.5x as long
+        start = r["end_s"] - r["seconds"]
+        seconds = r["seconds"] * (1.5 if start - t0 >= half else 1.0)
+        return {**r, "seconds": seconds, "end_s": start + seconds}
+
+    rows = [later_slower(r) for r in rows]
+    rate = load_speed(quiet, "disaggregated", rows, DRAFTER)
+    timeline = speed_timeline(quiet, "disaggregated", rows, half, 7.0, DRAFTER)
+    assert timeline.starts_s[:2] == (7.0, 7.0 + half)
+    first, second = timeline.factors[:2]
+    for role in ("prefill", "decode"):
+        assert second[role] / first[role] == pytest.approx(1.5, rel=1e-6)
+        # the windows' time-weighted mean is the rate's factor
+        assert min(first[role], second[role]) < 1.0 < max(first[role], second[role])
+        assert timeline.factor(role, 0.0) == first[role] and timeline.factor(role, 1e9) == timeline.factors[-1].get(role, 1.0)
+    assert rate.by_role["prefill"] == pytest.approx(1.25, rel=0.05)
+    # a window with too few of a role's steps (here: none) leaves that role at the rate's speed
+    early_prefill = [r for r in rows if r["kind"] != "prefill" or r["end_s"] - r["seconds"] - t0 < half]
+    few = speed_timeline(quiet, "disaggregated", early_prefill, half, 0.0, DRAFTER)
+    assert "prefill" in few.factors[0] and "prefill" not in few.factors[1] and "decode" in few.factors[1]
+    assert few.factor("prefill", half + 1.0) == 1.0 and MIN_WINDOW_PASSES > 1
+    with pytest.raises(ValueError, match="positive"):
+        speed_timeline(quiet, "disaggregated", rows, 0.0, 0.0, DRAFTER)
+
+
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 @pytest.mark.parametrize("factor", [0.8, 1.3])
 def test_a_uniformly_slower_machine_reads_that_much_slower(profile, mode, factor):

@@ -59,6 +59,38 @@ def test_single_request_timings_match_the_cost_models():
     assert r.completion_tokens == 11 and r.finished
 
 
+def test_a_speed_timeline_scales_each_step_by_its_roles_factor_when_it_starts():
+    """Prefill steps starting from t = 1 s take twice as long (the machine slowed); decode steps keep their
+    time; a timeline of 1.0 everywhere is the run without one."""
+    from controller.planner.load_speed import SpeedTimeline
+
+    prof, trace = make_profile(), [RequestSpec(0.0, 1000, 11), RequestSpec(2.0, 1000, 11)]
+    plain = simulate(prof, disagg(), trace)
+    assert simulate(prof, disagg(), trace, speed=SpeedTimeline(1.0, (0.0, 1.0), ({}, {"prefill": 1.0}))).records \
+        == plain.records
+    slowed = simulate(prof, disagg(), trace, speed=SpeedTimeline(1.0, (0.0, 1.0), ({}, {"prefill": 2.0}))).records
+    prefill_s = 2 * 5e-3 + 1000 * 1e-4
+    assert slowed[0].ttft_s == pytest.approx(prefill_s) and slowed[1].ttft_s == pytest.approx(2 * prefill_s)
+    assert slowed[1].finish_s - slowed[1].first_token_s == pytest.approx(10 * 0.01)  # decode at its own speed
+    with pytest.raises(ValueError, match="increase"):
+        SpeedTimeline(1.0, (1.0, 1.0), ({}, {}))
+    with pytest.raises(ValueError, match="positive"):
+        SpeedTimeline(1.0, (0.0,), ({"decode": 0.0},))
+
+
+def test_a_reservation_on_a_busy_decode_instance_waits_for_its_step_to_end():
+    """A decodes in 10 ms steps from 15 ms on (its 15 ms prefill); B arrives mid-step at 50.1 ms: the decode
+    worker answers B's KV reservation when that step ends (55 ms), then B's 15 ms prefill runs."""
+    prof = make_profile()
+    a, b = simulate(prof, disagg(), [RequestSpec(0.0, 100, 11), RequestSpec(0.0501, 100, 4)]).records
+    prefill_s = 5e-3 + 100 * 1e-4
+    assert a.ttft_s == pytest.approx(prefill_s)
+    assert b.ttft_s == pytest.approx(0.055 + prefill_s - 0.0501, abs=1e-6)  # (+ the 0.1 us floor of a free transfer)
+    # an idle decode instance answers at once
+    (alone,) = simulate(prof, disagg(), [RequestSpec(0.0501, 100, 4)]).records
+    assert alone.ttft_s == pytest.approx(prefill_s)
+
+
 def test_colocated_single_request():
     prof = make_profile()
     cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 64))

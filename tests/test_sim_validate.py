@@ -279,7 +279,50 @@ def test_load_speed_rescales_the_profile_rate_by_rate(tmp_path):
     assert second["factor"] / first["factor"] == pytest.approx(1.25, rel=1e-6)
     assert set(first["by_role"]) == {"colocated"}
     assert "load speed factor" in open(tmp_path / "v.md").read()
+    assert sim_validate.main(common + ["--speed-window", "2", "--out", str(tmp_path / "vw")]) == 0
+    assert "2-s window" in open(tmp_path / "vw.md").read()
+    assert json.load(open(tmp_path / "vw.json"))["rows"][0]["speed"][0]["timeline"]["window_s"] == 2.0
+    for bad in ("0", "nan"):
+        with pytest.raises(SystemExit):
+            sim_validate.main(common + ["--speed-window", bad, "--out", str(tmp_path / "vbad")])
     # probes still selectable by name; a log whose rates differ from the sweep's is refused
     _pass_logs.write(str(tmp_path / "s.passes.json.gz"), [{"rate": 2.0, "instances": _mixed_log(1.0)}])
     with pytest.raises(SystemExit):
         sim_validate.main(common + ["--out", str(tmp_path / "v1")])
+
+
+def test_speed_window_reads_the_drift_within_a_rate_and_aligns_the_log_with_the_trace():
+    """A colocated rate whose passes from the middle of its log on took twice as long: ``--speed-window``
+    gives the later window a factor about twice the earlier one's, starting at the first request's send (no
+    recorded wall-clock start) or where the rate's wall-clock start puts the first pass; it needs load speed."""
+    import os
+
+    from benchmarks.sim_validate import compare
+    from controller.config import load_config
+    from controller.planner.simulator import SimConfig
+
+    config = SimConfig.from_cluster_config(load_config(os.path.join(os.path.dirname(__file__), "..", "cluster_configs",
+                                                                    "local-colocated.yaml")))
+    instances = _mixed_log(1.0)
+    starts = [r["end_s"] - r["seconds"] for inst in instances for r in inst["records"]]
+    first, mid = min(starts), (min(starts) + max(starts)) / 2
+    for inst in instances:
+        for r in inst["records"]:
+            if r["end_s"] - r["seconds"] >= mid:
+                r["end_s"] += r["seconds"]  # same start, twice as long
+                r["seconds"] *= 2
+    sweep = _sweep({2.0: [0.3] * 8})
+    logs = [[{"rate": 2.0, "instances": instances}]]
+    result = compare(sweep, _profile(), config, seeds=1, speed="load", pass_logs=logs, speed_window_s=mid - first)
+    (record,) = result["rows"][0]["speed"]
+    timeline = record["timeline"]
+    assert timeline["aligned_by"] == "first request" and timeline["starts_s"][:2] == pytest.approx([0.0, mid - first])
+    early, late = timeline["factors"][:2]
+    assert early["colocated"] < 1.0 < late["colocated"] and late["colocated"] / early["colocated"] > 1.6
+    assert result["speed_window_s"] == mid - first
+    sweep["rates"][0]["wall_start_s"] = first - 1.5  # the first pass began 1.5 s into the rate
+    timeline = compare(sweep, _profile(), config, seeds=1, speed="load", pass_logs=logs,
+                       speed_window_s=10.0)["rows"][0]["speed"][0]["timeline"]
+    assert timeline["aligned_by"] == "wall clock" and timeline["starts_s"][0] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="--speed-window"):
+        compare(sweep, _profile(), config, seeds=1, speed="none", speed_window_s=10.0)

@@ -343,6 +343,10 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
         "draft", "verify", "decode", "step"}
     assert all(r["end_s"] > row["speed_probe"][-1]["wall_time"] for r in prefill + decode)  # after the probes
     assert row["pass_log"]["passes"] == len(prefill) + len(decode) and _pass_logs.complete(logged["instances"])
+    # the rate's clock zero on the pass logs' (Unix) clock: every request's first pass starts after its send
+    first_pass = min(r["end_s"] - r["seconds"] for r in prefill)
+    assert row["speed_probe"][-1]["wall_time"] < row["wall_start_s"] < first_pass
+    assert first_pass - row["wall_start_s"] >= min(r["sent_s"] for r in row["records"])
     assert "Workers' pass logs" in open(out + ".md").read()
     assert row["rate"] == 2.0 and row["requests"] == 3
     for r, (p, o) in zip(row["records"], [(40, 8), (64, 12), (24, 6)]):

@@ -29,10 +29,17 @@ roles (``factor``, the fixed point F above). Colocated instances are one role.
 
 It reads what the rate itself did (its passes), not its latencies: the simulator still has to get the
 queueing, batching, transfers and attainment right from those speeds.
+
+The speed also drifts *within* a rate: on the CPU VM the prefill passes of one 150-second rate ran 2-10 %
+slower than the rate's mean for its first 80 s and up to 12 % faster after
+(``benchmarks/results/same_session_17/drift_within_rate.txt``), and a queue built in the slow stretch drains
+in the fast one. ``speed_timeline`` reads the same factors window by
+window (``SpeedTimeline``, applied per step by the simulator on top of ``LoadSpeed.apply``'s profile).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from controller.planner.interference import (ROLE_OF_KIND, PassActivity, activities, contention_variable,
@@ -41,6 +48,8 @@ from controller.planner.profile import Calibration, Profile, mixed_pass_seconds
 
 FIXED_POINT_ITERATIONS = 50
 FIXED_POINT_TOLERANCE = 1e-12
+MIN_WINDOW_PASSES = 10  # a role's steps a window needs for a factor of its own (else the rate's)
+ONE_PER_STEP_KINDS = ("prefill", "mixed", "decode", "verify")  # pass kinds that count a role's steps
 
 
 @dataclass(frozen=True)
@@ -126,3 +135,64 @@ def load_speed(profile: Profile, mode: str, rows: list[dict], drafter: str | Non
     per_role = modelled(speed)
     return LoadSpeed(speed, {role: measured[role] / per_role[role] for role in sorted(per_role)}, len(priced),
                      {role: measured[role] for role in sorted(per_role)})
+
+
+@dataclass(frozen=True)
+class SpeedTimeline:
+    """The machine's speed window by window through one rate, relative to the rate's own ``LoadSpeed``:
+    ``factors[i]`` (role -> factor; 1.15 = 15 % slower than the rate's mean for that role) holds from
+    simulated time ``starts_s[i]`` to the next start (the first from the beginning, the last to the end).
+    A role missing from a window runs at the rate's factor (1.0)."""
+
+    window_s: float
+    starts_s: tuple[float, ...]
+    factors: tuple[dict[str, float], ...]
+
+    def __post_init__(self):
+        if len(self.starts_s) != len(self.factors) or not self.starts_s:
+            raise ValueError("speed timeline: one factor set per window start, at least one window")
+        if any(b <= a for a, b in zip(self.starts_s, self.starts_s[1:])):
+            raise ValueError("speed timeline: window starts must increase")
+        for f in self.factors:
+            for role, v in f.items():
+                if not (v > 0 and v < float("inf")):
+                    raise ValueError(f"speed timeline: factor of {role!r} must be positive and finite, got {v!r}")
+
+    def factor(self, role: str, t: float) -> float:
+        """The factor on a step of ``role`` starting at simulated time ``t``."""
+        i = max(0, bisect.bisect_right(self.starts_s, t) - 1)
+        return self.factors[i].get(role, 1.0)
+
+
+def speed_timeline(profile: Profile, mode: str, rows: list[dict], window_s: float, origin_s: float,
+                   drafter: str | None = None, rate: LoadSpeed | None = None) -> SpeedTimeline:
+    """``load_speed`` of ``rows`` (one rate's passes) window by window: windows of ``window_s`` seconds of the
+    passes' wall clock from the first pass's start, each role's factor over its factor for the whole rate
+    (``rate``, computed when not given) where the window holds at least ``MIN_WINDOW_PASSES`` of that role's
+    steps. ``origin_s``: the simulated time of the first pass's start (the first request's arrival in the
+    trace replayed; the wall clock of the passes and the trace's clock differ by a constant)."""
+    if not (window_s > 0 and window_s < float("inf")):
+        raise ValueError(f"speed window: expected a positive number of seconds, got {window_s!r}")
+    rate = rate or load_speed(profile, mode, rows, drafter)
+    timed = [r for _, mine in timed_rows(rows) for r in mine]
+    if not timed:
+        raise ValueError("speed timeline: no timed passes to read")
+    t0 = min(r["end_s"] - r["seconds"] for r in rows)
+    last = max(r["end_s"] for r in rows)
+    windows = max(1, int((last - t0) // window_s) + 1)
+    by_window: list[list[dict]] = [[] for _ in range(windows)]
+    for r in rows:  # step records too: they are the decode role's measured time
+        by_window[min(windows - 1, int((r["end_s"] - r["seconds"] - t0) // window_s))].append(r)
+    factors = []
+    for window in by_window:
+        counts: dict[str, int] = {}
+        for r in window:
+            if r["kind"] in ONE_PER_STEP_KINDS:
+                counts[ROLE_OF_KIND[r["kind"]]] = counts.get(ROLE_OF_KIND[r["kind"]], 0) + 1
+        here: dict[str, float] = {}
+        if any(n >= MIN_WINDOW_PASSES for n in counts.values()):
+            est = load_speed(profile, mode, window, drafter)
+            here = {role: est.by_role[role] / rate.by_role[role] for role, n in counts.items()
+                    if n >= MIN_WINDOW_PASSES and role in est.by_role and role in rate.by_role}
+        factors.append(here)
+    return SpeedTimeline(window_s, tuple(origin_s + i * window_s for i in range(windows)), tuple(factors))

@@ -46,6 +46,7 @@ class SimRequest:
     preemptions: int = 0
     placed: list = field(default_factory=list)  # instances whose ``assigned`` holds this request
     decode: "DecodeSim | None" = None  # disaggregated: the decode instance holding its KV reservation
+    reserve_waited: bool = False  # disaggregated: its reservation call waited for a decode step's end
 
     @property
     def context(self) -> int:
@@ -75,6 +76,7 @@ class _Instance:
         self.steps = 0
         self.busy_s = 0.0
         self.step_s = 0.0  # duration of the step in progress (or of the last one)
+        self.step_end_s = 0.0  # when the step in progress (or the last one) ends
         self.step_outputs = 1  # sequences the step being planned / in progress gives an output to
 
     def kick(self) -> None:
@@ -84,8 +86,9 @@ class _Instance:
         if planned is None:
             return
         duration, done = planned
-        duration *= self._contention(duration) * self._noise()
+        duration *= self._contention(duration) * self._noise() * self._speed()
         self.step_s = duration
+        self.step_end_s = self.sim.now + duration
         self.busy = True
         self.steps += 1
         self.busy_s += duration
@@ -105,6 +108,12 @@ class _Instance:
         ``Calibration.step_noise`` of this instance's role); 1 where none was measured."""
         quantiles = self.sim.calibration.step_noise.get(self.role)
         return self.sim.noise_rng.choice(quantiles) if quantiles else 1.0
+
+    def _speed(self) -> float:
+        """The machine's speed for this role as the step starts, relative to the profile (the simulation's
+        ``speed`` timeline; 1 without one)."""
+        timeline = self.sim.speed
+        return 1.0 if timeline is None else timeline.factor(self.role, self.sim.now)
 
     def _contention(self, duration: float) -> float:
         """Step-time factor for what the other instances do as this step (of ``duration`` alone) starts;

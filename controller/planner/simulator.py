@@ -5,7 +5,8 @@ What it models (and mirrors from the real router, ``controller/router.py``):
 
     arrival -> admission (at most ``max_concurrent`` in flight, FIFO queue beyond)
             -> disaggregated: KV reservation (prompt + 1 tokens) on the decode instance with the fewest
-               assigned requests that has room (else wait until memory frees), prefill on the prefill
+               assigned requests that has room (else wait until memory frees), answered when that
+               instance's step in progress ends (a call into a busy worker), prefill on the prefill
                instance with the fewest assigned requests, KV streamed chunk by chunk, admission into
                the decode batch at a step boundary, speculative decode steps
             -> colocated: the instance with the fewest assigned requests runs chunked prefill and decode
@@ -28,12 +29,16 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from controller.planner.profile import Profile
 from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest
 from controller.planner.slo import RequestOutcome
 from controller.planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
+
+if TYPE_CHECKING:
+    from controller.planner.load_speed import SpeedTimeline
 
 MODES = ("disaggregated", "colocated")
 
@@ -168,9 +173,10 @@ class SimResult:
 class Simulation:
     """One run of one configuration over one trace. ``run`` may be called once."""
 
-    def __init__(self, profile: Profile, config: SimConfig, seed: int = 0):
+    def __init__(self, profile: Profile, config: SimConfig, seed: int = 0, speed: SpeedTimeline | None = None):
         self.profile = profile
         self.config = config
+        self.speed = speed  # the machine's speed through the run, relative to ``profile`` (None: constant)
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
@@ -247,6 +253,13 @@ class Simulation:
         if self._unplaced:  # FIFO behind requests already waiting for decode memory
             self._unplaced.append(req)
             return
+        first = min(self.decode, key=lambda i: len(i.assigned))  # the router's first try
+        if first.busy and not req.reserve_waited:
+            # the reservation is a call into the decode worker, which answers it between steps
+            # (controller/step_gate.py): the prompt reaches a prefill instance once this step ends
+            req.reserve_waited = True
+            self.at(first.step_end_s, lambda: self._place(req))
+            return
         if not self._reserve(req):
             self._unplaced.append(req)
 
@@ -297,7 +310,9 @@ class Simulation:
 
 
 def simulate(profile: Profile, config: SimConfig, trace: list[RequestSpec], seed: int = 0,
-             time_limit_s: float | None = None) -> SimResult:
-    """Convenience: one fresh :class:`Simulation` over ``trace``."""
-    return Simulation(profile, config, seed).run(trace, time_limit_s)
+             time_limit_s: float | None = None, speed: SpeedTimeline | None = None) -> SimResult:
+    """Convenience: one fresh :class:`Simulation` over ``trace``; ``speed``: the machine's speed through
+    the run relative to ``profile`` (``load_speed.speed_timeline``), each step scaled by its role's factor
+    when it starts."""
+    return Simulation(profile, config, seed, speed).run(trace, time_limit_s)
 
