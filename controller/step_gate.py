@@ -2,14 +2,15 @@
 
 A worker actor (``controller/actors.py``) runs its step loop on one thread and answers the router's control
 calls (submit, reserve, admit, abort, status) on others; both touch the worker, so each step and each call
-holds one lock. A plain lock is not fair: the loop thread releases it at the end of a step and takes it
-again for the next within microseconds, before a call woken by the release is scheduled (the more so when
-every core is busy), so a call can wait for many steps. Measured (``benchmarks/step_gate_bench.py``, 30 ms
-steps that release the GIL as a forward pass does): with a plain lock a call waited a median of 31 ms and up
-to 445 ms; with this gate, at most the rest of the step in progress.
+holds one lock. A plain lock promises no order: the loop thread releases it at the end of a step and may take
+it again for the next before a call woken by the release runs, so a call could wait several steps. With
+``StepGate`` a call waiting when a step ends goes before the next step, at most the rest of the step in
+progress, which is what the simulator assumes of a KV reservation (``controller/planner/simulator.py``).
 
-A decode worker's ``reserve`` sits on every request's path before its prefill, so the unfairness was TTFT:
-``StepGate`` lets every call waiting when a step ends go before the next step starts.
+Measured (``benchmarks/step_gate_bench.py``, ``benchmarks/results/same_session_17``): on the 2-core VM the
+plain lock did not in fact starve calls (30 ms steps: median wait 19-22 ms under both); when the caller's
+process is starved of CPU (niceness 15 against busy processes at 0, as Ray runs our actors) both wait about
+190 ms, the scheduler's doing, not the lock's. The gate is the ordering guarantee, not a measured speed-up.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ It reads what the rate itself did (its passes), not its latencies: the simulator
 queueing, batching, transfers and attainment right from those speeds.
 
 The speed also drifts *within* a rate: on the CPU VM the prefill passes of one 150-second rate ran 2-10 %
-slower than the rate's mean for its first 80 s and up to 12 % faster after
+slower than the rate's mean for its first 80 s and up to 13 % faster after
 (``benchmarks/results/same_session_17/drift_within_rate.txt``), and a queue built in the slow stretch drains
 in the fast one. ``speed_timeline`` reads the same factors window by
 window (``SpeedTimeline``, applied per step by the simulator on top of ``LoadSpeed.apply``'s profile).
