@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from controller import step_gate
 from controller.step_gate import StepGate
 
@@ -81,9 +79,8 @@ def test_the_loop_waits_for_calls_at_most_the_guard_time(monkeypatch):
     gate._waiting = 0
 
 
-@pytest.mark.parametrize("calls", [3])
-def test_calls_from_many_threads_all_get_in(calls):
-    gate, done = StepGate(), []
+def test_calls_from_many_threads_all_get_in():
+    gate, done, calls = StepGate(), [], 3
 
     def call(i):
         with gate.call():

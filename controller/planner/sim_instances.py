@@ -46,7 +46,6 @@ class SimRequest:
     preemptions: int = 0
     placed: list = field(default_factory=list)  # instances whose ``assigned`` holds this request
     decode: "DecodeSim | None" = None  # disaggregated: the decode instance holding its KV reservation
-    reserve_waited: bool = False  # disaggregated: its reservation call waited for a decode step's end
 
     @property
     def context(self) -> int:

@@ -254,13 +254,15 @@ class Simulation:
             self._unplaced.append(req)
             return
         first = min(self.decode, key=lambda i: len(i.assigned))  # the router's first try
-        if first.busy and not req.reserve_waited:
+        if first.busy:
             # the reservation is a call into the decode worker, which answers it between steps
             # (controller/step_gate.py): the prompt reaches a prefill instance once this step ends
-            req.reserve_waited = True
-            self.at(first.step_end_s, lambda: self._place(req))
-            return
-        if not self._reserve(req):
+            self.at(first.step_end_s, lambda: self._reserve_or_queue(req))
+        else:
+            self._reserve_or_queue(req)
+
+    def _reserve_or_queue(self, req: SimRequest) -> None:
+        if self._unplaced or not self._reserve(req):
             self._unplaced.append(req)
 
     def _reserve(self, req: SimRequest) -> bool:
