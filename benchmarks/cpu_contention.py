@@ -5,8 +5,9 @@
 The simulator's calibration fits one contention factor per mode on a burst through the real cluster
 (``controller/planner/calibrate.py``). This benchmark separates the part of it that is the hardware:
 two plain processes (no Ray, no gRPC, no KV transfer), each a reference engine with one torch thread
-on the bundled model, like the cluster's workers. A *victim* process repeats one kind of work and
-times it while an *aggressor* process does another:
+on the bundled model, like the cluster's workers (``controller/planner/core_sharing.py``'s processes, which
+measure the same for instances whose threads outnumber the cores). A *victim* process repeats one kind of
+work and times it while an *aggressor* process does another:
 
 * ``prefill``: one 2048-token prompt, first token only (compute-bound);
 * ``decode``: one decode step of 16 sequences at about 1024 tokens of context (weights and KV reads);
@@ -20,105 +21,25 @@ and OUT.md.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import platform
-import random
 import shlex
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
+from controller.planner.core_sharing import DECODE_CONTEXT, DECODE_SEQS, PREFILL_TOKENS, Worker, time_pair  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "stdlib-llama-15m")
 KINDS = ("prefill", "decode")
-PREFILL_TOKENS = 2048
-DECODE_SEQS, DECODE_CONTEXT = 16, 1024
-
-
-def _engine(model: str):
-    import torch
-
-    torch.set_num_threads(1)
-    from modeling.engine import EngineConfig, ReferenceEngine
-
-    return ReferenceEngine(model, EngineConfig(dtype="bfloat16", kv_cache_tokens=80000, token_budget=512))
-
-
-class _Prefill:
-    """One unit: a fresh prompt prefilled up to its first token."""
-
-    def __init__(self, engine, rng: random.Random, vocab: int):
-        self.engine, self.rng, self.vocab = engine, rng, vocab
-
-    def __call__(self) -> None:
-        from modeling.sampling import SamplingParams
-
-        prompt = [self.rng.randrange(1, self.vocab) for _ in range(PREFILL_TOKENS)]
-        self.engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-
-
-class _Decode:
-    """One unit: one decode step of a steady batch (prefilled once, then decoding for the whole run)."""
-
-    def __init__(self, engine, rng: random.Random, vocab: int):
-        from modeling.sampling import SamplingParams
-
-        self.engine = engine
-        waiting = {engine.add_request([rng.randrange(1, vocab) for _ in range(DECODE_CONTEXT)],
-                                      SamplingParams(max_tokens=10**5, ignore_eos=True))
-                   for _ in range(DECODE_SEQS)}
-        while waiting:  # chunked prefill until every sequence has its first token
-            waiting -= {out.request_id for out in engine.step() if out.new_token_ids}
-
-    def __call__(self) -> None:
-        self.engine.step()
-
-
-def _work(kind: str, model: str, stop, ready, results) -> None:
-    """A process: build ``kind``'s work, signal ready, time units until told to stop."""
-    unit = None
-    if kind != "idle":
-        engine = _engine(model)
-        vocab = engine.loaded.config.vocab_size
-        unit = (_Prefill if kind == "prefill" else _Decode)(engine, random.Random(kind), vocab)
-        unit()  # warm-up
-    ready.set()
-    times = []
-    while not stop.is_set():
-        if unit is None:
-            time.sleep(0.05)
-            continue
-        t0 = time.perf_counter()
-        unit()
-        times.append(time.perf_counter() - t0)
-    results.put(times)
 
 
 def measure_pair(victim: str, aggressor: str, seconds: float, model: str) -> list[float]:
-    """The victim's unit times while the aggressor runs (the aggressor starts first and stops last)."""
-    ctx = mp.get_context("spawn")
-    events = [ctx.Event() for _ in range(4)]
-    stop_a, ready_a, stop_v, ready_v = events
-    out_a, out_v = ctx.Queue(), ctx.Queue()
-    agg = ctx.Process(target=_work, args=(aggressor, model, stop_a, ready_a, out_a))
-    agg.start()
-    ready_a.wait()
-    vic = ctx.Process(target=_work, args=(victim, model, stop_v, ready_v, out_v))
-    vic.start()
-    ready_v.wait()
-    time.sleep(seconds)
-    stop_v.set()
-    times = out_v.get()
-    vic.join()
-    stop_a.set()
-    out_a.get()
-    agg.join()
-    return times
+    """The victim's unit times while the aggressor runs, one torch thread each."""
+    return time_pair(Worker(victim, 1, model), Worker(aggressor, 1, model), seconds)
 
 
 def run(seconds: float, model: str) -> list[dict]:

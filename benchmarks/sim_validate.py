@@ -51,7 +51,7 @@ from benchmarks import _pass_logs  # noqa: E402
 from benchmarks._speed_probe import has_probes, probes_around, speed_of  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, attainment_of, has_server_timing, percentile  # noqa: E402
 from controller.config import load_config  # noqa: E402
-from controller.planner.load_speed import SpeedTimeline, load_speed, speed_timeline  # noqa: E402
+from controller.planner.load_speed import SpeedTimeline, arrangement, load_speed, speed_timeline  # noqa: E402
 from controller.planner.profile import Profile  # noqa: E402
 from controller.planner.simulator import SimConfig, simulate  # noqa: E402
 from controller.planner.slo import attainment  # noqa: E402
@@ -171,17 +171,18 @@ def rescaled(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict]
     window by window through the rate relative to that."""
     if speed == "load":
         drafter = config.speculation.drafter if config.mode == "disaggregated" and config.speculation.enabled else None
+        tps, sharing = arrangement(profile, config)
         out = []
         for sw, logs in zip(sweeps, pass_logs):
             instances = logs[index]["instances"]
             rows = _pass_logs.rows_of(instances)
-            est = load_speed(profile, config.mode, rows, drafter)
+            est = load_speed(profile, config.mode, rows, drafter, tps, sharing)
             record = {"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
                       "busy_s": est.busy_s, "complete": _pass_logs.complete(instances)}
             timeline = None
             if window_s is not None:
                 origin, aligned = pass_log_origin(sw["rates"][index], rows, arrivals)
-                timeline = speed_timeline(profile, config.mode, rows, window_s, origin, drafter, est)
+                timeline = speed_timeline(profile, config.mode, rows, window_s, origin, drafter, est, tps, sharing)
                 record["timeline"] = {"window_s": window_s, "aligned_by": aligned, "starts_s": list(timeline.starts_s),
                                       "factors": list(timeline.factors)}
             out.append((record, est.apply(profile), timeline))
@@ -404,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, encoding="utf-8") as f:
             sweeps.append(json.load(f))
     profile = Profile.load(args.profile)
-    config = SimConfig.from_cluster_config(load_config(args.config))
+    # a CPU config whose threads outnumber the cores shares them (the profile's core sharing times its steps)
+    config = SimConfig.from_cluster_config(load_config(args.config),
+                                           cores=profile.devices_per_node if profile.device_type == "cpu" else None)
     try:
         for path, sweep in zip(args.sweep[1:], sweeps[1:]):
             check_same_trace(sweeps[0], sweep, f"--sweep {path}")

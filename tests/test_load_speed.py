@@ -198,3 +198,31 @@ def test_activities_equal_the_quadratic_definition(profile):
         assert a.other_step_rate == pytest.approx(steps, rel=1e-4)  # spans from Unix times: 1e-7 s apart
         assert a.other_output_rate == pytest.approx(outputs, rel=1e-4)
     assert max(a.other_busy_share for a in fast) > 0.5  # the timeline overlaps
+
+
+def test_passes_slowed_by_sharing_cores_read_as_the_machines_speed_once_sharing_is_priced(profile):
+    """Prefill passes that all ran while a decode worker was busy, each ``f`` = 2.5 times the simulator's
+    price: read without the core sharing they say the prefill role ran 2.5x slow; priced with a measured
+    sharing of 2.5x for prefill (what the simulator applies while decode is busy) the machine ran as profiled."""
+    from controller.planner.profile import CoreSharing
+
+    quiet = profile.without_contention()
+    cal = quiet.calibration("disaggregated")
+    t0, rows = 1.8e9, []
+    for i in range(800):  # decode busy throughout, 8 s
+        rows.append({"kind": "decode", "worker": 1, "passes": 1, "seqs": 4, "kv_tokens": 2000, "new_tokens": 4, "k": 0,
+                     "seconds": 0.01, "end_s": t0 + 0.01 * (i + 1)})
+    t = t0 + 0.2
+    for n in range(1, 11):
+        row = {"kind": "prefill", "worker": 0, **interference.prefill_features([(0, 64 * n)])}
+        row["seconds"] = 2.5 * interference.predicted_s(quiet, row) * cal.prefill_busy_scale
+        row["end_s"] = t = t + row["seconds"]
+        rows.append(row)
+    assert t < t0 + 8.0  # every prefill pass overlapped by decode passes
+    plain = load_speed(quiet, "disaggregated", rows)
+    shared = load_speed(quiet, "disaggregated", rows, sharing=CoreSharing(1, 2, 2, 2.5, 1.0))
+    assert plain.by_role["prefill"] == pytest.approx(2.5, rel=1e-3)
+    assert shared.by_role["prefill"] == pytest.approx(1.0, rel=1e-3)
+    # a 2-thread decode instance's passes are priced by the profile's tp 2 model: missing, it names what is
+    with pytest.raises(Exception, match="tensor_parallel=2"):
+        load_speed(quiet, "disaggregated", rows, tps={"decode": 2})

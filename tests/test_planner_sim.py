@@ -3,6 +3,7 @@ timings computable by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -453,3 +454,90 @@ def test_a_cpu_pools_threads_are_its_tensor_parallel_devices_both_ways():
     profile = Profile.load(os.path.join(root, "benchmarks", "results", "profile_local_cpu.json"))
     with pytest.raises(ProfileError, match="tensor_parallel=2"):
         simulate(profile, config, make_trace(workload_shape("long_doc"), 0.3, 3, seed=0))
+
+
+def _sharing_profile(prefill_factor: float, decode_factor: float) -> Profile:
+    from controller.planner.profile import CoreSharing
+
+    return dataclasses.replace(make_profile(tps=(1, 2)),
+                               core_sharing=(CoreSharing(2, 1, 2, prefill_factor, decode_factor, 10, 10),))
+
+
+def _shared(cores: int = 2) -> SimConfig:
+    return SimConfig("disaggregated", prefill=PoolPlan(1, 2, 1, 1 << 20, 512, 16), decode=PoolPlan(1, 1, 1, 1 << 20, 1, 64),
+                     speculation=NO_SPECULATION, shared_cores=cores)
+
+
+def test_instances_sharing_cores_slow_each_other_only_while_both_are_busy():
+    """A 2-thread prefill and a 1-thread decode instance on 2 cores (prefill 1.5x, decode 2x slower while the
+    other role is busy), by hand: A (1000-token prompt) is prefilled alone in 55 ms (2.5 ms + 0.05 ms/token per
+    step at tp 2) and its first decode step (10 ms) runs alone, 55-65 ms. B arrives at 60 ms; its reservation
+    waits for that step, so B's prefill runs 65-147.5 ms against A's decode: 55 ms of work at 1.5x. A's decode
+    steps take 20 ms meanwhile (65-145 ms), the one started at 145 ms is contended for 2.5 ms (1.25 ms of work)
+    and alone for its last 8.75 ms, and the last four take 10 ms: A finishes at 196.25 ms."""
+    trace = [RequestSpec(0.0, 1000, 11), RequestSpec(0.06, 1000, 11)]
+    a, b = simulate(_sharing_profile(1.5, 2.0), _shared(), trace).records
+    # (the 1e-7 s floor of a zero-cost KV transfer shifts the decode steps)
+    assert a.ttft_s == pytest.approx(0.055, abs=1e-6)
+    assert b.ttft_s == pytest.approx(0.065 - 0.06 + 1.5 * 0.055, abs=1e-6)
+    assert a.finish_s == pytest.approx(0.19625, abs=1e-6)
+    # factors of 1 are the same cluster on separate cores
+    alone = simulate(_sharing_profile(1.0, 1.0), _shared(), trace).records
+    separate = simulate(_sharing_profile(1.0, 1.0), dataclasses.replace(_shared(), shared_cores=0), trace).records
+    assert alone == separate
+    assert b.ttft_s > alone[1].ttft_s and a.finish_s > alone[0].finish_s
+
+
+def test_shared_cores_configs_are_validated_and_need_a_measured_pair():
+    assert _shared().devices == 2  # per-core goodput counts the cores, not the threads
+    with pytest.raises(SimConfigError, match="more threads than cores"):
+        _shared(cores=3)
+    with pytest.raises(SimConfigError, match="one prefill and one decode instance"):
+        SimConfig("disaggregated", prefill=PoolPlan(2, 2, 1), decode=PoolPlan(1, 1, 1), shared_cores=2)
+    with pytest.raises(ProfileError, match="--add-threads"):
+        simulate(make_profile(tps=(1, 2)), _shared(), [RequestSpec(0.0, 100, 2)])
+    root = os.path.join(os.path.dirname(__file__), "..")
+    cfg = load_config(os.path.join(root, "cluster_configs", "local-prefill2.yaml"))
+    assert SimConfig.from_cluster_config(cfg, cores=2).shared_cores == 2
+    assert SimConfig.from_cluster_config(cfg, cores=4).shared_cores == 0  # 3 threads fit on 4 cores
+    assert SimConfig.from_cluster_config(cfg).shared_cores == 0
+
+
+def test_plan_shares_cores_when_the_measured_sharing_pays_and_serve_accepts_the_plan(tmp_path):
+    """A CPU profile of 1- and 2-thread instances on 2 cores: a 2-thread prefill beside a 1-thread decode
+    instance is a candidate only through its measured core sharing. Sharing for free, it beats every
+    arrangement that fits the cores (prefill twice as fast, decode as fast); the plan is written as 2 + 1
+    threads on 2 cores. The dearer the measured sharing, the lower its simulated goodput."""
+    from controller.cli import main
+    from controller.planner.profile import CoreSharing
+
+    base = make_profile(prefill_per_token=2e-4, step_s=0.004, tps=(1, 2))
+    base = dataclasses.replace(base, device_type="cpu", devices_per_node=2, source="measured")
+
+    def profile(factor: float) -> Profile:
+        return dataclasses.replace(base, core_sharing=(CoreSharing(2, 1, 2, factor, factor),))
+
+    prof_path = tmp_path / "p.json"
+    profile(1.0).save(str(prof_path))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--profile", str(prof_path), "--ttft-ms", "3000", "--tpot-ms", "50", "--workload", "long_doc",
+                 "--num-requests", "60", "--verify-top", "2", "--no-speculation", "--out", str(out)]) == 0
+    cfg = load_config(str(out))
+    assert (cfg.mode, cfg.prefill.threads, cfg.decode.threads) == ("disaggregated", 2, 1)
+    assert cfg.prefill.cpus_per_instance + cfg.decode.cpus_per_instance <= 2
+    assert SimConfig.from_cluster_config(cfg, cores=2).shared_cores == 2
+    assert "sharing 2 cores" in (tmp_path / "plan.md").read_text()
+    # --no-shared-cores: only arrangements with a core per thread
+    assert main(["plan", "--profile", str(prof_path), "--ttft-ms", "3000", "--tpot-ms", "50", "--workload", "long_doc",
+                 "--num-requests", "60", "--verify-top", "2", "--no-speculation", "--no-shared-cores",
+                 "--out", str(out)]) == 0
+    assert "sharing" not in (tmp_path / "plan.md").read_text()
+
+    def sharing_goodput(factor: float) -> float:
+        planner = Planner(profile(factor), SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"),
+                                                                          num_requests=60),
+                          SearchSpace(devices=2, tensor_parallel=(1, 2), shared_cores=2), verify_top=1, progress=False)
+        (cand,) = [c for c in planner.run().candidates if c.config.shared_cores]
+        return cand.goodput
+
+    assert sharing_goodput(1.0) > sharing_goodput(3.0) > 0

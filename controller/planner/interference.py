@@ -65,19 +65,21 @@ def worker_of(row: dict):
     return row.get("worker", ROLE_OF_KIND[row["kind"]])
 
 
-def predicted_s(profile: Profile, row: dict, drafter: str | None = None) -> float:
-    """The profile's time for a logged pass (one device per instance, as on the CPU cluster)."""
+def predicted_s(profile: Profile, row: dict, drafter: str | None = None, tps: dict[str, int] | None = None) -> float:
+    """The profile's time for a logged pass on an instance of ``tps[role]`` devices (CPU: threads; default
+    1, as on the CPU cluster)."""
+    tp = (tps or {}).get(ROLE_OF_KIND[row["kind"]], 1)
     if row["kind"] == "prefill":
-        return profile.prefill_model(1).predict(row)
+        return profile.prefill_model(tp).predict(row)
     if row["kind"] == "mixed":
-        return mixed_pass_seconds(profile.prefill_model(1), profile.target_model(1), row, int(row["decode_seqs"]),
+        return mixed_pass_seconds(profile.prefill_model(tp), profile.target_model(tp), row, int(row["decode_seqs"]),
                                   int(row["decode_kv_tokens"]))
     shape = PassShape(int(row["seqs"]), int(row["kv_tokens"]), int(row["new_tokens"]), int(row.get("passes", 1)))
     if row["kind"] == "draft":
         if drafter is None:
             raise ValueError("draft passes need the drafter's name")
-        return profile.draft_model(drafter, 1).predict_pass(shape)
-    return profile.target_model(1).predict_pass(shape)
+        return profile.draft_model(drafter, tp).predict_pass(shape)
+    return profile.target_model(tp).predict_pass(shape)
 
 
 def intervals(rows: list[dict]) -> list[tuple[float, float]]:
@@ -107,8 +109,10 @@ class PassActivity:
     other_output_rate: float  # outputs per second of the other workers' steps completed during the pass
 
 
-def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -> list[PassActivity]:
-    """Every timed pass of ``rows`` with the other workers' activity during it (``worker_of``: the other
+def activities(profile: Profile, rows: list[dict], drafter: str | None = None,
+               tps: dict[str, int] | None = None) -> list[PassActivity]:
+    """Every timed pass of ``rows`` (priced by ``predicted_s`` at ``tps``) with the other workers' activity
+    during it (``worker_of``: the other
     role's workers for rows stored without a worker), in the order of ``rows`` grouped by worker (workers in
     order of appearance). The same as ``covered`` and a count of step ends per pass, computed from sorted
     arrays and prefix sums: a sweep's rate logs tens of thousands of passes."""
@@ -132,7 +136,7 @@ def activities(profile: Profile, rows: list[dict], drafter: str | None = None) -
         share[end <= start] = 0.0
         steps, outputs = (hi - lo) / span, (end_outputs[hi] - end_outputs[lo]) / span
         for j, r in enumerate(mine):
-            out.append(PassActivity(r["kind"], r["seconds"], r["seconds"] / predicted_s(profile, r, drafter),
+            out.append(PassActivity(r["kind"], r["seconds"], r["seconds"] / predicted_s(profile, r, drafter, tps),
                                     float(share[j]), float(steps[j]), outputs_of(r), float(outputs[j])))
     return out
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from controller.planner.interference import (ROLE_OF_KIND, PassActivity, activities, contention_variable,
                                              output_variable, timed_rows)
-from controller.planner.profile import Calibration, Profile, mixed_pass_seconds
+from controller.planner.profile import Calibration, CoreSharing, Profile, mixed_pass_seconds
+from controller.planner.simulator import SimConfig
 
 FIXED_POINT_ITERATIONS = 50
 FIXED_POINT_TOLERANCE = 1e-12
@@ -71,24 +72,39 @@ class LoadSpeed:
         return profile.at_speed(self.factor)
 
 
+def arrangement(profile: Profile, config: SimConfig) -> tuple[dict[str, int], CoreSharing | None]:
+    """Each role's instance shape (``tps``) and the core sharing of ``config``, as ``load_speed`` takes them."""
+    if config.mode == "colocated":
+        return {"colocated": config.colocated.tensor_parallel}, None
+    tps = {"prefill": config.prefill.tensor_parallel, "decode": config.decode.tensor_parallel}
+    return tps, (profile.sharing(tps["prefill"], tps["decode"]) if config.shared_cores else None)
+
+
 def kind_scale(cal: Calibration, kind: str) -> float:
     """The calibrated in-place speed of a decode-role pass kind relative to a plain decode pass."""
     return {"verify": cal.verify_pass_scale, "draft": cal.draft_pass_scale}.get(kind, 1.0)
 
 
-def _contention(cal: Calibration, a: PassActivity, speed: float) -> float:
-    return (1.0 + (cal.contention_scale - 1.0) * a.other_busy_share
-            + speed * (cal.contention_step_s * contention_variable(a) + cal.contention_output_s * output_variable(a)))
+def _contention(cal: Calibration, a: PassActivity, speed: float, sharing: CoreSharing | None = None) -> float:
+    factor = (1.0 + (cal.contention_scale - 1.0) * a.other_busy_share
+              + speed * (cal.contention_step_s * contention_variable(a) + cal.contention_output_s * output_variable(a)))
+    if sharing is not None:  # the simulator's processor sharing: ``f`` x slower for the work done while the
+        # other role is busy; a pass of wall-clock share s contended took 1 / (1 - s + s / f) x its alone time
+        s, f = a.other_busy_share, sharing.factor(ROLE_OF_KIND[a.kind])
+        factor /= 1.0 - s + s / f
+    return factor
 
 
-def simulated_price(profile: Profile, cal: Calibration, row: dict, activity: PassActivity) -> float:
+def simulated_price(profile: Profile, cal: Calibration, row: dict, activity: PassActivity,
+                    tps: dict[str, int] | None = None) -> float:
     """What the simulator charges for a logged pass before contention: its profiled time (``activity``'s
     measured time over its ratio) times the step scales of its role and kind."""
     profiled = activity.seconds / activity.ratio
     if row["kind"] == "prefill":
         return profiled * cal.prefill_busy_scale
     if row["kind"] == "mixed":
-        return mixed_pass_seconds(profile.prefill_model(1), profile.target_model(1), row, int(row["decode_seqs"]),
+        tp = (tps or {}).get("colocated", 1)
+        return mixed_pass_seconds(profile.prefill_model(tp), profile.target_model(tp), row, int(row["decode_seqs"]),
                                   int(row["decode_kv_tokens"]), cal.prefill_busy_scale, cal.decode_scale)
     return profiled * kind_scale(cal, row["kind"]) * cal.decode_scale
 
@@ -106,23 +122,25 @@ def measured_by_role(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def load_speed(profile: Profile, mode: str, rows: list[dict], drafter: str | None = None) -> LoadSpeed:
+def load_speed(profile: Profile, mode: str, rows: list[dict], drafter: str | None = None,
+               tps: dict[str, int] | None = None, sharing: CoreSharing | None = None) -> LoadSpeed:
     """The speed factors of ``rows`` (``interference.pass_row`` rows with ``worker`` indices: every worker's
     passes over one window, e.g. one rate of an SLO sweep) against ``profile``'s calibration of ``mode``.
-    ``drafter``: the decode pool's drafter, when the rows hold draft passes."""
+    ``drafter``: the decode pool's drafter, when the rows hold draft passes; ``tps``: each role's instance
+    shape (CPU: threads; default 1); ``sharing``: the two roles shared the cores (``SimConfig.shared_cores``)."""
     cal = profile.calibration(mode)
-    acts = activities(profile, rows, drafter)
+    acts = activities(profile, rows, drafter, tps)
     if not acts:
         raise ValueError("load speed: no timed passes to read")
     timed = [r for _, mine in timed_rows(rows) for r in mine]  # the order activities() lists them in
-    priced = [(a, simulated_price(profile, cal, r, a)) for a, r in zip(acts, timed)]
+    priced = [(a, simulated_price(profile, cal, r, a, tps)) for a, r in zip(acts, timed)]
     measured = measured_by_role(rows)
 
     def modelled(speed: float) -> dict[str, float]:
         out: dict[str, float] = {}
         for a, price in priced:
             role = ROLE_OF_KIND[a.kind]
-            out[role] = out.get(role, 0.0) + price * _contention(cal, a, speed)
+            out[role] = out.get(role, 0.0) + price * _contention(cal, a, speed, sharing)
         return out
 
     speed = 1.0
@@ -165,7 +183,8 @@ class SpeedTimeline:
 
 
 def speed_timeline(profile: Profile, mode: str, rows: list[dict], window_s: float, origin_s: float,
-                   drafter: str | None = None, rate: LoadSpeed | None = None) -> SpeedTimeline:
+                   drafter: str | None = None, rate: LoadSpeed | None = None, tps: dict[str, int] | None = None,
+                   sharing: CoreSharing | None = None) -> SpeedTimeline:
     """``load_speed`` of ``rows`` (one rate's passes) window by window: windows of ``window_s`` seconds of the
     passes' wall clock from the first pass's start, each role's factor over its factor for the whole rate
     (``rate``, computed when not given) where the window holds at least ``MIN_WINDOW_PASSES`` of that role's
@@ -173,7 +192,7 @@ def speed_timeline(profile: Profile, mode: str, rows: list[dict], window_s: floa
     trace replayed; the wall clock of the passes and the trace's clock differ by a constant)."""
     if not (window_s > 0 and window_s < float("inf")):
         raise ValueError(f"speed window: expected a positive number of seconds, got {window_s!r}")
-    rate = rate or load_speed(profile, mode, rows, drafter)
+    rate = rate or load_speed(profile, mode, rows, drafter, tps, sharing)
     timed = [r for _, mine in timed_rows(rows) for r in mine]
     if not timed:
         raise ValueError("speed timeline: no timed passes to read")
@@ -191,7 +210,7 @@ def speed_timeline(profile: Profile, mode: str, rows: list[dict], window_s: floa
                 counts[ROLE_OF_KIND[r["kind"]]] = counts.get(ROLE_OF_KIND[r["kind"]], 0) + 1
         here: dict[str, float] = {}
         if any(n >= MIN_WINDOW_PASSES for n in counts.values()):
-            est = load_speed(profile, mode, window, drafter)
+            est = load_speed(profile, mode, window, drafter, tps, sharing)
             here = {role: est.by_role[role] / rate.by_role[role] for role, n in counts.items()
                     if n >= MIN_WINDOW_PASSES and role in est.by_role and role in rate.by_role}
         factors.append(here)

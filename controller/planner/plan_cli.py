@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculation", action="store_true",
                    help="search without speculative decoding (DistServe's search space)")
     p.add_argument("--no-colocated", action="store_true", help="do not compare against colocated baselines")
+    p.add_argument("--no-shared-cores", action="store_true",
+                   help="CPU: never let a prefill and a decode instance share cores with more threads than cores "
+                        "(by default the pairs the profile measured with --add-threads are compared)")
     p.add_argument("--max-concurrent", type=int, default=256, help="router admission limit in the plan")
     p.add_argument("--verify-top", type=int, default=4, help="best estimates verified by full simulation")
     p.add_argument("--base-config", default=None,
@@ -72,10 +75,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
     specs = speculation_space(profile) if not args.no_speculation else speculation_space(profile)[:1]
-    tps = args.tensor_parallel if profile.device_type != "cpu" else (1,)
+    cpu = profile.device_type == "cpu"
+    tps = args.tensor_parallel
+    if cpu:  # a CPU instance's tp is its threads: search the counts the profile measured
+        measured = sorted({c.tensor_parallel for c in profile.instances})
+        tps = tuple(t for t in measured if t in args.tensor_parallel and t <= devices)
+        if not tps:
+            raise SystemExit(f"magicserve plan: --tensor-parallel {','.join(map(str, args.tensor_parallel))}: the "
+                             f"profile measured CPU instances of {measured} threads (add others with "
+                             f"`magicserve profile --add-threads`)")
+    shared = devices if cpu and args.nodes == 1 and profile.core_sharing and not args.no_shared_cores else 0
     space = SearchSpace(devices=devices, tensor_parallel=tps, pipeline_parallel=args.pipeline_parallel,
-                        speculation=specs, include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent)
-    print(f"planning for {devices} devices ({profile.hardware}); {len(specs)} speculation settings: "
+                        speculation=specs, include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent,
+                        shared_cores=shared)
+    print(f"planning for {devices} devices ({profile.hardware}); tp {', '.join(map(str, tps))}"
+          + (f"; prefill and decode may share the {shared} cores" if shared else "")
+          + f"; {len(specs)} speculation settings: "
           + "; ".join(describe_spec(s) for s in specs), file=sys.stderr)
     result = Planner(profile, slo, workload, space, verify_top=args.verify_top).run()
     base = args.base_config or (LOCAL_CONFIG if profile.device_type == "cpu"

@@ -186,6 +186,43 @@ class InstanceCosts:
 
 
 @dataclass(frozen=True)
+class CoreSharing:
+    """A prefill and a decode instance whose threads outnumber the cores they run on (CPU only): each
+    role's step time while the other role is busy, over its time alone (``core_sharing.measure``).
+
+    On a 2-core machine a 2-thread prefill instance and a 1-thread decode instance run a lone long prompt
+    on both cores while decode is idle, and the OS time-slices three threads over two cores when both are
+    busy: ``prefill_factor`` and ``decode_factor`` say how much slower each role's steps run then. The
+    simulator applies them for the part of each step the other role is busy (``sim_instances``)."""
+
+    prefill_threads: int
+    decode_threads: int
+    cores: int
+    prefill_factor: float  # a prefill step's time while the decode instance is busy / alone
+    decode_factor: float  # a decode step's time while the prefill instance is busy / alone
+    prefill_units: int = 0  # timed units behind the prefill factor (contended)
+    decode_units: int = 0
+    prefill_alone_s: float = 0.0  # the measured units alone (median seconds; 0: not recorded)
+    decode_alone_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_threads", "decode_threads", "cores"):
+            if getattr(self, name) < 1:
+                raise ProfileError(f"core_sharing.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.prefill_threads + self.decode_threads <= self.cores:
+            raise ProfileError(f"core_sharing: {self.prefill_threads} + {self.decode_threads} threads fit on "
+                               f"{self.cores} cores; sharing needs more threads than cores")
+        for name in ("prefill_factor", "decode_factor"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ProfileError(f"core_sharing.{name}: must be a positive finite number, got {value!r}")
+
+    def factor(self, role: str) -> float:
+        """The slowdown of ``role`` ("prefill" | "decode") while the other role is busy."""
+        return {"prefill": self.prefill_factor, "decode": self.decode_factor}[role]
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything the simulator and planner need to know about (hardware, model)."""
 
@@ -205,6 +242,8 @@ class Profile:
     # measured points behind the fits: model name ("prefill", "target_pass", "draft_pass/<drafter>",
     # "kv_transfer") -> rows of feature values plus "seconds" (median); empty for analytical profiles
     samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    # CPU: measured slowdowns of a prefill and a decode instance sharing cores (``magicserve profile --add-threads``)
+    core_sharing: tuple[CoreSharing, ...] = ()
 
     # -- lookups (each names what is missing) ------------------------------------------------------
 
@@ -292,6 +331,16 @@ class Profile:
             raise ProfileError(f"profile has no {role} KV capacity for tp={tp}, pp={pp}")
         return tokens
 
+    def sharing(self, prefill_threads: int, decode_threads: int) -> CoreSharing:
+        """The measured core sharing of a ``prefill_threads`` prefill and a ``decode_threads`` decode instance."""
+        for c in self.core_sharing:
+            if (c.prefill_threads, c.decode_threads) == (prefill_threads, decode_threads):
+                return c
+        have = sorted((c.prefill_threads, c.decode_threads) for c in self.core_sharing)
+        raise ProfileError(f"profile has no core-sharing measurement for a {prefill_threads}-thread prefill and a "
+                           f"{decode_threads}-thread decode instance (it has (prefill, decode) threads in {have}); "
+                           f"run `magicserve profile --add-threads` for it")
+
     def acceptance_rate(self, drafter: str, budget: int, context: int) -> float:
         """Measured rate of (drafter, budget) at ``context`` tokens; between measured budgets the
         nearest smaller budget is used (conservative: acceptance grows with budget)."""
@@ -357,6 +406,7 @@ class Profile:
                                    for c in d.get("calibrations", [])),
                 samples={str(k): [{str(f): float(x) for f, x in row.items()} for row in v]
                          for k, v in samples.items()},
+                core_sharing=tuple(CoreSharing(**c) for c in d.get("core_sharing", [])),
             )
         except KeyError as e:
             raise ProfileError(f"profile: missing field {e}") from None

@@ -28,8 +28,10 @@ irrelevant to timing, so passes run over synthetic KV:
 The same speculative steps also check the fitted pass models end to end: the median ratio of measured
 step time to the sum of predicted pass times goes into the profile's notes.
 
-Only tensor_parallel = 1, pipeline_parallel = 1 CPU instances are measured (sharded execution is not
-runnable yet); GPU clusters are profiled analytically (``controller.planner.analytical``).
+A CPU instance of ``tensor_parallel`` t is one worker on t torch threads (sharded execution is not
+runnable yet): a profile measures the config's thread count (equal for both roles), and ``--add-threads``
+(``add_threads``) adds other counts and the core sharing of prefill/decode pairs whose threads outnumber
+the cores. GPU clusters are profiled analytically (``controller.planner.analytical``).
 """
 
 from __future__ import annotations
@@ -156,8 +158,9 @@ def profile_cluster(config: ClusterConfig, grid: Grid = DEFAULT_GRID, progress: 
                      f"{step_check}; profiled in {time.perf_counter() - start:.0f} s")
 
 
-def measure_costs(loaded, config: ClusterConfig, grid: Grid, limits: Limits, progress: bool):
-    """Sections 1-3: fitted models and their samples by name, and the DecodeWorker (reused for acceptance)."""
+def measure_costs(loaded, config: ClusterConfig, grid: Grid, limits: Limits, progress: bool, transfer: bool = True):
+    """Sections 1-3 (``transfer``: 3 too): fitted models and their samples by name, and the DecodeWorker
+    (reused for acceptance)."""
     fits: dict[str, FittedModel] = {}
     samples: dict[str, list[dict[str, float]]] = {}
     with _threads(config.prefill.threads):
@@ -171,18 +174,81 @@ def measure_costs(loaded, config: ClusterConfig, grid: Grid, limits: Limits, pro
         target, drafts = measure_decode(decode, grid, limits, progress)
         for name, rows in [("target_pass", target)] + [(f"draft_pass/{d}", r) for d, r in drafts.items()]:
             fits[name], samples[name] = _fit(PASS_FEATURES, rows, name)
-    with _threads(config.prefill.threads):
-        fits["kv_transfer"], samples["kv_transfer"] = measure_transfer(prefill, config, grid, limits, progress)
+    if transfer:
+        with _threads(config.prefill.threads):
+            fits["kv_transfer"], samples["kv_transfer"] = measure_transfer(prefill, config, grid, limits, progress)
     return fits, samples, decode
+
+
+def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int], grid: Grid = DEFAULT_GRID,
+                progress: bool = True, log: Callable[[str], None] = print, sharing_seconds: float = 12.0) -> Profile:
+    """``profile`` (measured on this machine with ``config``'s model) with CPU instances of more thread counts:
+    for each count t it lacks, the prefill, target-pass and draft-pass models measured at t threads (an
+    instance of ``tensor_parallel`` t, as ``plan_output`` writes a CPU plan; the KV transfer, acceptance and
+    calibrations stay those of the profile); then, for every (prefill, decode) pair of its thread counts
+    whose threads outnumber the cores, the core sharing (``core_sharing.measure``) it lacks. A few minutes
+    per thread count and per pair."""
+    from controller.planner import core_sharing
+    from modeling.checkpoint import load_model
+
+    check_config(config)
+    if profile.device_type != "cpu" or profile.source != "measured":
+        raise ProfileError(f"--add-threads: extends a measured CPU profile, got a {profile.source} "
+                           f"{profile.device_type} one")
+    model = os.path.basename(os.path.normpath(config.model_path))
+    if profile.model != model:
+        raise ProfileError(f"--add-threads: the profile is of model {profile.model!r}, the config's is {model!r}")
+    cores = os.cpu_count() or 1
+    wanted = sorted(set(threads))
+    bad = [t for t in wanted if not 1 <= t <= cores]
+    if bad:
+        raise ProfileError(f"--add-threads: thread counts must be in [1, {cores}] (this machine's cores), got {bad}")
+    have = {c.tensor_parallel for c in profile.instances if c.pipeline_parallel == 1}
+    instances, samples = list(profile.instances), dict(profile.samples)
+    loaded = None
+    for t in (t for t in wanted if t not in have):
+        loaded = loaded or load_model(config.model_path, config.model.dtype, "cpu")
+        cfg = dataclasses.replace(config, prefill=dataclasses.replace(config.prefill, threads=t),
+                                  decode=dataclasses.replace(config.decode, threads=t))
+        limits = _limits(cfg, loaded.config.max_position_embeddings)
+        fits, measured, _ = measure_costs(loaded, cfg, grid, limits, progress, transfer=False)
+        for name, fm in fits.items():
+            log(f"{t} threads: fit {name:<20} {_describe(fm)}")
+        instances.append(_instance_costs(cfg, fits, t))
+        samples.update({f"tp{t}/{name}": rows for name, rows in measured.items()})
+    counts = sorted(have | set(wanted))
+    sharing = list(profile.core_sharing)
+    measured_pairs = {(c.prefill_threads, c.decode_threads) for c in sharing}
+    for p_threads, d_threads in itertools.product(counts, counts):
+        if p_threads + d_threads > cores and (p_threads, d_threads) not in measured_pairs:
+            c = core_sharing.measure(config.model_path, p_threads, d_threads, sharing_seconds, config.model.dtype,
+                                     config.prefill.chunk_tokens, cores, progress)
+            log(f"core sharing P{p_threads} + D{d_threads} threads on {cores} cores: prefill {c.prefill_factor:.2f}x, "
+                f"decode {c.decode_factor:.2f}x slower while the other role is busy")
+            sharing.append(c)
+    added = [t for t in wanted if t not in have] + [(c.prefill_threads, c.decode_threads) for c in sharing
+                                                   if (c.prefill_threads, c.decode_threads) not in measured_pairs]
+    notes = profile.notes + (f"; --add-threads {','.join(map(str, wanted))}: cost models and core sharing of "
+                             f"{added}" if added else "")
+    hardware = (f"cpu: {cpu_model_name()} ({cores} cores); instances of {', '.join(map(str, counts))} thread(s); "
+                f"torch {torch.__version__}")
+    return dataclasses.replace(profile, instances=tuple(sorted(instances, key=lambda c: (c.tensor_parallel,
+                                                                                         c.pipeline_parallel))),
+                               samples=samples, core_sharing=tuple(sharing), devices_per_node=cores, notes=notes,
+                               hardware=hardware)
+
+
+def _instance_costs(config: ClusterConfig, fits: dict[str, FittedModel], tensor_parallel: int) -> InstanceCosts:
+    return InstanceCosts(
+        tensor_parallel=tensor_parallel, pipeline_parallel=1, prefill=fits["prefill"], target_pass=fits["target_pass"],
+        draft_pass={name.split("/", 1)[1]: fm for name, fm in fits.items() if name.startswith("draft_pass/")},
+        kv_capacity_tokens=config.decode.kv_cache_tokens, prefill_kv_capacity_tokens=config.prefill.kv_cache_tokens)
 
 
 def _assemble(config: ClusterConfig, loaded, kv_bytes_per_token: int, grid: Grid, limits: Limits,
               fits: dict[str, FittedModel], samples: dict, acceptance: list[AcceptanceEntry], check: str) -> Profile:
     spec = config.decode.speculation
-    costs = InstanceCosts(
-        tensor_parallel=1, pipeline_parallel=1, prefill=fits["prefill"], target_pass=fits["target_pass"],
-        draft_pass={name.split("/", 1)[1]: fm for name, fm in fits.items() if name.startswith("draft_pass/")},
-        kv_capacity_tokens=config.decode.kv_cache_tokens, prefill_kv_capacity_tokens=config.prefill.kv_cache_tokens)
+    costs = _instance_costs(config, fits, config.prefill.threads)
     notes = (f"measured by `magicserve profile` on {config.source or 'a config'} (median of up to {grid.repeats} "
              f"runs per point; 1-min load {os.getloadavg()[0]:.1f} at the end); drafter {spec.drafter}, budget "
              f"{spec.budget}, sink {spec.sink_tokens}, max_k {spec.max_k}; prefill chunks up to "
@@ -192,7 +258,7 @@ def _assemble(config: ClusterConfig, loaded, kv_bytes_per_token: int, grid: Grid
              f"rate = accepted / (accepted + rejections); {check}")
     return Profile(
         hardware=hardware_string(config), device_type="cpu",
-        devices_per_node=max(1, (os.cpu_count() or 1) // max(config.prefill.threads, config.decode.threads)),
+        devices_per_node=os.cpu_count() or 1,  # a CPU device is a core (a tp t instance runs t threads)
         model=os.path.basename(os.path.normpath(config.model_path)), model_params=loaded.config.num_parameters(),
         kv_bytes_per_token=kv_bytes_per_token, source="measured", instances=(costs,),
         kv_transfer=fits["kv_transfer"], acceptance=tuple(acceptance), notes=notes, samples=samples,
@@ -204,6 +270,10 @@ def check_config(config: ClusterConfig) -> None:
     if getattr(config, "mode", "disaggregated") != "disaggregated":
         raise ProfileError(f"mode: profiles measure the disaggregated pools (prefill, decode, kv_transfer); "
                            f"got {config.mode!r}")
+    if config.prefill.threads != config.decode.threads:
+        raise ProfileError(f"decode.threads: a profile measures instances of one thread count (tensor_parallel = "
+                           f"threads), got prefill {config.prefill.threads} and decode {config.decode.threads}; "
+                           f"profile with equal counts and add others with --add-threads")
     for role in ("prefill", "decode"):
         pool = getattr(config, role)
         if pool.tensor_parallel != 1:
@@ -770,7 +840,14 @@ def run_cli(args) -> int:
             profile.with_calibration(cal).save(args.out)
             print(f"wrote {args.out}")
             return 0
-        if args.calibrate_only:
+        if args.add_threads:
+            if args.calibrate or args.calibrate_only or args.refit_calibration:
+                raise ProfileError("--add-threads: extends the profile at --out with other thread counts; it does "
+                                   "not combine with --calibrate, --calibrate-only or --refit-calibration")
+            profile = add_threads(config, Profile.load(args.out), args.add_threads,
+                                  QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress,
+                                  sharing_seconds=args.sharing_seconds)
+        elif args.calibrate_only:
             profile = Profile.load(args.out)
         else:
             profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)

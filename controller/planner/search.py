@@ -6,8 +6,9 @@ DistServe's algorithm, extended with speculation:
 1. Screen each prefill shape (tensor_parallel x pipeline_parallel) alone: the highest rate one instance
    sustains with TTFT attainment >= target (decode made non-binding).
 2. Screen each decode shape x speculation setting alone: the highest rate one instance sustains with
-   attainment >= target on both SLOs (prefill made non-binding; decode admission control turns an
-   overloaded decode instance into queueing before prefill, i.e. TTFT).
+   attainment >= target on both SLOs (prefill made non-binding: many instances of the fastest prefill
+   shape; decode admission control turns an overloaded decode instance into queueing before prefill,
+   i.e. TTFT).
 3. Replicate: for every (prefill shape, count, decode shape + speculation, count) that fits the devices,
    the estimated goodput is min(n_p * r_p, n_d * r_d); keep the best estimates per device.
 4. Verify the best ``verify_top`` estimates (and the colocated baselines) with full-cluster simulations
@@ -93,6 +94,9 @@ class SearchSpace:
     decode_max_num_seqs: int = 64
     max_concurrent: int = 256
     block_size: int = 16
+    # CPU: one prefill and one decode instance may share this many cores with more threads than cores (each
+    # (prefill, decode) thread pair the profile measured, ``Profile.core_sharing``); 0: instances never share
+    shared_cores: int = 0
 
 
 @dataclass
@@ -118,8 +122,9 @@ class Candidate:
             p = c.colocated
             return f"colocated {p.instances} x (tp{p.tensor_parallel} pp{p.pipeline_parallel})"
         p, d = c.prefill, c.decode
+        shared = f" sharing {c.shared_cores} cores" if c.shared_cores else ""
         return (f"P {p.instances} x (tp{p.tensor_parallel} pp{p.pipeline_parallel}) + "
-                f"D {d.instances} x (tp{d.tensor_parallel} pp{d.pipeline_parallel}), {describe_spec(c.speculation)}")
+                f"D {d.instances} x (tp{d.tensor_parallel} pp{d.pipeline_parallel}){shared}, {describe_spec(c.speculation)}")
 
 
 def describe_spec(spec: SpeculationConfig) -> str:
@@ -200,12 +205,30 @@ class Planner:
     def _pool(self, instances: int, tp: int, pp: int, budget: int, seqs: int) -> PoolPlan:
         return PoolPlan(instances, tp, pp, self.profile.costs(tp, pp).kv_capacity_tokens, budget, seqs)
 
-    def _disaggregated(self, pshape, np_, dshape, nd, spec) -> SimConfig:
+    def _disaggregated(self, pshape, np_, dshape, nd, spec, shared_cores: int = 0) -> SimConfig:
         s = self.space
         return SimConfig("disaggregated",
                          prefill=self._pool(np_, *pshape, s.prefill_token_budget, s.prefill_max_prompts),
                          decode=self._pool(nd, *dshape, 1, s.decode_max_num_seqs),
-                         speculation=spec, block_size=s.block_size, max_concurrent=s.max_concurrent)
+                         speculation=spec, block_size=s.block_size, max_concurrent=s.max_concurrent,
+                         shared_cores=shared_cores)
+
+    def _sharing(self, shapes: list[tuple[int, int]], decode_rate: dict) -> list[Candidate]:
+        """One candidate per (prefill, decode) thread pair the profile measured sharing ``space.shared_cores``
+        cores (both shapes searched): one instance of each role, with the decode shape's best screened
+        speculation setting. Verified like the colocated baselines: the screening's min(prefill rate, decode
+        rate) does not hold when the two slow each other."""
+        cores = self.space.shared_cores
+        out = []
+        for c in self.profile.core_sharing:
+            pshape, dshape = (c.prefill_threads, 1), (c.decode_threads, 1)
+            if c.cores != cores or pshape not in shapes or dshape not in shapes:
+                continue
+            spec = max(self.space.speculation, key=lambda sp: decode_rate[(dshape, sp)])
+            out.append(Candidate(self._disaggregated(pshape, 1, dshape, 1, spec, shared_cores=cores),
+                                 note=f"prefill and decode share {cores} cores (measured: prefill "
+                                      f"{c.prefill_factor:.2f}x, decode {c.decode_factor:.2f}x slower while both run)"))
+        return out
 
     # -- the search ---------------------------------------------------------------------------------------
 
@@ -224,10 +247,13 @@ class Planner:
             cfg = self._disaggregated(shape, 1, shape, big, NO_SPECULATION)
             prefill_rate[shape] = self.goodput(cfg, "ttft_only")
             bar.update()
-        cheapest = min(shapes, key=lambda s: s[0] * s[1])
+        # the decode screening's non-binding prefill pool: the shape that screened fastest (the cheapest among
+        # equals), so that TTFT misses come from decode admission, not from a prefill shape too slow for the
+        # longest prompts even alone
+        fastest = max(shapes, key=lambda s: (prefill_rate[s], -s[0] * s[1]))
         for shape in shapes:
             for spec in self.space.speculation:
-                cfg = self._disaggregated(cheapest, big, shape, 1, spec)
+                cfg = self._disaggregated(fastest, big, shape, 1, spec)
                 # both SLOs: an overloaded decode instance shows up in TTFT too (requests wait for its KV
                 # slots before prefill starts), not only in TPOT
                 decode_rate[(shape, spec)] = self.goodput(cfg, "both")
@@ -246,6 +272,10 @@ class Planner:
                          for tp, pp in shapes]
             candidates += colocated
             to_verify = to_verify + colocated
+        if self.space.shared_cores:
+            sharing = self._sharing(shapes, decode_rate)
+            candidates += sharing
+            to_verify = to_verify + sharing
         for cand in tqdm(to_verify, desc="plan: verifying", disable=not self.progress, dynamic_ncols=True):
             cand.goodput = self.goodput(cand.config, "both")
         verified = [c for c in to_verify if not math.isnan(c.goodput)]

@@ -12,6 +12,9 @@ step, and how long the step takes under the profile's cost models. They mirror t
 * colocated (``modeling/scheduler.py``, the reference engine): decode tokens first, then prefill chunks,
   under one token budget per step, in one forward pass.
 
+A prefill and a decode instance sharing cores with more threads than cores (``CoreShareGroup``) progress
+through their steps more slowly while the other role is busy, at the profile's measured factors.
+
 Times are seconds of simulated time. No torch, no real work: each step is one event.
 """
 
@@ -22,7 +25,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from controller.planner.profile import FittedModel, Profile, mixed_pass_seconds, prefill_features
+from controller.planner.profile import CoreSharing, FittedModel, Profile, mixed_pass_seconds, prefill_features
 from decode_worker.config import SpeculationConfig
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape
 
@@ -77,6 +80,12 @@ class _Instance:
         self.step_s = 0.0  # duration of the step in progress (or of the last one)
         self.step_end_s = 0.0  # when the step in progress (or the last one) ends
         self.step_outputs = 1  # sequences the step being planned / in progress gives an output to
+        self.sharing: CoreShareGroup | None = None  # set when this instance shares cores with the other role
+        self.step_start_s = 0.0
+        self.work_left_s = 0.0  # sharing cores: the step's remaining time at its alone speed
+        self.slowdown = 1.0  # sharing cores: the factor the step progresses at now
+        self._generation = 0  # sharing cores: which scheduled end of the step is current
+        self._step_waiters: list = []  # sharing cores: what runs when the step in progress ends
 
     def kick(self) -> None:
         if self.busy:
@@ -87,17 +96,48 @@ class _Instance:
         duration, done = planned
         duration *= self._contention(duration) * self._noise() * self._speed()
         self.step_s = duration
-        self.step_end_s = self.sim.now + duration
         self.busy = True
         self.steps += 1
-        self.busy_s += duration
 
         def finish() -> None:
+            if self.sharing is not None:
+                self.busy_s += self.sim.now - self.step_start_s
+                self.busy = False
+                self.sharing.stopped(self)
             self.busy = False
             done()
             self.kick()
+            waiters, self._step_waiters = self._step_waiters, []
+            for fn in waiters:
+                fn()
 
-        self.sim.at(self.sim.now + duration, finish)
+        if self.sharing is None:
+            self.step_end_s = self.sim.now + duration
+            self.busy_s += duration
+            self.sim.at(self.step_end_s, finish)
+        else:
+            self.step_start_s = self.sim.now
+            self.sharing.started(self, duration, finish)
+
+    def after_step(self, fn) -> None:
+        """Run ``fn`` when the step in progress ends (a call into a busy worker is answered between steps)."""
+        if self.sharing is None:
+            self.sim.at(self.step_end_s, fn)
+        else:
+            self._step_waiters.append(fn)
+
+    def _schedule_end(self, finish) -> None:
+        """Sharing cores: (re)schedule the step's end from its remaining work at the current slowdown; an
+        end scheduled before is dropped (its generation is no longer current)."""
+        self._generation += 1
+        generation = self._generation
+        self.step_end_s = self.sim.now + self.work_left_s * self.slowdown
+
+        def end() -> None:
+            if generation == self._generation:
+                finish()
+
+        self.sim.at(self.step_end_s, end)
 
     def _plan_step(self):
         raise NotImplementedError
@@ -152,6 +192,53 @@ class _Instance:
     def _give(self, blocks: int) -> None:
         self.free_blocks += blocks
         assert self.free_blocks <= self.total_blocks, f"{self.name}: freed more blocks than it has"
+
+
+class CoreShareGroup:
+    """A prefill and a decode instance whose threads outnumber the cores they share (``CoreSharing``): a
+    step progresses at its alone speed while no instance of the other role is busy, and ``factor(role)``
+    times slower while one is (processor sharing: every start and end of a step in the group re-times the
+    steps in progress, so a long prefill step is slowed only for the part of it that decode steps overlap)."""
+
+    def __init__(self, sim, sharing: CoreSharing, members: list[_Instance]):
+        self.sim = sim
+        self.sharing = sharing
+        self.members = members
+        self._finish: dict[int, object] = {}  # id(member) -> its step's finish callback
+        self._last_s = 0.0
+        for m in members:
+            m.sharing = self
+
+    def started(self, inst: _Instance, work_s: float, finish) -> None:
+        self._advance()
+        inst.work_left_s = work_s
+        inst.slowdown = 0.0  # not yet timed: rescheduled below
+        self._finish[id(inst)] = finish
+        self._retime()
+
+    def stopped(self, inst: _Instance) -> None:
+        """``inst``'s step ended (it is no longer busy): the others' steps speed up from now."""
+        self._advance()
+        inst.work_left_s = 0.0
+        self._finish.pop(id(inst), None)
+        self._retime()
+
+    def _advance(self) -> None:
+        elapsed = self.sim.now - self._last_s
+        for m in self.members:
+            if m.busy and id(m) in self._finish and m.slowdown > 0:
+                m.work_left_s = max(0.0, m.work_left_s - elapsed / m.slowdown)
+        self._last_s = self.sim.now
+
+    def _retime(self) -> None:
+        for m in self.members:
+            if not (m.busy and id(m) in self._finish):
+                continue
+            contended = any(o.busy and o.role != m.role for o in self.members)
+            slowdown = self.sharing.factor(m.role) if contended else 1.0
+            if slowdown != m.slowdown:
+                m.slowdown = slowdown
+                m._schedule_end(self._finish[id(m)])
 
 
 class PrefillSim(_Instance):

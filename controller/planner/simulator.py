@@ -17,8 +17,10 @@ Instance behaviour lives in ``sim_instances``. The serving path's own costs (Ray
 loops, the workers sharing memory bandwidth) enter through the profile's calibration of the mode
 (``calibrate.py``): a request-path delay, scales on prefill and decode step times, a delay before a
 transferred request joins the decode batch, and a contention factor on the steps of an instance while
-others are busy (instances sharing one machine's cores and memory bandwidth). Not modelled: failures
-and retries.
+others are busy (instances sharing one machine's cores and memory bandwidth). On a CPU, a prefill and a
+decode instance whose threads outnumber the cores (``SimConfig.shared_cores``) run their steps at the
+profile's measured core-sharing slowdown while both are busy (``sim_instances.CoreShareGroup``). Not
+modelled: failures and retries.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from controller.planner.profile import Profile
-from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest
+from controller.planner.sim_instances import ColocatedSim, CoreShareGroup, DecodeSim, PrefillSim, SimRequest
 from controller.planner.slo import RequestOutcome
 from controller.planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
@@ -80,6 +82,9 @@ class SimConfig:
     block_size: int = 16
     max_concurrent: int = 64
     overhead_s: float = 0.0  # added to every TTFT (request path latency outside the workers)
+    # CPU: the cores one prefill and one decode instance share when their threads (tensor_parallel) outnumber
+    # them (the profile's ``CoreSharing`` for the pair times their steps); 0: every instance has devices of its own
+    shared_cores: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,19 +97,37 @@ class SimConfig:
             pool.validate(name)
         if self.max_concurrent < 1:
             raise SimConfigError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
+        if self.shared_cores:
+            self._validate_shared_cores()
+
+    def _validate_shared_cores(self) -> None:
+        p, d, cores = self.prefill, self.decode, self.shared_cores
+        if self.mode != "disaggregated" or cores < 1:
+            raise SimConfigError(f"shared_cores: a disaggregated configuration's cores (>= 1), got {cores} in "
+                                 f"{self.mode} mode")
+        if (p.instances, d.instances, p.pipeline_parallel, d.pipeline_parallel) != (1, 1, 1, 1):
+            raise SimConfigError("shared_cores: one prefill and one decode instance without pipeline parallelism "
+                                 f"(the measured arrangement), got {p.instances} prefill x pp{p.pipeline_parallel} and "
+                                 f"{d.instances} decode x pp{d.pipeline_parallel}")
+        if max(p.tensor_parallel, d.tensor_parallel) > cores or p.tensor_parallel + d.tensor_parallel <= cores:
+            raise SimConfigError(f"shared_cores: {cores} cores for {p.tensor_parallel} prefill + {d.tensor_parallel} "
+                                 "decode threads; sharing means more threads than cores, and none more than all of them")
 
     @property
     def devices(self) -> int:
         """Devices (GPUs, or worker threads on CPU) the configuration uses."""
         if self.mode == "colocated":
             return self.colocated.devices
+        if self.shared_cores:
+            return self.shared_cores
         return self.prefill.devices + self.decode.devices
 
     @staticmethod
-    def from_cluster_config(cfg) -> "SimConfig":
+    def from_cluster_config(cfg, cores: int | None = None) -> "SimConfig":
         """The simulation of a ``controller.config.ClusterConfig``. A CPU instance's threads are its
         ``tensor_parallel`` devices, as ``plan_output`` writes a CPU plan (so per-device goodput is per-core
-        goodput there, and a profile must hold costs measured at that many threads)."""
+        goodput there, and a profile must hold costs measured at that many threads). ``cores``: the CPU
+        machine's cores; a CPU disaggregated config whose threads outnumber them shares them (``shared_cores``)."""
 
         def pool(section, budget: int, seqs: int) -> PoolPlan:
             if not section.devices_per_instance:
@@ -117,11 +140,12 @@ class SimConfig:
         if getattr(cfg, "mode", "disaggregated") == "colocated":
             c = cfg.colocated
             return SimConfig("colocated", colocated=pool(c, c.chunk_tokens, c.max_num_seqs), **common)
-        return SimConfig(
-            "disaggregated",
-            prefill=pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts),
-            decode=pool(cfg.decode, 1, cfg.decode.max_num_seqs),
-            speculation=cfg.decode.speculation, **common)
+        prefill = pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts)
+        decode = pool(cfg.decode, 1, cfg.decode.max_num_seqs)
+        cpu = not cfg.prefill.devices_per_instance and not cfg.decode.devices_per_instance
+        shared = cores if cpu and cores and prefill.devices + decode.devices > cores else 0
+        return SimConfig("disaggregated", prefill=prefill, decode=decode, speculation=cfg.decode.speculation,
+                         shared_cores=shared, **common)
 
 
 @dataclass(frozen=True)
@@ -202,6 +226,8 @@ class Simulation:
                                      d.kv_cache_tokens, bs, d.max_num_seqs, c.speculation, random.Random(rng.random()))
                            for i in range(d.instances)]
             self.colocated = []
+            if c.shared_cores:
+                CoreShareGroup(self, profile.sharing(p.tensor_parallel, d.tensor_parallel), self.prefill + self.decode)
         self.instances = self.prefill + self.decode + self.colocated
 
     # -- the event loop ------------------------------------------------------------------------------
@@ -257,7 +283,7 @@ class Simulation:
         if first.busy:
             # the reservation is a call into the decode worker, which answers it between steps
             # (controller/step_gate.py): the prompt reaches a prefill instance once this step ends
-            self.at(first.step_end_s, lambda: self._reserve_or_queue(req))
+            first.after_step(lambda: self._reserve_or_queue(req))
         else:
             self._reserve_or_queue(req)
 
