@@ -128,14 +128,20 @@ class _LoopActor:
 class PrefillActor(_LoopActor):
     """A prefill instance: chunked prefill, first tokens, KV sent to decode instances."""
 
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1):
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, busy_threads: int = 0,
+                 decode_signals: tuple[str, ...] = ()):
+        """``busy_threads`` > 0: run each step on that many threads while a decode instance whose busy flag is
+        at one of ``decode_signals`` is busy (``controller/busy_signal.py``), on ``threads`` otherwise."""
         import torch
 
+        from controller.busy_signal import BusySignal, ThreadsBesideBusy
         from prefill_worker.worker import PrefillWorker
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
         self.worker = PrefillWorker(model_path, config, instance_id)
+        self._threads = (ThreadsBesideBusy(threads, busy_threads, [BusySignal(p) for p in decode_signals])
+                         if busy_threads and decode_signals else None)
         self._start_loop(f"prefill-loop-{instance_id}")
 
     def connect(self, decode_id: str, host: str, port: int, generation: int = 0) -> None:
@@ -154,11 +160,16 @@ class PrefillActor(_LoopActor):
 
     def status(self) -> dict:
         with self._gate.call():
-            return _scheduler_status(self.instance_id, "prefill", self.worker)
+            out = _scheduler_status(self.instance_id, "prefill", self.worker)
+            if self._threads is not None:  # steps run beside a busy decode instance on fewer threads
+                out.update(threads=self._threads.current, thread_switches=self._threads.switches)
+            return out
 
     def _step(self) -> list:
         if not self.worker.has_work() and not self.worker.sender.pending():
             return []
+        if self._threads is not None:
+            self._threads.apply()
         out = self.worker.step()
         return [] if out.empty else [out]
 
@@ -166,8 +177,13 @@ class PrefillActor(_LoopActor):
 class DecodeActor(_LoopActor):
     """A decode instance: receives KV, admits sequences when their KV is complete, speculates."""
 
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None):
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
+                 busy_signal: str | None = None):
+        """``busy_signal``: a file where this instance flags whether it is decoding, for prefill instances
+        sharing its cores (``controller/busy_signal.py``)."""
         import torch
+
+        from controller.busy_signal import BusySignal
 
         from decode_worker.worker import DecodeWorker
         from kv_transfer.channel import TransferConfig
@@ -184,6 +200,7 @@ class DecodeActor(_LoopActor):
                                    HeadRange(0, mc.num_key_value_heads), transfer_config or TransferConfig())
         self._arrived: set[str] = set()  # KV complete, waiting for the router's admit
         self._to_admit: dict = {}  # DecodeRequest waiting for its KV
+        self._busy = BusySignal(busy_signal) if busy_signal else None
         self._start_loop(f"decode-loop-{instance_id}")
 
     def connect(self, prefill_id: str, host: str, port: int, generation: int = 0) -> None:
@@ -234,7 +251,11 @@ class DecodeActor(_LoopActor):
             self._arrived.discard(rid)
             produced.extend(self.worker.admit(self._to_admit.pop(rid)))
         if self.worker.has_work():
+            if self._busy is not None:
+                self._busy.set(True)
             produced.extend(self.worker.step())
+        if self._busy is not None:
+            self._busy.set(self.worker.has_work())  # stays set across back-to-back steps
         return produced
 
 

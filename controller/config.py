@@ -106,9 +106,18 @@ class PoolSection:
 class PrefillSection(PoolSection):
     chunk_tokens: int = 512  # token budget per prefill step (chunked prefill)
     max_batch_prompts: int = 16
+    # CPU, threads sharing cores with decode: run a step on this many threads while a decode instance is busy
+    # (controller/busy_signal.py); 0 = always ``threads``
+    threads_when_decode_busy: int = 0
 
     def check(self) -> list[tuple[str, str]]:
-        return super().check() + _at_least_one(self, ("chunk_tokens", "max_batch_prompts"))
+        errs = super().check() + _at_least_one(self, ("chunk_tokens", "max_batch_prompts"))
+        if not 0 <= self.threads_when_decode_busy <= self.threads:
+            errs.append(("threads_when_decode_busy", f"must be in [0, threads ({self.threads})] (0 = off), "
+                                                     f"got {self.threads_when_decode_busy}"))
+        elif self.threads_when_decode_busy and self.devices_per_instance:
+            errs.append(("threads_when_decode_busy", "applies to CPU instances (devices_per_instance: 0)"))
+        return errs
 
 
 @dataclass(frozen=True)

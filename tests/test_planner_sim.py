@@ -488,6 +488,23 @@ def test_instances_sharing_cores_slow_each_other_only_while_both_are_busy():
     assert b.ttft_s > alone[1].ttft_s and a.finish_s > alone[0].finish_s
 
 
+def test_a_prefill_that_yields_threads_to_busy_decode_runs_the_step_on_fewer_threads_from_its_start():
+    """The run above with the prefill on 1 thread while decode is busy (2 + 1 threads on 2 cores shares them at
+    1.5x / 2x; 1 + 1 fits them: no slowdown). B's prefill starts at 65 ms beside A's decode, so both of its
+    steps run on 1 thread, twice their 2-thread time (56.2 + 53.8 ms: B's first token at 175 ms) and A's decode
+    is never slowed (10 steps of 10 ms from 55 ms). A's prefill started with decode idle: 2 threads, 55 ms."""
+    config = dataclasses.replace(_shared(), prefill=dataclasses.replace(_shared().prefill, threads_when_decode_busy=1))
+    a, b = simulate(_sharing_profile(1.5, 2.0), config, [RequestSpec(0.0, 1000, 11), RequestSpec(0.06, 1000, 11)]).records
+    assert a.ttft_s == pytest.approx(0.055, abs=1e-6)
+    assert a.finish_s == pytest.approx(0.155, abs=1e-6)
+    assert b.first_token_s == pytest.approx(0.065 + 2 * 0.055, abs=1e-6)
+    assert b.finish_s == pytest.approx(0.175 + 0.1, abs=1e-6)
+    with pytest.raises(SimConfigError, match="threads_when_decode_busy"):
+        PoolPlan(1, 2, threads_when_decode_busy=3).validate("prefill")
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "cluster_configs", "local-prefill2-yield.yaml"))
+    assert SimConfig.from_cluster_config(cfg, cores=2).prefill.threads_when_decode_busy == 1
+
+
 def test_shared_cores_configs_are_validated_and_need_a_measured_pair():
     assert _shared().devices == 2  # per-core goodput counts the cores, not the threads
     with pytest.raises(SimConfigError, match="more threads than cores"):
@@ -531,13 +548,57 @@ def test_plan_shares_cores_when_the_measured_sharing_pays_and_serve_accepts_the_
     assert main(["plan", "--profile", str(prof_path), "--ttft-ms", "3000", "--tpot-ms", "50", "--workload", "long_doc",
                  "--num-requests", "60", "--verify-top", "2", "--no-speculation", "--no-shared-cores",
                  "--out", str(out)]) == 0
-    assert "sharing" not in (tmp_path / "plan.md").read_text()
+    assert "sharing" not in (tmp_path / "plan.md").read_text().split("## Per-phase screening")[1]
 
     def sharing_goodput(factor: float) -> float:
         planner = Planner(profile(factor), SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"),
                                                                           num_requests=60),
                           SearchSpace(devices=2, tensor_parallel=(1, 2), shared_cores=2), verify_top=1, progress=False)
-        (cand,) = [c for c in planner.run().candidates if c.config.shared_cores]
+        (cand,) = [c for c in planner.run().candidates
+                   if c.config.shared_cores and not c.config.prefill.threads_when_decode_busy]
         return cand.goodput
 
     assert sharing_goodput(1.0) > sharing_goodput(3.0) > 0
+
+    # a 2-thread prefill 3x slower beside busy decode: yielding to 1 thread (2x its 2-thread time) pays
+    planner = Planner(profile(3.0), SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"), num_requests=60),
+                      SearchSpace(devices=2, tensor_parallel=(1, 2), shared_cores=2), verify_top=1, progress=False)
+    shared = {c.config.prefill.threads_when_decode_busy: c for c in planner.run().candidates if c.config.shared_cores}
+    assert set(shared) == {0, 1} and "1 thread(s) while decode is busy" in shared[1].describe()
+    assert shared[1].goodput > shared[0].goodput
+
+
+def test_core_sharing_in_place_reads_each_roles_slowdown_from_a_served_pass_log():
+    """A synthetic served timeline of a 2-thread prefill and a 1-thread decode instance: decode steps from 0 to
+    1 s (1.2x the profile while prefill runs, from 0.5 s; as profiled before), prefill passes from 0.5 s (3x the
+    profile while decode is busy, 1.5x after). In place: prefill 2x, decode 1.2x, prefill scale 1.5; the
+    simulator takes the served entry over the two-process one."""
+    from controller.planner.core_sharing import in_place
+    from controller.planner.interference import predicted_s, prefill_features
+    from controller.planner.profile import CoreSharing
+
+    prof = make_profile(tps=(1, 2))
+    tps = {"prefill": 2, "decode": 1}
+    rows, t = [], 0.0
+    while t < 1.0:
+        verify = {"kind": "verify", "worker": 1, "passes": 1, "seqs": 4, "kv_tokens": 4000, "new_tokens": 8, "k": 1}
+        verify["seconds"] = predicted_s(prof, verify, None, tps) * (1.2 if t >= 0.5 else 1.0)
+        verify["end_s"] = t + verify["seconds"]
+        rows += [verify, {**verify, "kind": "step"}]
+        t = verify["end_s"]
+    decode_end, t, n = t, 0.5, 0
+    while t < 2.0:
+        n += 1
+        row = {"kind": "prefill", "worker": 0, **prefill_features([(0, 50 + 10 * (n % 7))])}
+        row["seconds"] = predicted_s(prof, row, None, tps) * (3.0 if t < decode_end else 1.5)
+        row["end_s"] = t + row["seconds"]
+        rows.append(row)
+        t = row["end_s"]
+    served = in_place(prof, rows, 2, 1, 2)
+    assert (served.source, served.prefill_threads, served.decode_threads) == ("served", 2, 1)
+    assert served.prefill_factor == pytest.approx(2.0) and served.decode_factor == pytest.approx(1.2)
+    assert served.prefill_scale == pytest.approx(1.5)
+    both = dataclasses.replace(prof, core_sharing=(CoreSharing(2, 1, 2, 3.0, 1.4), served))
+    assert both.sharing(2, 1) is served
+    with pytest.raises(ValueError, match="no prefill passes with the other role idle"):
+        in_place(prof, [r for r in rows if r["kind"] != "prefill" or r["end_s"] - r["seconds"] < decode_end], 2, 1, 2)

@@ -28,7 +28,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from controller.planner.profile import CoreSharing
+from controller.planner.profile import CoreSharing, Profile
 
 PREFILL_TOKENS = 2048
 DECODE_SEQS, DECODE_CONTEXT = 16, 1024
@@ -176,3 +176,43 @@ def measure(model: str, prefill_threads: int, decode_threads: int, seconds: floa
     return CoreSharing(prefill_threads, decode_threads, cores, factors["prefill"], factors["decode"],
                        len(contended["prefill"]), len(contended["decode"]), statistics.fmean(alone["prefill"]),
                        statistics.fmean(alone["decode"]))
+
+
+def in_place(profile: Profile, rows: list[dict], prefill_threads: int, decode_threads: int, cores: int,
+             drafter: str | None = None) -> CoreSharing:
+    """The core sharing of a served cluster, from its workers' pass logs (``interference.pass_row`` rows of
+    one prefill and one decode instance, any number of rates pooled): per role, the median of measured /
+    profiled time (at the role's threads) of the passes that start while the other role is idle, and of those
+    that start while it is busy (decode: inside a decode ``step`` record; prefill: inside a prefill pass).
+    A role's factor is busy over idle; ``prefill_scale`` is the prefill's idle ratio over the calibration's
+    prefill pass scale (what the simulator already charges). Timing two processes (``measure``) leaves out
+    everything else the cores run while serving (the KV transfer, the router, gRPC, the load generator)."""
+    import bisect
+
+    from controller.planner.interference import intervals, predicted_s
+
+    tps = {"prefill": prefill_threads, "decode": decode_threads}
+    spans = {"prefill": intervals([r for r in rows if r["kind"] == "prefill"]),
+             "decode": intervals([r for r in rows if r["kind"] == "step"])}
+    starts = {role: [a for a, _ in sp] for role, sp in spans.items()}
+
+    def busy_at(role: str, t: float) -> bool:
+        i = bisect.bisect_right(starts[role], t) - 1
+        return i >= 0 and spans[role][i][1] > t
+
+    ratios: dict[tuple[str, bool], list[float]] = {(r, b): [] for r in ROLES for b in (False, True)}
+    for r in rows:
+        if r["kind"] not in ("prefill", "verify", "decode"):  # one timed target pass per step and role
+            continue
+        role = "prefill" if r["kind"] == "prefill" else "decode"
+        other = "decode" if role == "prefill" else "prefill"
+        ratios[(role, busy_at(other, r["end_s"] - r["seconds"]))].append(r["seconds"] / predicted_s(profile, r, drafter, tps))
+    short = [f"{role} passes with the other role {'busy' if b else 'idle'}" for (role, b), v in ratios.items() if not v]
+    if short:
+        raise ValueError(f"core sharing in place: no {', no '.join(short)} in the pass log")
+    median = {key: statistics.median(v) for key, v in ratios.items()}
+    factor = {role: median[(role, True)] / median[(role, False)] for role in ROLES}
+    scale = median[("prefill", False)] / profile.calibration("disaggregated").prefill_busy_scale
+    return CoreSharing(prefill_threads, decode_threads, cores, factor["prefill"], factor["decode"],
+                       len(ratios[("prefill", True)]), len(ratios[("decode", True)]), source="served",
+                       prefill_scale=scale)

@@ -76,6 +76,9 @@ def arrangement(profile: Profile, config: SimConfig) -> tuple[dict[str, int], Co
     """Each role's instance shape (``tps``) and the core sharing of ``config``, as ``load_speed`` takes them."""
     if config.mode == "colocated":
         return {"colocated": config.colocated.tensor_parallel}, None
+    if config.shared_cores and config.prefill.threads_when_decode_busy:
+        raise ValueError("load speed: a prefill instance whose threads follow decode's busy flag logs passes on two "
+                         "thread counts the pass log does not tell apart; simulate it with --speed none")
     tps = {"prefill": config.prefill.tensor_parallel, "decode": config.decode.tensor_parallel}
     return tps, (profile.sharing(tps["prefill"], tps["decode"]) if config.shared_cores else None)
 
@@ -92,6 +95,8 @@ def _contention(cal: Calibration, a: PassActivity, speed: float, sharing: CoreSh
         # other role is busy; a pass of wall-clock share s contended took 1 / (1 - s + s / f) x its alone time
         s, f = a.other_busy_share, sharing.factor(ROLE_OF_KIND[a.kind])
         factor /= 1.0 - s + s / f
+        if ROLE_OF_KIND[a.kind] == "prefill":
+            factor *= sharing.prefill_scale
     return factor
 
 

@@ -204,6 +204,11 @@ class CoreSharing:
     decode_units: int = 0
     prefill_alone_s: float = 0.0  # the measured units alone (median seconds; 0: not recorded)
     decode_alone_s: float = 0.0
+    # "processes": two plain processes (``core_sharing.measure``); "served": a served cluster's own passes
+    # (``core_sharing.in_place``), which also measures ``prefill_scale``: the prefill steps with decode idle,
+    # in place, over what the simulator charges for them (the profile x the calibration's prefill pass scale)
+    source: str = "processes"
+    prefill_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_threads", "decode_threads", "cores"):
@@ -212,10 +217,12 @@ class CoreSharing:
         if self.prefill_threads + self.decode_threads <= self.cores:
             raise ProfileError(f"core_sharing: {self.prefill_threads} + {self.decode_threads} threads fit on "
                                f"{self.cores} cores; sharing needs more threads than cores")
-        for name in ("prefill_factor", "decode_factor"):
+        for name in ("prefill_factor", "decode_factor", "prefill_scale"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ProfileError(f"core_sharing.{name}: must be a positive finite number, got {value!r}")
+        if self.source not in ("processes", "served"):
+            raise ProfileError(f"core_sharing.source: must be 'processes' or 'served', got {self.source!r}")
 
     def factor(self, role: str) -> float:
         """The slowdown of ``role`` ("prefill" | "decode") while the other role is busy."""
@@ -332,10 +339,11 @@ class Profile:
         return tokens
 
     def sharing(self, prefill_threads: int, decode_threads: int) -> CoreSharing:
-        """The measured core sharing of a ``prefill_threads`` prefill and a ``decode_threads`` decode instance."""
-        for c in self.core_sharing:
-            if (c.prefill_threads, c.decode_threads) == (prefill_threads, decode_threads):
-                return c
+        """The measured core sharing of a ``prefill_threads`` prefill and a ``decode_threads`` decode instance:
+        measured on a served cluster where the profile has that, else between two plain processes."""
+        mine = [c for c in self.core_sharing if (c.prefill_threads, c.decode_threads) == (prefill_threads, decode_threads)]
+        if mine:
+            return min(mine, key=lambda c: c.source != "served")
         have = sorted((c.prefill_threads, c.decode_threads) for c in self.core_sharing)
         raise ProfileError(f"profile has no core-sharing measurement for a {prefill_threads}-thread prefill and a "
                            f"{decode_threads}-thread decode instance (it has (prefill, decode) threads in {have}); "

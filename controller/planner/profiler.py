@@ -218,7 +218,7 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
         samples.update({f"tp{t}/{name}": rows for name, rows in measured.items()})
     counts = sorted(have | set(wanted))
     sharing = list(profile.core_sharing)
-    measured_pairs = {(c.prefill_threads, c.decode_threads) for c in sharing}
+    measured_pairs = {(c.prefill_threads, c.decode_threads) for c in sharing if c.source == "processes"}
     for p_threads, d_threads in itertools.product(counts, counts):
         if p_threads + d_threads > cores and (p_threads, d_threads) not in measured_pairs:
             c = core_sharing.measure(config.model_path, p_threads, d_threads, sharing_seconds, config.model.dtype,

@@ -198,11 +198,17 @@ class CoreShareGroup:
     """A prefill and a decode instance whose threads outnumber the cores they share (``CoreSharing``): a
     step progresses at its alone speed while no instance of the other role is busy, and ``factor(role)``
     times slower while one is (processor sharing: every start and end of a step in the group re-times the
-    steps in progress, so a long prefill step is slowed only for the part of it that decode steps overlap)."""
+    steps in progress, so a long prefill step is slowed only for the part of it that decode steps overlap).
 
-    def __init__(self, sim, sharing: CoreSharing, members: list[_Instance]):
+    A prefill instance that yields threads to a busy decode instance (``PrefillSim.busy_threads``, the
+    served ``prefill.threads_when_decode_busy``) decides as a step starts, as the worker does: a step started
+    while decode is busy runs entirely on the fewer threads (its alone time times ``PrefillSim.yield_ratio``)
+    and then shares the cores as that pair does: ``yielded``, or not at all (None) where it fits them."""
+
+    def __init__(self, sim, sharing: CoreSharing, members: list[_Instance], yielded: CoreSharing | None = None):
         self.sim = sim
         self.sharing = sharing
+        self.yielded = yielded
         self.members = members
         self._finish: dict[int, object] = {}  # id(member) -> its step's finish callback
         self._last_s = 0.0
@@ -211,6 +217,10 @@ class CoreShareGroup:
 
     def started(self, inst: _Instance, work_s: float, finish) -> None:
         self._advance()
+        if getattr(inst, "yield_cost", None) is not None:
+            inst.yielded = any(o.busy and o.role == "decode" for o in self.members)
+            if inst.yielded:
+                work_s *= inst.yield_ratio
         inst.work_left_s = work_s
         inst.slowdown = 0.0  # not yet timed: rescheduled below
         self._finish[id(inst)] = finish
@@ -234,8 +244,10 @@ class CoreShareGroup:
         for m in self.members:
             if not (m.busy and id(m) in self._finish):
                 continue
-            contended = any(o.busy and o.role != m.role for o in self.members)
-            slowdown = self.sharing.factor(m.role) if contended else 1.0
+            others = [o for o in self.members if o.busy and o.role != m.role]
+            prefill = m if m.role == "prefill" else (others[0] if others else None)
+            pair = self.yielded if getattr(prefill, "yielded", False) else self.sharing
+            slowdown = pair.factor(m.role) if others and pair is not None else 1.0
             if slowdown != m.slowdown:
                 m.slowdown = slowdown
                 m._schedule_end(self._finish[id(m)])
@@ -247,9 +259,14 @@ class PrefillSim(_Instance):
     role = "prefill"  # Calibration.step_noise key
 
     def __init__(self, sim, name: str, profile: Profile, tp: int, pp: int, capacity_tokens: int, block_size: int,
-                 token_budget: int, max_num_seqs: int):
+                 token_budget: int, max_num_seqs: int, busy_threads: int = 0):
         super().__init__(sim, name, capacity_tokens, block_size)
         self.cost = profile.prefill_model(tp, pp)
+        # sharing cores: a step started while decode is busy runs on ``busy_threads`` (0: never yields)
+        self.yield_cost = profile.prefill_model(busy_threads, pp) if busy_threads else None
+        self.yield_ratio = 1.0  # the planned step's time on busy_threads over its time on tp
+        self.yielded = False  # the step in progress runs on busy_threads
+        self.place_scale = 1.0  # sharing cores: CoreSharing.prefill_scale (the served pair's steps, decode idle)
         self.transfer = profile.kv_transfer
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
@@ -285,7 +302,10 @@ class PrefillSim(_Instance):
         if not chunks:
             return None
         cal = self.sim.calibration
-        duration = self.cost.predict(prefill_features([(s, n) for _, s, n in chunks])) * cal.prefill_busy_scale
+        features = prefill_features([(s, n) for _, s, n in chunks])
+        duration = self.cost.predict(features) * cal.prefill_busy_scale * self.place_scale
+        if self.yield_cost is not None:
+            self.yield_ratio = self.yield_cost.predict(features) / self.cost.predict(features)
         # what the isolated TTFT scale has beyond the worker's own passes: latency of the request, not busy time
         latency_scale = cal.prefill_scale - cal.prefill_busy_scale
         if latency_scale > 0:

@@ -25,6 +25,7 @@ modelled: failures and retries.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -59,6 +60,8 @@ class PoolPlan:
     kv_cache_tokens: int = 65536  # per instance
     token_budget: int = 512  # prefill / colocated: tokens per step
     max_num_seqs: int = 64
+    # prefill sharing cores (SimConfig.shared_cores): threads of a step started while decode is busy (0: all)
+    threads_when_decode_busy: int = 0
 
     @property
     def devices(self) -> int:
@@ -68,6 +71,9 @@ class PoolPlan:
         for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs"):
             if getattr(self, f) < 1:
                 raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
+        if not 0 <= self.threads_when_decode_busy <= self.tensor_parallel:
+            raise SimConfigError(f"{name}.threads_when_decode_busy: must be in [0, tensor_parallel "
+                                 f"({self.tensor_parallel})], got {self.threads_when_decode_busy}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,8 @@ class SimConfig:
         if getattr(cfg, "mode", "disaggregated") == "colocated":
             c = cfg.colocated
             return SimConfig("colocated", colocated=pool(c, c.chunk_tokens, c.max_num_seqs), **common)
-        prefill = pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts)
+        prefill = dataclasses.replace(pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts),
+                                      threads_when_decode_busy=cfg.prefill.threads_when_decode_busy)
         decode = pool(cfg.decode, 1, cfg.decode.max_num_seqs)
         cpu = not cfg.prefill.devices_per_instance and not cfg.decode.devices_per_instance
         shared = cores if cpu and cores and prefill.devices + decode.devices > cores else 0
@@ -219,15 +226,21 @@ class Simulation:
             self.prefill, self.decode = [], []
         else:
             p, d = c.prefill, c.decode
+            busy_threads = p.threads_when_decode_busy if c.shared_cores else 0  # yielding matters only there
             self.prefill = [PrefillSim(self, f"prefill-{i}", profile, p.tensor_parallel, p.pipeline_parallel,
-                                       p.kv_cache_tokens, bs, p.token_budget, p.max_num_seqs)
+                                       p.kv_cache_tokens, bs, p.token_budget, p.max_num_seqs, busy_threads)
                             for i in range(p.instances)]
             self.decode = [DecodeSim(self, f"decode-{i}", profile, d.tensor_parallel, d.pipeline_parallel,
                                      d.kv_cache_tokens, bs, d.max_num_seqs, c.speculation, random.Random(rng.random()))
                            for i in range(d.instances)]
             self.colocated = []
             if c.shared_cores:
-                CoreShareGroup(self, profile.sharing(p.tensor_parallel, d.tensor_parallel), self.prefill + self.decode)
+                fewer = p.threads_when_decode_busy  # the yielded pair shares the cores only if it outnumbers them
+                yielded = profile.sharing(fewer, d.tensor_parallel) if fewer and fewer + d.tensor_parallel > c.shared_cores else None
+                sharing = profile.sharing(p.tensor_parallel, d.tensor_parallel)
+                CoreShareGroup(self, sharing, self.prefill + self.decode, yielded)
+                for inst in self.prefill:
+                    inst.place_scale = sharing.prefill_scale
         self.instances = self.prefill + self.decode + self.colocated
 
     # -- the event loop ------------------------------------------------------------------------------
