@@ -15,6 +15,13 @@ for s in $S16/slo_long_doc_disagg_spec_prefill2:local-prefill2 $S17/slo_long_doc
   sw=${s%%:*}; cfg=${s##*:}; n=$(basename $sw); n=${n#slo_}
   python benchmarks/sim_validate.py --sweep $sw.json --profile $P --config cluster_configs/$cfg.yaml --speed none --out $O/sim_validation_${n}_served_none > /dev/null
 done
+# given the load speed (per rate, and in 10 s windows); the yield sweep cannot be read this way (its prefill
+# passes ran on two thread counts the pass log does not tell apart)
+for s in $S16/slo_long_doc_disagg_spec_prefill2:local-prefill2 $S17/slo_long_doc_disagg_spec_prefill2_run2:local-prefill2 $S16/slo_long_doc_disagg_prefill2:local-prefill2-no-spec; do
+  sw=${s%%:*}; cfg=${s##*:}; n=$(basename $sw); n=${n#slo_}
+  python benchmarks/sim_validate.py --sweep $sw.json --profile $P --config cluster_configs/$cfg.yaml --speed load --out $O/sim_validation_${n}_served_rate > /dev/null
+  python benchmarks/sim_validate.py --sweep $sw.json --profile $P --config cluster_configs/$cfg.yaml --speed load --speed-window 10 --out $O/sim_validation_${n}_served_w10 > /dev/null
+done
 for slo in "3000 50" "6000 25"; do
   set -- $slo
   magicserve plan --profile $P --ttft-ms $1 --tpot-ms $2 --workload long_doc --out $O/plan_served_long_doc_$(($1/1000))s_${2}ms.yaml 2>/dev/null
