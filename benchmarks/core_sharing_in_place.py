@@ -36,10 +36,7 @@ def sweep_rows(path: str) -> list[dict]:
     logs = _pass_logs.load(path, sweep)
     if not logs:
         raise SystemExit(f"--sweep {path}: no pass logs beside it (sweeps record them since session 15)")
-    rows = []
-    for i, rate in enumerate(logs):  # rates one after another: keep the workers' indices per rate apart
-        rows += [{**r, "worker": (i, r.get("worker"))} for r in _pass_logs.rows_of(rate["instances"])]
-    return rows
+    return [r for rate in logs for r in _pass_logs.rows_of(rate["instances"])]  # in_place reads kinds and times
 
 
 def write_markdown(result: dict, path: str) -> None:
@@ -73,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     served, pooled = {}, []
     for path in args.sweep:
         rows = sweep_rows(path)
-        pooled += [{**r, "worker": (path, r["worker"])} for r in rows]
+        pooled += rows
         served[os.path.relpath(path, ROOT)] = in_place(profile, rows, p, d, cores, drafter).__dict__
     entry = in_place(profile, pooled, p, d, cores, drafter)
     if len(args.sweep) > 1:

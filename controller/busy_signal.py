@@ -1,10 +1,11 @@
 """Whether a decode worker is busy, readable by a prefill worker on the same machine without a call.
 
-A prefill instance with more threads than the cores left to it beside a decode instance
-(``cluster_configs/local-prefill2.yaml``) runs about 3x slower while the decode instance is busy, slower than
-with one thread (``controller/planner/core_sharing.py``; ``benchmarks/results/same_session_18``). With
-``prefill.threads_when_decode_busy`` the prefill worker checks this flag before each step and runs the step on
-that many threads while decode is busy, on all of its threads while it is idle.
+Between two bare processes, a prefill instance with more threads than the cores left to it beside a decode
+instance (``cluster_configs/local-prefill2.yaml``) runs about 3x slower while the decode instance is busy,
+slower than with one thread (``controller/planner/core_sharing.py``). With ``prefill.threads_when_decode_busy``
+the prefill worker checks this flag before each step and runs the step on that many threads while decode is
+busy, on all of its threads while it is idle. Served on long_doc it measured no gain: there the 2-thread
+prefill slows only 1.3-1.4x beside a busy decode (``benchmarks/results/same_session_18``, section 5).
 
 The flag is one byte of a memory-mapped file that the decode worker writes (1 from the start of a step while it
 has sequences to decode, 0 once it has none) and prefill workers read: no lock, no system call per read. Workers

@@ -219,6 +219,7 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
     counts = sorted(have | set(wanted))
     sharing = list(profile.core_sharing)
     measured_pairs = {(c.prefill_threads, c.decode_threads) for c in sharing if c.source == "processes"}
+    new_pairs = []
     for p_threads, d_threads in itertools.product(counts, counts):
         if p_threads + d_threads > cores and (p_threads, d_threads) not in measured_pairs:
             c = core_sharing.measure(config.model_path, p_threads, d_threads, sharing_seconds, config.model.dtype,
@@ -226,8 +227,8 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
             log(f"core sharing P{p_threads} + D{d_threads} threads on {cores} cores: prefill {c.prefill_factor:.2f}x, "
                 f"decode {c.decode_factor:.2f}x slower while the other role is busy")
             sharing.append(c)
-    added = [t for t in wanted if t not in have] + [(c.prefill_threads, c.decode_threads) for c in sharing
-                                                   if (c.prefill_threads, c.decode_threads) not in measured_pairs]
+            new_pairs.append((p_threads, d_threads))
+    added = [t for t in wanted if t not in have] + new_pairs
     notes = profile.notes + (f"; --add-threads {','.join(map(str, wanted))}: cost models and core sharing of "
                              f"{added}" if added else "")
     hardware = (f"cpu: {cpu_model_name()} ({cores} cores); instances of {', '.join(map(str, counts))} thread(s); "

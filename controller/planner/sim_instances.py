@@ -100,11 +100,10 @@ class _Instance:
         self.steps += 1
 
         def finish() -> None:
-            if self.sharing is not None:
-                self.busy_s += self.sim.now - self.step_start_s
-                self.busy = False
-                self.sharing.stopped(self)
             self.busy = False
+            if self.sharing is not None:  # the others' steps speed up from now
+                self.busy_s += self.sim.now - self.step_start_s
+                self.sharing.stopped(self)
             done()
             self.kick()
             waiters, self._step_waiters = self._step_waiters, []
