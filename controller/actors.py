@@ -12,6 +12,7 @@ The classes are plain; ``ray_actor_class`` wraps them with ``ray.remote`` (threa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -114,6 +115,19 @@ class _LoopActor:
 
     def _pass_log(self):
         return self.worker.pass_log
+
+    def set_niceness(self, niceness: int) -> dict:
+        """Set every thread of this worker process to ``niceness`` (``ray.worker_niceness``); returns the
+        process id and each thread's niceness as read back."""
+        from controller.niceness import set_process_niceness
+
+        return set_process_niceness(niceness)
+
+    def niceness(self) -> dict:
+        """This worker process's id and each of its threads' niceness."""
+        from controller.niceness import thread_niceness
+
+        return {"pid": os.getpid(), "niceness": thread_niceness()}
 
     def ping(self) -> str:
         if self._crashed:

@@ -91,6 +91,8 @@ class Cluster:
             self._start_colocated(model)
         else:
             self._start_disaggregated(model)
+        if self.config.ray.worker_niceness is not None:
+            ray.get([i.handle.set_niceness.remote(self.config.ray.worker_niceness) for i in self.instances])
         log.info("cluster up: %s", self.config.describe_pools())
 
     @property
@@ -179,7 +181,9 @@ class Cluster:
         ray.get(refs, timeout=self.config.kv_transfer.timeout_s * 4 + 60)
 
     async def rewire(self, inst: Instance) -> None:
-        """Re-form every KV channel of an instance that Ray restarted."""
+        """Re-form every KV channel of an instance that Ray restarted (and set its new process's niceness)."""
+        if self.config.ray.worker_niceness is not None:
+            await inst.handle.set_niceness.remote(self.config.ray.worker_niceness)
         peers = self.decode if inst.role == "prefill" else self.prefill
         refs = []
         for peer in peers:

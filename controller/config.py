@@ -60,6 +60,9 @@ class RaySection:
     num_cpus: int | None = None  # local Ray only
     num_gpus: int | None = None  # local Ray only: logical GPUs to declare (placement tests on CPU)
     namespace: str = "magicserve"
+    # the workers' niceness, set in each worker process once started (``controller/niceness.py``); None keeps
+    # Ray's (15 for the workers of a local Ray, below the gRPC server and Ray's own daemons at 0)
+    worker_niceness: int | None = None
 
     def check(self) -> list[tuple[str, str]]:
         errs = []
@@ -67,6 +70,9 @@ class RaySection:
             v = getattr(self, name)
             if v is not None and v < 0:
                 errs.append((name, f"must be >= 0, got {v}"))
+        n = self.worker_niceness
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 19):
+            errs.append(("worker_niceness", f"must be an integer in 0..19 or null (Ray's own), got {n!r}"))
         if self.address and not re.fullmatch(r"auto|(ray://)?[\w.\-]+:\d+", self.address):
             errs.append(("address", f"must be empty, 'auto', 'host:port' or 'ray://host:port', got {self.address!r}"))
         return errs
