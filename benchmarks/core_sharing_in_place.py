@@ -5,8 +5,8 @@ process measurement the profile holds.
     python benchmarks/core_sharing_in_place.py --sweep SWEEP.json [SWEEP2.json ...] \
         --profile PROFILE.json --config cluster_configs/local-prefill2.yaml --out OUT [--update-profile]
 
-Per sweep and pooled over the sweeps: each role's factor (passes started while the other role is busy over
-those started while it is idle) and the prefill's in-place scale. ``--update-profile`` stores the pooled
+Per sweep and pooled over the sweeps: each role's factor (how much slower its passes progress while the other
+role is busy, fitted to each pass's overlap with the other role's work) and the prefill's in-place scale. ``--update-profile`` stores the pooled
 entry in PROFILE.json as the pair's ``served`` core sharing, which the simulator then prefers
 (``Profile.sharing``). Writes OUT.json and OUT.md.
 """
@@ -45,7 +45,7 @@ def write_markdown(result: dict, path: str) -> None:
              f"Prefill {result['prefill_threads']} + decode {result['decode_threads']} threads on {result['cores']} "
              f"cores. Between two plain processes (the profile): prefill {pm['prefill_factor']:.2f}x, decode "
              f"{pm['decode_factor']:.2f}x slower while the other role is busy.", "",
-             "| sweep | prefill factor | decode factor | prefill scale (decode idle) | prefill / decode passes, other busy |",
+             "| sweep | prefill factor | decode factor | prefill scale (decode idle) | prefill / decode passes overlapping the other role |",
              "|---|---:|---:|---:|---|"]
     for name, c in result["served"].items():
         lines.append(f"| {name} | {c['prefill_factor']:.2f}x | {c['decode_factor']:.2f}x | {c['prefill_scale']:.2f}x "

@@ -400,3 +400,24 @@ def test_prefill_feature_sets_show_what_each_feature_buys():
     assert errors["without seqs"] == pytest.approx(0.0, abs=1e-6)  # a zero term costs nothing to drop
     with pytest.raises(ProfileError, match="kv_tokens"):
         feature_sets_errors([{k: v for k, v in r.items() if k != "kv_tokens"} for r in rows])
+
+
+def test_calibrations_are_kept_per_mode_and_thread_count():
+    """A 2-thread instance serves at another in-place speed than a 1-thread one: each count has its own
+    calibration, a count never calibrated takes the 1-thread one, and the simulator picks by the instances'."""
+    from controller.planner.profile import Calibration, calibration_threads
+    from controller.planner.simulator import PoolPlan, SimConfig
+
+    one = dataclasses.replace(Calibration.identity("colocated"), prefill_scale=0.9, requests=16)
+    two = dataclasses.replace(one, prefill_scale=1.5, threads=2)
+    p = _profile().with_calibration(one).with_calibration(two)
+    assert p.calibration("colocated") == one and p.calibration("colocated", 2) == two
+    assert p.calibration("colocated", 4) == one  # never calibrated at 4: the 1-thread terms
+    assert p.calibration("disaggregated", 2) == Calibration.identity("disaggregated")
+    again = dataclasses.replace(two, prefill_scale=1.6)
+    assert p.with_calibration(again).calibrations == (one, again)  # replaced, the 1-thread one kept
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).calibration("colocated", 2) == two
+    assert calibration_threads({"colocated": 2}) == 2 and calibration_threads({"prefill": 2, "decode": 2}) == 2
+    assert calibration_threads({"prefill": 2, "decode": 1}) == 1  # a shared pair: its CoreSharing is over 1
+    colocated = SimConfig("colocated", colocated=PoolPlan(1, 2, 1, 4096, 256, 8))
+    assert colocated.calibration_threads() == 2

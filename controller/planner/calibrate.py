@@ -57,14 +57,32 @@ from controller.planner.workload import RequestSpec
 from decode_worker.policy import PassShape, fit_nonnegative_relative
 
 
-def predicted_prefill_s(profile: Profile, prompt: int, chunk: int) -> float:
-    model = profile.prefill_model(1)
+def instance_tps(mode: str, threads: int) -> dict[str, int]:
+    """Each role's instance shape (CPU: threads) of a config of ``mode`` with ``threads`` per instance."""
+    return {"colocated": threads} if mode == "colocated" else {"prefill": threads, "decode": threads}
+
+
+def config_threads(config) -> int:
+    """Torch threads per instance of a config the calibration serves (prefill and decode alike)."""
+    if config.mode == "colocated":
+        return config.colocated.threads
+    if config.prefill.threads != config.decode.threads:
+        from controller.planner.profile import ProfileError
+
+        raise ProfileError(f"prefill.threads / decode.threads: the calibration serves instances of one thread count, "
+                           f"got {config.prefill.threads} and {config.decode.threads} (a pair sharing the cores is "
+                           "calibrated by its core-sharing burst: calibrate_sharing.py)")
+    return config.prefill.threads
+
+
+def predicted_prefill_s(profile: Profile, prompt: int, chunk: int, threads: int = 1) -> float:
+    model = profile.prefill_model(threads)
     return sum(model.predict(prefill_features([(s, min(chunk, prompt - s))])) for s in range(0, prompt, chunk))
 
 
-def predicted_decode_s(profile: Profile, prompt: int, tokens: int) -> float:
+def predicted_decode_s(profile: Profile, prompt: int, tokens: int, threads: int = 1) -> float:
     """Plain decode steps of one sequence producing ``tokens`` tokens after the first."""
-    model = profile.target_model(1)
+    model = profile.target_model(threads)
     return sum(model.predict_pass(PassShape(1, prompt + j + 1, 1)) for j in range(tokens))
 
 
@@ -260,7 +278,7 @@ def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows:
     def quantile_sq(simulated: list[float], measured: list[float]) -> float:
         return sum(math.log(max(a, 1e-6) / max(b, 1e-6)) ** 2 for a, b in zip(sorted(simulated), sorted(measured)))
 
-    base = profile.calibration(sim_config.mode)
+    base = profile.calibration(sim_config.mode, sim_config.calibration_threads())
     decoding = [i for i, row in enumerate(rows) if row["tokens"] > 1]
     best = (math.inf, 0.0)
     for per_step in CONTENTION_STEP_GRID:
@@ -302,19 +320,20 @@ def measure_speculative_passes(config, lengths: list[int], seed: int, progress: 
     return passes
 
 
-def _median_ratio(profile: Profile, kind: str, passes: list[dict], drafter: str | None = None) -> float | None:
+def _median_ratio(profile: Profile, kind: str, passes: list[dict], drafter: str | None = None,
+                  tps: dict[str, int] | None = None) -> float | None:
     """Median measured / profiled time of stored pass rows of ``kind`` (None: no rows)."""
-    ratios = [p["seconds"] / predicted_s(profile, {"kind": kind, **p}, drafter) for p in passes]
+    ratios = [p["seconds"] / predicted_s(profile, {"kind": kind, **p}, drafter, tps) for p in passes]
     return statistics.median(ratios) if ratios else None
 
 
-def fit_prefill_pass_scale(profile: Profile, prefill_passes: list[dict]) -> float:
+def fit_prefill_pass_scale(profile: Profile, prefill_passes: list[dict], threads: int = 1) -> float:
     """Median measured / profiled time of the prefill worker's own passes in place (0.0: none logged)."""
-    return _median_ratio(profile, "prefill", prefill_passes) or 0.0
+    return _median_ratio(profile, "prefill", prefill_passes, tps={"prefill": threads}) or 0.0
 
 
 def fit_pass_scales(profile: Profile, drafter: str, decode_passes: list[dict], verify_passes: list[dict],
-                    draft_passes: list[dict]) -> tuple[float, float, int]:
+                    draft_passes: list[dict], threads: int = 1) -> tuple[float, float, int]:
     """(verify_pass_scale, draft_pass_scale, verify passes used): the median measured / profiled time of
     verify and of draft passes over that of plain decode passes (one device per instance, as the local
     cluster runs). (1.0, 1.0, 0) when a kind is missing (e.g. the policy never speculated).
@@ -322,9 +341,10 @@ def fit_pass_scales(profile: Profile, drafter: str, decode_passes: list[dict], v
     Served, a speculating worker's k = 1 step costs less relative to its k = 0 step than the profile says
     (``benchmarks/serving_interference.py --speculation``), which is why the real policy, learning its costs
     in place, speculates where the profile's costs alone would not."""
-    plain = _median_ratio(profile, "decode", decode_passes)
-    verify = _median_ratio(profile, "verify", verify_passes)
-    draft = _median_ratio(profile, "draft", draft_passes, drafter)
+    tps = {"decode": threads}
+    plain = _median_ratio(profile, "decode", decode_passes, tps=tps)
+    verify = _median_ratio(profile, "verify", verify_passes, tps=tps)
+    draft = _median_ratio(profile, "draft", draft_passes, drafter, tps)
     if not plain or not verify or not draft:
         return 1.0, 1.0, 0
     return verify / plain, draft / plain, len(verify_passes)
@@ -341,21 +361,21 @@ def _fit_offset_and_scale(predicted: list[float], measured: list[float]) -> tupl
     return offset, scale, err
 
 
-def fit(profile: Profile, mode: str, rows: list[dict], chunk: int, prefill_passes: list[dict] | None = None
-        ) -> Calibration:
+def fit(profile: Profile, mode: str, rows: list[dict], chunk: int, prefill_passes: list[dict] | None = None,
+        threads: int = 1) -> Calibration:
     """The isolated terms of ``mode`` from isolated requests' rows (prompt, tokens, ttft_s, decode_s), and
     the prefill worker's in-place pass scale from its timed passes during them (``prefill_passes``: rows of
     ``prefill_features`` and ``seconds``; none: the simulator charges the whole TTFT scale to the worker)."""
     rows = [{**r, "prompt": int(r["prompt"]), "tokens": int(r["tokens"])} for r in rows]  # stored as floats
     overhead, pscale, ttft_err = _fit_offset_and_scale(
-        [predicted_prefill_s(profile, r["prompt"], chunk) for r in rows], [r["ttft_s"] for r in rows])
+        [predicted_prefill_s(profile, r["prompt"], chunk, threads) for r in rows], [r["ttft_s"] for r in rows])
     tail = [kv_tail_s(profile, r["prompt"], chunk) if mode == "disaggregated" else 0.0 for r in rows]
     start, dscale, dec_err = _fit_offset_and_scale(
-        [predicted_decode_s(profile, r["prompt"], r["tokens"] - 1) for r in rows],
+        [predicted_decode_s(profile, r["prompt"], r["tokens"] - 1, threads) for r in rows],
         [max(1e-6, r["decode_s"] - t) for r, t in zip(rows, tail)])
-    pass_scale = fit_prefill_pass_scale(profile, prefill_passes or [])
+    pass_scale = fit_prefill_pass_scale(profile, prefill_passes or [], threads)
     return Calibration(mode, overhead, pscale, start, dscale, len(rows), ttft_err, dec_err,
-                       prefill_pass_scale=min(pass_scale, pscale))
+                       prefill_pass_scale=min(pass_scale, pscale), threads=threads)
 
 
 OUTPUT_TOKENS = (17, 33, 65)  # output lengths the calibration's requests cycle through
@@ -393,14 +413,19 @@ class CalibrationRun:
     passes: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)  # kind -> drain_passes rows
 
     def samples(self) -> dict[str, list[dict[str, float]]]:
-        """The measurements under the profile's ``samples`` keys of this mode."""
-        mode = self.calibration.mode
-        return {isolated_key(mode): self.isolated, burst_key(mode): self.burst,
-                **{passes_key(mode, kind): rows for kind, rows in self.passes.items()}}
+        """The measurements under the profile's ``samples`` keys of this mode and thread count."""
+        mode, t = self.calibration.mode, self.calibration.threads
+        return {isolated_key(mode, t): self.isolated, burst_key(mode, t): self.burst,
+                **{passes_key(mode, kind, t): rows for kind, rows in self.passes.items()}}
 
 
-def isolated_key(mode: str) -> str:
-    return f"calibration/{mode}/isolated"
+def samples_prefix(mode: str, threads: int = 1) -> str:
+    """Where a calibration's measurements sit in a profile's ``samples`` (1 thread: the keys of before)."""
+    return f"calibration/{mode}/" if threads == 1 else f"calibration/{mode}@{threads}t/"
+
+
+def isolated_key(mode: str, threads: int = 1) -> str:
+    return samples_prefix(mode, threads) + "isolated"
 
 
 PASS_SAMPLE_KINDS = ("decode", "verify", "draft")  # the speculative pass scales' inputs (``with_pass_scales``)
@@ -411,11 +436,12 @@ def burst_passes_kind(kind: str) -> str:
     return f"burst_{kind}"
 
 
-def passes_key(mode: str, kind: str) -> str:
-    return f"calibration/{mode}/passes/{kind}"
+def passes_key(mode: str, kind: str, threads: int = 1) -> str:
+    return samples_prefix(mode, threads) + f"passes/{kind}"
 
 
-def _pass_rows(passes: list[dict], kind: str) -> list[dict[str, float]]:
+def pass_rows(passes: list[dict], kind: str) -> list[dict[str, float]]:
+    """The ``drain_passes`` rows of ``kind`` as stored in a profile's samples (floats, without the kind)."""
     return [{f: float(v) for f, v in p.items() if f != "kind"} for p in passes if p["kind"] == kind]
 
 
@@ -423,19 +449,21 @@ def with_pass_scales(profile: Profile, cal: Calibration, spec, passes: dict[str,
     """``cal`` with the speculative pass scales fitted to ``passes`` (kind -> rows), for drafter ``spec``."""
     if not spec.enabled or not all(passes.get(k) for k in PASS_SAMPLE_KINDS):
         return cal
-    verify, draft, n = fit_pass_scales(profile, spec.drafter, passes["decode"], passes["verify"], passes["draft"])
+    verify, draft, n = fit_pass_scales(profile, spec.drafter, passes["decode"], passes["verify"], passes["draft"],
+                                       cal.threads)
     return dataclasses.replace(cal, verify_pass_scale=verify, draft_pass_scale=draft, speculative_passes=n)
 
 
-def burst_key(mode: str) -> str:
-    return f"calibration/{mode}/burst"
+def burst_key(mode: str, threads: int = 1) -> str:
+    return samples_prefix(mode, threads) + "burst"
 
 
 def _chunk_of(run_config) -> int:
     return run_config.colocated.chunk_tokens if run_config.mode == "colocated" else run_config.prefill.chunk_tokens
 
 
-def _burst_rows(trace: list[RequestSpec], rows: list[dict]) -> list[dict[str, float]]:
+def burst_rows(trace: list[RequestSpec], rows: list[dict]) -> list[dict[str, float]]:
+    """A burst's requests as stored in a profile's samples: each row with its arrival and output length."""
     return [{"arrival_s": float(t.arrival_s), "output_tokens": float(t.output_tokens),
              **{k: float(v) for k, v in r.items()}} for t, r in zip(trace, rows)]
 
@@ -445,13 +473,13 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
     """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
     isolated terms, then (``burst_requests`` > 0) the contention term on a burst."""
     run_config = calibration_config(config)
-    mode = run_config.mode
+    mode, threads = run_config.mode, config_threads(run_config)
     chunk = _chunk_of(run_config)
     max_prompt = max_calibration_prompt(run_config)
     rows, plain_passes = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed,
                                  progress)
-    passes: dict[str, list[dict[str, float]]] = {"prefill": _pass_rows(plain_passes, "prefill")} if plain_passes else {}
-    cal = fit(profile, mode, rows, chunk, passes.get("prefill", []))
+    passes: dict[str, list[dict[str, float]]] = {"prefill": pass_rows(plain_passes, "prefill")} if plain_passes else {}
+    cal = fit(profile, mode, rows, chunk, passes.get("prefill", []), threads)
     spec = config.decode.speculation if mode == "disaggregated" else None
     if spec is not None and spec.enabled:
         spec_passes = measure_speculative_passes(calibration_config(config, keep_speculation=True),
@@ -459,9 +487,9 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
                                                  seed, progress)
         # the reference: plain decode passes of the speculating worker itself (its k = 0 steps), the costs
         # its policy weighs against each other; the speculation-off run's when it hardly ever took k = 0
-        reference = _pass_rows(spec_passes, "decode")
-        passes.update({"decode": reference if len(reference) >= MIN_REFERENCE_PASSES else _pass_rows(plain_passes, "decode"),
-                       **{k: _pass_rows(spec_passes, k) for k in ("verify", "draft")}})
+        reference = pass_rows(spec_passes, "decode")
+        passes.update({"decode": reference if len(reference) >= MIN_REFERENCE_PASSES else pass_rows(plain_passes, "decode"),
+                       **{k: pass_rows(spec_passes, k) for k in ("verify", "draft")}})
         cal = with_pass_scales(profile, cal, spec, passes)
     if burst_requests <= 0:
         return CalibrationRun(cal, rows, [], passes)
@@ -473,9 +501,9 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
                         output_tokens, seed)
     output_trace = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed)
     burst, burst_passes = measure_burst(run_config, trace, seed, progress, output_trace)
-    passes.update({burst_passes_kind(k): _pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
+    passes.update({burst_passes_kind(k): pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
     return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst, burst_passes), rows,
-                          _burst_rows(trace, burst), {k: v for k, v in passes.items() if v})
+                          burst_rows(trace, burst), {k: v for k, v in passes.items() if v})
 
 
 def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[RequestSpec],
@@ -486,7 +514,7 @@ def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[
     about the fit, and ``step_noise`` their spread about it), else to the requests' latency distributions (the per-step term, ``fit_contention``; RMS
     of log(simulated / measured))."""
     if burst_passes:
-        acts = activities(profile, burst_passes)
+        acts = activities(profile, burst_passes, tps=instance_tps(cal.mode, cal.threads))
         fitted = fit_contention_terms(acts)
         # the contention term is a slowdown over the burst's own passes that ran alone: the prefill worker's
         # busy scale is theirs too (the isolated phase ran in another cluster start, a few per cent apart)
@@ -509,19 +537,19 @@ def refit(config, profile: Profile) -> Calibration:
     from controller.planner.simulator import SimConfig
 
     run_config = calibration_config(config)
-    mode = run_config.mode
-    rows = profile.samples.get(isolated_key(mode))
+    mode, t = run_config.mode, config_threads(run_config)
+    rows = profile.samples.get(isolated_key(mode, t))
     if not rows:
-        raise ProfileError(f"profile has no stored calibration measurements for mode {mode!r} "
-                           f"(samples[{isolated_key(mode)!r}]); run `magicserve profile --calibrate-only` first")
-    cal = fit(profile, mode, rows, _chunk_of(run_config), profile.samples.get(passes_key(mode, "prefill"), []))
+        raise ProfileError(f"profile has no stored calibration measurements for mode {mode!r} at {t} thread(s) "
+                           f"(samples[{isolated_key(mode, t)!r}]); run `magicserve profile --calibrate-only` first")
+    cal = fit(profile, mode, rows, _chunk_of(run_config), profile.samples.get(passes_key(mode, "prefill", t), []), t)
     if mode == "disaggregated":
-        passes = {k: profile.samples.get(passes_key(mode, k), []) for k in PASS_SAMPLE_KINDS}
+        passes = {k: profile.samples.get(passes_key(mode, k, t), []) for k in PASS_SAMPLE_KINDS}
         cal = with_pass_scales(profile, cal, config.decode.speculation, passes)
-    burst = profile.samples.get(burst_key(mode), [])
+    burst = profile.samples.get(burst_key(mode, t), [])
     if not burst:
         return cal
     trace = [RequestSpec(r["arrival_s"], int(r["prompt"]), int(r["output_tokens"])) for r in burst]
     burst_passes = [{"kind": kind, **row} for kind in BURST_PASS_KINDS
-                    for row in profile.samples.get(passes_key(mode, burst_passes_kind(kind)), [])]
+                    for row in profile.samples.get(passes_key(mode, burst_passes_kind(kind), t), [])]
     return with_contention(profile, cal, SimConfig.from_cluster_config(run_config), trace, burst, burst_passes)

@@ -178,15 +178,49 @@ def measure(model: str, prefill_threads: int, decode_threads: int, seconds: floa
                        statistics.fmean(alone["decode"]))
 
 
+def fit_processor_sharing(ratios: list[float], overlaps: list[float]) -> tuple[float, float]:
+    """(scale, factor) of passes that ran ``ratios`` times their profiled time while the other role was busy
+    for the share ``overlaps`` of their wall time, under the simulator's processor sharing: a pass's work
+    ``scale`` x profiled progresses at full speed while the other role is idle and ``factor`` times slower
+    while it is busy, so its wall time is scale x profiled / (1 - f + f / factor). Fitted by least absolute
+    log error (robust to the heavy tail of served step times): for each factor on a grid the best scale is
+    the median, and the factor with the smallest error wins."""
+    import torch
+
+    r = torch.tensor(ratios, dtype=torch.float64).log()
+    f = torch.tensor(overlaps, dtype=torch.float64)
+
+    def error(factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # log(scale) + residual = log r + log(1 - f + f / F), per factor (rows) and pass (columns)
+        adjusted = r[None, :] + torch.log(1 - f[None, :] + f[None, :] / factors[:, None])
+        log_scale = adjusted.median(dim=1).values
+        return (adjusted - log_scale[:, None]).abs().sum(dim=1), log_scale
+
+    coarse = torch.arange(1.0, 8.0001, 0.05, dtype=torch.float64)
+    best = coarse[error(coarse)[0].argmin()]
+    fine = torch.arange(max(1.0, best.item() - 0.05), best.item() + 0.05001, 0.001, dtype=torch.float64)
+    err, log_scale = error(fine)
+    i = int(err.argmin())
+    return float(log_scale[i].exp()), float(fine[i])
+
+
 def in_place(profile: Profile, rows: list[dict], prefill_threads: int, decode_threads: int, cores: int,
-             drafter: str | None = None) -> CoreSharing:
+             drafter: str | None = None, source: str = "served") -> CoreSharing:
     """The core sharing of a served cluster, from its workers' pass logs (``interference.pass_row`` rows of
-    one prefill and one decode instance, any number of rates pooled): per role, the median of measured /
-    profiled time (at the role's threads) of the passes that start while the other role is idle, and of those
-    that start while it is busy (decode: inside a decode ``step`` record; prefill: inside a prefill pass).
-    A role's factor is busy over idle; ``prefill_scale`` is the prefill's idle ratio over the calibration's
-    prefill pass scale (what the simulator already charges). Timing two processes (``measure``) leaves out
-    everything else the cores run while serving (the KV transfer, the router, gRPC, the load generator)."""
+    one prefill and one decode instance, any number of rates pooled). Each role's timed passes (prefill
+    passes; the decode worker's target passes), measured over profiled time at the role's threads, against
+    the share of each pass's wall time the other role was busy (decode: inside a ``step`` record; prefill:
+    inside a prefill pass), fitted to the simulator's processor sharing (``fit_processor_sharing``): the
+    role's factor while the other is busy, and its in-place scale while the other is idle. ``prefill_scale``
+    is the prefill's scale over the calibration's prefill pass scale (what the simulator already charges).
+    Timing two processes (``measure``) leaves out everything else the cores run while serving (the KV
+    transfer, the router, gRPC, the load generator). ``source``: "served" (an SLO sweep's logs) or "burst"
+    (a calibration burst's, ``calibrate_sharing``).
+
+    A pass that starts while the other role is busy is not slowed for all of its time: a long prefill pass
+    overlaps decode steps for part of it. Fitting on the overlap (not on whether the other role was busy as
+    the pass started) gives a factor that does not depend on how long the other role's busy periods were,
+    which differs between a calibration burst and the workload served."""
     import bisect
 
     from controller.planner.interference import intervals, predicted_s
@@ -194,25 +228,32 @@ def in_place(profile: Profile, rows: list[dict], prefill_threads: int, decode_th
     tps = {"prefill": prefill_threads, "decode": decode_threads}
     spans = {"prefill": intervals([r for r in rows if r["kind"] == "prefill"]),
              "decode": intervals([r for r in rows if r["kind"] == "step"])}
-    starts = {role: [a for a, _ in sp] for role, sp in spans.items()}
+    ends = {role: [b for _, b in sp] for role, sp in spans.items()}  # one worker per role: disjoint, sorted
 
-    def busy_at(role: str, t: float) -> bool:
-        i = bisect.bisect_right(starts[role], t) - 1
-        return i >= 0 and spans[role][i][1] > t
-
-    ratios: dict[tuple[str, bool], list[float]] = {(r, b): [] for r in ROLES for b in (False, True)}
+    def covered(start: float, end: float, role: str) -> float:
+        """Share of [start, end] that ``role`` was busy."""
+        busy, sp = 0.0, spans[role]
+        for a, b in sp[bisect.bisect_right(ends[role], start):]:
+            if a >= end:
+                break
+            busy += min(b, end) - max(a, start)
+        return min(1.0, busy / (end - start)) if end > start else 0.0
+    ratios: dict[str, list[float]] = {r: [] for r in ROLES}
+    overlaps: dict[str, list[float]] = {r: [] for r in ROLES}
     for r in rows:
         if r["kind"] not in ("prefill", "verify", "decode"):  # one timed target pass per step and role
             continue
         role = "prefill" if r["kind"] == "prefill" else "decode"
         other = "decode" if role == "prefill" else "prefill"
-        ratios[(role, busy_at(other, r["end_s"] - r["seconds"]))].append(r["seconds"] / predicted_s(profile, r, drafter, tps))
-    short = [f"{role} passes with the other role {'busy' if b else 'idle'}" for (role, b), v in ratios.items() if not v]
+        ratios[role].append(r["seconds"] / predicted_s(profile, r, drafter, tps))
+        overlaps[role].append(covered(r["end_s"] - r["seconds"], r["end_s"], other))
+    short = [f"{role} passes {'overlapping the other role busy' if busy else 'with the other role idle'}"
+             for role in ROLES for busy in (False, True)
+             if not any((o >= 0.5) == busy for o in overlaps[role])]
     if short:
         raise ValueError(f"core sharing in place: no {', no '.join(short)} in the pass log")
-    median = {key: statistics.median(v) for key, v in ratios.items()}
-    factor = {role: median[(role, True)] / median[(role, False)] for role in ROLES}
-    scale = median[("prefill", False)] / profile.calibration("disaggregated").prefill_busy_scale
-    return CoreSharing(prefill_threads, decode_threads, cores, factor["prefill"], factor["decode"],
-                       len(ratios[("prefill", True)]), len(ratios[("decode", True)]), source="served",
-                       prefill_scale=scale)
+    fitted = {role: fit_processor_sharing(ratios[role], overlaps[role]) for role in ROLES}
+    scale = fitted["prefill"][0] / profile.calibration("disaggregated").prefill_busy_scale
+    return CoreSharing(prefill_threads, decode_threads, cores, fitted["prefill"][1], fitted["decode"][1],
+                       sum(o > 0 for o in overlaps["prefill"]), sum(o > 0 for o in overlaps["decode"]),
+                       source=source, prefill_scale=scale)

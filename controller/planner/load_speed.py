@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from controller.planner.interference import (ROLE_OF_KIND, PassActivity, activities, contention_variable,
                                              output_variable, timed_rows)
-from controller.planner.profile import Calibration, CoreSharing, Profile, mixed_pass_seconds
+from controller.planner.profile import Calibration, CoreSharing, Profile, calibration_threads, mixed_pass_seconds
 from controller.planner.simulator import SimConfig
 
 FIXED_POINT_ITERATIONS = 50
@@ -89,8 +89,11 @@ def kind_scale(cal: Calibration, kind: str) -> float:
 
 
 def _contention(cal: Calibration, a: PassActivity, speed: float, sharing: CoreSharing | None = None) -> float:
-    factor = (1.0 + (cal.contention_scale - 1.0) * a.other_busy_share
-              + speed * (cal.contention_step_s * contention_variable(a) + cal.contention_output_s * output_variable(a)))
+    if sharing is not None and sharing.source != "processes":
+        factor = 1.0  # measured in place, the sharing holds the contention (as the simulator charges it)
+    else:
+        factor = (1.0 + (cal.contention_scale - 1.0) * a.other_busy_share
+                  + speed * (cal.contention_step_s * contention_variable(a) + cal.contention_output_s * output_variable(a)))
     if sharing is not None:  # the simulator's processor sharing: ``f`` x slower for the work done while the
         # other role is busy; a pass of wall-clock share s contended took 1 / (1 - s + s / f) x its alone time
         s, f = a.other_busy_share, sharing.factor(ROLE_OF_KIND[a.kind])
@@ -133,7 +136,8 @@ def load_speed(profile: Profile, mode: str, rows: list[dict], drafter: str | Non
     passes over one window, e.g. one rate of an SLO sweep) against ``profile``'s calibration of ``mode``.
     ``drafter``: the decode pool's drafter, when the rows hold draft passes; ``tps``: each role's instance
     shape (CPU: threads; default 1); ``sharing``: the two roles shared the cores (``SimConfig.shared_cores``)."""
-    cal = profile.calibration(mode)
+    shapes = tps or ({"colocated": 1} if mode == "colocated" else {"prefill": 1, "decode": 1})
+    cal = profile.calibration(mode, calibration_threads(shapes))
     acts = activities(profile, rows, drafter, tps)
     if not acts:
         raise ValueError("load speed: no timed passes to read")

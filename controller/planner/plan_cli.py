@@ -92,6 +92,14 @@ def run(args: argparse.Namespace) -> int:
           + (f"; prefill and decode may share the {shared} cores" if shared else "")
           + f"; {len(specs)} speculation settings: "
           + "; ".join(describe_spec(s) for s in specs), file=sys.stderr)
+    if shared:
+        unserved = sorted({(c.prefill_threads, c.decode_threads) for c in profile.core_sharing}
+                          - {(c.prefill_threads, c.decode_threads) for c in profile.core_sharing if c.source != "processes"})
+        for p_threads, d_threads in unserved:
+            print(f"note: the core sharing of a {p_threads}-thread prefill and a {d_threads}-thread decode instance was "
+                  "measured between two bare processes only, which overstated the served slowdown about 2x on the "
+                  "2-core VM; `magicserve profile --calibrate-only --config SHARED.yaml` measures it served",
+                  file=sys.stderr)
     result = Planner(profile, slo, workload, space, verify_top=args.verify_top).run()
     base = args.base_config or (LOCAL_CONFIG if profile.device_type == "cpu"
                                 else os.path.join(CONFIG_DIR, "gpu-8xa100-llama3.1-8b.yaml"))

@@ -149,6 +149,10 @@ class Calibration:
     # service times' variance, not only their mean. Empty: every step takes its fitted time (unmeasured, or a
     # profile calibrated before the spread was kept)
     step_noise: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # CPU: the torch threads per instance of the config it was measured on. A 2-thread instance serves at
+    # another in-place speed than a 1-thread one (its parallel regions wait for a thread the serving path
+    # preempted), so each count has its own calibration; ``Profile.calibration`` falls back to the 1-thread one
+    threads: int = 1
 
     @staticmethod
     def identity(mode: str) -> "Calibration":
@@ -185,6 +189,18 @@ class InstanceCosts:
     prefill_kv_capacity_tokens: int = 0  # the same for a prefill instance; 0 = unknown
 
 
+def calibration_threads(tps: dict[str, int]) -> int:
+    """The calibration's thread count for instance shapes ``tps`` (role -> tensor parallel; CPU: threads):
+    a colocated instance's, or the prefill and decode instances' when equal. A pair of unequal counts (sharing
+    cores) takes the 1-thread calibration: its ``CoreSharing`` entry is stated over that one."""
+    if "colocated" in tps:
+        return tps["colocated"]
+    return tps["prefill"] if tps.get("prefill") == tps.get("decode") else 1
+
+
+SHARING_SOURCES = ("served", "burst", "processes")  # in the order ``Profile.sharing`` prefers them
+
+
 @dataclass(frozen=True)
 class CoreSharing:
     """A prefill and a decode instance whose threads outnumber the cores they run on (CPU only): each
@@ -205,8 +221,9 @@ class CoreSharing:
     prefill_alone_s: float = 0.0  # the measured units alone (median seconds; 0: not recorded)
     decode_alone_s: float = 0.0
     # "processes": two plain processes (``core_sharing.measure``); "served": a served cluster's own passes
-    # (``core_sharing.in_place``), which also measures ``prefill_scale``: the prefill steps with decode idle,
-    # in place, over what the simulator charges for them (the profile x the calibration's prefill pass scale)
+    # during an SLO sweep (``core_sharing.in_place``), which also measures ``prefill_scale``: the prefill steps
+    # with decode idle, in place, over what the simulator charges for them (the profile x the calibration's
+    # prefill pass scale); "burst": the same, read from a calibration burst (``calibrate_sharing``)
     source: str = "processes"
     prefill_scale: float = 1.0
 
@@ -221,8 +238,8 @@ class CoreSharing:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ProfileError(f"core_sharing.{name}: must be a positive finite number, got {value!r}")
-        if self.source not in ("processes", "served"):
-            raise ProfileError(f"core_sharing.source: must be 'processes' or 'served', got {self.source!r}")
+        if self.source not in SHARING_SOURCES:
+            raise ProfileError(f"core_sharing.source: must be one of {list(SHARING_SOURCES)}, got {self.source!r}")
 
     def factor(self, role: str) -> float:
         """The slowdown of ``role`` ("prefill" | "decode") while the other role is busy."""
@@ -254,12 +271,17 @@ class Profile:
 
     # -- lookups (each names what is missing) ------------------------------------------------------
 
-    def calibration(self, mode: str) -> Calibration:
-        """The calibration of ``mode``; the identity (no serving-path terms) when none was measured."""
-        return next((c for c in self.calibrations if c.mode == mode), Calibration.identity(mode))
+    def calibration(self, mode: str, threads: int = 1) -> Calibration:
+        """The calibration of ``mode`` measured on instances of ``threads`` threads, else the mode's 1-thread
+        one (GPU instances, and CPU thread counts never calibrated); the identity (no serving-path terms)
+        when none was measured."""
+        mine = [c for c in self.calibrations if c.mode == mode]
+        return next((c for c in mine if c.threads == threads), None) or \
+            next((c for c in mine if c.threads == 1), Calibration.identity(mode))
 
     def with_calibration(self, cal: Calibration) -> "Profile":
-        others = tuple(c for c in self.calibrations if c.mode != cal.mode)
+        """This profile with ``cal`` in place of the calibration of its mode and thread count."""
+        others = tuple(c for c in self.calibrations if (c.mode, c.threads) != (cal.mode, cal.threads))
         return dataclasses.replace(self, calibrations=others + (cal,))
 
     def without_contention(self) -> "Profile":
@@ -340,10 +362,11 @@ class Profile:
 
     def sharing(self, prefill_threads: int, decode_threads: int) -> CoreSharing:
         """The measured core sharing of a ``prefill_threads`` prefill and a ``decode_threads`` decode instance:
-        measured on a served cluster where the profile has that, else between two plain processes."""
+        measured on a served cluster where the profile has that (an SLO sweep's passes, else a calibration
+        burst's), else between two plain processes."""
         mine = [c for c in self.core_sharing if (c.prefill_threads, c.decode_threads) == (prefill_threads, decode_threads)]
         if mine:
-            return min(mine, key=lambda c: c.source != "served")
+            return min(mine, key=lambda c: SHARING_SOURCES.index(c.source))
         have = sorted((c.prefill_threads, c.decode_threads) for c in self.core_sharing)
         raise ProfileError(f"profile has no core-sharing measurement for a {prefill_threads}-thread prefill and a "
                            f"{decode_threads}-thread decode instance (it has (prefill, decode) threads in {have}); "

@@ -821,7 +821,8 @@ def run_cli(args) -> int:
                   f"{1e3 * c.target_pass.predict_pass(PassShape(1, 1024, 1)):.2f} ms")
     else:
         from controller.config import load_config
-        from controller.planner.calibrate import calibrate
+        from controller.planner.calibrate import calibrate, samples_prefix
+        from controller.planner.calibrate_sharing import calibrate_sharing, refit_sharing, shared_pair, with_sharing
 
         if args.model or args.gpu:
             raise ProfileError("--model and --gpu go with --analytical (a measured profile uses the config's model)")
@@ -836,11 +837,20 @@ def run_cli(args) -> int:
                                    "nothing; it does not combine with --calibrate, --calibrate-only or --quick")
 
             profile = Profile.load(args.out)
+            if shared_pair(config, profile.devices_per_node):
+                entry = refit_sharing(config, profile)
+                _print_sharing(entry)
+                with_sharing(profile, entry).save(args.out)
+                print(f"wrote {args.out}")
+                return 0
             cal = refit(config, profile)
             _print_calibration(cal)
             profile.with_calibration(cal).save(args.out)
             print(f"wrote {args.out}")
             return 0
+        if args.burst_workload and not (args.calibrate_only and shared_pair(config, Profile.load(args.out).devices_per_node)):
+            raise ProfileError("--burst-workload: shapes the core-sharing burst of --calibrate-only with a config whose "
+                               "instances share cores (e.g. cluster_configs/local-prefill2.yaml)")
         if args.add_threads:
             if args.calibrate or args.calibrate_only or args.refit_calibration:
                 raise ProfileError("--add-threads: extends the profile at --out with other thread counts; it does "
@@ -850,6 +860,13 @@ def run_cli(args) -> int:
                                   sharing_seconds=args.sharing_seconds)
         elif args.calibrate_only:
             profile = Profile.load(args.out)
+            if shared_pair(config, profile.devices_per_node):  # the pair's core sharing, not the mode's terms
+                entry, samples = calibrate_sharing(config, profile, args.burst_requests, progress=not args.no_progress,
+                                                   workload=args.burst_workload)
+                _print_sharing(entry)
+                with_sharing(profile, entry, samples).save(args.out)
+                print(f"wrote {args.out}")
+                return 0
         else:
             profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
         if args.calibrate or args.calibrate_only:
@@ -859,7 +876,7 @@ def run_cli(args) -> int:
                             burst_requests=args.burst_requests)
             cal = run.calibration
             _print_calibration(cal)
-            stale = f"calibration/{cal.mode}/"  # an earlier calibration's measurements of this mode go
+            stale = samples_prefix(cal.mode, cal.threads)  # an earlier calibration's measurements of it go
             kept = {k: v for k, v in profile.samples.items() if not k.startswith(stale)}
             profile = dataclasses.replace(profile.with_calibration(cal), samples={**kept, **run.samples()})
     profile.save(args.out)
@@ -867,8 +884,15 @@ def run_cli(args) -> int:
     return 0
 
 
+def _print_sharing(c) -> None:
+    print(f"core sharing P{c.prefill_threads} + D{c.decode_threads} threads on {c.cores} cores, served "
+          f"({c.source}): prefill {c.prefill_factor:.2f}x, decode {c.decode_factor:.2f}x slower while the other role "
+          f"is busy ({c.prefill_units} / {c.decode_units} passes); prefill with decode idle {c.prefill_scale:.2f}x "
+          "what the simulator charges")
+
+
 def _print_calibration(cal) -> None:
-    print(f"calibration ({cal.mode}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
+    print(f"calibration ({cal.mode}{f', {cal.threads} threads' if cal.threads != 1 else ''}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
           f"predicted prefill (fit error {cal.ttft_fit_error:.1%}"
           + (f"; the worker's own passes {cal.prefill_pass_scale:.3f} x" if cal.prefill_pass_scale else "")
           + f"); decode = {1e3 * cal.decode_start_s:.1f} ms + "

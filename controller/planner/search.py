@@ -34,6 +34,9 @@ from controller.planner.workload import RequestSpec, WorkloadShape, make_trace, 
 from decode_worker.config import SpeculationConfig
 
 NO_SPECULATION = SpeculationConfig(drafter="none")
+# where a profile's core sharing was measured (``CoreSharing.source``), as the candidates' notes say it
+SHARING_WHERE = {"served": "served, in an SLO sweep", "burst": "served, in a calibration burst",
+                 "processes": "in two processes"}
 
 
 class PlanError(ValueError):
@@ -230,7 +233,7 @@ class Planner:
             if pshape not in shapes or dshape not in shapes:
                 continue
             spec = max(self.space.speculation, key=lambda sp: decode_rate[(dshape, sp)])
-            note = (f"prefill and decode share {cores} cores (measured {'served' if c.source == 'served' else 'in two processes'}: "
+            note = (f"prefill and decode share {cores} cores (measured {SHARING_WHERE[c.source]}: "
                     f"prefill {c.prefill_factor:.2f}x, decode {c.decode_factor:.2f}x slower while both run)")
             out.append(Candidate(self._disaggregated(pshape, 1, dshape, 1, spec, shared_cores=cores), note=note))
             for fewer in range(1, c.prefill_threads):

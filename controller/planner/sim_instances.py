@@ -94,7 +94,10 @@ class _Instance:
         if planned is None:
             return
         duration, done = planned
-        duration *= self._contention(duration) * self._noise() * self._speed()
+        # a pair's served core sharing (an SLO sweep's or a burst's passes) is each role's slowdown measured
+        # in place, beside everything else the cluster runs: the calibrated contention is inside it already
+        served_sharing = self.sharing is not None and self.sharing.sharing.source != "processes"
+        duration *= (1.0 if served_sharing else self._contention(duration)) * self._noise() * self._speed()
         self.step_s = duration
         self.busy = True
         self.steps += 1

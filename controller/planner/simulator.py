@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.planner.profile import Profile
+from controller.planner.profile import Profile, calibration_threads
 from controller.planner.sim_instances import ColocatedSim, CoreShareGroup, DecodeSim, PrefillSim, SimRequest
 from controller.planner.slo import RequestOutcome
 from controller.planner.workload import RequestSpec
@@ -128,6 +128,12 @@ class SimConfig:
             return self.shared_cores
         return self.prefill.devices + self.decode.devices
 
+    def calibration_threads(self) -> int:
+        """The thread count whose calibration the simulation takes (``profile.calibration_threads``)."""
+        tps = ({"colocated": self.colocated.tensor_parallel} if self.mode == "colocated" else
+               {"prefill": self.prefill.tensor_parallel, "decode": self.decode.tensor_parallel})
+        return calibration_threads(tps)
+
     @staticmethod
     def from_cluster_config(cfg, cores: int | None = None) -> "SimConfig":
         """The simulation of a ``controller.config.ClusterConfig``. A CPU instance's threads are its
@@ -214,7 +220,8 @@ class Simulation:
         self._queue: deque[SimRequest] = deque()  # admitted later (concurrency limit)
         self._unplaced: deque[SimRequest] = deque()  # admitted, waiting for decode KV room
         self._in_flight = 0
-        self.calibration = profile.calibration(config.mode)  # serving-path terms (identity if unmeasured)
+        # serving-path terms of the mode at the instances' thread count (identity if unmeasured)
+        self.calibration = profile.calibration(config.mode, config.calibration_threads())
         rng = random.Random(seed)
         self.noise_rng = random.Random(seed + 104729)  # step-time spread: its own stream, apart from acceptance
         c, bs = config, config.block_size
