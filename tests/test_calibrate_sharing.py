@@ -14,19 +14,10 @@ from controller.config import load_config
 from controller.planner.calibrate import OUTPUT_TOKENS, calibration_lengths
 from controller.planner.calibrate_sharing import burst_lengths, refit_sharing, shared_pair, with_sharing
 from controller.planner.profile import Calibration, CoreSharing, Profile, ProfileError
+from tests.test_planner_profile import TINY_CLUSTER
 
-SHARED_CLUSTER = """
-model: {{path: {model}, dtype: bfloat16}}
-prefill: {{threads: 2, chunk_tokens: 128, kv_cache_tokens: 4096}}
-decode:
-  threads: 1
-  kv_cache_tokens: 8192
-  max_num_seqs: 8
-  speculation: {{drafter: self_sparse, budget: 64, sink_tokens: 8, max_k: 3}}
-kv_transfer: {{backend: gloo, timeout_s: 30}}
-limits: {{max_prompt_tokens: 512, max_tokens: 256}}
-ray: {{num_cpus: 4}}
-"""
+# the profile tests' tiny cluster with a 2-thread prefill instance beside the 1-thread decode one
+SHARED_CLUSTER = TINY_CLUSTER.replace("prefill: {{threads: 1,", "prefill: {{threads: 2,") + "ray: {{num_cpus: 4}}\n"
 
 
 def _planted(profile: Profile) -> Profile:
