@@ -4,25 +4,31 @@ A prefill and a decode instance whose threads outnumber the cores (``cluster_con
 on 2 cores) slow each other down. ``magicserve profile --add-threads`` times that between two plain
 processes (``core_sharing.measure``), which leaves out everything else the cores run while serving (the KV
 transfer, the router, gRPC, the load generator): on the 2-core VM it put the prefill's slowdown at 2.6-3.0x
-where the served cluster's own passes said 1.34-1.40x (benchmarks/results/same_session_18). Until a sweep of
-the arrangement had run (``benchmarks/core_sharing_in_place.py``), the planner had only the two-process
-figure.
+where the served cluster's own passes said about 1.7x (benchmarks/results/same_session_18, _19). Until a
+sweep of the arrangement had run (``benchmarks/core_sharing_in_place.py``), the planner had only the
+two-process figure.
 
 ``magicserve profile --calibrate-only --config SHARED.yaml`` serves the shared config for real, with its
 speculation, and sends a burst of overlapping requests of its own (Poisson arrivals at the rate the
 simulator, with the two-process sharing, says keeps the instances busy ``BURST_UTILISATION`` of the time;
-prompts log-uniform up to 4096 tokens, short outputs). The workers' timed passes during the burst give the
+lengths drawn from the workload to be planned, ``--burst-workload``, else prompts log-uniform up to 4096
+tokens with short outputs). The workers' timed passes during the burst give the
 same in-place figures a sweep gives (``core_sharing.in_place``): each role's slowdown while the other is
 busy, and the prefill's in-place scale with decode idle. They are stored as the pair's ``burst`` core
 sharing, with the passes they were read from (``--refit-calibration`` reads them again).
 
 The isolated terms of the disaggregated mode (``magicserve profile --calibrate`` with one core per thread)
 must be in the profile first: the in-place scale is stated over the prefill pass scale they fit.
+
+Measured (benchmarks/results/same_session_19): a long_doc-shaped burst read prefill 1.64-1.72x, decode
+1.09-1.15x, where a same-morning long_doc sweep's own passes read 1.68x and 1.08x; with that calibration the
+simulator predicted the sweep within 4 points at every rate, without the load speed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from controller.planner.calibrate import (OUTPUT_TOKENS, burst_rows, burst_trace, calibration_config, calibration_lengths,
                                           max_calibration_prompt, measure_burst, pass_rows)
@@ -30,6 +36,7 @@ from controller.planner.profile import CoreSharing, Profile, ProfileError
 
 SHARING_BURST_REQUESTS = 40  # the default of --burst-requests too
 PASS_KINDS = ("prefill", "step", "decode", "verify")  # what ``core_sharing.in_place`` reads
+
 
 def shared_pair(config, cores: int) -> tuple[int, int] | None:
     """(prefill threads, decode threads) when ``config`` runs one prefill and one decode CPU instance whose
@@ -72,13 +79,11 @@ def burst_lengths(config, requests: int, seed: int, workload: str | None) -> tup
     """(prompt lengths, output lengths) of the burst: drawn from ``workload``'s shape (``workload.WORKLOADS``),
     capped at the config's limits, or, without one, prompts log-uniform up to 4096 tokens with the
     calibration's short outputs."""
-    import random as _random
-
     from controller.planner.workload import workload_shape
 
     if workload is None:
         return calibration_lengths(max_calibration_prompt(config), requests, seed + 1), OUTPUT_TOKENS
-    shape, rng = workload_shape(workload), _random.Random(seed + 1)
+    shape, rng = workload_shape(workload), random.Random(seed + 1)
     prompts = [min(shape.prompt.sample(rng), config.limits.max_prompt_tokens) for _ in range(requests)]
     outputs = tuple(max(2, min(shape.output.sample(rng), config.limits.max_tokens)) for _ in range(requests))
     return prompts, outputs

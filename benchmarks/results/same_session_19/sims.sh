@@ -32,6 +32,8 @@ for s in run3:cluster_configs/local-prefill2.yaml nice0:$O/local-prefill2-nice0.
   sw=${s%%:*}; cfg=${s##*:}
   python benchmarks/sim_validate.py --sweep $O/slo_long_doc_disagg_spec_prefill2_$sw.json --profile $O/profile_today.json --config $cfg --speed load --speed-window 10 --out $O/sim_validation_${sw}_long_doc_w10 > /dev/null 2>&1 || echo "FAILED $sw w10"
 done
+# run 4 (08:42-09:02) came after every calibration of the profile: a prediction in time
+python benchmarks/sim_validate.py --sweep $O/slo_long_doc_disagg_spec_prefill2_run4.json --profile $O/profile_today.json --config cluster_configs/local-prefill2.yaml --speed none --out $O/sim_validation_run4_long_doc_none > /dev/null 2>&1 || echo "FAILED run4"
 for M in none w10; do
   speed="--speed none"; [ $M = w10 ] && speed="--speed load --speed-window 10"
   python benchmarks/sim_validate.py --sweep $O/slo_long_doc_colocated.json --profile $O/profile_today.json --config cluster_configs/local-colocated.yaml $speed --out $O/sim_validation_colocated_$M > /dev/null 2>&1 || echo "FAILED colocated $M"
