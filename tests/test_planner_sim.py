@@ -13,8 +13,8 @@ import yaml
 
 from controller.config import load_config
 from controller.planner.plan_output import plan_config
-from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel,
-                                        InstanceCosts, Profile, ProfileError)
+from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, Calibration,
+                                        FittedModel, InstanceCosts, Profile, ProfileError)
 from controller.planner.search import (NO_SPECULATION, Planner, SearchSpace, SLOTarget, Workload,
                                        speculation_space)
 from controller.planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
@@ -486,6 +486,16 @@ def test_instances_sharing_cores_slow_each_other_only_while_both_are_busy():
     separate = simulate(_sharing_profile(1.0, 1.0), dataclasses.replace(_shared(), shared_cores=0), trace).records
     assert alone == separate
     assert b.ttft_s > alone[1].ttft_s and a.finish_s > alone[0].finish_s
+    # a calibrated contention term (2x while the other instance is busy) applies on top of a two-process
+    # sharing, not on top of one measured in place, which holds it already: the hand timings above again
+    contended = dataclasses.replace(Calibration.identity("disaggregated"), contention_scale=2.0)
+    processes = _sharing_profile(1.5, 2.0).with_calibration(contended)
+    in_place = dataclasses.replace(processes, core_sharing=tuple(
+        dataclasses.replace(c, source="burst") for c in processes.core_sharing))
+    assert in_place.sharing(2, 1).measured_in_place and not processes.sharing(2, 1).measured_in_place
+    assert simulate(in_place, _shared(), trace).records == [a, b]
+    slower = simulate(processes, _shared(), trace).records
+    assert slower[1].ttft_s > b.ttft_s and slower[0].finish_s > a.finish_s
 
 
 def test_a_prefill_that_yields_threads_to_busy_decode_runs_the_step_on_fewer_threads_from_its_start():

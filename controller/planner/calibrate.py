@@ -52,14 +52,9 @@ import time
 from tqdm import tqdm
 
 from controller.planner.interference import activities, fit_contention_terms, pass_row, predicted_s, reference_ratios
-from controller.planner.profile import Calibration, Profile, prefill_features, transfer_features
+from controller.planner.profile import Calibration, Profile, instance_tps, prefill_features, transfer_features
 from controller.planner.workload import RequestSpec
 from decode_worker.policy import PassShape, fit_nonnegative_relative
-
-
-def instance_tps(mode: str, threads: int) -> dict[str, int]:
-    """Each role's instance shape (CPU: threads) of a config of ``mode`` with ``threads`` per instance."""
-    return {"colocated": threads} if mode == "colocated" else {"prefill": threads, "decode": threads}
 
 
 def config_threads(config) -> int:

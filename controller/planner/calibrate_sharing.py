@@ -134,8 +134,7 @@ def refit_sharing(config, profile: Profile) -> CoreSharing:
         raise ProfileError(f"profile has no stored core-sharing burst for P{pair[0]} + D{pair[1]} "
                            f"(samples[{prefix + 'passes/...'!r}]); run `magicserve profile --calibrate-only` with "
                            "the shared config first")
-    return in_place(profile, sorted(passes, key=lambda r: r["end_s"]), *pair, cores, _drafter(config),
-                    source="burst")
+    return in_place(profile, passes, *pair, cores, _drafter(config), source="burst")
 
 
 def with_sharing(profile: Profile, entry: CoreSharing, samples: dict[str, list[dict[str, float]]] | None = None

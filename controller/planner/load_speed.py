@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from controller.planner.interference import (ROLE_OF_KIND, PassActivity, activities, contention_variable,
                                              output_variable, timed_rows)
-from controller.planner.profile import Calibration, CoreSharing, Profile, calibration_threads, mixed_pass_seconds
+from controller.planner.profile import (Calibration, CoreSharing, Profile, calibration_threads, instance_tps,
+                                        mixed_pass_seconds)
 from controller.planner.simulator import SimConfig
 
 FIXED_POINT_ITERATIONS = 50
@@ -89,8 +90,8 @@ def kind_scale(cal: Calibration, kind: str) -> float:
 
 
 def _contention(cal: Calibration, a: PassActivity, speed: float, sharing: CoreSharing | None = None) -> float:
-    if sharing is not None and sharing.source != "processes":
-        factor = 1.0  # measured in place, the sharing holds the contention (as the simulator charges it)
+    if sharing is not None and sharing.measured_in_place:
+        factor = 1.0  # the sharing holds the contention (as the simulator charges it)
     else:
         factor = (1.0 + (cal.contention_scale - 1.0) * a.other_busy_share
                   + speed * (cal.contention_step_s * contention_variable(a) + cal.contention_output_s * output_variable(a)))
@@ -136,8 +137,7 @@ def load_speed(profile: Profile, mode: str, rows: list[dict], drafter: str | Non
     passes over one window, e.g. one rate of an SLO sweep) against ``profile``'s calibration of ``mode``.
     ``drafter``: the decode pool's drafter, when the rows hold draft passes; ``tps``: each role's instance
     shape (CPU: threads; default 1); ``sharing``: the two roles shared the cores (``SimConfig.shared_cores``)."""
-    shapes = tps or ({"colocated": 1} if mode == "colocated" else {"prefill": 1, "decode": 1})
-    cal = profile.calibration(mode, calibration_threads(shapes))
+    cal = profile.calibration(mode, calibration_threads(tps or instance_tps(mode, 1)))
     acts = activities(profile, rows, drafter, tps)
     if not acts:
         raise ValueError("load speed: no timed passes to read")

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
           + "; ".join(describe_spec(s) for s in specs), file=sys.stderr)
     if shared:
         unserved = sorted({(c.prefill_threads, c.decode_threads) for c in profile.core_sharing}
-                          - {(c.prefill_threads, c.decode_threads) for c in profile.core_sharing if c.source != "processes"})
+                          - {(c.prefill_threads, c.decode_threads) for c in profile.core_sharing if c.measured_in_place})
         for p_threads, d_threads in unserved:
             print(f"note: the core sharing of a {p_threads}-thread prefill and a {d_threads}-thread decode instance was "
                   "measured between two bare processes only, which overstated the served slowdown about 2x on the "

@@ -189,6 +189,11 @@ class InstanceCosts:
     prefill_kv_capacity_tokens: int = 0  # the same for a prefill instance; 0 = unknown
 
 
+def instance_tps(mode: str, threads: int) -> dict[str, int]:
+    """Each role's instance shape (CPU: threads) of a config of ``mode`` with ``threads`` per instance."""
+    return {"colocated": threads} if mode == "colocated" else {"prefill": threads, "decode": threads}
+
+
 def calibration_threads(tps: dict[str, int]) -> int:
     """The calibration's thread count for instance shapes ``tps`` (role -> tensor parallel; CPU: threads):
     a colocated instance's, or the prefill and decode instances' when equal. A pair of unequal counts (sharing
@@ -240,6 +245,12 @@ class CoreSharing:
                 raise ProfileError(f"core_sharing.{name}: must be a positive finite number, got {value!r}")
         if self.source not in SHARING_SOURCES:
             raise ProfileError(f"core_sharing.source: must be one of {list(SHARING_SOURCES)}, got {self.source!r}")
+
+    @property
+    def measured_in_place(self) -> bool:
+        """Measured on the served cluster (a sweep's or a burst's passes): the factors then hold everything
+        else the cluster runs meanwhile, so the calibration's contention terms do not apply on top."""
+        return self.source != "processes"
 
     def factor(self, role: str) -> float:
         """The slowdown of ``role`` ("prefill" | "decode") while the other role is busy."""

@@ -809,6 +809,10 @@ def _describe(fm: FittedModel) -> str:
 
 # -- command line ----------------------------------------------------------------------------------
 
+BURST_WORKLOAD_MISUSED = ("--burst-workload: shapes the core-sharing burst of --calibrate-only with a config whose "
+                          "instances share cores (e.g. cluster_configs/local-prefill2.yaml)")
+
+
 def run_cli(args) -> int:
     """``magicserve profile`` (arguments defined in controller/cli.py)."""
     if args.analytical:
@@ -848,9 +852,8 @@ def run_cli(args) -> int:
             profile.with_calibration(cal).save(args.out)
             print(f"wrote {args.out}")
             return 0
-        if args.burst_workload and not (args.calibrate_only and shared_pair(config, Profile.load(args.out).devices_per_node)):
-            raise ProfileError("--burst-workload: shapes the core-sharing burst of --calibrate-only with a config whose "
-                               "instances share cores (e.g. cluster_configs/local-prefill2.yaml)")
+        if args.burst_workload and not args.calibrate_only:
+            raise ProfileError(BURST_WORKLOAD_MISUSED)
         if args.add_threads:
             if args.calibrate or args.calibrate_only or args.refit_calibration:
                 raise ProfileError("--add-threads: extends the profile at --out with other thread counts; it does "
@@ -867,6 +870,8 @@ def run_cli(args) -> int:
                 with_sharing(profile, entry, samples).save(args.out)
                 print(f"wrote {args.out}")
                 return 0
+            if args.burst_workload:
+                raise ProfileError(BURST_WORKLOAD_MISUSED)
         else:
             profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
         if args.calibrate or args.calibrate_only:

@@ -94,10 +94,8 @@ class _Instance:
         if planned is None:
             return
         duration, done = planned
-        # a pair's served core sharing (an SLO sweep's or a burst's passes) is each role's slowdown measured
-        # in place, beside everything else the cluster runs: the calibrated contention is inside it already
-        served_sharing = self.sharing is not None and self.sharing.sharing.source != "processes"
-        duration *= (1.0 if served_sharing else self._contention(duration)) * self._noise() * self._speed()
+        in_place = self.sharing is not None and self.sharing.sharing.measured_in_place  # contention inside it
+        duration *= (1.0 if in_place else self._contention(duration)) * self._noise() * self._speed()
         self.step_s = duration
         self.busy = True
         self.steps += 1
