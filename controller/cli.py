@@ -81,8 +81,10 @@ PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
 
   measured (this machine, the config's model, dtype, drafter and threads per worker):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json [--quick] [--calibrate]
-  calibration of the serving path for another mode's config (e.g. colocated), into the same profile:
-    magicserve profile --config cluster_configs/local-colocated.yaml --out PROFILE.json --calibrate-only
+  calibration of the serving path for another mode's config (e.g. colocated), into the same profile; its
+  contention burst shaped like the workload you plan for (how much instances slow each other depends on it):
+    magicserve profile --config cluster_configs/local-colocated.yaml --out PROFILE.json --calibrate-only \
+        [--burst-workload long_doc]
   the config mode's calibration fitted again to the measurements the profile keeps (after a change of the fit):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --refit-calibration
   more CPU thread counts (instances of tensor_parallel T = T threads) and how prefill and decode instances
@@ -118,8 +120,9 @@ def _add_profile_parser(sub) -> None:
     from controller.planner.workload import WORKLOADS
 
     p.add_argument("--burst-workload", choices=sorted(WORKLOADS), default=None,
-                   help="a config whose instances share cores: draw the burst's lengths from this workload's shape "
-                        "(the one you plan for; default: the calibration's generic lengths)")
+                   help="with --calibrate / --calibrate-only: draw the burst's lengths from this workload's shape "
+                        "(the one you plan for), for the mode's contention terms or a shared pair's core sharing; "
+                        "default: the calibration's generic lengths")
     p.add_argument("--add-threads", type=int, nargs="+", default=None, metavar="T",
                    help="extend the CPU profile at --out with instances of T torch threads (tensor_parallel T) and the "
                         "core sharing of prefill/decode pairs whose threads outnumber the cores (minutes each)")

@@ -11,8 +11,8 @@ import pytest
 
 from controller.cli import main as cli_main
 from controller.config import load_config
-from controller.planner.calibrate import OUTPUT_TOKENS, calibration_lengths
-from controller.planner.calibrate_sharing import burst_lengths, refit_sharing, shared_pair, with_sharing
+from controller.planner.calibrate import OUTPUT_TOKENS, burst_lengths, calibration_lengths
+from controller.planner.calibrate_sharing import refit_sharing, shared_pair, with_sharing
 from controller.planner.profile import Calibration, CoreSharing, Profile, ProfileError
 from tests.test_planner_profile import TINY_CLUSTER
 
@@ -56,9 +56,10 @@ def test_core_sharing_calibrated_by_a_served_burst(tmp_path, llama_dir, capsys):
     assert cli_main(args[:-1] + ["4"]) == 2 and ">= 8 requests" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration"]) == 2
     assert "no stored core-sharing burst for P2 + D1" in capsys.readouterr().err
-    assert cli_main(["profile", "--config", str(unshared), "--out", str(out), "--calibrate-only",
-                     "--burst-workload", "chat"]) == 2
-    assert "--burst-workload: shapes the core-sharing burst" in capsys.readouterr().err
+    for misuse in ([], ["--calibrate-only", "--burst-requests", "0"]):  # no burst to shape
+        assert cli_main(["profile", "--config", str(unshared), "--out", str(out), "--burst-workload", "chat",
+                         *misuse]) == 2
+        assert "--burst-workload: shapes the burst of a calibration" in capsys.readouterr().err
 
     # served for real: the burst's passes give the pair's burst entry, stored with what it was read from
     assert cli_main(args) == 0

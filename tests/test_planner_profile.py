@@ -13,6 +13,7 @@ import pytest
 from controller.cli import main as cli_main
 from controller.config import load_config
 from controller.planner import analytical
+from controller.planner.calibrate import burst_lengths
 from controller.planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
     ProfileError, prefill_features)
@@ -360,21 +361,32 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
                          "limits: {max_prompt_tokens: 512, max_tokens: 256}\nray: {num_cpus: 4}\n")
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 2
     assert "'colocated'" in capsys.readouterr().err
-    # colocated instances log their mixed steps: the contention terms are fitted to those passes
+    # colocated instances log their mixed steps: the contention terms are fitted to those passes, here of a
+    # burst shaped like the chat workload (its lengths, no output burst)
     disaggregated = Profile.load(str(out)).calibration("disaggregated")
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--calibrate-only", "--no-progress",
-                     "--calibration-requests", "4", "--burst-requests", "6"]) == 0
+                     "--calibration-requests", "4", "--burst-requests", "6", "--burst-workload", "chat"]) == 0
+    assert "6-request chat burst" in capsys.readouterr().out
     stored = Profile.load(str(out))
     colo = stored.calibration("colocated")
+    prompts, outputs = burst_lengths(load_config(str(colocated)), 6, 0, "chat")
+    burst = stored.samples["calibration/colocated/burst"]
+    assert [int(r["prompt"]) for r in burst] == prompts and tuple(int(r["output_tokens"]) for r in burst) == outputs
     mixed = stored.samples["calibration/colocated/passes/burst_mixed"]
-    assert len(mixed) > 32 and {p["worker"] for p in mixed} == {0.0, 1.0}  # both instances, both bursts
+    assert {p["worker"] for p in mixed} == {0.0, 1.0}  # both instances
+    assert sum(p["tokens"] for p in mixed) == sum(prompts)  # prefill tokens: the burst's prompts, no other burst
     assert colo.contention_requests == 6 and colo.contention_scale >= 1.0 and math.isfinite(colo.contention_fit_error)
+    assert colo.contention_workload == "chat" and stored.calibration("disaggregated").contention_workload == ""
     assert stored.calibration("disaggregated") == disaggregated  # each mode's calibration is its own
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 0
     colo_refit = Profile.load(str(out)).calibration("colocated")
-    assert (colo_refit.contention_scale, colo_refit.contention_step_s, colo_refit.contention_output_s) == \
-        (colo.contention_scale, colo.contention_step_s, colo.contention_output_s)
+    assert (colo_refit.contention_scale, colo_refit.contention_step_s, colo_refit.contention_output_s,
+            colo_refit.contention_workload) == \
+        (colo.contention_scale, colo.contention_step_s, colo.contention_output_s, "chat")
     capsys.readouterr()
+    assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration",
+                     "--burst-workload", "chat"]) == 2
+    assert "does not combine" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration", "--calibrate-only"]) == 2
     assert "does not combine" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
@@ -421,3 +433,31 @@ def test_calibrations_are_kept_per_mode_and_thread_count():
     assert calibration_threads({"prefill": 2, "decode": 1}) == 1  # a shared pair: its CoreSharing is over 1
     colocated = SimConfig("colocated", colocated=PoolPlan(1, 2, 1, 4096, 256, 8))
     assert colocated.calibration_threads() == 2
+
+
+def test_a_calibrations_burst_shape_is_validated_kept_and_noted_when_the_plan_is_for_another():
+    """``contention_workload`` names the workload the contention burst was shaped like: a known one or "" (the
+    generic burst); it survives a round trip, and plan notes each calibration measured on another shape."""
+    from controller.planner.plan_cli import contention_notes
+    from controller.planner.profile import Calibration
+
+    generic = dataclasses.replace(Calibration.identity("colocated"), requests=16, contention_requests=40,
+                                  contention_scale=1.3)
+    shaped = dataclasses.replace(generic, mode="disaggregated", contention_workload="long_doc")
+    p = _profile().with_calibration(generic).with_calibration(shaped)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).calibrations == p.calibrations
+    with pytest.raises(ProfileError, match=r"contention_workload: must be one of \['', 'chat', 'long_doc'\]"):
+        dataclasses.replace(generic, contention_workload="longdoc")
+    bad = p.to_dict()
+    bad["calibrations"][0]["contention_workload"] = "everything"
+    with pytest.raises(ProfileError, match="contention_workload"):
+        Profile.from_dict(bad)
+
+    notes = contention_notes(p, "long_doc")
+    assert len(notes) == 1 and notes[0].startswith("the colocated calibration's contention was measured on a "
+                                                   "generic burst, not on long_doc's shape")
+    assert "--burst-workload long_doc" in notes[0]
+    assert [n.split(" calibration")[0] for n in contention_notes(p, "chat")] == ["the colocated", "the disaggregated"]
+    assert contention_notes(p, None) == []  # a trace: its shape is its own
+    # no burst, nothing to note (an identity or isolated-only calibration)
+    assert contention_notes(_profile().with_calibration(Calibration.identity("colocated")), "chat") == []

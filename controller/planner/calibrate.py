@@ -220,6 +220,20 @@ OUTPUT_BURST_RATE = 16.0  # requests per second
 OUTPUT_BURST_TOKENS = 129
 
 
+def burst_lengths(config, requests: int, seed: int, workload: str | None) -> tuple[list[int], tuple[int, ...]]:
+    """(prompt lengths, output lengths) of a calibration burst: drawn from ``workload``'s shape
+    (``workload.WORKLOADS``), capped at the config's limits, or, without one, prompts log-uniform up to 4096
+    tokens with the calibration's short outputs."""
+    from controller.planner.workload import workload_shape
+
+    if workload is None:
+        return calibration_lengths(max_calibration_prompt(config), requests, seed + 1), OUTPUT_TOKENS
+    shape, rng = workload_shape(workload), random.Random(seed + 1)
+    prompts = [min(shape.prompt.sample(rng), config.limits.max_prompt_tokens) for _ in range(requests)]
+    outputs = tuple(max(2, min(shape.output.sample(rng), config.limits.max_tokens)) for _ in range(requests))
+    return prompts, outputs
+
+
 def output_burst_trace(config, requests: int, seed: int) -> list[RequestSpec]:
     """A burst that fills the decode batch: ``requests`` prompts of 64-512 tokens, each generating
     ``OUTPUT_BURST_TOKENS`` (at most the config's limit), Poisson arrivals at ``OUTPUT_BURST_RATE``. Decode steps
@@ -464,9 +478,13 @@ def burst_rows(trace: list[RequestSpec], rows: list[dict]) -> list[dict[str, flo
 
 
 def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS, seed: int = 0,
-              progress: bool = True, burst_requests: int = 40) -> CalibrationRun:
+              progress: bool = True, burst_requests: int = 40, workload: str | None = None) -> CalibrationRun:
     """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
-    isolated terms, then (``burst_requests`` > 0) the contention term on a burst."""
+    isolated terms, then (``burst_requests`` > 0) the contention terms on a burst. ``workload``: draw the
+    burst's prompt and output lengths from that workload's shape (``burst_lengths``) and send no output burst:
+    how much a step slows beside a busy instance depends on what both run (on the 2-core VM, colocated steps
+    of long_doc's long prompts slowed about half as much as the generic burst's decode-heavy steps), so a
+    burst shaped like the workload to be planned measures the contention that workload meets."""
     run_config = calibration_config(config)
     mode, threads = run_config.mode, config_threads(run_config)
     chunk = _chunk_of(run_config)
@@ -492,11 +510,15 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
 
     isolated = profile.with_calibration(cal)
     sim_config = SimConfig.from_cluster_config(run_config)
-    trace = burst_trace(isolated, sim_config, calibration_lengths(max_prompt, burst_requests, seed + 1),
-                        output_tokens, seed)
-    output_trace = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed)
+    if workload is None:
+        lengths, outputs = calibration_lengths(max_prompt, burst_requests, seed + 1), output_tokens
+    else:
+        lengths, outputs = burst_lengths(run_config, burst_requests, seed, workload)
+    trace = burst_trace(isolated, sim_config, lengths, outputs, seed)
+    output_trace = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed) if workload is None else None
     burst, burst_passes = measure_burst(run_config, trace, seed, progress, output_trace)
     passes.update({burst_passes_kind(k): pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
+    cal = dataclasses.replace(cal, contention_workload=workload or "")
     return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst, burst_passes), rows,
                           burst_rows(trace, burst), {k: v for k, v in passes.items() if v})
 
@@ -544,6 +566,9 @@ def refit(config, profile: Profile) -> Calibration:
     burst = profile.samples.get(burst_key(mode, t), [])
     if not burst:
         return cal
+    # the burst's shape is not in its rows: the calibration fitted to them before says it
+    before = next((c for c in profile.calibrations if c.mode == mode and c.threads == t), None)
+    cal = dataclasses.replace(cal, contention_workload=before.contention_workload if before else "")
     trace = [RequestSpec(r["arrival_s"], int(r["prompt"]), int(r["output_tokens"])) for r in burst]
     burst_passes = [{"kind": kind, **row} for kind in BURST_PASS_KINDS
                     for row in profile.samples.get(passes_key(mode, burst_passes_kind(kind), t), [])]

@@ -28,10 +28,9 @@ simulator predicted the sweep within 4 points at every rate, without the load sp
 from __future__ import annotations
 
 import dataclasses
-import random
 
-from controller.planner.calibrate import (OUTPUT_TOKENS, burst_rows, burst_trace, calibration_config, calibration_lengths,
-                                          max_calibration_prompt, measure_burst, pass_rows)
+from controller.planner.calibrate import (burst_lengths, burst_rows, burst_trace, calibration_config, measure_burst,
+                                          pass_rows)
 from controller.planner.profile import CoreSharing, Profile, ProfileError
 
 SHARING_BURST_REQUESTS = 40  # the default of --burst-requests too
@@ -73,20 +72,6 @@ def _check_profile(profile: Profile, pair: tuple[int, int]) -> None:
         if not any(c.tensor_parallel == tp and c.pipeline_parallel == 1 for c in profile.instances):
             raise ProfileError(f"profile has no {tp}-thread cost models for the {role} instance: run "
                                f"`magicserve profile --add-threads {tp}` first")
-
-
-def burst_lengths(config, requests: int, seed: int, workload: str | None) -> tuple[list[int], tuple[int, ...]]:
-    """(prompt lengths, output lengths) of the burst: drawn from ``workload``'s shape (``workload.WORKLOADS``),
-    capped at the config's limits, or, without one, prompts log-uniform up to 4096 tokens with the
-    calibration's short outputs."""
-    from controller.planner.workload import workload_shape
-
-    if workload is None:
-        return calibration_lengths(max_calibration_prompt(config), requests, seed + 1), OUTPUT_TOKENS
-    shape, rng = workload_shape(workload), random.Random(seed + 1)
-    prompts = [min(shape.prompt.sample(rng), config.limits.max_prompt_tokens) for _ in range(requests)]
-    outputs = tuple(max(2, min(shape.output.sample(rng), config.limits.max_tokens)) for _ in range(requests))
-    return prompts, outputs
 
 
 def calibrate_sharing(config, profile: Profile, requests: int = SHARING_BURST_REQUESTS, seed: int = 0,

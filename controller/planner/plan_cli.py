@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
                   "measured between two bare processes only, which overstated the served slowdown about 2x on the "
                   "2-core VM; `magicserve profile --calibrate-only --config SHARED.yaml` measures it served",
                   file=sys.stderr)
+    for note in contention_notes(profile, None if args.trace else args.workload):
+        print(f"note: {note}", file=sys.stderr)
     result = Planner(profile, slo, workload, space, verify_top=args.verify_top).run()
     base = args.base_config or (LOCAL_CONFIG if profile.device_type == "cpu"
                                 else os.path.join(CONFIG_DIR, "gpu-8xa100-llama3.1-8b.yaml"))
@@ -110,3 +112,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan: {result.best.describe()}: {result.best.goodput:.3f} req/s ({result.best.per_device:.3f} per device)")
     print(f"wrote {args.out} and {report}")
     return 0
+
+
+def contention_notes(profile, workload: str | None) -> list[str]:
+    """One line per calibration whose contention burst had another shape than the synthetic workload planned
+    for (``Calibration.contention_workload``); none for a trace (``workload`` None), whose shape is its own."""
+    notes = []
+    for c in profile.calibrations:
+        if workload is None or not c.contention_requests or c.contention_workload == workload:
+            continue
+        had = f"{c.contention_workload}-shaped" if c.contention_workload else "generic"
+        threads = f" ({c.threads} threads)" if c.threads != 1 else ""
+        notes.append(f"the {c.mode}{threads} calibration's contention was measured on a {had} burst, "
+                     f"not on {workload}'s shape: on the 2-core VM a generic burst overstated "
+                     f"colocated long_doc steps' slowdown about 2x; `magicserve profile --calibrate-only --config "
+                     f"CONFIG.yaml --burst-workload {workload}` measures it on the planned shape")
+    return notes

@@ -153,6 +153,17 @@ class Calibration:
     # another in-place speed than a 1-thread one (its parallel regions wait for a thread the serving path
     # preempted), so each count has its own calibration; ``Profile.calibration`` falls back to the 1-thread one
     threads: int = 1
+    # the workload shape the contention burst's lengths were drawn from (``calibrate.burst_lengths``); "": the
+    # calibration's generic lengths and output burst. The contention a step meets depends on what both
+    # instances run (prefill-heavy steps contend less than decode-heavy ones), so plan notes a mismatch
+    contention_workload: str = ""
+
+    def __post_init__(self) -> None:
+        from controller.planner.workload import WORKLOADS
+
+        if self.contention_workload not in ("", *WORKLOADS):
+            raise ProfileError(f"calibrations.contention_workload: must be one of {['', *sorted(WORKLOADS)]}, "
+                               f"got {self.contention_workload!r}")
 
     @staticmethod
     def identity(mode: str) -> "Calibration":

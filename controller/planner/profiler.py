@@ -809,8 +809,9 @@ def _describe(fm: FittedModel) -> str:
 
 # -- command line ----------------------------------------------------------------------------------
 
-BURST_WORKLOAD_MISUSED = ("--burst-workload: shapes the core-sharing burst of --calibrate-only with a config whose "
-                          "instances share cores (e.g. cluster_configs/local-prefill2.yaml)")
+BURST_WORKLOAD_MISUSED = ("--burst-workload: shapes the burst of a calibration (--calibrate or --calibrate-only with "
+                          "--burst-requests > 0): the contention burst of the config's mode, or the core-sharing burst "
+                          "of a config whose instances share cores")
 
 
 def run_cli(args) -> int:
@@ -836,9 +837,10 @@ def run_cli(args) -> int:
         if args.refit_calibration:
             from controller.planner.calibrate import refit
 
-            if args.calibrate or args.calibrate_only or args.quick:
+            if args.calibrate or args.calibrate_only or args.quick or args.burst_workload:
                 raise ProfileError("--refit-calibration: refits the measurements already in --out and measures "
-                                   "nothing; it does not combine with --calibrate, --calibrate-only or --quick")
+                                   "nothing; it does not combine with --calibrate, --calibrate-only, --quick or "
+                                   "--burst-workload (the stored burst keeps its shape)")
 
             profile = Profile.load(args.out)
             if shared_pair(config, profile.devices_per_node):
@@ -852,7 +854,7 @@ def run_cli(args) -> int:
             profile.with_calibration(cal).save(args.out)
             print(f"wrote {args.out}")
             return 0
-        if args.burst_workload and not args.calibrate_only:
+        if args.burst_workload and (not (args.calibrate or args.calibrate_only) or args.burst_requests <= 0):
             raise ProfileError(BURST_WORKLOAD_MISUSED)
         if args.add_threads:
             if args.calibrate or args.calibrate_only or args.refit_calibration:
@@ -870,15 +872,13 @@ def run_cli(args) -> int:
                 with_sharing(profile, entry, samples).save(args.out)
                 print(f"wrote {args.out}")
                 return 0
-            if args.burst_workload:
-                raise ProfileError(BURST_WORKLOAD_MISUSED)
         else:
             profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
         if args.calibrate or args.calibrate_only:
             if args.burst_requests < 0:
                 raise ProfileError(f"--burst-requests: must be >= 0 (0 skips the contention burst), got {args.burst_requests}")
             run = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress,
-                            burst_requests=args.burst_requests)
+                            burst_requests=args.burst_requests, workload=args.burst_workload)
             cal = run.calibration
             _print_calibration(cal)
             stale = samples_prefix(cal.mode, cal.threads)  # an earlier calibration's measurements of it go
@@ -903,7 +903,7 @@ def _print_calibration(cal) -> None:
           + f"); decode = {1e3 * cal.decode_start_s:.1f} ms + "
           f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
           f"contention {cal.contention_summary()} while other instances are busy ({cal.contention_requests}-request "
-          f"burst, fit RMS {cal.contention_fit_error:.2f})"
+          f"{cal.contention_workload + ' ' if cal.contention_workload else ''}burst, fit RMS {cal.contention_fit_error:.2f})"
           + (f"; speculative steps in place: verify passes {cal.verify_pass_scale:.2f}x, draft passes "
              f"{cal.draft_pass_scale:.2f}x a plain decode pass's ratio ({cal.speculative_passes} verify passes)"
              if cal.speculative_passes else "")
