@@ -10,7 +10,11 @@ SLO pair is a recount of the same records at every swept rate, and the goodput (
 each (TTFT SLO, TPOT SLO) cell of a grid and divides the candidate's goodput per core by the baseline's.
 Given several baseline sweeps (say, two splits of the colocated engine over the same cores), each cell
 compares with the best of them there: the candidate has to beat every configuration, not a chosen one.
-Any system may be given as repeats of one trace (``A1.json,A2.json``): their requests are pooled per rate.
+Any system may be given as several sweeps (``A1.json,A2.json``), pooled rate by rate: repeats of one trace
+(checked request by request), or other draws of the same workload (another ``--seed``: other lengths and
+arrivals, the same workload, arrival process and SLOs, checked), whose rates may differ: each rate pools
+the sweeps that ran it. Repeats of one trace share its lengths, so their pooled requests vary less than the
+workload does; other draws add that variation to the bootstrap.
 
 Two things make a cell's ratio uncertain, and both are reported:
 
@@ -85,25 +89,38 @@ def _read_json(path: str) -> dict:
         raise MapError(f"{path}: cannot read a sweep JSON ({err})") from None
 
 
+SAME_DRAW_SETTINGS = ("workload", "trace", "cv", "ttft_slo_ms", "tpot_slo_ms", "cores")  # other draws must share
+
+
 def load_sweep(spec: str, timing: str = "client") -> SweepOutcomes:
-    """Read a ``slo_sweep.py`` JSON file, or repeats of one trace as comma-separated files (checked request by
-    request, ``sweep_repeat.check_same_trace``): their requests pooled rate by rate, so drift between runs
-    averages out. ``timing``: whose clock the TTFT / TPOT come from."""
+    """Read a ``slo_sweep.py`` JSON file, or several as comma-separated files pooled rate by rate (the module
+    docstring): a sweep with the first's seed must repeat its trace (``sweep_repeat.check_same_trace``), one
+    with another seed must draw the same synthetic workload (``SAME_DRAW_SETTINGS``). ``timing``: whose clock
+    the TTFT / TPOT come from."""
     from benchmarks.sweep_repeat import SweepMismatch, check_same_trace
 
     paths = [p for p in spec.split(",") if p]
     sweeps = [_read_json(p) for p in paths]
     parts = [sweep_outcomes(sweep, path, timing) for sweep, path in zip(sweeps, paths)]
+    first = sweeps[0].get("settings", {})
     for path, sweep in zip(paths[1:], sweeps[1:]):
-        try:
-            check_same_trace(sweeps[0], sweep, path)
-        except SweepMismatch as err:
-            raise MapError(f"{err} (comma-separated sweeps must be repeats of one trace)") from None
+        mine = sweep.get("settings", {})
+        if mine.get("seed") == first.get("seed") or first.get("trace"):
+            try:
+                check_same_trace(sweeps[0], sweep, path)
+            except SweepMismatch as err:
+                raise MapError(f"{err} (a sweep with the first's seed must repeat its trace)") from None
+            continue
+        for field in SAME_DRAW_SETTINGS:
+            if mine.get(field) != first.get(field):
+                raise MapError(f"{path}: settings.{field} is {mine.get(field)!r}, the first sweep's is "
+                               f"{first.get(field)!r} (a sweep with another seed must draw the same workload)")
     if len(parts) == 1:
         return parts[0]
-    first = parts[0]
-    return dataclasses.replace(first, label=f"{first.label} ({len(parts)} runs pooled)",
-                               outcomes=[[o for part in parts for o in part.outcomes[i]] for i in range(len(first.rates))])
+    rates = sorted({r for part in parts for r in part.rates})
+    pooled = [[o for part in parts if r in part.rates for o in part.outcomes[part.rates.index(r)]] for r in rates]
+    return dataclasses.replace(parts[0], label=f"{parts[0].label} ({len(parts)} runs pooled)", rates=rates,
+                               outcomes=pooled)
 
 
 def sweep_outcomes(sweep: dict, source: str, timing: str = "client") -> SweepOutcomes:

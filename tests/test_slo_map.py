@@ -222,3 +222,29 @@ def test_repeats_of_one_trace_are_pooled_and_other_traces_refused(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(other))
     with pytest.raises(slo_map.MapError, match="differ from the first sweep's"):
         slo_map.load_sweep(f"{a},{tmp_path / 'c.json'}")
+
+
+def test_other_draws_of_the_workload_are_pooled_rate_by_rate_and_other_workloads_refused(tmp_path):
+    def run(name, seed, per_rate, **settings):  # per rate, the TTFTs of its requests
+        sweep = {"benchmark": "slo_sweep",
+                 "settings": {"label": "s", "cores": 2, "workload": "long_doc", "seed": seed, "cv": 1.0,
+                              "ttft_slo_ms": 3000.0, "tpot_slo_ms": 50.0, **settings},
+                 "rates": [{"rate": r, "records": [{**_record(i, t, 0.01), "arrival_s": float(i) + seed,
+                                                     "prompt_tokens": 100 + seed, "output_tokens": 8}
+                                                    for i, t in enumerate(ttfts)]} for r, ttfts in per_rate.items()]}
+        (tmp_path / name).write_text(json.dumps(sweep))
+        return str(tmp_path / name)
+
+    a = run("a.json", 0, {0.1: [1, 1, 1, 1], 0.3: [1, 9, 9, 9], 0.5: [9, 9, 9, 9]})
+    b = run("b.json", 1, {0.1: [1, 1, 9], 0.2: [1, 1, 9]})  # another draw, at other rates
+    pooled = slo_map.load_sweep(f"{a},{b}")
+    assert pooled.rates == [0.1, 0.2, 0.3, 0.5] and [len(o) for o in pooled.outcomes] == [7, 3, 4, 4]
+    assert [slo_map.attained(o, 3.0, 0.05) for o in pooled.outcomes] == [6 / 7, 2 / 3, 1 / 4, 0.0]
+    assert pooled.label == "s (2 runs pooled)"
+    for field, value in (("workload", "chat"), ("cv", 2.0), ("tpot_slo_ms", 60.0), ("cores", 4)):
+        c = run("c.json", 2, {0.1: [1]}, **{field: value})
+        with pytest.raises(slo_map.MapError, match=f"settings.{field} is .*must draw the same workload"):
+            slo_map.load_sweep(f"{a},{c}")
+    d = run("d.json", 0, {0.1: [1, 1, 1]})  # the first's seed, another trace: not a repeat
+    with pytest.raises(slo_map.MapError, match="must repeat its trace"):
+        slo_map.load_sweep(f"{a},{d}")
