@@ -483,7 +483,7 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
     isolated terms, then (``burst_requests`` > 0) the contention terms on a burst. ``workload``: draw the
     burst's prompt and output lengths from that workload's shape (``burst_lengths``) and send no output burst:
     how much a step slows beside a busy instance depends on what both run (on the 2-core VM, colocated steps
-    of long_doc's long prompts slowed about half as much as the generic burst's decode-heavy steps), so a
+    of long_doc's long prompts slowed about 60 % as much as the generic burst's terms charge), so a
     burst shaped like the workload to be planned measures the contention that workload meets."""
     run_config = calibration_config(config)
     mode, threads = run_config.mode, config_threads(run_config)
@@ -510,12 +510,11 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
 
     isolated = profile.with_calibration(cal)
     sim_config = SimConfig.from_cluster_config(run_config)
-    if workload is None:
-        lengths, outputs = calibration_lengths(max_prompt, burst_requests, seed + 1), output_tokens
-    else:
-        lengths, outputs = burst_lengths(run_config, burst_requests, seed, workload)
+    lengths, outputs = burst_lengths(run_config, burst_requests, seed, workload)
+    output_trace = None
+    if workload is None:  # the generic burst: the isolated requests' output lengths, then the output burst
+        outputs, output_trace = output_tokens, output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed)
     trace = burst_trace(isolated, sim_config, lengths, outputs, seed)
-    output_trace = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed) if workload is None else None
     burst, burst_passes = measure_burst(run_config, trace, seed, progress, output_trace)
     passes.update({burst_passes_kind(k): pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
     cal = dataclasses.replace(cal, contention_workload=workload or "")

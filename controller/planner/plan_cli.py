@@ -125,6 +125,6 @@ def contention_notes(profile, workload: str | None) -> list[str]:
         threads = f" ({c.threads} threads)" if c.threads != 1 else ""
         notes.append(f"the {c.mode}{threads} calibration's contention was measured on a {had} burst, "
                      f"not on {workload}'s shape: on the 2-core VM a generic burst overstated "
-                     f"colocated long_doc steps' slowdown about 2x; `magicserve profile --calibrate-only --config "
+                     f"colocated long_doc steps' slowdown about 1.7x; `magicserve profile --calibrate-only --config "
                      f"CONFIG.yaml --burst-workload {workload}` measures it on the planned shape")
     return notes
