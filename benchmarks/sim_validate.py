@@ -30,6 +30,12 @@ role's factor in the window it starts in (``load_speed.speed_timeline``). The pa
 with the trace's by the rate's recorded wall-clock start (``wall_start_s``), or, in sweeps recorded before it
 was kept, by taking the first pass to start when the first request was sent.
 
+Several ``--sweep`` flags pool sweeps rate by rate: repeats of one trace, or other draws of the same workload
+(another ``--seed``: other lengths and arrivals; ``sweep_repeat.check_pool``), whose rates may differ.
+Each rate compares the requests of every sweep that ran it with the request-weighted mean of each sweep's own
+replay: more requests per rate than one sweep has, so the 5-point criterion is tested where a single
+50-request sweep's own sampling error (7 points at 50 %) would not let it be.
+
 Writes OUT.json, OUT.md and OUT.png (measured and simulated attainment vs rate).
 """
 
@@ -149,8 +155,9 @@ def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _mean_of(dicts: list[dict]) -> dict:
-    return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]}
+def _weighted_mean_of(dicts: list[dict], weights: list[int]) -> dict:
+    total = sum(weights)
+    return {k: sum(d[k] * w for d, w in zip(dicts, weights)) / total for k in dicts[0]}
 
 
 def pass_log_origin(row: dict, rows: list[dict], arrivals: str) -> tuple[float, str]:
@@ -164,16 +171,16 @@ def pass_log_origin(row: dict, rows: list[dict], arrivals: str) -> tuple[float, 
 
 
 def rescaled(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict], pass_logs: list | None,
-             index: int, timing: str, window_s: float | None = None, arrivals: str = "sent"
+             indices: list[int], timing: str, window_s: float | None = None, arrivals: str = "sent"
              ) -> list[tuple[dict, Profile, SpeedTimeline | None]]:
-    """Per sweep, the speed of the machine at its rate ``index`` (``speed``: "load" or "probe"; nothing for
+    """Per sweep, the speed of the machine at its rate ``indices[k]`` (``speed``: "load" or "probe"; nothing for
     "none") as a record for the report, ``profile`` rescaled to it, and (``window_s``, load only) its speed
     window by window through the rate relative to that."""
     if speed == "load":
         drafter = config.speculation.drafter if config.mode == "disaggregated" and config.speculation.enabled else None
         tps, sharing = arrangement(profile, config)
         out = []
-        for sw, logs in zip(sweeps, pass_logs):
+        for sw, logs, index in zip(sweeps, pass_logs, indices):
             instances = logs[index]["instances"]
             rows = _pass_logs.rows_of(instances)
             est = load_speed(profile, config.mode, rows, drafter, tps, sharing)
@@ -189,7 +196,7 @@ def rescaled(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict]
         return out
     if speed == "probe":
         out = []
-        for sw in sweeps:
+        for sw, index in zip(sweeps, indices):
             e = speed_of(profile, config, probes_around(sw, index), timing)
             out.append(({"source": "probe", "factor": e.factor, "ttft_ratios": list(e.ttft_ratios),
                          "tpot_ratio": e.tpot_ratio}, profile.at_speed(e.factor), None))
@@ -200,10 +207,12 @@ def rescaled(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict]
 def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
             arrivals: str = "sent", speed: str = "none", pass_logs: list | None = None,
             speed_window_s: float | None = None) -> dict:
-    """Simulated vs measured attainment rate by rate. ``sweeps``: one recorded sweep, or repeats of one trace
-    (the caller checks that they are): the measured attainment is then that of all their requests pooled, the
-    simulated one the mean over the repeats (each replayed with its own send times), and each repeat's own
-    measured attainment is kept beside (``measured_per_repeat_both``). ``timing``: whose clock the measured
+    """Simulated vs measured attainment rate by rate. ``sweeps``: one recorded sweep, or several the caller
+    checked may be pooled (``sweep_repeat.check_pool``): repeats of one trace, or other draws of the same
+    workload at any rates. Each swept rate pools the sweeps that ran it: the measured attainment is that of
+    all their requests, the simulated one the request-weighted mean of each sweep's own replay (its own send
+    times, lengths and speed), and each sweep's own measured attainment is kept beside
+    (``measured_per_repeat_both``). ``timing``: whose clock the measured
     TTFT / TPOT are read on, "client" (the load generator's) or "server" (the server's usage report); the
     other clock's measured attainment is reported beside it where the sweeps have both. ``speed``: "load"
     simulates each repeat's rate on the profile rescaled by the workers' pass logs during it (``pass_logs``:
@@ -218,24 +227,29 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
     other = "server" if timing == "client" else "client"
     ttft_key = "ttft_s" if timing == "client" else "server_ttft_s"
     rows = []
-    for i, first in enumerate(sweeps[0]["rates"]):
-        repeats = [sw["rates"][i] for sw in sweeps]
+    for rate in sorted({row["rate"] for sw in sweeps for row in sw["rates"]}):
+        # (sweep, index of this rate in it) for every sweep that ran the rate
+        members = [(k, i) for k, sw in enumerate(sweeps) for i, row in enumerate(sw["rates"]) if row["rate"] == rate]
+        repeats = [sweeps[k]["rates"][i] for k, i in members]
+        first = repeats[0]
         if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
-            raise ValueError(f"--timing server: the sweep's records at {first['rate']:g} req/s carry no server timings "
+            raise ValueError(f"--timing server: the sweep's records at {rate:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
-        scaled = rescaled(speed, profile, config, sweeps, pass_logs, i, timing, speed_window_s, arrivals)
+        scaled = rescaled(speed, profile, config, [sweeps[k] for k, _ in members],
+                          [pass_logs[k] for k, _ in members] if pass_logs is not None else None,
+                          [i for _, i in members], timing, speed_window_s, arrivals)
         speeds = [record for record, _, _ in scaled]
         profiles = [p for _, p, _ in scaled] or [profile] * len(repeats)
         timelines = [t for _, _, t in scaled] or [None] * len(repeats)
         sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals, t)
                 for p, row, t in zip(profiles, repeats, timelines)]
         pooled = [r for row in repeats for r in row["records"]]
-        simulated = _mean_of([sim["attainment"] for sim in sims])
+        simulated = _weighted_mean_of([sim["attainment"] for sim in sims], [len(row["records"]) for row in repeats])
         measured = attainment_of(pooled, ttft_s, tpot_s, timing)
         other_both = (attainment_of(pooled, ttft_s, tpot_s, other)["both"]
                       if other == "client" or all(has_server_timing(row["records"]) for row in repeats) else None)
         lo, hi = wilson_interval(measured["both"], len(pooled))
-        # first tokens at send + TTFT (the TTFTs are measured from the sends); the first repeat's
+        # first tokens at send + TTFT (the TTFTs are measured from the sends); the first sweep's
         throughput = prefill_throughput([arrival_of(r, "sent") for r in first["records"]],
                                         [r.get(ttft_key) for r in first["records"]],
                                         [r["prompt_tokens"] for r in first["records"]])
@@ -254,6 +268,8 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
             "timing": timing, "arrivals": arrivals, "repeats": len(sweeps), "speed": speed,
+            # the seeds pooled (a recorded trace is one draw whatever the seed)
+            "draws": [] if s.get("trace") else sorted({sw["settings"].get("seed") for sw in sweeps}, key=str),
             "speed_window_s": speed_window_s,
             "max_abs_diff_both": worst, "within_tolerance": within_tolerance(worst), "tolerance": TOLERANCE,
             "inside_ci95_both": sum(r["inside_ci95_both"] for r in rows)}
@@ -297,6 +313,15 @@ def _alignments(result: dict) -> str:
                          "first request": "the first pass starting when the first request was sent"}[w] for w in ways)
 
 
+def _pooling_note(result: dict) -> str:
+    draws = result.get("draws") or []
+    what = ("repeats of the trace" if len(draws) <= 1 else
+            f"sweeps of {len(draws)} draws of the workload (seeds {', '.join(map(str, draws))}), pooled rate by rate")
+    return (f" {result['repeats']} {what}: measured = the requests of the sweeps that ran the rate, simulated = the "
+            "request-weighted mean of each sweep's own replay; each sweep's own measured attainment in the 'each "
+            "sweep' column.")
+
+
 def write_markdown(result: dict, path: str) -> None:
     slo = result["slo"]
     repeats = result.get("repeats", 1) > 1
@@ -310,9 +335,7 @@ def write_markdown(result: dict, path: str) -> None:
                 " (its usage report, from arrival at the router: without the load generator's lateness)")
              + "; simulated arrivals " + ("when the load generator sent each request" if result["arrivals"] == "sent"
                                           else "when the trace asked for them") + "."
-             + (f" {result['repeats']} repeats of the trace: measured = their requests pooled, simulated = the mean "
-                "over the repeats; each repeat's own measured attainment in the last column."
-                if repeats else "")
+             + (_pooling_note(result) if repeats else "")
              + SPEED_NOTES.get(speed, "")
              + (f" Within each rate, each step also scaled by its role's load speed in the {result['speed_window_s']:g}-s "
                 "window of the pass log it starts in, relative to the rate's (range in the last column: "
@@ -320,7 +343,7 @@ def write_markdown(result: dict, path: str) -> None:
                 + _alignments(result) + "." if result.get("speed_window_s") else ""), "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
-             "| prefill tok/s over the first tokens: meas. / sim. |" + (" each repeat: meas. |" if repeats else "")
+             "| prefill tok/s over the first tokens: meas. / sim. |" + (" each sweep: meas. |" if repeats else "")
              + (f" {SPEED_COLUMNS[speed]} |" if scaled else ""),
              "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "") + ("---|" if scaled else "")]
     for r in result["rows"]:
@@ -372,8 +395,9 @@ def plot(result: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", required=True, action="append",
-                    help="a sweep JSON written by benchmarks/slo_sweep.py; repeat the flag for repeats of one trace "
-                         "(their requests are pooled: benchmarks/sweep_repeat.py shows how far they differ)")
+                    help="a sweep JSON written by benchmarks/slo_sweep.py; repeat the flag to pool sweeps rate by "
+                         "rate: repeats of one trace (benchmarks/sweep_repeat.py shows how far they differ) or other "
+                         "draws of the same workload (another --seed, at any rates)")
     ap.add_argument("--profile", required=True, help="profile JSON of the machine the sweep ran on")
     ap.add_argument("--config", required=True, help="the cluster YAML the sweep's server ran")
     ap.add_argument("--seeds", type=int, default=5, help="simulations per rate (acceptance is random)")
@@ -398,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--seeds: must be >= 1")
     if args.speed_window is not None and not (args.speed_window > 0 and math.isfinite(args.speed_window)):
         ap.error(f"--speed-window: expected a positive number of seconds, got {args.speed_window!r}")
-    from benchmarks.sweep_repeat import check_same_trace  # (sweep_repeat imports this module)
+    from benchmarks.sweep_repeat import check_pool  # (sweep_repeat imports this module)
 
     sweeps = []
     for path in args.sweep:
@@ -409,8 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     config = SimConfig.from_cluster_config(load_config(args.config),
                                            cores=profile.devices_per_node if profile.device_type == "cpu" else None)
     try:
-        for path, sweep in zip(args.sweep[1:], sweeps[1:]):
-            check_same_trace(sweeps[0], sweep, f"--sweep {path}")
+        check_pool(sweeps, [f"--sweep {path}" for path in args.sweep])
         pass_logs = [_pass_logs.load(path, sweep) for path, sweep in zip(args.sweep, sweeps)]
         result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, args.speed, pass_logs,
                          args.speed_window)

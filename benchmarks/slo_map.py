@@ -89,32 +89,19 @@ def _read_json(path: str) -> dict:
         raise MapError(f"{path}: cannot read a sweep JSON ({err})") from None
 
 
-SAME_DRAW_SETTINGS = ("workload", "trace", "cv", "ttft_slo_ms", "tpot_slo_ms", "cores")  # other draws must share
-
-
 def load_sweep(spec: str, timing: str = "client") -> SweepOutcomes:
     """Read a ``slo_sweep.py`` JSON file, or several as comma-separated files pooled rate by rate (the module
-    docstring): a sweep with the first's seed must repeat its trace (``sweep_repeat.check_same_trace``), one
-    with another seed must draw the same synthetic workload (``SAME_DRAW_SETTINGS``). ``timing``: whose clock
-    the TTFT / TPOT come from."""
-    from benchmarks.sweep_repeat import SweepMismatch, check_same_trace
+    docstring; ``sweep_repeat.check_pool``): every sweep must draw the first's workload, and a sweep with an
+    earlier one's seed must send its requests (at the rates both ran, request by request). ``timing``: whose clock the TTFT / TPOT come from."""
+    from benchmarks.sweep_repeat import SweepMismatch, check_pool
 
     paths = [p for p in spec.split(",") if p]
     sweeps = [_read_json(p) for p in paths]
     parts = [sweep_outcomes(sweep, path, timing) for sweep, path in zip(sweeps, paths)]
-    first = sweeps[0].get("settings", {})
-    for path, sweep in zip(paths[1:], sweeps[1:]):
-        mine = sweep.get("settings", {})
-        if mine.get("seed") == first.get("seed") or first.get("trace"):
-            try:
-                check_same_trace(sweeps[0], sweep, path)
-            except SweepMismatch as err:
-                raise MapError(f"{err} (a sweep with the first's seed must repeat its trace)") from None
-            continue
-        for field in SAME_DRAW_SETTINGS:
-            if mine.get(field) != first.get(field):
-                raise MapError(f"{path}: settings.{field} is {mine.get(field)!r}, the first sweep's is "
-                               f"{first.get(field)!r} (a sweep with another seed must draw the same workload)")
+    try:
+        check_pool(sweeps, paths)
+    except SweepMismatch as err:
+        raise MapError(str(err)) from None
     if len(parts) == 1:
         return parts[0]
     rates = sorted({r for part in parts for r in part.rates})

@@ -50,6 +50,50 @@ def check_same_trace(first: dict, other: dict, name: str) -> None:
             raise SweepMismatch(f"{name}: the requests at rate {rb['rate']} differ from the first sweep's")
 
 
+# what every sweep pooled rate by rate must share with the first: the same workload, arrival process and SLOs
+SAME_DRAW_SETTINGS = ("workload", "trace", "cv", "ttft_slo_ms", "tpot_slo_ms", "cores")
+# what a sweep must share with an earlier one of its draw (the same requests) to extend it
+SAME_TRACE_SETTINGS = ("workload", "trace", "seed", "num_requests", "cv", "ttft_slo_ms", "tpot_slo_ms")
+
+
+def check_pool(sweeps: list[dict], names: list[str]) -> list[bool]:
+    """Check that ``sweeps`` may be pooled rate by rate, raising SweepMismatch naming the sweep and the field
+    otherwise. Every sweep must draw the first's workload (``SAME_DRAW_SETTINGS``). A sweep with an earlier
+    sweep's seed (or of the same recorded trace) sends that sweep's requests: a trace's lengths depend on the
+    seed alone, its arrivals on the seed and the rate (``workload.make_trace``), so at the rates both ran they
+    must match request by request (a repeat), and its other rates extend that draw. A sweep with a seed not
+    seen before adds another draw (other lengths and arrivals), at any rates. Per sweep: True where it
+    extends or repeats an earlier sweep's draw, False where it starts one."""
+    first = sweeps[0].get("settings", {})
+    out = [False]
+    for k in range(1, len(sweeps)):
+        mine = sweeps[k].get("settings", {})
+        for field in SAME_DRAW_SETTINGS:
+            if mine.get(field) != first.get(field):
+                raise SweepMismatch(f"{names[k]}: settings.{field} is {mine.get(field)!r}, the first sweep's is "
+                                    f"{first.get(field)!r} (pooled sweeps must draw the same workload)")
+        same = next((j for j in range(k) if first.get("trace")
+                     or sweeps[j].get("settings", {}).get("seed") == mine.get("seed")), None)
+        if same is not None:
+            _check_same_requests(sweeps[same], sweeps[k], names[k])
+        out.append(same is not None)
+    return out
+
+
+def _check_same_requests(earlier: dict, other: dict, name: str) -> None:
+    a, b = earlier["settings"], other["settings"]
+    why = "(a sweep with an earlier sweep's seed must repeat its trace)"
+    for field in SAME_TRACE_SETTINGS:
+        if a.get(field) != b.get(field):
+            raise SweepMismatch(f"{name}: settings.{field} is {b.get(field)!r}, the first sweep's with seed "
+                                f"{a.get('seed')} has {a.get(field)!r} {why}")
+    rows = {row["rate"]: row for row in earlier["rates"]}
+    for row in other["rates"]:
+        if row["rate"] in rows and trace_of(rows[row["rate"]]) != trace_of(row):
+            raise SweepMismatch(f"{name}: the requests at rate {row['rate']} differ from the first sweep's with seed "
+                                f"{a.get('seed')} {why}")
+
+
 def compare(sweeps: list[tuple[str, dict]]) -> dict:
     (_, first), others = sweeps[0], sweeps[1:]
     for name, sweep in others:

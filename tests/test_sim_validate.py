@@ -169,13 +169,53 @@ def test_sim_validate_pools_repeats_of_one_trace(tmp_path):
     (row,) = result["rows"]
     assert result["repeats"] == 2 and row["requests"] == 8
     assert row["measured_per_repeat_both"] == [1.0, 0.25] and row["measured"]["both"] == pytest.approx(5 / 8)
-    assert "each repeat" in open(tmp_path / "v.md").read()
+    assert "2 repeats of the trace" in open(tmp_path / "v.md").read()
 
-    other = _sweep({2.0: [0.3, 0.3, 0.3, 0.3]}, seed=1)
+    other = _sweep({2.0: [0.3, 0.3, 0.3, 0.3]})  # the first's seed, another trace: not a repeat
+    other["rates"][0]["records"][1]["prompt_tokens"] += 7
     json.dump(other, open(tmp_path / "c.json", "w"))
     with pytest.raises(SystemExit):
         sim_validate.main(["--sweep", str(tmp_path / "a.json"), "--sweep", str(tmp_path / "c.json")] + common
                           + ["--out", str(tmp_path / "w")])
+
+
+def test_sim_validate_pools_other_draws_of_the_workload_rate_by_rate(tmp_path):
+    """Sweeps of two draws (seeds 0 and 1) at overlapping rates, and seed 0's requests again at another rate:
+    each rate pools the sweeps that ran it, its simulated attainment is the request-weighted mean of each
+    sweep's own replay; another workload, or other requests under a seed already pooled, are refused."""
+    import os
+
+    from benchmarks.sim_validate import compare, simulate_rate
+    from benchmarks.sweep_repeat import SweepMismatch, check_pool
+    from controller.config import load_config
+    from controller.planner.simulator import SimConfig
+
+    config = SimConfig.from_cluster_config(load_config(os.path.join(os.path.dirname(__file__), "..", "cluster_configs",
+                                                                    "local.yaml")))
+    a = _sweep({1.0: [0.3] * 4, 2.0: [0.3] * 4}, seed=0)
+    b = _sweep({2.0: [0.3, 5.0], 3.0: [5.0] * 4}, seed=1)  # another draw, other rates, 2 requests at 2 req/s
+    for r in b["rates"][0]["records"]:
+        r["prompt_tokens"] *= 30  # long prompts: this draw's own replay attains less than the first's
+    top_up = _sweep({3.0: [0.3, 0.3, 9.0, 9.0]}, seed=0)  # seed 0's requests at a rate its first sweep skipped
+    assert check_pool([a, b, top_up], ["a", "b", "t"]) == [False, False, True]
+    result = compare([a, b, top_up], _profile(), config, seeds=1)
+    assert [r["rate"] for r in result["rows"]] == [1.0, 2.0, 3.0] and result["draws"] == [0, 1]
+    assert [r["requests"] for r in result["rows"]] == [4, 6, 8]
+    row = result["rows"][1]
+    assert row["measured_per_repeat_both"] == [1.0, 0.5] and row["measured"]["both"] == pytest.approx(5 / 6)
+    own = [simulate_rate(_profile(), config, sweep["rates"][i], 1.0, 0.05, seeds=1, arrivals="sent")["attainment"]["both"]
+           for sweep, i in ((a, 1), (b, 0))]
+    assert own[1] < own[0]
+    assert row["simulated"]["both"] == pytest.approx((4 * own[0] + 2 * own[1]) / 6)
+    assert result["rows"][2]["measured_per_repeat_both"] == [0.0, 0.5]
+
+    other = _sweep({1.0: [0.3]}, seed=2)
+    other["settings"]["workload"] = "chat"
+    with pytest.raises(SweepMismatch, match="c.json: settings.workload is 'chat'.*must draw the same workload"):
+        check_pool([a, other], ["a", "c.json"])
+    again = _sweep({2.0: [0.3] * 4}, seed=1)  # seed 1 again, but 4 requests at 2 req/s where b sent 2
+    with pytest.raises(SweepMismatch, match="d.json: the requests at rate 2.0 differ .* seed 1 .*must repeat its trace"):
+        check_pool([a, b, again], ["a", "b", "d.json"])
 
 
 def _probe_records(profile, config, factor: float, prompts=(512, 512, 512)) -> list[dict]:
