@@ -34,4 +34,12 @@ for P in s20 s21; do
   val $(for r in $colocated_runs; do echo --sweep $r.json; done) --profile ${prof[$P]} \
       --config cluster_configs/local-colocated.yaml --speed none --out $O/sim_validation_colocated_all_${P}_none
 done
+# the same pools with each rate simulated on the profile rescaled by the workers' own timed passes during it
+# (--speed load, the sweeps' pass logs): model error apart from the machine's speed
+for P in s20 s21; do
+  val $(for r in $shared_runs; do echo --sweep $r.json; done) --profile ${prof[$P]} \
+      --config cluster_configs/local-prefill2.yaml --speed load --out $O/sim_validation_shared_all_${P}_load
+done
+val $(for r in $colocated_runs; do echo --sweep $r.json; done) --profile ${prof[s20]} \
+    --config cluster_configs/local-colocated.yaml --speed load --out $O/sim_validation_colocated_all_s20_load
 for f in $O/sim_validation_*.md; do echo "$(basename $f .md): $(grep -o 'Largest difference on both SLOs: \*\*[0-9.]* points' $f | grep -o '[0-9.]* points'), $(grep -o 'at [0-9] of [0-9] rates' $f)"; done
