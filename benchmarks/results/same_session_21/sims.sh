@@ -42,4 +42,9 @@ for P in s20 s21; do
 done
 val $(for r in $colocated_runs; do echo --sweep $r.json; done) --profile ${prof[s20]} \
     --config cluster_configs/local-colocated.yaml --speed load --out $O/sim_validation_colocated_all_s20_load
+# the sweep run after the calibrations (sweep.sh, last lines), on both profiles, with its load speed
+for P in s20 s21; do
+  val --sweep $O/slo_long_doc_disagg_spec_prefill2_run_seed2_after_cal.json --profile ${prof[$P]} \
+      --config cluster_configs/local-prefill2.yaml --speed load --out $O/sim_validation_run_seed2_after_cal_${P}_load
+done
 for f in $O/sim_validation_*.md; do echo "$(basename $f .md): $(grep -o 'Largest difference on both SLOs: \*\*[0-9.]* points' $f | grep -o '[0-9.]* points'), $(grep -o 'at [0-9] of [0-9] rates' $f)"; done

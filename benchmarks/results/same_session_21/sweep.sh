@@ -23,3 +23,8 @@ ld="--workload long_doc --num-requests 50 --rates $rates --seed $seed --ttft-slo
 echo "$1 start $(date +%T)" >> $O/sweeps.times
 python benchmarks/slo_sweep.py $ld --target grpc --launch $cfg --label "$label" --out $O/$out > $O/$out.log 2>&1
 echo "$1 end $(date +%T) rc=$?" >> $O/sweeps.times
+# After the calibrations (calibrate.sh), one more sweep of seed 2 at 0.3 req/s, to tell a slower machine from a
+# calibration that runs slower than serving (README section 4); run by hand at 14:08:
+#   python benchmarks/slo_sweep.py --workload long_doc --num-requests 50 --rates 0.3 --seed 2 --ttft-slo-ms 3000 \
+#     --tpot-slo-ms 50 --cores 2 --target grpc --launch cluster_configs/local-prefill2.yaml \
+#     --label 'disaggregated + speculation (prefill 2 threads)' --out $O/slo_long_doc_disagg_spec_prefill2_run_seed2_after_cal
