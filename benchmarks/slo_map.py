@@ -92,7 +92,8 @@ def _read_json(path: str) -> dict:
 def load_sweep(spec: str, timing: str = "client") -> SweepOutcomes:
     """Read a ``slo_sweep.py`` JSON file, or several as comma-separated files pooled rate by rate (the module
     docstring; ``sweep_repeat.check_pool``): every sweep must draw the first's workload, and a sweep with an
-    earlier one's seed must send its requests (at the rates both ran, request by request). ``timing``: whose clock the TTFT / TPOT come from."""
+    earlier one's seed must send its requests (at the rates both ran, request by request). ``timing``: whose
+    clock the TTFT / TPOT come from."""
     from benchmarks.sweep_repeat import SweepMismatch, check_pool
 
     paths = [p for p in spec.split(",") if p]

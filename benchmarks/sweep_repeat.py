@@ -39,21 +39,15 @@ def trace_of(row: dict) -> list[tuple]:
     return sorted(tuple(r[f] for f in TRACE_FIELDS) for r in row["records"])
 
 
-def check_same_trace(first: dict, other: dict, name: str) -> None:
-    """Raise SweepMismatch naming the field when ``other`` did not replay ``first``'s trace."""
-    a, b = first["settings"], other["settings"]
-    for field in ("workload", "seed", "num_requests", "rates", "cv", "ttft_slo_ms", "tpot_slo_ms"):
-        if a.get(field) != b.get(field):
-            raise SweepMismatch(f"{name}: settings.{field} is {b.get(field)!r}, the first sweep's is {a.get(field)!r}")
-    for ra, rb in zip(first["rates"], other["rates"]):
-        if trace_of(ra) != trace_of(rb):
-            raise SweepMismatch(f"{name}: the requests at rate {rb['rate']} differ from the first sweep's")
-
-
 # what every sweep pooled rate by rate must share with the first: the same workload, arrival process and SLOs
 SAME_DRAW_SETTINGS = ("workload", "trace", "cv", "ttft_slo_ms", "tpot_slo_ms", "cores")
 # what a sweep must share with an earlier one of its draw (the same requests) to extend it
 SAME_TRACE_SETTINGS = ("workload", "trace", "seed", "num_requests", "cv", "ttft_slo_ms", "tpot_slo_ms")
+
+
+def check_same_trace(first: dict, other: dict, name: str) -> None:
+    """Raise SweepMismatch naming the field when ``other`` did not replay ``first``'s trace."""
+    _check_same_requests(first, other, name, SAME_TRACE_SETTINGS + ("rates",))
 
 
 def check_pool(sweeps: list[dict], names: list[str]) -> list[bool]:
@@ -75,23 +69,26 @@ def check_pool(sweeps: list[dict], names: list[str]) -> list[bool]:
         same = next((j for j in range(k) if first.get("trace")
                      or sweeps[j].get("settings", {}).get("seed") == mine.get("seed")), None)
         if same is not None:
-            _check_same_requests(sweeps[same], sweeps[k], names[k])
+            _check_same_requests(sweeps[same], sweeps[k], names[k], SAME_TRACE_SETTINGS,
+                                 f"the first sweep's with seed {sweeps[same]['settings'].get('seed')}",
+                                 " (a sweep with an earlier sweep's seed must repeat its trace)")
         out.append(same is not None)
     return out
 
 
-def _check_same_requests(earlier: dict, other: dict, name: str) -> None:
+def _check_same_requests(earlier: dict, other: dict, name: str, fields: tuple[str, ...],
+                         whose: str = "the first sweep's", why: str = "") -> None:
+    """Raise SweepMismatch naming the field, or the rate, where ``other`` does not send ``earlier``'s requests:
+    ``fields`` of the settings differ, or the requests at a rate both ran do. ``whose`` names ``earlier``,
+    ``why`` ends the message."""
     a, b = earlier["settings"], other["settings"]
-    why = "(a sweep with an earlier sweep's seed must repeat its trace)"
-    for field in SAME_TRACE_SETTINGS:
+    for field in fields:
         if a.get(field) != b.get(field):
-            raise SweepMismatch(f"{name}: settings.{field} is {b.get(field)!r}, the first sweep's with seed "
-                                f"{a.get('seed')} has {a.get(field)!r} {why}")
+            raise SweepMismatch(f"{name}: settings.{field} is {b.get(field)!r}, {whose} is {a.get(field)!r}{why}")
     rows = {row["rate"]: row for row in earlier["rates"]}
     for row in other["rates"]:
         if row["rate"] in rows and trace_of(rows[row["rate"]]) != trace_of(row):
-            raise SweepMismatch(f"{name}: the requests at rate {row['rate']} differ from the first sweep's with seed "
-                                f"{a.get('seed')} {why}")
+            raise SweepMismatch(f"{name}: the requests at rate {row['rate']} differ from {whose}{why}")
 
 
 def compare(sweeps: list[tuple[str, dict]]) -> dict:
