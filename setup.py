@@ -34,6 +34,7 @@ setup(
         "safetensors>=0.4",
         "tokenizers>=0.15",
         "tqdm>=4.60",
+        "numpy>=1.24",
     ],
     extras_require={
         "gpu": ["flash-attn>=2.5"],

@@ -46,9 +46,8 @@ class ManagedServer:
     true, and stops it (and its process group) on the way out, whatever happened inside."""
 
     def __init__(self, name: str, argv: list[str], healthy: Callable[[], bool], startup_timeout_s: float,
-                 env: dict | None = None, stop_grace_s: float = 60.0, log_path: str | None = None, nice: int = 0):
+                 env: dict | None = None, stop_grace_s: float = 60.0, log_path: str | None = None):
         self.name, self.argv, self.healthy = name, argv, healthy
-        self.nice = nice  # added to the server's niceness (inherited by every process it starts)
         self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
         self.env = env
         self.log_path = log_path or tempfile.mkstemp(prefix=f"slo_sweep_{name}_", suffix=".log")[1]
@@ -60,8 +59,7 @@ class ManagedServer:
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, cwd=ROOT, start_new_session=True,
-                                         preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
+                                         env=self.env, cwd=ROOT, start_new_session=True)
         try:
             self._wait_healthy()
         except BaseException:
@@ -139,21 +137,17 @@ def http_healthy(url: str) -> Callable[[], bool]:
     return check
 
 
-def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float, nice: int = 0,
-                      pass_log_rpc: bool = False) -> ManagedServer:
+def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float) -> ManagedServer:
     """``magicserve serve --config CONFIG --port PORT``, run as ``python -m controller.cli`` with this
-    interpreter and this checkout (the console script could belong to another install). ``nice`` > 0
-    lowers the priority of the server and its Ray workers below the load generator's, so that a load
-    generator sharing the cores sends and reads on time. ``pass_log_rpc``: serve ``DrainPassLog``."""
-    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port),
-            *(["--pass-log-rpc"] if pass_log_rpc else [])]
+    interpreter and this checkout (the console script could belong to another install)."""
+    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return ManagedServer("magicserve", argv, grpc_healthy(f"{host}:{port}"), startup_timeout_s, env=env,
-                         stop_grace_s=60.0, nice=nice)
+                         stop_grace_s=60.0)
 
 
 def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: float, startup_timeout_s: float,
-                extra_args: list[str], vllm_python: str = VLLM_PYTHON, nice: int = 0) -> ManagedServer:
+                extra_args: list[str], vllm_python: str = VLLM_PYTHON) -> ManagedServer:
     """vLLM's OpenAI-compatible server: bf16, eager, no prefix caching (every swept rate would
     otherwise find earlier prompts cached), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache.
 
@@ -168,4 +162,4 @@ def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: flo
             *extra_args]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{kv_space_gib:g}")
     return ManagedServer("vllm", argv, http_healthy(f"http://127.0.0.1:{port}/health"), startup_timeout_s, env=env,
-                         stop_grace_s=30.0, nice=nice)
+                         stop_grace_s=30.0)

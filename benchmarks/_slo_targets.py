@@ -140,15 +140,6 @@ class GrpcTarget:
         if record.finish_reason is None:
             raise TargetError("stream ended without a final message")
 
-    async def drain_pass_log(self) -> list[dict]:
-        """The workers' timed passes since the last drain (``AsyncClient.drain_pass_log``)."""
-        import grpc
-
-        try:
-            return await self._client.drain_pass_log()
-        except grpc.RpcError as err:
-            raise TargetError(f"DrainPassLog: {err.code().name}: {err.details()}") from None
-
     async def wait_idle(self, timeout_s: float) -> bool:
         """Poll the cluster status until nothing runs or queues (the previous rate drained)."""
         loop = asyncio.get_running_loop()

@@ -3,38 +3,27 @@ prompt and output length, per rate) through the cluster simulator with a profile
 and compare SLO attainment rate by rate.
 
     python benchmarks/slo_sweep.py --target grpc --launch cluster_configs/local.yaml --out OUT ...
-    python benchmarks/sim_validate.py --sweep OUT.json --profile benchmarks/results/profile_local_cpu.json \\
-        --config cluster_configs/local.yaml --out benchmarks/results/sim_validation_local
+    python benchmarks/sim_validate.py --sweep OUT.json --profile PROFILE.json \\
+        --config cluster_configs/local.yaml --out OUT_sim_validation
 
 The criterion (issue: simulator validation) is |simulated - measured| <= 5 percentage points of
-attainment at every swept rate, on both SLOs together; TTFT-only and TPOT-only are reported beside it.
+attainment at every swept rate, on both SLOs together; TTFT-only and TPOT-only are reported beside it,
+with the measured attainment's 95 % Wilson interval (its own sampling error with that many requests).
 Acceptance is random in the simulator, so each rate is simulated with ``--seeds`` seeds and averaged.
+Each simulated request arrives when the load generator sent it (``--arrivals sent``, the default) or when
+the trace asked for it (``trace``); measured TTFT / TPOT are read on the load generator's clock or, where
+the server reported them, on its own (``--timing``).
 
-``--speed``: a profile describes the machine when it was taken, and a shared machine drifts. Each rate can
-be simulated on the profile rescaled by how fast the machine ran then:
-
-* ``load``: from the workers' own timed passes and steps during the rate (``slo_sweep.py`` keeps them in
-  PREFIX.passes.json.gz) over what the simulator charges for them, given what the rest of the cluster did
-  meanwhile, role by role (``controller/planner/load_speed.py``, ``Profile.at_role_speeds``): the speed
-  under that very load;
-* ``probe``: from the lone speed-probe requests on the idle server before and after the rate
-  (``slo_sweep.py --speed-probes``, ``benchmarks/_speed_probe.py``): the idle machine's speed around it;
-* ``none``: the profile as it is.
-
-``auto`` (the default) takes ``load`` where every sweep kept pass logs, else ``probe`` where every sweep has
-probes, else ``none``. The factor is reported beside each rate.
-
-``--speed-window S`` (with ``load``): the machine's speed also drifts within a rate, so each rate's load speed
-is also read window by window, every S seconds of its pass log, and the simulator scales each step by its
-role's factor in the window it starts in (``load_speed.speed_timeline``). The pass log's clock is aligned
-with the trace's by the rate's recorded wall-clock start (``wall_start_s``), or, in sweeps recorded before it
-was kept, by taking the first pass to start when the first request was sent.
+``--host-contention FILE`` (default: off): a sweep served on one small machine whose instances share its
+cores is simulated with the host-contention plug-in measured there (``benchmarks/host_contention.py``,
+passed to every ``simulate`` call); the report names the file and its terms.
 
 Several ``--sweep`` flags pool sweeps rate by rate: repeats of one trace, or other draws of the same workload
-(another ``--seed``: other lengths and arrivals; ``sweep_repeat.check_pool``), whose rates may differ.
-Each rate compares the requests of every sweep that ran it with the request-weighted mean of each sweep's own
-replay: more requests per rate than one sweep has, so the 5-point criterion is tested where a single
-50-request sweep's own sampling error (7 points at 50 %) would not let it be.
+(another ``--seed``: other lengths and arrivals), whose rates may differ; ``benchmarks/_sweeps.py`` checks
+that they may be pooled (the same workload, arrival process, SLOs and cores; the same requests wherever two
+sweeps share a seed). Each rate compares the requests of every sweep that ran it with the request-weighted
+mean of each sweep's own replay: more requests per rate than one sweep has, so the 5-point criterion is
+tested where a single 50-request sweep's own sampling error (7 points at 50 %) would not let it be.
 
 Writes OUT.json, OUT.md and OUT.png (measured and simulated attainment vs rate).
 """
@@ -52,12 +41,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_plots import _pyplot  # noqa: E402
-from benchmarks import _pass_logs  # noqa: E402
-from benchmarks._speed_probe import has_probes, probes_around, speed_of  # noqa: E402
+from benchmarks._sweeps import SweepMismatch, check_pool  # noqa: E402, F401 (SweepMismatch: re-exported)
+from benchmarks.host_contention import HostContention  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, attainment_of, has_server_timing, percentile  # noqa: E402
 from controller.config import load_config  # noqa: E402
-from controller.planner.load_speed import SpeedTimeline, arrangement, load_speed, speed_timeline  # noqa: E402
 from controller.planner.profile import Profile  # noqa: E402
 from controller.planner.simulator import SimConfig, simulate  # noqa: E402
 from controller.planner.slo import attainment  # noqa: E402
@@ -74,27 +63,6 @@ def within_tolerance(worst_gap: float) -> bool:
 
 
 ARRIVALS = ("sent", "trace")
-SPEEDS = ("auto", "load", "probe", "none")
-
-
-def resolve_speed(speed: str, sweeps: list[dict], timing: str = "client", pass_logs: list | None = None) -> str:
-    """"load", "probe" or "none" for ``--speed`` on these sweeps (``pass_logs``: each sweep's per-rate logs,
-    or None where it kept none). "auto": load where every sweep kept pass logs, else probe where every
-    sweep has probes, else none."""
-    if speed not in SPEEDS:
-        raise ValueError(f"speed: expected one of {', '.join(SPEEDS)}, got {speed!r}")
-    logged = bool(pass_logs) and len(pass_logs) == len(sweeps) and all(logs is not None for logs in pass_logs)
-    if speed == "load" and not logged:
-        raise ValueError("--speed load: a sweep kept no pass logs of its workers (recorded before slo_sweep.py kept "
-                         "them, with --pass-log off, against a server without DrainPassLog, or its "
-                         "PREFIX.passes.json.gz is missing); use --speed probe or none")
-    probed = all(has_probes(sw, timing) for sw in sweeps)
-    if speed == "probe" and not probed:
-        raise ValueError("--speed probe: a sweep lacks speed probes around some rate (recorded before "
-                         "slo_sweep.py sent them, with --speed-probes 0, or every probe failed); use --speed none")
-    if speed == "auto":
-        return "load" if logged else "probe" if probed else "none"
-    return speed
 
 
 def arrival_of(rec: dict, arrivals: str) -> float:
@@ -107,16 +75,16 @@ def arrival_of(rec: dict, arrivals: str) -> float:
 
 
 def simulate_rate(profile: Profile, config: SimConfig, row: dict, ttft_s: float, tpot_s: float, seeds: int,
-                  arrivals: str = "sent", speed: SpeedTimeline | None = None) -> dict:
-    """Mean simulated attainment (and latency percentiles of seed 0) for one recorded rate; ``speed``: the
-    machine's speed through it relative to ``profile``."""
+                  arrivals: str = "sent", host_contention: HostContention | None = None) -> dict:
+    """Mean simulated attainment (and latency percentiles of seed 0) for one recorded rate; ``host_contention``:
+    the optional simulator plug-in (``benchmarks/host_contention.py``)."""
     recs = sorted(row["records"], key=lambda r: arrival_of(r, arrivals))
     trace = [RequestSpec(arrival_of(r, arrivals), r["prompt_tokens"], r["output_tokens"]) for r in recs]
     limit = row["time_limit_s"] - trace[-1].arrival_s if row.get("time_limit_s") else None
     shares = {k: [] for k in KEYS}
     first = None
     for seed in range(seeds):
-        res = simulate(profile, config, trace, seed=seed, time_limit_s=limit, speed=speed)
+        res = simulate(profile, config, trace, seed=seed, time_limit_s=limit, host_contention=host_contention)
         a = attainment(res.outcomes(), ttft_s, tpot_s)
         for k in KEYS:
             shares[k].append(getattr(a, k))
@@ -160,89 +128,30 @@ def _weighted_mean_of(dicts: list[dict], weights: list[int]) -> dict:
     return {k: sum(d[k] * w for d, w in zip(dicts, weights)) / total for k in dicts[0]}
 
 
-def pass_log_origin(row: dict, rows: list[dict], arrivals: str) -> tuple[float, str]:
-    """(simulated time of the first logged pass's start, how it was aligned) for a rate's records ``row``
-    and its pass rows: by the rate's wall-clock start where the sweep recorded it, else by taking the first
-    pass to start when the first request arrived (within the server's dispatch latency, tens of ms)."""
-    first_pass = min(r["end_s"] - r["seconds"] for r in rows)
-    if row.get("wall_start_s") is not None:
-        return first_pass - row["wall_start_s"], "wall clock"
-    return min(arrival_of(r, arrivals) for r in row["records"]), "first request"
-
-
-def rescaled(speed: str, profile: Profile, config: SimConfig, sweeps: list[dict], pass_logs: list | None,
-             indices: list[int], timing: str, window_s: float | None = None, arrivals: str = "sent"
-             ) -> list[tuple[dict, Profile, SpeedTimeline | None]]:
-    """Per sweep, the speed of the machine at its rate ``indices[k]`` (``speed``: "load" or "probe"; nothing for
-    "none") as a record for the report, ``profile`` rescaled to it, and (``window_s``, load only) its speed
-    window by window through the rate relative to that."""
-    if speed == "load":
-        drafter = config.speculation.drafter if config.mode == "disaggregated" and config.speculation.enabled else None
-        tps, sharing = arrangement(profile, config)
-        out = []
-        for sw, logs, index in zip(sweeps, pass_logs, indices):
-            instances = logs[index]["instances"]
-            rows = _pass_logs.rows_of(instances)
-            est = load_speed(profile, config.mode, rows, drafter, tps, sharing)
-            record = {"source": "load", "factor": est.factor, "by_role": est.by_role, "passes": est.passes,
-                      "busy_s": est.busy_s, "complete": _pass_logs.complete(instances)}
-            timeline = None
-            if window_s is not None:
-                origin, aligned = pass_log_origin(sw["rates"][index], rows, arrivals)
-                timeline = speed_timeline(profile, config.mode, rows, window_s, origin, drafter, est, tps, sharing)
-                record["timeline"] = {"window_s": window_s, "aligned_by": aligned, "starts_s": list(timeline.starts_s),
-                                      "factors": list(timeline.factors)}
-            out.append((record, est.apply(profile), timeline))
-        return out
-    if speed == "probe":
-        out = []
-        for sw, index in zip(sweeps, indices):
-            e = speed_of(profile, config, probes_around(sw, index), timing)
-            out.append(({"source": "probe", "factor": e.factor, "ttft_ratios": list(e.ttft_ratios),
-                         "tpot_ratio": e.tpot_ratio}, profile.at_speed(e.factor), None))
-        return out
-    return []
-
-
 def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seeds: int, timing: str = "client",
-            arrivals: str = "sent", speed: str = "none", pass_logs: list | None = None,
-            speed_window_s: float | None = None) -> dict:
+            arrivals: str = "sent", host_contention: HostContention | None = None) -> dict:
     """Simulated vs measured attainment rate by rate. ``sweeps``: one recorded sweep, or several the caller
-    checked may be pooled (``sweep_repeat.check_pool``): repeats of one trace, or other draws of the same
-    workload at any rates. Each swept rate pools the sweeps that ran it: the measured attainment is that of
-    all their requests, the simulated one the request-weighted mean of each sweep's own replay (its own send
-    times, lengths and speed), and each sweep's own measured attainment is kept beside
-    (``measured_per_repeat_both``). ``timing``: whose clock the measured
-    TTFT / TPOT are read on, "client" (the load generator's) or "server" (the server's usage report); the
-    other clock's measured attainment is reported beside it where the sweeps have both. ``speed``: "load"
-    simulates each repeat's rate on the profile rescaled by the workers' pass logs during it (``pass_logs``:
-    per sweep, ``_pass_logs.load``), "probe" by the speed probes around it (``resolve_speed``);
-    ``speed_window_s`` (load only) also window by window through the rate (``load_speed.speed_timeline``)."""
+    checked may be pooled (``check_pool``): repeats of one trace, or other draws of the same workload at any
+    rates. Each swept rate pools the sweeps that ran it: the measured attainment is that of all their
+    requests, the simulated one the request-weighted mean of each sweep's own replay (its own send times and
+    lengths), and each sweep's own measured attainment is kept beside (``measured_per_repeat_both``).
+    ``timing``: whose clock the measured TTFT / TPOT are read on, "client" (the load generator's) or "server"
+    (the server's usage report); the other clock's measured attainment is reported beside it where the sweeps
+    have both. ``host_contention``: the optional simulator plug-in, applied to every replay."""
     sweeps = [sweeps] if isinstance(sweeps, dict) else list(sweeps)
-    speed = resolve_speed(speed, sweeps, timing, pass_logs)
-    if speed_window_s is not None and speed != "load":
-        raise ValueError(f"--speed-window: needs --speed load (the pass logs), not {speed!r}")
     s = sweeps[0]["settings"]
     ttft_s, tpot_s = s["ttft_slo_ms"] / 1e3, s["tpot_slo_ms"] / 1e3
     other = "server" if timing == "client" else "client"
     ttft_key = "ttft_s" if timing == "client" else "server_ttft_s"
     rows = []
     for rate in sorted({row["rate"] for sw in sweeps for row in sw["rates"]}):
-        # (sweep, index of this rate in it) for every sweep that ran the rate
-        members = [(k, i) for k, sw in enumerate(sweeps) for i, row in enumerate(sw["rates"]) if row["rate"] == rate]
-        repeats = [sweeps[k]["rates"][i] for k, i in members]
+        repeats = [row for sw in sweeps for row in sw["rates"] if row["rate"] == rate]  # the sweeps that ran it
         first = repeats[0]
         if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
             raise ValueError(f"--timing server: the sweep's records at {rate:g} req/s carry no server timings "
                              "(recorded before they were, or an OpenAI-compatible target); use --timing client")
-        scaled = rescaled(speed, profile, config, [sweeps[k] for k, _ in members],
-                          [pass_logs[k] for k, _ in members] if pass_logs is not None else None,
-                          [i for _, i in members], timing, speed_window_s, arrivals)
-        speeds = [record for record, _, _ in scaled]
-        profiles = [p for _, p, _ in scaled] or [profile] * len(repeats)
-        timelines = [t for _, _, t in scaled] or [None] * len(repeats)
-        sims = [simulate_rate(p, config, row, ttft_s, tpot_s, seeds, arrivals, t)
-                for p, row, t in zip(profiles, repeats, timelines)]
+        sims = [simulate_rate(profile, config, row, ttft_s, tpot_s, seeds, arrivals, host_contention)
+                for row in repeats]
         pooled = [r for row in repeats for r in row["records"]]
         simulated = _weighted_mean_of([sim["attainment"] for sim in sims], [len(row["records"]) for row in repeats])
         measured = attainment_of(pooled, ttft_s, tpot_s, timing)
@@ -263,54 +172,18 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
                      "measured_latency_ms": first.get("latency_ms" if timing == "client" else "server_latency_ms", {}),
                      "simulated_latency_ms": sims[0]["latency_ms"],
                      "simulated_utilisation": sims[0]["utilisation"], "simulated_k_counts": sims[0]["k_counts"],
-                     "prefill_tokens_per_s": {"measured": throughput, "simulated": sims[0]["prefill_tokens_per_s"]},
-                     "speed": speeds})
+                     "prefill_tokens_per_s": {"measured": throughput, "simulated": sims[0]["prefill_tokens_per_s"]}})
     worst = max(abs(r["diff"]["both"]) for r in rows)
     return {"slo": {"ttft_ms": s["ttft_slo_ms"], "tpot_ms": s["tpot_slo_ms"]}, "rows": rows,
-            "timing": timing, "arrivals": arrivals, "repeats": len(sweeps), "speed": speed,
+            "timing": timing, "arrivals": arrivals, "repeats": len(sweeps),
             # the seeds pooled (a recorded trace is one draw whatever the seed)
             "draws": [] if s.get("trace") else sorted({sw["settings"].get("seed") for sw in sweeps}, key=str),
-            "speed_window_s": speed_window_s,
             "max_abs_diff_both": worst, "within_tolerance": within_tolerance(worst), "tolerance": TOLERANCE,
             "inside_ci95_both": sum(r["inside_ci95_both"] for r in rows)}
 
 
 def _ms(v) -> str:
     return "-" if v is None else f"{v:.0f}"
-
-
-def _ratio(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
-SPEED_NOTES = {
-    "probe": " Each rate simulated on the profile rescaled by the machine's speed then (speed factor: measured / "
-             "simulated TTFT of the lone speed-probe requests before and after the rate, median; 1.10 = 10 % slower "
-             "than profiled; TPOT ratio of the same probes beside it, not applied).",
-    "load": " Each rate simulated on the profile rescaled, role by role, by the machine's speed under that load (the "
-            "workers' timed passes and steps during the rate over what the simulator charges for them, given what "
-            "the other workers did meanwhile; 1.10 = 10 % slower than the profile says; "
-            "controller/planner/load_speed.py): the per-role factors are applied, the time-weighted one scales the "
-            "per-step contention terms.",
-}
-SPEED_COLUMNS = {"probe": "speed factor (TPOT ratio)", "load": "load speed factor (per role)"}
-
-
-def _speed_cell(e: dict) -> str:
-    if e.get("source") == "load":
-        roles = ", ".join(f"{role} {v:.3f}" for role, v in e["by_role"].items())
-        spread = ""
-        if e.get("timeline"):
-            seen = [v for f in e["timeline"]["factors"] for v in f.values()]
-            spread = f"; windows x{min(seen, default=1.0):.2f}-{max(seen, default=1.0):.2f}"
-        return f"{e['factor']:.3f} ({roles}{'' if e['complete'] else '; passes dropped'}{spread})"
-    return f"{e['factor']:.3f} ({_ratio(e['tpot_ratio'])})"
-
-
-def _alignments(result: dict) -> str:
-    ways = sorted({e["timeline"]["aligned_by"] for r in result["rows"] for e in r["speed"] if e.get("timeline")})
-    return " and ".join({"wall clock": "the rate's recorded wall-clock start",
-                         "first request": "the first pass starting when the first request was sent"}[w] for w in ways)
 
 
 def _pooling_note(result: dict) -> str:
@@ -325,8 +198,7 @@ def _pooling_note(result: dict) -> str:
 def write_markdown(result: dict, path: str) -> None:
     slo = result["slo"]
     repeats = result.get("repeats", 1) > 1
-    speed = result.get("speed", "none")
-    scaled = speed in ("load", "probe")
+    contention = result.get("host_contention")
     lines = [f"# Simulator vs measured: {result['label']}", "", f"`{result['command']}`", "",
              f"Sweep `{result['sweep']}` ({result['workload']}), profile `{result['profile']}` ({result['hardware']}), "
              f"SLOs TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms; simulated attainment is the mean of "
@@ -335,17 +207,14 @@ def write_markdown(result: dict, path: str) -> None:
                 " (its usage report, from arrival at the router: without the load generator's lateness)")
              + "; simulated arrivals " + ("when the load generator sent each request" if result["arrivals"] == "sent"
                                           else "when the trace asked for them") + "."
-             + (_pooling_note(result) if repeats else "")
-             + SPEED_NOTES.get(speed, "")
-             + (f" Within each rate, each step also scaled by its role's load speed in the {result['speed_window_s']:g}-s "
-                "window of the pass log it starts in, relative to the rate's (range in the last column: "
-                "controller/planner/load_speed.py speed_timeline); pass log aligned with the trace by "
-                + _alignments(result) + "." if result.get("speed_window_s") else ""), "",
+             + (_pooling_note(result) if repeats else ""), "",
+             (f"Host contention: `{contention['file']}` ({contention['mode']}, {contention['threads']} thread(s)): "
+              f"{contention['summary']} while other instances are busy, applied to every simulated step."
+              if contention else "Host contention: none (every simulated step at the profile's calibrated time)."), "",
              "| rate | requests | both: measured (95 % interval) | simulated | diff (pts) | TTFT only: meas. / sim. "
              "| TPOT only: meas. / sim. | TTFT p50 ms meas. / sim. | TPOT p50 ms meas. / sim. "
-             "| prefill tok/s over the first tokens: meas. / sim. |" + (" each sweep: meas. |" if repeats else "")
-             + (f" {SPEED_COLUMNS[speed]} |" if scaled else ""),
-             "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "") + ("---|" if scaled else "")]
+             "| prefill tok/s over the first tokens: meas. / sim. |" + (" each sweep: meas. |" if repeats else ""),
+             "|---:|---:|---:|---:|---:|---|---|---|---|---|" + ("---|" if repeats else "")]
     for r in result["rows"]:
         m, s, ml, sl = r["measured"], r["simulated"], r["measured_latency_ms"], r["simulated_latency_ms"]
         lo, hi = r["measured_ci95_both"]
@@ -354,8 +223,7 @@ def write_markdown(result: dict, path: str) -> None:
                      f"| {m['ttft_only']:.0%} / {s['ttft_only']:.0%} | {m['tpot_only']:.0%} / {s['tpot_only']:.0%} "
                      f"| {_ms(ml.get('ttft_p50'))} / {_ms(sl.get('ttft_p50'))} | {_ms(ml.get('tpot_p50'))} / {_ms(sl.get('tpot_p50'))} "
                      f"| {_ms(r['prefill_tokens_per_s']['measured'])} / {_ms(r['prefill_tokens_per_s']['simulated'])} |"
-                     + (" " + " / ".join(f"{b:.1%}" for b in r["measured_per_repeat_both"]) + " |" if repeats else "")
-                     + (" " + " / ".join(_speed_cell(e) for e in r["speed"]) + " |" if scaled else ""))
+                     + (" " + " / ".join(f"{b:.1%}" for b in r["measured_per_repeat_both"]) + " |" if repeats else ""))
     other = "server" if result["timing"] == "client" else "client"
     beside = [r.get(f"measured_{other}_clock_both") for r in result["rows"]]
     if all(b is not None for b in beside):
@@ -370,8 +238,7 @@ def write_markdown(result: dict, path: str) -> None:
               "", "Prefill tok/s: prompt tokens over the span of first tokens. Where the rate exceeds what the "
                   "prefill pool sustains, this is its throughput under load; near that capacity a few per cent of "
                   "it move attainment by tens of points."]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(path, lines)
 
 
 def plot(result: dict, path: str) -> None:
@@ -396,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", required=True, action="append",
                     help="a sweep JSON written by benchmarks/slo_sweep.py; repeat the flag to pool sweeps rate by "
-                         "rate: repeats of one trace (benchmarks/sweep_repeat.py shows how far they differ) or other "
-                         "draws of the same workload (another --seed, at any rates)")
+                         "rate: repeats of one trace or other draws of the same workload (another --seed, at any "
+                         "rates)")
     ap.add_argument("--profile", required=True, help="profile JSON of the machine the sweep ran on")
     ap.add_argument("--config", required=True, help="the cluster YAML the sweep's server ran")
     ap.add_argument("--seeds", type=int, default=5, help="simulations per rate (acceptance is random)")
@@ -406,50 +273,43 @@ def main(argv: list[str] | None = None) -> int:
                          "user sees) or the server's usage report (server, without the load generator's lateness)")
     ap.add_argument("--arrivals", default="sent", choices=ARRIVALS,
                     help="simulated arrivals: when each request was sent (sent) or when the trace asked (trace)")
-    ap.add_argument("--speed", default="auto", choices=SPEEDS,
-                    help="load: simulate each rate on the profile rescaled by the workers' timed passes during it (the "
-                         "machine's speed under that load); probe: by the sweep's speed probes around it (the idle "
-                         "machine's speed then); none: the profile as it is; auto (default): load where every sweep "
-                         "kept pass logs, else probe where every sweep has probes, else none")
-    ap.add_argument("--speed-window", type=float, default=None, metavar="SECONDS",
-                    help="with --speed load: also read the load speed window by window through each rate (every "
-                         "SECONDS of its pass log) and scale each simulated step by its window's factor (the "
-                         "machine's drift within a rate); default: one factor per rate")
+    ap.add_argument("--host-contention", default=None, metavar="FILE",
+                    help="simulate with this host-contention plug-in (benchmarks/host_contention.py's JSON, measured "
+                         "on the machine the sweep ran on, for the config's mode); default: none")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", required=True, help="output prefix (writes .json, .md, .png)")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error("--seeds: must be >= 1")
-    if args.speed_window is not None and not (args.speed_window > 0 and math.isfinite(args.speed_window)):
-        ap.error(f"--speed-window: expected a positive number of seconds, got {args.speed_window!r}")
-    from benchmarks.sweep_repeat import check_pool  # (sweep_repeat imports this module)
-
     sweeps = []
     for path in args.sweep:
-        with open(path, encoding="utf-8") as f:
-            sweeps.append(json.load(f))
-    profile = Profile.load(args.profile)
-    # a CPU config whose threads outnumber the cores shares them (the profile's core sharing times its steps)
-    config = SimConfig.from_cluster_config(load_config(args.config),
-                                           cores=profile.devices_per_node if profile.device_type == "cpu" else None)
+        try:
+            with open(path, encoding="utf-8") as f:
+                sweeps.append(json.load(f))
+        except (OSError, ValueError) as err:
+            ap.error(f"--sweep {path}: cannot read a sweep JSON ({err})")
     try:
+        profile = Profile.load(args.profile)
+        config = SimConfig.from_cluster_config(load_config(args.config))
+        contention = HostContention.load(args.host_contention) if args.host_contention else None
+        if contention is not None and contention.mode != config.mode:
+            raise ValueError(f"--host-contention {args.host_contention}: measured for {contention.mode} mode, but "
+                             f"--config {args.config} runs {config.mode}")
         check_pool(sweeps, [f"--sweep {path}" for path in args.sweep])
-        pass_logs = [_pass_logs.load(path, sweep) for path, sweep in zip(args.sweep, sweeps)]
-        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, args.speed, pass_logs,
-                         args.speed_window)
-    except ValueError as err:  # SweepMismatch too
+        result = compare(sweeps, profile, config, args.seeds, args.timing, args.arrivals, contention)
+    except ValueError as err:  # ProfileError, ConfigError and SweepMismatch are ValueErrors
         ap.error(str(err))
     sweep = sweeps[0]
     result.update(label=args.label or sweep["settings"].get("label", os.path.basename(args.config)),
                   sweep=", ".join(os.path.relpath(p, ROOT) for p in args.sweep), profile=os.path.relpath(args.profile, ROOT),
                   hardware=profile.hardware, workload=sweep["settings"]["workload"], seeds=args.seeds,
-                  command="python benchmarks/sim_validate.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    write_markdown(result, args.out + ".md")
+                  host_contention=None if contention is None else {
+                      "file": os.path.relpath(args.host_contention, ROOT), "summary": contention.summary(),
+                      "mode": contention.mode, "threads": contention.threads},
+                  command="python benchmarks/sim_validate.py "
+                          + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
+    record(result, args.out, write_markdown)
     plot(result, args.out + ".png")
-    print(open(args.out + ".md", encoding="utf-8").read())
     return 0
 
 

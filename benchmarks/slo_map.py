@@ -47,6 +47,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks._sweeps import SweepMismatch, check_pool  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, outcome_of  # noqa: E402
 from controller.planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
 
@@ -91,11 +92,9 @@ def _read_json(path: str) -> dict:
 
 def load_sweep(spec: str, timing: str = "client") -> SweepOutcomes:
     """Read a ``slo_sweep.py`` JSON file, or several as comma-separated files pooled rate by rate (the module
-    docstring; ``sweep_repeat.check_pool``): every sweep must draw the first's workload, and a sweep with an
+    docstring; ``benchmarks/_sweeps.py``): every sweep must draw the first's workload, and a sweep with an
     earlier one's seed must send its requests (at the rates both ran, request by request). ``timing``: whose
     clock the TTFT / TPOT come from."""
-    from benchmarks.sweep_repeat import SweepMismatch, check_pool
-
     paths = [p for p in spec.split(",") if p]
     sweeps = [_read_json(p) for p in paths]
     parts = [sweep_outcomes(sweep, path, timing) for sweep, path in zip(sweeps, paths)]

@@ -16,17 +16,14 @@ source (the bundled model never trained on them) tokenized with the model's toke
 sent as token ids, at seeded offsets that differ per rate (no prefix-cache hits across rates).
 Requests go out at their arrival times whatever is still running (open loop), greedy by default, with
 ``ignore_eos`` and ``max_tokens`` = the trace's output length. A few warm-up requests run first and are
-not recorded. Before every rate and after the last, with the server idle, ``--speed-probes`` lone requests
-of one fixed shape measure how fast the machine runs then (``benchmarks/_speed_probe.py``; recorded with the
-rate, read by ``sim_validate.py``). Against magicserve (``--pass-log auto``), the workers' own timed passes of
-every rate are drained once the rate is over (``DrainPassLog``; a launched server enables it) and kept in
-PREFIX.passes.json.gz (``benchmarks/_pass_logs.py``): how fast the machine ran under that load. Each rate has
-a time limit; requests not finished by then are cancelled and recorded as unfinished, and never attain.
-Errors are recorded, not raised.
+not recorded; between rates the sweep waits for the server to drain. Each rate has a time limit; requests
+not finished by then are cancelled and recorded as unfinished, and never attain. Errors are recorded, not
+raised.
 
 Times are taken on the client: TTFT at the first streamed token, TPOT = (last token time - first token
-time) / (tokens - 1), end to end at the final message. Attainment and goodput are
-``controller.planner.slo``'s (shared with the simulator).
+time) / (tokens - 1), end to end at the final message; magicserve also reports its own TTFT / TPOT (from
+the request's arrival at its router), kept beside them. Attainment and goodput are
+``controller.planner.slo``'s (shared with the simulator, ``benchmarks/sim_validate.py``).
 
 Writes PREFIX.json (settings, per rate: per-request records, attainment, latency percentiles; goodput;
 attainment against an SLO scale), PREFIX.md and two figures: PREFIX_rate.png (attainment vs rate: both
@@ -50,17 +47,19 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import _pass_logs  # noqa: E402
-from benchmarks._speed_probe import probe_latency_ms, probe_prompt_tokens, run_probe  # noqa: E402
-from benchmarks._slo_targets import (GrpcTarget, OpenAITarget, RequestRecord, TargetError,  # noqa: E402
-                                     finished_normally, parse_http_url)
+# the targets and the servers a sweep launches (ChunkedDecoder, SSEParser and ManagedServer re-exported: this
+# script is the public entry point of its helper modules)
+from benchmarks._slo_launch import (LaunchError, ManagedServer, free_port, magicserve_server,  # noqa: E402, F401
+                                    vllm_server)
+from benchmarks._slo_targets import (ChunkedDecoder, GrpcTarget, OpenAITarget, RequestRecord,  # noqa: E402, F401
+                                     SSEParser, TargetError, finished_normally, parse_http_url)
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from controller.planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
 from controller.planner.workload import (WORKLOADS, RequestSpec, WorkloadError, load_trace, make_trace,  # noqa: E402
@@ -167,9 +166,6 @@ class RateRun:
     records: list[RequestRecord]
     duration_s: float
     loop_lag_max_s: float
-    speed_probe: list[dict] = field(default_factory=list)  # the probe set sent just before the rate
-    pass_log: list[dict] | None = None  # the workers' passes during the rate (``_pass_logs``); None: not collected
-    wall_start_s: float | None = None  # Unix time of the rate's clock zero (the pass logs' clock: they align)
 
 
 async def _watch_loop_lag(lags: list[float], period_s: float = 0.02) -> None:
@@ -184,7 +180,7 @@ async def run_rate(target, plan: RatePlan, args, tag: str) -> RateRun:
     """Send ``plan``'s requests at their arrival times (open loop), whatever is still running.
     Requests still running at the time limit are cancelled and marked unfinished."""
     loop = asyncio.get_running_loop()
-    t0, wall_t0 = loop.time(), time.time()
+    t0 = loop.time()
 
     def clock() -> float:
         return loop.time() - t0
@@ -229,7 +225,7 @@ async def run_rate(target, plan: RatePlan, args, tag: str) -> RateRun:
     for rec in records:
         if rec.finish_reason is None and rec.error is None:
             rec.finish_reason = "unfinished"
-    return RateRun(records, duration, lags[0], wall_start_s=wall_t0)
+    return RateRun(records, duration, lags[0])
 
 
 async def warm_up(target, prompts: list[tuple[int, list[int]]], trace: list[RequestSpec], args, tag: str) -> None:
@@ -248,37 +244,18 @@ async def warm_up(target, prompts: list[tuple[int, list[int]]], trace: list[Requ
         print(f"warm-up request failed: {e}", file=sys.stderr)
 
 
-async def sweep(target, plans: list[RatePlan], warm: list[tuple[int, list[int]]], args, on_rate,
-                probes: list[list[list[int]]] | None = None) -> tuple[dict, list[dict]]:
-    """Warm up, then every rate in turn (waiting for the server to drain in between). ``probes``: one set of
-    speed-probe prompts per rate plus one, sent with the server idle before each rate and after the last.
-    Returns what the server says about itself and the records of the probe set sent after the last rate."""
+async def sweep(target, plans: list[RatePlan], warm: list[tuple[int, list[int]]], args, on_rate) -> dict:
+    """Warm up, then every rate in turn, each once the server is idle (the previous rate drained);
+    ``on_rate(plan, run)`` after each. Returns what the server says about itself."""
     tag = f"slo{random.randrange(16 ** 6):06x}"
-    probes = probes or [[] for _ in range(len(plans) + 1)]
-    passes = _pass_logs.PassLogCollector(target) if args.pass_log == "auto" else None
-
-    async def wait_idle() -> None:
-        if not await target.wait_idle(60.0):
-            print("server still busy 60 s after the previous rate; going on", file=sys.stderr)
-
-    async def idle_probe(i: int) -> list[dict]:
-        await wait_idle()
-        return await run_probe(target, probes[i], f"{tag}-p{i}") if probes[i] else []
-
     try:
         server = await target.start()
         await warm_up(target, warm, plans[0].trace, args, tag)
         for i, plan in enumerate(plans):
-            before = await idle_probe(i)
-            if passes:
-                await passes.drain()  # the warm-up's and the probes' passes: not the rate's
-            run = await run_rate(target, plan, args, f"{tag}-r{i}")
-            run.speed_probe = before
-            if passes:
-                await wait_idle()  # cancelled requests' last passes belong to the rate too
-                run.pass_log = await passes.drain()
-            on_rate(plan, run)
-        return server, await idle_probe(len(plans))
+            if not await target.wait_idle(60.0):
+                print("server still busy 60 s after the previous rate; going on", file=sys.stderr)
+            on_rate(plan, await run_rate(target, plan, args, f"{tag}-r{i}"))
+        return server
     finally:
         await target.close()
 
@@ -326,8 +303,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize_rate(rate: float, records: list[dict], duration_s: float, time_limit_s: float,
-                   ttft_slo_s: float, tpot_slo_s: float, loop_lag_max_s: float = 0.0,
-                   speed_probe: list[dict] | None = None) -> dict:
+                   ttft_slo_s: float, tpot_slo_s: float, loop_lag_max_s: float = 0.0) -> dict:
     finished = [r for r in records if outcome_of(r).ok]
     send_lag = [r["sent_s"] - r["arrival_s"] for r in records if r["sent_s"] is not None]
     draft = sum(r["draft_tokens"] or 0 for r in finished)
@@ -346,7 +322,6 @@ def summarize_rate(rate: float, records: list[dict], duration_s: float, time_lim
         "client": {"send_lag_max_s": max(send_lag, default=0.0), "loop_lag_max_s": loop_lag_max_s},
         **server_view(records, ttft_slo_s, tpot_slo_s),
         "records": records,
-        "speed_probe": speed_probe or [],
     }
 
 
@@ -437,14 +412,6 @@ def write_markdown(result: dict, path: str) -> None:
             lines.append(f"| {r['rate']:g} | {a['both']:.0%} | {a['ttft_only']:.0%} | {a['tpot_only']:.0%} "
                          f"| {_fmt_ms(lat['ttft_p50'])} / {_fmt_ms(lat['ttft_p90'])} "
                          f"| {_fmt_ms(lat['tpot_p50'])} / {_fmt_ms(lat['tpot_p90'])} |")
-    lines += probe_lines(result)
-    if result.get("pass_log_file"):
-        logs = [r["pass_log"] for r in result["rates"]]
-        dropped = sum(p["dropped"] for p in logs)
-        lines += ["", f"Workers' pass logs (their timed passes during each rate, for `sim_validate.py --speed load`): "
-                  f"`{result['pass_log_file']}`, " + ", ".join(f"{r['rate']:g} req/s {p['passes']}" for r, p in
-                                                               zip(result["rates"], logs))
-                  + " passes; " + (f"**{dropped} dropped** (full logs)." if dropped else "none dropped.")]
     errors = sorted({rec["error"] for r in result["rates"] for rec in r["records"] if rec["error"]})
     if errors:
         lines += ["", "Errors seen: " + "; ".join(f"`{e[:120]}`" for e in errors[:5])]
@@ -459,24 +426,6 @@ def write_markdown(result: dict, path: str) -> None:
               f"![attainment vs SLO scale]({os.path.basename(files['scale_png'])})", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
-
-
-def probe_lines(result: dict) -> list[str]:
-    """The speed probes as a table (empty where the sweep sent none): how fast the machine served a lone
-    request before each rate and after the last; a drift shows here before it shows in attainment."""
-    sets = [(f"before {r['rate']:g} req/s", r.get("speed_probe") or []) for r in result["rates"]]
-    sets.append(("after the last rate", result.get("speed_probe_after") or []))
-    if not any(recs for _, recs in sets):
-        return []
-    first = next(recs for _, recs in sets if recs)[0]
-    lines = ["", f"Speed probes (lone requests on the idle server, {first['prompt_tokens']}-token prompts, "
-                 f"{first['output_tokens']} tokens out; `sim_validate.py` reads them as the machine's speed):", "",
-             "| when | probes | TTFT p50 (ms) | TPOT p50 (ms) |", "|---|---:|---:|---:|"]
-    for when, recs in sets:
-        lat = probe_latency_ms(recs)
-        lines.append(f"| {when} | {lat['requests']} of {len(recs)} | {_fmt_ms(lat['ttft_p50'])} "
-                     f"| {_fmt_ms(lat['tpot_p50'])} |")
-    return lines
 
 
 def write_outputs(result: dict, prefix: str) -> dict:
@@ -532,9 +481,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vllm-kv-space-gib", type=float, default=4.0, help="--launch-vllm: VLLM_CPU_KVCACHE_SPACE")
     t.add_argument("--vllm-args", default="", help="--launch-vllm: extra server arguments (one shell-quoted string)")
     t.add_argument("--launch-timeout-s", type=float, default=600.0, help="how long a launched server may take to start")
-    t.add_argument("--server-nice", type=int, default=0,
-                   help="--launch / --launch-vllm: niceness added to the launched server (0-19), so that the load "
-                        "generator, sharing the cores, sends and reads on time")
     w = ap.add_argument_group("workload")
     w.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
     w.add_argument("--trace", default=None, help="JSON-lines trace (arrival_s, prompt_tokens, output_tokens) "
@@ -548,13 +494,6 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", default=None, help="checkpoint directory whose tokenizer builds the prompts "
                                                  "(default: the launched model, else the bundled one)")
     w.add_argument("--warmup", type=int, default=2, help="warm-up requests (not recorded)")
-    w.add_argument("--speed-probes", type=int, default=3,
-                   help="lone requests (a 512-token prompt, 16 tokens out) sent with the server idle before every "
-                        "rate and after the last: how fast the machine ran then, for sim_validate (0: none)")
-    w.add_argument("--pass-log", default="auto", choices=["auto", "off"],
-                   help="auto: drain the magicserve workers' timed passes after every rate (DrainPassLog; --launch "
-                        "enables it on the server it starts) into PREFIX.passes.json.gz, for sim_validate's load "
-                        "speed; skipped where the server does not serve it. off: never")
     w.add_argument("--time-limit-s", type=float, default=None,
                    help="per rate, from its start (default: the last arrival + 60 s)")
     s = ap.add_argument_group("SLOs and output")
@@ -612,14 +551,10 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
                         ("--launch-timeout-s", args.launch_timeout_s)):
         if value is not None and value <= 0:
             ap.error(f"{flag}: must be > 0, got {value:g}")
-    if not 0 <= args.server_nice <= 19:
-        ap.error(f"--server-nice: must be in 0..19, got {args.server_nice}")
     if args.num_requests is not None and args.num_requests < 1:
         ap.error(f"--num-requests: must be >= 1, got {args.num_requests}")
     if args.warmup < 0:
         ap.error(f"--warmup: must be >= 0, got {args.warmup}")
-    if args.speed_probes < 0:
-        ap.error(f"--speed-probes: must be >= 0, got {args.speed_probes}")
     if args.temperature < 0:
         ap.error(f"--temperature: must be >= 0 (0 = greedy), got {args.temperature:g}")
     if not 0 < args.attainment_target <= 1:
@@ -647,7 +582,7 @@ def resolve(ap: argparse.ArgumentParser, args) -> list[RequestSpec] | None:
     args.tpot_slo_ms = args.tpot_slo_ms or (launched.slo.tpot_ms if launched else DEFAULT_TPOT_SLO_MS)
     if launched is not None:
         host = launched.server.host if launched.server.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-        args.address = f"{host}:{_free_port()}"
+        args.address = f"{host}:{free_port()}"
     args.label = args.label or ("magicserve" if args.target == "grpc" else "vllm")
     args.cores = args.cores or float(os.cpu_count() or 1)
     args.out = args.out or os.path.join(RESULTS, f"slo_sweep_{args.workload if not args.trace else 'trace'}_{args.label}")
@@ -674,35 +609,25 @@ def reference_trace(args, base: list[RequestSpec] | None) -> list[RequestSpec]:
     return base or make_trace(workload_shape(args.workload), args.rates[0], args.num_requests, args.seed, args.cv)
 
 
-def _free_port() -> int:
-    from benchmarks._slo_launch import free_port
-
-    return free_port()
-
-
 def settings_of(args) -> dict:
     keys = ("target", "address", "url", "served_model", "launch", "launch_vllm", "max_model_len", "vllm_kv_space_gib",
             "vllm_args", "workload", "trace", "num_requests", "rates", "cv", "seed", "temperature", "model", "warmup",
-            "speed_probes", "pass_log", "time_limit_s", "ttft_slo_ms", "tpot_slo_ms", "attainment_target", "slo_scales",
-            "scale_rate", "label", "cores", "server_nice")
+            "time_limit_s", "ttft_slo_ms", "tpot_slo_ms", "attainment_target", "slo_scales", "scale_rate", "label",
+            "cores")
     return {k: getattr(args, k) for k in keys}
 
 
 @contextlib.contextmanager
 def launched_server(args):
     """The server the flags ask to start (None for an external one); stopped on the way out."""
-    from benchmarks._slo_launch import free_port, magicserve_server, vllm_server
-
     if args.launch:
         host, port = args.address.rsplit(":", 1)
-        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s, nice=args.server_nice,
-                                   pass_log_rpc=args.pass_log == "auto")
+        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s)
     elif args.launch_vllm:
         port = free_port()
         args.url = f"http://127.0.0.1:{port}"
         server = vllm_server(args.launch_vllm, port, args.max_model_len, args.vllm_kv_space_gib,
-                             args.launch_timeout_s, shlex.split(args.vllm_args), args.vllm_python,
-                             nice=args.server_nice)
+                             args.launch_timeout_s, shlex.split(args.vllm_args), args.vllm_python)
     else:
         yield None
         return
@@ -726,12 +651,10 @@ def sigterm_unwinds():
 @dataclass
 class Prepared:
     """Everything a sweep sends, built before any server starts (no tokenizing while measuring; a bad
-    --model fails early): every rate's requests and prompts, the warm-up prompts, and one set of
-    speed-probe prompts per rate plus one (each set at its own offsets: no prompt is sent twice)."""
+    --model fails early): every rate's requests and prompts, and the warm-up prompts."""
 
     plans: list[RatePlan]
     warm: list[tuple[int, list[int]]]
-    probes: list[list[list[int]]]
 
 
 def prepare(args, base_trace: list[RequestSpec] | None) -> Prepared:
@@ -739,9 +662,7 @@ def prepare(args, base_trace: list[RequestSpec] | None) -> Prepared:
     corpus = heldout_corpus(args.model, max(CORPUS_MIN_TOKENS, 4 * longest))
     plans = plan_rates(args, base_trace, corpus)
     warm = make_prompts(corpus, [r.prompt_tokens for r in plans[0].trace[: args.warmup]], seed=args.seed * 1000)
-    sets, n = len(plans) + 1, args.speed_probes
-    flat = make_prompts(corpus, [probe_prompt_tokens(longest)] * (sets * n), seed=args.seed * 1000 + 999)
-    return Prepared(plans, warm, [[ids for _, ids in flat[i * n:(i + 1) * n]] for i in range(sets)])
+    return Prepared(plans, warm)
 
 
 def new_result(args, argv: list[str] | None) -> dict:
@@ -752,26 +673,11 @@ def new_result(args, argv: list[str] | None) -> dict:
             "settings": None, "rates": []}
 
 
-def record_rate(args, result: dict, pass_logs: list[dict], plan: RatePlan, run: RateRun) -> None:
-    """Summarise one rate into ``result``, report it, and save what there is so far (the workers' pass logs,
-    when collected, into ``pass_logs`` and PREFIX.passes.json.gz)."""
+def record_rate(args, result: dict, plan: RatePlan, run: RateRun) -> None:
+    """Summarise one rate into ``result``, report it, and save what there is so far (PREFIX.partial.json)."""
     row = summarize_rate(plan.rate, [r.to_json() for r in run.records], run.duration_s, plan.time_limit_s,
-                         args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, run.loop_lag_max_s, run.speed_probe)
-    if run.wall_start_s is not None:
-        row["wall_start_s"] = run.wall_start_s  # aligns the rate's records with its pass log (sim_validate)
+                         args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, run.loop_lag_max_s)
     result["rates"].append(row)
-    if run.pass_log is not None and len(pass_logs) == len(result["rates"]) - 1:  # every rate so far has one
-        row["pass_log"] = _pass_logs.summary(run.pass_log)
-        pass_logs.append({"rate": plan.rate, "instances": run.pass_log})
-        _pass_logs.write(args.out + _pass_logs.SUFFIX, pass_logs)
-        result["pass_log_file"] = os.path.basename(args.out + _pass_logs.SUFFIX)
-        if row["pass_log"]["dropped"]:
-            print(f"pass logs: the workers dropped {row['pass_log']['dropped']} passes of this rate (their logs were "
-                  "full): its load speed reads only the later part", file=sys.stderr)
-    elif result.pop("pass_log_file", None):  # a rate without: the file would not cover the sweep
-        print("pass logs: missing for this rate; the sweep keeps none", file=sys.stderr)
-        with contextlib.suppress(OSError):
-            os.remove(args.out + _pass_logs.SUFFIX)
     a = row["attainment"]
     print(f"rate {plan.rate:g} req/s: attainment both {a['both']:.0%}, TTFT {a['ttft_only']:.0%}, "
           f"TPOT {a['tpot_only']:.0%}; {row['finished']} finished, {row['errors']} errors, "
@@ -781,8 +687,6 @@ def record_rate(args, result: dict, pass_logs: list[dict], plan: RatePlan, run: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks._slo_launch import LaunchError
-
     ap = build_parser()
     args = ap.parse_args(argv)
     validate(ap, args)
@@ -794,9 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_unwinds(), launched_server(args) as server:
             result["settings"] = settings_of(args)
             target = GrpcTarget(args.address) if args.target == "grpc" else OpenAITarget(args.url, args.served_model)
-            on_rate = functools.partial(record_rate, args, result, [])
-            result["server"], result["speed_probe_after"] = asyncio.run(
-                sweep(target, prepared.plans, prepared.warm, args, on_rate, prepared.probes))
+            on_rate = functools.partial(record_rate, args, result)
+            result["server"] = asyncio.run(sweep(target, prepared.plans, prepared.warm, args, on_rate))
             if server is not None:
                 result["server"].update(startup_s=server.startup_s, log=server.log_path)
     except (TargetError, LaunchError) as err:

@@ -12,7 +12,6 @@ The classes are plain; ``ray_actor_class`` wraps them with ``ray.remote`` (threa
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import traceback
@@ -116,19 +115,6 @@ class _LoopActor:
     def _pass_log(self):
         return self.worker.pass_log
 
-    def set_niceness(self, niceness: int) -> dict:
-        """Set every thread of this worker process to ``niceness`` (``ray.worker_niceness``); returns the
-        process id and each thread's niceness as read back."""
-        from controller.niceness import set_process_niceness
-
-        return set_process_niceness(niceness)
-
-    def niceness(self) -> dict:
-        """This worker process's id and each of its threads' niceness."""
-        from controller.niceness import thread_niceness
-
-        return {"pid": os.getpid(), "niceness": thread_niceness()}
-
     def ping(self) -> str:
         if self._crashed:
             raise RuntimeError(f"worker loop crashed: {self._crashed}")
@@ -142,20 +128,14 @@ class _LoopActor:
 class PrefillActor(_LoopActor):
     """A prefill instance: chunked prefill, first tokens, KV sent to decode instances."""
 
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, busy_threads: int = 0,
-                 decode_signals: tuple[str, ...] = ()):
-        """``busy_threads`` > 0: run each step on that many threads while a decode instance whose busy flag is
-        at one of ``decode_signals`` is busy (``controller/busy_signal.py``), on ``threads`` otherwise."""
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1):
         import torch
 
-        from controller.busy_signal import BusySignal, ThreadsBesideBusy
         from prefill_worker.worker import PrefillWorker
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
         self.worker = PrefillWorker(model_path, config, instance_id)
-        self._threads = (ThreadsBesideBusy(threads, busy_threads, [BusySignal(p) for p in decode_signals])
-                         if busy_threads and decode_signals else None)
         self._start_loop(f"prefill-loop-{instance_id}")
 
     def connect(self, decode_id: str, host: str, port: int, generation: int = 0) -> None:
@@ -174,16 +154,11 @@ class PrefillActor(_LoopActor):
 
     def status(self) -> dict:
         with self._gate.call():
-            out = _scheduler_status(self.instance_id, "prefill", self.worker)
-            if self._threads is not None:  # steps run beside a busy decode instance on fewer threads
-                out.update(threads=self._threads.current, thread_switches=self._threads.switches)
-            return out
+            return _scheduler_status(self.instance_id, "prefill", self.worker)
 
     def _step(self) -> list:
         if not self.worker.has_work() and not self.worker.sender.pending():
             return []
-        if self._threads is not None:
-            self._threads.apply()
         out = self.worker.step()
         return [] if out.empty else [out]
 
@@ -191,13 +166,8 @@ class PrefillActor(_LoopActor):
 class DecodeActor(_LoopActor):
     """A decode instance: receives KV, admits sequences when their KV is complete, speculates."""
 
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
-                 busy_signal: str | None = None):
-        """``busy_signal``: a file where this instance flags whether it is decoding, for prefill instances
-        sharing its cores (``controller/busy_signal.py``)."""
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None):
         import torch
-
-        from controller.busy_signal import BusySignal
 
         from decode_worker.worker import DecodeWorker
         from kv_transfer.channel import TransferConfig
@@ -214,7 +184,6 @@ class DecodeActor(_LoopActor):
                                    HeadRange(0, mc.num_key_value_heads), transfer_config or TransferConfig())
         self._arrived: set[str] = set()  # KV complete, waiting for the router's admit
         self._to_admit: dict = {}  # DecodeRequest waiting for its KV
-        self._busy = BusySignal(busy_signal) if busy_signal else None
         self._start_loop(f"decode-loop-{instance_id}")
 
     def connect(self, prefill_id: str, host: str, port: int, generation: int = 0) -> None:
@@ -265,11 +234,7 @@ class DecodeActor(_LoopActor):
             self._arrived.discard(rid)
             produced.extend(self.worker.admit(self._to_admit.pop(rid)))
         if self.worker.has_work():
-            if self._busy is not None:
-                self._busy.set(True)
             produced.extend(self.worker.step())
-        if self._busy is not None:
-            self._busy.set(self.worker.has_work())  # stays set across back-to-back steps
         return produced
 
 

@@ -81,19 +81,12 @@ PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
 
   measured (this machine, the config's model, dtype, drafter and threads per worker):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json [--quick] [--calibrate]
-  calibration of the serving path for another mode's config (e.g. colocated), into the same profile; its
-  contention burst shaped like the workload you plan for (how much instances slow each other depends on it):
-    magicserve profile --config cluster_configs/local-colocated.yaml --out PROFILE.json --calibrate-only \
-        [--burst-workload long_doc]
+  calibration of the serving path for another mode's config (e.g. colocated), into the same profile:
+    magicserve profile --config cluster_configs/local-colocated.yaml --out PROFILE.json --calibrate-only
   the config mode's calibration fitted again to the measurements the profile keeps (after a change of the fit):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --refit-calibration
-  more CPU thread counts (instances of tensor_parallel T = T threads) and how prefill and decode instances
-  whose threads outnumber the cores slow each other (what `magicserve plan` needs to share cores):
+  more CPU thread counts (instances of tensor_parallel T = T threads):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --add-threads 2
-  that slowdown measured served (a burst through the shared config; after --add-threads and the mode's
-  calibration on a config with a core per thread; about 2 min):
-    magicserve profile --config cluster_configs/local-prefill2.yaml --out PROFILE.json --calibrate-only \
-        [--burst-workload long_doc]
   analytical (a GPU type from controller/planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
     magicserve profile --analytical --gpu H100-80GB-SXM --model llama-3.1-8b|HF_CHECKPOINT_DIR --out PROFILE.json
         [--acceptance-from MEASURED.json | --acceptance self_sparse:256:0.8 ...] [--transfer-gbps 25]
@@ -114,20 +107,8 @@ def _add_profile_parser(sub) -> None:
     p.add_argument("--refit-calibration", action="store_true",
                    help="fit the config mode's calibration again to the measurements stored in --out (no serving)")
     p.add_argument("--calibration-requests", type=int, default=16, help="isolated requests timed for calibration")
-    p.add_argument("--burst-requests", type=int, default=40,
-                   help="overlapping requests of the calibration burst that measures contention (0: skip it) or, "
-                        "for a config whose instances share cores, their core sharing")
-    from controller.planner.workload import WORKLOADS
-
-    p.add_argument("--burst-workload", choices=sorted(WORKLOADS), default=None,
-                   help="with --calibrate / --calibrate-only: draw the burst's lengths from this workload's shape "
-                        "(the one you plan for), for the mode's contention terms or a shared pair's core sharing; "
-                        "default: the calibration's generic lengths")
     p.add_argument("--add-threads", type=int, nargs="+", default=None, metavar="T",
-                   help="extend the CPU profile at --out with instances of T torch threads (tensor_parallel T) and the "
-                        "core sharing of prefill/decode pairs whose threads outnumber the cores (minutes each)")
-    p.add_argument("--sharing-seconds", type=float, default=12.0,
-                   help="timing window per role and state of a core-sharing measurement (--add-threads)")
+                   help="extend the CPU profile at --out with instances of T torch threads (tensor_parallel T)")
     p.add_argument("--analytical", action="store_true", help="model a GPU type instead of measuring")
     p.add_argument("--gpu", help="GPU type (analytical), e.g. A100-80GB-SXM, H100-80GB-SXM, H200-141GB, L40S")
     p.add_argument("--model", help="model (analytical): llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir")

@@ -14,7 +14,6 @@ import logging
 import os
 
 from controller.actors import ColocatedActor, DecodeActor, PrefillActor, ray_actor_class
-from controller.busy_signal import signal_path
 from controller.config import ClusterConfig
 from controller.router import Instance
 from decode_worker.config import DecodeWorkerConfig
@@ -73,7 +72,6 @@ class Cluster:
         self.decode: list[Instance] = []
         self.colocated: list[Instance] = []
         self._groups = []
-        self._busy_signals: dict[str, str] = {}  # decode instance name -> its busy-flag file
         self._store = None
         self.rendezvous: Rendezvous | None = None
         self._started_ray = False
@@ -91,8 +89,6 @@ class Cluster:
             self._start_colocated(model)
         else:
             self._start_disaggregated(model)
-        if self.config.ray.worker_niceness is not None:
-            ray.get([i.handle.set_niceness.remote(self.config.ray.worker_niceness) for i in self.instances])
         log.info("cluster up: %s", self.config.describe_pools())
 
     @property
@@ -105,15 +101,9 @@ class Cluster:
         self._store, self.rendezvous = Rendezvous.host_store(self.config.kv_transfer.rendezvous_host)
         pcfg, dcfg = prefill_worker_config(self.config), decode_worker_config(self.config)
         p, d = self.config.prefill, self.config.decode
-        # prefill threads that yield to busy decode instances: each decode instance flags its steps in a file
-        self._busy_signals = ({f"decode-{i}": signal_path(f"{os.getpid()}-{id(self)}", f"decode-{i}")
-                               for i in range(d.instances)} if p.threads_when_decode_busy else {})
-        signals = tuple(self._busy_signals.values())
-        self.prefill = self._start_pool("prefill", p, PrefillActor,
-                                        lambda name: (model, pcfg, name, p.threads, p.threads_when_decode_busy, signals))
+        self.prefill = self._start_pool("prefill", p, PrefillActor, lambda name: (model, pcfg, name, p.threads))
         self.decode = self._start_pool("decode", d, DecodeActor,
-                                       lambda name: (model, dcfg, name, d.threads, transfer_config(self.config),
-                                                     self._busy_signals.get(name)))
+                                       lambda name: (model, dcfg, name, d.threads, transfer_config(self.config)))
         ray.get([i.handle.ping.remote() for i in self.instances])
         self._connect_all()
 
@@ -181,9 +171,7 @@ class Cluster:
         ray.get(refs, timeout=self.config.kv_transfer.timeout_s * 4 + 60)
 
     async def rewire(self, inst: Instance) -> None:
-        """Re-form every KV channel of an instance that Ray restarted (and set its new process's niceness)."""
-        if self.config.ray.worker_niceness is not None:
-            await inst.handle.set_niceness.remote(self.config.ray.worker_niceness)
+        """Re-form every KV channel of an instance that Ray restarted."""
         peers = self.decode if inst.role == "prefill" else self.prefill
         refs = []
         for peer in peers:
@@ -227,11 +215,6 @@ class Cluster:
             try:
                 ray.util.remove_placement_group(g)
             except Exception:
-                pass
-        for path in self._busy_signals.values():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
                 pass
         if self._started_ray:
             ray.shutdown()

@@ -60,9 +60,6 @@ class RaySection:
     num_cpus: int | None = None  # local Ray only
     num_gpus: int | None = None  # local Ray only: logical GPUs to declare (placement tests on CPU)
     namespace: str = "magicserve"
-    # the workers' niceness, set in each worker process once started (``controller/niceness.py``); None keeps
-    # Ray's (15 for the workers of a local Ray, below the gRPC server and Ray's own daemons at 0)
-    worker_niceness: int | None = None
 
     def check(self) -> list[tuple[str, str]]:
         errs = []
@@ -70,9 +67,6 @@ class RaySection:
             v = getattr(self, name)
             if v is not None and v < 0:
                 errs.append((name, f"must be >= 0, got {v}"))
-        n = self.worker_niceness
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 19):
-            errs.append(("worker_niceness", f"must be an integer in 0..19 or null (Ray's own), got {n!r}"))
         if self.address and not re.fullmatch(r"auto|(ray://)?[\w.\-]+:\d+", self.address):
             errs.append(("address", f"must be empty, 'auto', 'host:port' or 'ray://host:port', got {self.address!r}"))
         return errs
@@ -112,18 +106,9 @@ class PoolSection:
 class PrefillSection(PoolSection):
     chunk_tokens: int = 512  # token budget per prefill step (chunked prefill)
     max_batch_prompts: int = 16
-    # CPU, threads sharing cores with decode: run a step on this many threads while a decode instance is busy
-    # (controller/busy_signal.py); 0 = always ``threads``
-    threads_when_decode_busy: int = 0
 
     def check(self) -> list[tuple[str, str]]:
-        errs = super().check() + _at_least_one(self, ("chunk_tokens", "max_batch_prompts"))
-        if not 0 <= self.threads_when_decode_busy <= self.threads:
-            errs.append(("threads_when_decode_busy", f"must be in [0, threads ({self.threads})] (0 = off), "
-                                                     f"got {self.threads_when_decode_busy}"))
-        elif self.threads_when_decode_busy and self.devices_per_instance:
-            errs.append(("threads_when_decode_busy", "applies to CPU instances (devices_per_instance: 0)"))
-        return errs
+        return super().check() + _at_least_one(self, ("chunk_tokens", "max_batch_prompts"))
 
 
 @dataclass(frozen=True)

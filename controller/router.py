@@ -404,7 +404,7 @@ class Router:
             try:
                 await self._rewire(inst)
             except Exception as err:
-                log.error("re-joining %s after its restart failed (KV channels, niceness): %s", inst.name, err)
+                log.error("re-joining %s after its restart failed (KV channels): %s", inst.name, err)
                 return
         inst.alive = True
         log.warning("%s %s is back (generation %d)", inst.role, inst.name, inst.generation)

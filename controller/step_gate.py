@@ -7,10 +7,8 @@ it again for the next before a call woken by the release runs, so a call could w
 ``StepGate`` a call waiting when a step ends goes before the next step, at most the rest of the step in
 progress, which is what the simulator assumes of a KV reservation (``controller/planner/simulator.py``).
 
-Measured (``benchmarks/step_gate_bench.py``, ``benchmarks/results/same_session_17``): on the 2-core VM the
-plain lock did not in fact starve calls (30 ms steps: median wait 19-22 ms under both); when the caller's
-process is starved of CPU (niceness 15 against busy processes at 0, as Ray runs our actors) both wait about
-190 ms, the scheduler's doing, not the lock's. The gate is the ordering guarantee, not a measured speed-up.
+The gate is an ordering guarantee between one loop and its callers; it cannot help a caller whose process
+the OS does not schedule.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 The profiler times passes on an idle machine; a worker serving real traffic shares its cores with the
 rest of the cluster. Each worker keeps its last passes here (kind, shape, duration, wall-clock end, so
 passes of different processes can be lined up) and hands them over on request
-(``benchmarks/serving_interference.py``, calibration, and the ``DrainPassLog`` RPC the SLO sweep reads while it
-loads the server). Recording is a deque append per pass; handing over swaps the deque under a lock of its own,
+(the calibration, ``benchmarks/host_contention.py`` and the ``DrainPassLog`` RPC). Recording is a deque append per pass; handing over swaps the deque under a lock of its own,
 so the worker's loop never waits for records being converted.
 """
 

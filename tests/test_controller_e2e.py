@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import time
 
 import grpc
@@ -19,16 +18,13 @@ from tests.checkpoints import VOCAB
 from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_alive, wait_all_free
 
 
-# the workers' niceness (ray.worker_niceness): Ray starts them at 15; lowering it needs CAP_SYS_NICE (root)
-WORKER_NICENESS = 0 if os.geteuid() == 0 else 19
-
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    """1 prefill + 2 decode instances, each pinned to one torch thread, at niceness ``WORKER_NICENESS``."""
+    """1 prefill + 2 decode instances, each pinned to one torch thread."""
     cfg = e2e_config(
         llama_dir,
-        ray={"num_cpus": 6, "num_gpus": 0, "worker_niceness": WORKER_NICENESS},
+        ray={"num_cpus": 6, "num_gpus": 0},
         prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 64},
         decode={"instances": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
@@ -151,7 +147,7 @@ def test_queue_limit_gives_resource_exhausted(server):
 
 def test_workers_hand_over_their_timed_passes(server):
     """modeling/pass_log.py through the DrainPassLog RPC (what benchmarks/slo_sweep.py reads) and through
-    the actors (what the calibration and benchmarks/serving_interference.py read)."""
+    the actors (what the calibration and benchmarks/host_contention.py read)."""
     import ray
 
     prefill = ray.get_actor("magicserve-prefill-0", namespace="magicserve")
@@ -217,17 +213,6 @@ def test_killed_decode_actor_does_not_take_the_service_down(server, reference):
         outcomes = [f.result(timeout=240) for f in futures]
     for out, exp in zip(outcomes, expected):
         assert out == exp or out == "UNAVAILABLE", out  # a request is either served exactly or told why
-    # the service keeps serving, and the restarted actor rejoins, at the configured niceness again
+    # the service keeps serving, and the restarted actor rejoins
     assert stream_ids(server, prompts[0], max_tokens=20, ignore_eos=True)[0] == expected[0][:20]
     assert wait_all_alive(server)
-    assert set(ray.get(ray.get_actor("magicserve-decode-1", namespace="magicserve").niceness.remote())["niceness"]) \
-        == {WORKER_NICENESS}
-
-
-def test_every_thread_of_every_worker_runs_at_the_configured_niceness(server):
-    import ray
-
-    stream_ids(server, prompts_of([100], seed=6)[0], max_tokens=20, ignore_eos=True)  # the torch pools exist
-    for name in ("prefill-0", "decode-0", "decode-1"):
-        got = ray.get(ray.get_actor(f"magicserve-{name}", namespace="magicserve").niceness.remote())
-        assert len(got["niceness"]) > 1 and set(got["niceness"]) == {WORKER_NICENESS}, (name, got)

@@ -13,7 +13,6 @@ import pytest
 from controller.cli import main as cli_main
 from controller.config import load_config
 from controller.planner import analytical
-from controller.planner.calibrate import burst_lengths
 from controller.planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
     ProfileError, prefill_features)
@@ -51,12 +50,13 @@ def test_profile_round_trip(tmp_path):
     assert p.kv_capacity("decode", 1) == 4096 and p.kv_capacity("prefill", 1) == 2048
     assert p.acceptance_rate("self_sparse", 300, 100) == 0.8
     assert p.acceptance_rate("self_sparse", 256, 5000) == 0.6
-    # a calibration with its spread of step times comes back as it went (tuples, not JSON lists)
+    # a calibration comes back as it went
     from controller.planner.profile import Calibration
 
-    cal = dataclasses.replace(Calibration.identity("colocated"), step_noise={"colocated": (0.7, 1.0, 1.3)})
+    cal = dataclasses.replace(Calibration.identity("colocated"), prefill_scale=1.2, verify_pass_scale=0.8, threads=2)
     p.with_calibration(cal).save(path)
-    assert Profile.load(path).calibration("colocated") == cal
+    assert Profile.load(path).calibration("colocated", 2) == cal
+    assert Profile.load(path).calibration("colocated") == Calibration.identity("colocated")  # no 1-thread one
 
 
 def test_profile_lookups_name_what_is_missing():
@@ -186,29 +186,20 @@ def test_quick_measured_profile(tmp_path, llama_dir, capsys):
     assert "measured / predicted" in p.notes
 
 
-def test_add_threads_measures_more_thread_counts_and_the_core_sharing_of_pairs_that_oversubscribe(
-        tmp_path, llama_dir, capsys):
-    """`magicserve profile --add-threads 2` on a 2-core machine: cost models of 2-thread instances (tp 2) and,
-    for each (prefill, decode) pair of 1 and 2 threads outnumbering the cores, both roles' slowdowns, timed
-    by real processes; pairs already measured are kept (two are planted here, so only 2 + 1 is timed); run
-    again it measures nothing."""
+def test_add_threads_measures_more_thread_counts(tmp_path, llama_dir, capsys):
+    """`magicserve profile --add-threads 2`: cost models of 2-thread instances (tp 2) beside the 1-thread ones;
+    run again it measures nothing; counts beyond the machine's cores are refused by name."""
     import os
 
-    from controller.planner.profile import CoreSharing
-
-    if (os.cpu_count() or 1) != 2:
-        pytest.skip("the pairs measured depend on the core count; CI and the dev VM have 2 cores")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores")
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(TINY_CLUSTER.format(model=llama_dir))
     out = tmp_path / "profile.json"
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress"]) == 0
-    planted = (CoreSharing(1, 2, 2, 1.5, 2.5), CoreSharing(2, 2, 2, 3.5, 2.5))
-    dataclasses.replace(Profile.load(str(out)), core_sharing=planted).save(str(out))
-    args = ["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress", "--add-threads", "2",
-            "--sharing-seconds", "1"]
+    args = ["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress", "--add-threads", "2"]
     assert cli_main(args) == 0
-    printed = capsys.readouterr().out
-    assert "2 threads: fit prefill" in printed and "core sharing P2 + D1" in printed
+    assert "2 threads: fit prefill" in capsys.readouterr().out
     p = Profile.load(str(out))
     assert [(c.tensor_parallel, c.pipeline_parallel) for c in p.instances] == [(1, 1), (2, 1)]
     tp2 = p.costs(2)
@@ -216,19 +207,12 @@ def test_add_threads_measures_more_thread_counts_and_the_core_sharing_of_pairs_t
                      ("draft_pass/self_sparse", tp2.draft_pass["self_sparse"])):
         assert any(x > 0 for x in fm.coefficients) and len(p.samples[f"tp2/{name}"]) == fm.points, name
     assert p.kv_capacity("decode", 2) == 8192
-    measured = p.sharing(2, 1)
-    assert measured.cores == 2 and measured.prefill_units >= 1 and measured.decode_units >= 1
-    for value in (measured.prefill_factor, measured.decode_factor, measured.prefill_alone_s, measured.decode_alone_s):
-        assert 0 < value < math.inf
-    assert p.sharing(1, 2) == planted[0] and p.sharing(2, 2) == planted[1]
-    assert p.devices_per_node == 2 and "instances of 1, 2 thread(s)" in p.hardware
-    with pytest.raises(ProfileError, match="--add-threads"):
-        p.sharing(1, 1)
-    assert cli_main(args) == 0 and "core sharing" not in capsys.readouterr().out  # nothing left to measure
-    assert Profile.load(str(out)) == p
+    assert p.devices_per_node == os.cpu_count() and "instances of 1, 2 thread(s)" in p.hardware
+    assert cli_main(args) == 0 and "threads: fit" not in capsys.readouterr().out  # nothing left to measure
+    assert Profile.load(str(out)).instances == p.instances
     # what it refuses, by name
-    assert cli_main(args[:-4] + ["--add-threads", "3"]) == 2
-    assert "thread counts must be in [1, 2]" in capsys.readouterr().err
+    assert cli_main(args[:-1] + [str(os.cpu_count() + 1)]) == 2
+    assert f"thread counts must be in [1, {os.cpu_count()}]" in capsys.readouterr().err
     mixed = load_config(str(cfg))
     mixed = dataclasses.replace(mixed, decode=dataclasses.replace(mixed.decode, threads=2))
     with pytest.raises(ProfileError, match="decode.threads"):
@@ -322,21 +306,17 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress"]) == 0
     assert Profile.load(str(out)).calibration("disaggregated").requests == 0  # identity until calibrated
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only", "--no-progress",
-                     "--calibration-requests", "5", "--burst-requests", "6"]) == 0
+                     "--calibration-requests", "5"]) == 0
     assert "calibration (disaggregated)" in capsys.readouterr().out
     cal = Profile.load(str(out)).calibration("disaggregated")
     assert cal.requests == 5
-    assert cal.contention_requests == 6 and cal.contention_scale >= 1.0 and 0.0 <= cal.contention_step_s <= 0.02
-    assert math.isfinite(cal.contention_fit_error)
     assert cal.prefill_scale > 0 and cal.decode_scale > 0 and cal.ttft_overhead_s >= 0 and cal.decode_start_s >= 0
     assert math.isfinite(cal.ttft_fit_error) and math.isfinite(cal.decode_fit_error)
     # the measurements behind the fit are kept, and refitting them reproduces the stored calibration
     stored = Profile.load(str(out))
     isolated = stored.samples["calibration/disaggregated/isolated"]
-    burst = stored.samples["calibration/disaggregated/burst"]
-    assert len(isolated) == 5 and len(burst) == 6
-    assert all(r["ttft_s"] > 0 and r["tokens"] >= 1 for r in isolated + burst)
-    assert [r["arrival_s"] for r in burst] == sorted(r["arrival_s"] for r in burst)
+    assert len(isolated) == 5 and all(r["ttft_s"] > 0 and r["tokens"] >= 1 for r in isolated)
+    assert not [k for k in stored.samples if "burst" in k]  # no burst: the calibration serves isolated requests
     # the decode workers' own timings: plain decode passes of the isolated requests, and (the config
     # speculates) the passes of isolated requests served with speculation
     plain = stored.samples["calibration/disaggregated/passes/decode"]
@@ -352,7 +332,7 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration"]) == 0
     assert "calibration (disaggregated)" in capsys.readouterr().out
     refitted = Profile.load(str(out)).calibration("disaggregated")
-    assert refitted.prefill_scale == pytest.approx(cal.prefill_scale) and (refitted.contention_step_s, refitted.contention_scale) == (cal.contention_step_s, cal.contention_scale)
+    assert (refitted.prefill_scale, refitted.decode_scale) == pytest.approx((cal.prefill_scale, cal.decode_scale))
     assert (refitted.verify_pass_scale, refitted.draft_pass_scale) == pytest.approx((cal.verify_pass_scale, cal.draft_pass_scale))
     # a mode never calibrated has nothing to refit: an error naming the mode
     colocated = tmp_path / "colocated.yaml"
@@ -361,57 +341,22 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
                          "limits: {max_prompt_tokens: 512, max_tokens: 256}\nray: {num_cpus: 4}\n")
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 2
     assert "'colocated'" in capsys.readouterr().err
-    # colocated instances log their mixed steps: the contention terms are fitted to those passes, here of a
-    # burst shaped like the chat workload (its lengths, no output burst)
+    # the colocated mode's calibration goes beside the disaggregated one, each its own
     disaggregated = Profile.load(str(out)).calibration("disaggregated")
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--calibrate-only", "--no-progress",
-                     "--calibration-requests", "4", "--burst-requests", "6", "--burst-workload", "chat"]) == 0
-    assert "6-request chat burst" in capsys.readouterr().out
+                     "--calibration-requests", "4"]) == 0
+    assert "calibration (colocated)" in capsys.readouterr().out
     stored = Profile.load(str(out))
-    colo = stored.calibration("colocated")
-    prompts, outputs = burst_lengths(load_config(str(colocated)), 6, 0, "chat")
-    burst = stored.samples["calibration/colocated/burst"]
-    assert [int(r["prompt"]) for r in burst] == prompts and tuple(int(r["output_tokens"]) for r in burst) == outputs
-    mixed = stored.samples["calibration/colocated/passes/burst_mixed"]
-    assert {p["worker"] for p in mixed} == {0.0, 1.0}  # both instances
-    assert sum(p["tokens"] for p in mixed) == sum(prompts)  # prefill tokens: the burst's prompts, no other burst
-    assert colo.contention_requests == 6 and colo.contention_scale >= 1.0 and math.isfinite(colo.contention_fit_error)
-    assert colo.contention_workload == "chat" and stored.calibration("disaggregated").contention_workload == ""
-    assert stored.calibration("disaggregated") == disaggregated  # each mode's calibration is its own
+    assert stored.calibration("colocated").requests == 4
+    assert stored.calibration("disaggregated") == disaggregated
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 0
-    colo_refit = Profile.load(str(out)).calibration("colocated")
-    assert (colo_refit.contention_scale, colo_refit.contention_step_s, colo_refit.contention_output_s,
-            colo_refit.contention_workload) == \
-        (colo.contention_scale, colo.contention_step_s, colo.contention_output_s, "chat")
+    assert Profile.load(str(out)).calibration("colocated").prefill_scale == \
+        pytest.approx(stored.calibration("colocated").prefill_scale)
     capsys.readouterr()
-    assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration",
-                     "--burst-workload", "chat"]) == 2
-    assert "does not combine" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--refit-calibration", "--calibrate-only"]) == 2
     assert "does not combine" in capsys.readouterr().err
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
                      "--calibration-requests", "2"]) == 2
-    assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--calibrate-only",
-                     "--burst-requests", "-1"]) == 2
-
-
-def test_prefill_feature_sets_show_what_each_feature_buys():
-    """benchmarks/prefill_features.py: on steps timed by a model with a kv_tokens term, the full feature set
-    fits exactly and dropping kv_tokens (or attn_pairs) leaves an error; points without a feature are refused."""
-    from benchmarks.prefill_features import feature_sets_errors
-
-    truth = dict(zip(PREFILL_FEATURES, (4e-3, 0.0, 8e-5, 2e-7, 3e-6)))
-    rows = []
-    for start in (0, 512, 2048, 7168):
-        for n in (32, 128, 512, 1024):
-            f = prefill_features([(start, n)])
-            rows.append({**f, "seconds": sum(truth[k] * f[k] for k in PREFILL_FEATURES)})
-    errors = {r["set"]: r["fit_error"] for r in feature_sets_errors(rows)}
-    assert errors["all"] == pytest.approx(0.0, abs=1e-6)
-    assert errors["without kv_tokens"] > 0.01 and errors["without attn_pairs"] > 0.01
-    assert errors["without seqs"] == pytest.approx(0.0, abs=1e-6)  # a zero term costs nothing to drop
-    with pytest.raises(ProfileError, match="kv_tokens"):
-        feature_sets_errors([{k: v for k, v in r.items() if k != "kv_tokens"} for r in rows])
 
 
 def test_calibrations_are_kept_per_mode_and_thread_count():
@@ -430,34 +375,6 @@ def test_calibrations_are_kept_per_mode_and_thread_count():
     assert p.with_calibration(again).calibrations == (one, again)  # replaced, the 1-thread one kept
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).calibration("colocated", 2) == two
     assert calibration_threads({"colocated": 2}) == 2 and calibration_threads({"prefill": 2, "decode": 2}) == 2
-    assert calibration_threads({"prefill": 2, "decode": 1}) == 1  # a shared pair: its CoreSharing is over 1
+    assert calibration_threads({"prefill": 2, "decode": 1}) == 1  # unequal counts: the 1-thread calibration
     colocated = SimConfig("colocated", colocated=PoolPlan(1, 2, 1, 4096, 256, 8))
     assert colocated.calibration_threads() == 2
-
-
-def test_a_calibrations_burst_shape_is_validated_kept_and_noted_when_the_plan_is_for_another():
-    """``contention_workload`` names the workload the contention burst was shaped like: a known one or "" (the
-    generic burst); it survives a round trip, and plan notes each calibration measured on another shape."""
-    from controller.planner.plan_cli import contention_notes
-    from controller.planner.profile import Calibration
-
-    generic = dataclasses.replace(Calibration.identity("colocated"), requests=16, contention_requests=40,
-                                  contention_scale=1.3)
-    shaped = dataclasses.replace(generic, mode="disaggregated", contention_workload="long_doc")
-    p = _profile().with_calibration(generic).with_calibration(shaped)
-    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).calibrations == p.calibrations
-    with pytest.raises(ProfileError, match=r"contention_workload: must be one of \['', 'chat', 'long_doc'\]"):
-        dataclasses.replace(generic, contention_workload="longdoc")
-    bad = p.to_dict()
-    bad["calibrations"][0]["contention_workload"] = "everything"
-    with pytest.raises(ProfileError, match="contention_workload"):
-        Profile.from_dict(bad)
-
-    notes = contention_notes(p, "long_doc")
-    assert len(notes) == 1 and notes[0].startswith("the colocated calibration's contention was measured on a "
-                                                   "generic burst, not on long_doc's shape")
-    assert "--burst-workload long_doc" in notes[0]
-    assert [n.split(" calibration")[0] for n in contention_notes(p, "chat")] == ["the colocated", "the disaggregated"]
-    assert contention_notes(p, None) == []  # a trace: its shape is its own
-    # no burst, nothing to note (an identity or isolated-only calibration)
-    assert contention_notes(_profile().with_calibration(Calibration.identity("colocated")), "chat") == []

@@ -1,6 +1,7 @@
 """benchmarks/slo_sweep.py: the HTTP/SSE client, prompt construction, records -> attainment / goodput,
-figures, the comparison, argument errors, the open-loop time limit; and one small sweep against a real
-local magicserve server (Ray cluster + gRPC on a tiny checkpoint)."""
+figures, the comparison, argument errors, the open-loop time limit, the order of a sweep, launched servers
+stopped with their children; and one small sweep against a real local magicserve server (Ray cluster +
+gRPC on a tiny checkpoint)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import time
 
 import pytest
 
-from benchmarks import _pass_logs, slo_compare, slo_sweep
-from benchmarks._slo_targets import ChunkedDecoder, OpenAITarget, RequestRecord, SSEParser, TargetError
+from benchmarks import slo_compare, slo_sweep
+from benchmarks.slo_sweep import ChunkedDecoder, OpenAITarget, RequestRecord, SSEParser, TargetError
 from controller.defaults import DEFAULT_MODEL_DIR
 from controller.planner.workload import RequestSpec, save_trace
 
@@ -210,7 +211,8 @@ def test_analysis_figures_and_compare(tmp_path):
     (["--address", "a:1", "--scale-rate", "3", "--rates", "1,2"], "--scale-rate"),
     (["--address", "a:1", "--workload", "nope"], "--workload"),
     (["--address", "nohost"], "--address"),
-    (["--address", "a:1", "--server-nice", "20"], "--server-nice"),
+    (["--address", "a:1", "--warmup", "-1"], "--warmup"),
+    (["--address", "a:1", "--num-requests", "0"], "--num-requests"),
 ])
 def test_bad_arguments_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -246,6 +248,43 @@ def test_open_loop_time_limit_and_errors():
     assert records[3].finish_reason == "unfinished" and records[3].sent_s is None  # its arrival is after the limit
 
 
+class ScriptedTarget:
+    """Records what the sweep asks of it, in order; every request finishes at once with its tokens."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    async def start(self):
+        self.calls.append("start")
+        return {"model": "scripted"}
+
+    async def generate(self, prompt, max_tokens, sampling, record, clock, request_id=""):
+        self.calls.append(request_id.split("-", 1)[1])
+        record.start(clock())
+        record.add_tokens(max_tokens, clock())
+        record.finish("length", clock(), max_tokens)
+
+    async def wait_idle(self, timeout_s):
+        self.calls.append("idle")
+        return True
+
+    async def close(self):
+        self.calls.append("close")
+
+
+def test_sweep_warms_up_then_runs_each_rate_once_the_server_is_idle():
+    args = slo_sweep.build_parser().parse_args(["--address", "a:1", "--warmup", "1"])
+    trace = [RequestSpec(0.0, 4, 3), RequestSpec(0.01, 4, 2)]
+    plans = [slo_sweep.RatePlan(r, trace, [(0, [1] * 4)] * 2, time_limit_s=5.0) for r in (1.0, 2.0)]
+    target, seen = ScriptedTarget(), []
+    on_rate = lambda plan, run: seen.append((plan.rate, run))  # noqa: E731
+    server = asyncio.run(slo_sweep.sweep(target, plans, [(0, [1] * 4)], args, on_rate))
+    assert server == {"model": "scripted"}
+    assert target.calls == ["start", "warm-0", "idle", "r0-0", "r0-1", "idle", "r1-0", "r1-1", "close"]
+    assert [rate for rate, _ in seen] == [1.0, 2.0]
+    assert all(r.ok and r.completion_tokens == s.output_tokens for _, run in seen for r, s in zip(run.records, trace))
+
+
 # --------------------------------------------------------------------------------------------------
 # launched servers are always stopped, children included
 
@@ -260,7 +299,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_managed_server_stops_its_process_group(tmp_path):
-    from benchmarks._slo_launch import LaunchError, ManagedServer
+    from benchmarks.slo_sweep import LaunchError, ManagedServer
 
     flag, child_pid = tmp_path / "up", tmp_path / "child.pid"
     # a "server" that ignores SIGTERM and leaves a child behind: the group kill must get both
@@ -276,14 +315,6 @@ def test_managed_server_stops_its_process_group(tmp_path):
             raise RuntimeError("inside")
     time.sleep(0.2)
     assert not _alive(leader) and not _alive(child)
-
-    # a launched server runs below the load generator's priority when asked; so do the processes it starts
-    niced = ManagedServer("niced", [sys.executable, "-c", code], flag.exists, startup_timeout_s=30, stop_grace_s=0.5,
-                          log_path=str(tmp_path / "log3"), nice=5)
-    flag.unlink()
-    with niced:
-        child = int(child_pid.read_text())
-        assert [os.getpriority(os.PRIO_PROCESS, p) - os.nice(0) for p in (niced.proc.pid, child)] == [5, 5]
 
     failing = ManagedServer("broken", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
                             lambda: False, startup_timeout_s=30, log_path=str(tmp_path / "log2"))
@@ -307,7 +338,7 @@ def server(llama_dir):
         "prefill": {"kv_cache_tokens": 2048, "attention_backend": "torch", "chunk_tokens": 64},
         "decode": {"kv_cache_tokens": 2048, "attention_backend": "torch",
                    "speculation": {"k_policy": "fixed", "k": 2, "budget": 32, "sink_tokens": 4}},
-        "server": {"port": 0, "pass_log_rpc": True},
+        "server": {"port": 0},
         "kv_transfer": {"timeout_s": 10},
     })
     with running_server(cfg) as address:
@@ -320,34 +351,10 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
     out = str(tmp_path / "sweep")
     code = slo_sweep.main(["--target", "grpc", "--address", server, "--model", llama_dir, "--trace", str(trace),
                            "--rates", "2", "--warmup", "1", "--time-limit-s", "60", "--ttft-slo-ms", "5000",
-                           "--tpot-slo-ms", "1000", "--speed-probes", "2", "--out", out])
+                           "--tpot-slo-ms", "1000", "--out", out])
     assert code == 0
     result = json.load(open(out + ".json"))
     (row,) = result["rates"]
-    # speed probes before the rate and after it: lone requests of the trace's longest prompt, 16 tokens out
-    for probes in (row["speed_probe"], result["speed_probe_after"]):
-        assert len(probes) == 2
-        for p in probes:
-            assert p["error"] is None and (p["prompt_tokens"], p["completion_tokens"]) == (64, 16)
-            assert 0 < p["server_ttft_s"] <= p["ttft_s"] and p["wall_time"] > 0
-    assert row["speed_probe"][0]["wall_time"] < result["speed_probe_after"][0]["wall_time"]
-    assert "Speed probes" in open(out + ".md").read()
-    # the workers' passes of the rate, and only of the rate (not the warm-up's or the probes'): one prefill
-    # chunk per prompt (chunk_tokens 64), speculative decode steps (fixed k = 2)
-    (logged,) = _pass_logs.load(out + ".json", result)
-    assert result["pass_log_file"] == "sweep.passes.json.gz" and logged["rate"] == 2.0
-    assert [(i["name"], i["role"]) for i in logged["instances"]] == [("prefill-0", "prefill"), ("decode-0", "decode")]
-    prefill, decode = (i["records"] for i in logged["instances"])
-    assert sorted(c[1] for r in prefill for c in r["shape"]["chunks"]) == [24, 40, 64]
-    assert {r["kind"] for r in decode} == {"draft", "verify", "step"} or {r["kind"] for r in decode} == {
-        "draft", "verify", "decode", "step"}
-    assert all(r["end_s"] > row["speed_probe"][-1]["wall_time"] for r in prefill + decode)  # after the probes
-    assert row["pass_log"]["passes"] == len(prefill) + len(decode) and _pass_logs.complete(logged["instances"])
-    # the rate's clock zero on the pass logs' (Unix) clock: every request's first pass starts after its send
-    first_pass = min(r["end_s"] - r["seconds"] for r in prefill)
-    assert row["speed_probe"][-1]["wall_time"] < row["wall_start_s"] < first_pass
-    assert first_pass - row["wall_start_s"] >= min(r["sent_s"] for r in row["records"])
-    assert "Workers' pass logs" in open(out + ".md").read()
     assert row["rate"] == 2.0 and row["requests"] == 3
     for r, (p, o) in zip(row["records"], [(40, 8), (64, 12), (24, 6)]):
         assert r["error"] is None, r
@@ -364,18 +371,3 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
     assert result["settings"]["rates"] == [2.0] and "goodput" in result
     for suffix in ("_rate.png", "_scale.png", ".md"):
         assert os.path.getsize(out + suffix) > 0
-
-
-def test_pass_log_collection_stops_quietly_where_the_server_refuses(capsys):
-    """A server without DrainPassLog (or an OpenAI-compatible one): the sweep says so once and goes on."""
-    class Refusing:
-        calls = 0
-
-        async def drain_pass_log(self):
-            Refusing.calls += 1
-            raise TargetError("DrainPassLog: FAILED_PRECONDITION: DrainPassLog is off")
-
-    collector = _pass_logs.PassLogCollector(Refusing())
-    assert asyncio.run(collector.drain()) is None and asyncio.run(collector.drain()) is None
-    assert Refusing.calls == 1 and capsys.readouterr().err.count("not collected") == 1
-    assert asyncio.run(_pass_logs.PassLogCollector(OpenAITarget("http://127.0.0.1:1")).drain()) is None

@@ -2,15 +2,14 @@
 
 The profile times forward passes in isolation. A request through the running cluster also pays for
 what those timings cannot see: Ray calls and polling between router and workers, the worker loops
-around each pass (scheduling, sampling, KV hand-off), gRPC delivery, and the two workers sharing the
-machine's memory bandwidth and caches. ``magicserve profile --calibrate`` measures that once per mode:
-it serves the config for real (Ray + gRPC on localhost), sends isolated requests one at a time
-(no queueing, speculation off so the decode steps are countable), and fits
+around each pass (scheduling, sampling, KV hand-off) and gRPC delivery. ``magicserve profile --calibrate``
+measures that once per mode: it serves the config for real (Ray + gRPC on localhost), sends isolated
+requests one at a time (no queueing, speculation off so the decode steps are countable), and fits
 
     TTFT                      = ttft_overhead_s + prefill_scale * (predicted prefill steps)
     first -> last token time  = decode_start_s  + decode_scale  * (predicted decode steps) + (KV tail)
 
-by non-negative least squares of the relative error. The simulator applies the fitted terms.
+by non-negative least squares of the relative error (``Calibration``).
 
 The workers also hand over the passes they timed meanwhile (``modeling/pass_log.py``): the prefill
 worker's own passes give ``prefill_pass_scale``, the share of the TTFT scale that holds the worker (the rest
@@ -18,26 +17,7 @@ is latency of the request path); and when the config speculates, a few isolated 
 speculation give the in-place speed of verify and draft passes relative to plain decode passes
 (``verify_pass_scale``, ``draft_pass_scale``), the costs the real policy learns online.
 
-Isolated requests leave the rest of the machine idle. When several instances share one machine (the
-CPU cluster: workers, router, gRPC server and clients on the same cores), a step runs slower while the
-other instances are busy. A second phase measures that: a burst of overlapping requests (Poisson
-arrivals at the rate the simulator, with the isolated terms, says keeps the instances busy about
-``BURST_UTILISATION`` of the time) is served for real, then a second burst of short prompts with long
-outputs arriving together, which fills the decode batch. The simulator's three contention terms
-(``sim_instances._Instance._contention``): ``contention_scale``, a factor on a step while the other
-instances are busy, and ``contention_step_s``, the seconds each busy instance loses per worker step
-completed while no core is idle (many short plain decode steps would then slow the prefill worker more
-than fewer, longer speculative ones), and ``contention_output_s``, the same per sequence output (a decode
-step over many sequences streams many), are fitted, non-negative, to the workers' passes during the bursts:
-each pass's slowdown against the other workers' busy share and the steps and outputs completed meanwhile
-(``interference.py``; colocated instances log their mixed prefill + decode steps, and contend with each
-other). Where no passes were logged (profiles measured before colocated instances logged theirs) the
-burst is instead replayed through the simulator for a grid of per-step costs, keeping the one whose simulated TTFT
-and decode-time distributions match the measured ones best (least squares of the log ratio of sorted
-values).
-
-The calibration never uses the SLO sweeps it is validated against (``benchmarks/sim_validate.py``):
-its prompts, lengths and arrivals are its own.
+The measurements are kept in the profile's ``samples`` so ``refit`` can fit them again without serving.
 """
 
 from __future__ import annotations
@@ -46,14 +26,12 @@ import dataclasses
 import math
 import random
 import statistics
-import threading
 import time
 
 from tqdm import tqdm
 
-from controller.planner.interference import activities, fit_contention_terms, pass_row, predicted_s, reference_ratios
-from controller.planner.profile import Calibration, Profile, instance_tps, prefill_features, transfer_features
-from controller.planner.workload import RequestSpec
+from controller.planner.profile import (Calibration, Profile, ProfileError, mixed_pass_seconds, prefill_features,
+                                        transfer_features)
 from decode_worker.policy import PassShape, fit_nonnegative_relative
 
 
@@ -62,11 +40,8 @@ def config_threads(config) -> int:
     if config.mode == "colocated":
         return config.colocated.threads
     if config.prefill.threads != config.decode.threads:
-        from controller.planner.profile import ProfileError
-
         raise ProfileError(f"prefill.threads / decode.threads: the calibration serves instances of one thread count, "
-                           f"got {config.prefill.threads} and {config.decode.threads} (a pair sharing the cores is "
-                           "calibrated by its core-sharing burst: calibrate_sharing.py)")
+                           f"got {config.prefill.threads} and {config.decode.threads}")
     return config.prefill.threads
 
 
@@ -125,13 +100,54 @@ def random_prompts(config, lengths: list[int], rng: random.Random) -> list[list[
 
 def drain_passes(config) -> list[dict]:
     """The passes the workers of the cluster serving ``config`` timed since the last drain
-    (``modeling/pass_log.py``), as ``interference.pass_row`` rows whose ``worker`` is the worker's index."""
+    (``modeling/pass_log.py``), as ``pass_row`` rows whose ``worker`` is the worker's index."""
     import ray
 
     names = [f"{role}-{i}" for role, pool in config.pools.items() for i in range(pool.instances)]
     actors = [ray.get_actor(f"magicserve-{n}", namespace=config.ray.namespace) for n in names]
     logs = ray.get([a.pass_log.remote() for a in actors])
     return [pass_row(r, worker) for worker, log in enumerate(logs) for r in log]
+
+
+ROLE_OF_KIND = {"prefill": "prefill", "decode": "decode", "draft": "decode", "verify": "decode", "step": "decode",
+                "mixed": "colocated"}
+DECODE_FIELDS = ("seqs", "kv_tokens", "new_tokens", "k")  # k: step records only
+MIXED_DECODE_FIELDS = ("decode_seqs", "decode_kv_tokens")  # a mixed pass's decode part
+
+
+def pass_row(record: dict, worker: int | None = None) -> dict:
+    """A pass-log record (``PassRecord`` as a dict) as a flat row: ``kind``, ``seconds``, ``end_s``, the
+    ``worker`` that logged it (an index, when given) and its shape: a prefill pass its ``prefill_features``,
+    decode-role records ``passes`` and ``DECODE_FIELDS``, a mixed pass the ``prefill_features`` of its
+    chunks and ``MIXED_DECODE_FIELDS``."""
+    shape = record["shape"]
+    if record["kind"] in ("prefill", "mixed"):
+        fields = prefill_features([tuple(c) for c in shape["chunks"]])
+        if record["kind"] == "mixed":
+            fields.update({f: shape[f] for f in MIXED_DECODE_FIELDS})
+    else:
+        fields = {"passes": shape.get("passes", 1), **{f: shape.get(f, 0) for f in DECODE_FIELDS}}
+    row = {"kind": record["kind"], "seconds": record["seconds"], "end_s": record["end_s"], **fields}
+    if worker is not None:
+        row["worker"] = worker
+    return row
+
+
+def predicted_s(profile: Profile, row: dict, drafter: str | None = None, tps: dict[str, int] | None = None) -> float:
+    """The profile's time for a logged pass on an instance of ``tps[role]`` devices (CPU: threads; default
+    1, as on the CPU cluster)."""
+    tp = (tps or {}).get(ROLE_OF_KIND[row["kind"]], 1)
+    if row["kind"] == "prefill":
+        return profile.prefill_model(tp).predict(row)
+    if row["kind"] == "mixed":
+        return mixed_pass_seconds(profile.prefill_model(tp), profile.target_model(tp), row, int(row["decode_seqs"]),
+                                  int(row["decode_kv_tokens"]))
+    shape = PassShape(int(row["seqs"]), int(row["kv_tokens"]), int(row["new_tokens"]), int(row.get("passes", 1)))
+    if row["kind"] == "draft":
+        if drafter is None:
+            raise ValueError("draft passes need the drafter's name")
+        return profile.draft_model(drafter, tp).predict_pass(shape)
+    return profile.target_model(tp).predict_pass(shape)
 
 
 def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool
@@ -152,158 +168,6 @@ def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: in
     if progress:
         tqdm.write(f"calibration: {len(rows)} isolated requests timed")
     return rows, passes
-
-
-BURST_UTILISATION = 0.6  # mean busy share of the instances the burst's rate aims at (simulated)
-CONTENTION_STEP_GRID = tuple(round(1e-4 * i, 4) for i in range(101))  # seconds per step: 0 .. 10 ms
-
-
-def burst_trace(profile: Profile, sim_config, lengths: list[int], output_tokens: tuple[int, ...],
-                seed: int) -> list[RequestSpec]:
-    """Poisson arrivals of the given prompt lengths at the lowest rate of a geometric grid whose simulated
-    mean instance utilisation (isolated terms, no contention) reaches BURST_UTILISATION; if no rate does,
-    the rate of the highest utilisation."""
-    from controller.planner.simulator import simulate
-
-    rng = random.Random(seed)
-    gaps = [rng.expovariate(1.0) for _ in lengths]  # unit-rate gaps, scaled per candidate rate
-    outputs = [output_tokens[i % len(output_tokens)] for i in range(len(lengths))]
-
-    def trace_at(rate: float) -> list[RequestSpec]:
-        t, out = 0.0, []
-        for gap, n, o in zip(gaps, lengths, outputs):
-            out.append(RequestSpec(t, n, o))
-            t += gap / rate
-        return out
-
-    rate, best = 0.05, (0.0, None)
-    while rate < 1e3:
-        trace = trace_at(rate)
-        util = simulate(profile, sim_config, trace, seed=0).instance_utilisation
-        mean = sum(util.values()) / max(1, len(util))
-        if mean >= BURST_UTILISATION:
-            return trace
-        best = max(best, (mean, trace), key=lambda b: b[0])
-        rate *= 1.25
-    # A short burst of small requests can fall short of the target at any rate (all arrive at once and
-    # one role idles while the other works through them): the busiest rate overlaps them the most.
-    if best[1] is None or best[0] <= 0.0:
-        raise RuntimeError("calibration burst: no request rate keeps the simulated instances busy")
-    return best[1]
-
-
-def send_burst(client, trace: list[RequestSpec], prompts: list[list[int]]) -> list[dict]:
-    """Send ``trace`` (one thread per request, started at its arrival); every request must succeed."""
-    rows: list[dict | None] = [None] * len(trace)
-    errors: list[BaseException] = []
-    t0 = time.perf_counter()
-
-    def send(i: int) -> None:
-        try:
-            time.sleep(max(0.0, t0 + trace[i].arrival_s - time.perf_counter()))
-            rows[i] = timed_stream(client, prompts[i], trace[i].output_tokens)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after every thread ends
-            errors.append(exc)
-
-    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(trace))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"calibration burst: {len(errors)} of {len(trace)} requests failed: {errors[0]!r}")
-    return rows
-
-
-OUTPUT_BURST_REQUESTS = 32  # the second burst: short prompts, long outputs, arriving together
-OUTPUT_BURST_RATE = 16.0  # requests per second
-OUTPUT_BURST_TOKENS = 129
-
-
-def burst_lengths(config, requests: int, seed: int, workload: str | None) -> tuple[list[int], tuple[int, ...]]:
-    """(prompt lengths, output lengths) of a calibration burst: drawn from ``workload``'s shape
-    (``workload.WORKLOADS``), capped at the config's limits, or, without one, prompts log-uniform up to 4096
-    tokens with the calibration's short outputs."""
-    from controller.planner.workload import workload_shape
-
-    if workload is None:
-        return calibration_lengths(max_calibration_prompt(config), requests, seed + 1), OUTPUT_TOKENS
-    shape, rng = workload_shape(workload), random.Random(seed + 1)
-    prompts = [min(shape.prompt.sample(rng), config.limits.max_prompt_tokens) for _ in range(requests)]
-    outputs = tuple(max(2, min(shape.output.sample(rng), config.limits.max_tokens)) for _ in range(requests))
-    return prompts, outputs
-
-
-def output_burst_trace(config, requests: int, seed: int) -> list[RequestSpec]:
-    """A burst that fills the decode batch: ``requests`` prompts of 64-512 tokens, each generating
-    ``OUTPUT_BURST_TOKENS`` (at most the config's limit), Poisson arrivals at ``OUTPUT_BURST_RATE``. Decode steps
-    then carry many sequences, so the contention fit can tell a cost per sequence output from one per step
-    (the first burst's decode batches are mostly one or two sequences)."""
-    rng = random.Random(seed + 11)
-    lengths = calibration_lengths(min(512, max_calibration_prompt(config)), requests, seed + 11)
-    tokens = min(OUTPUT_BURST_TOKENS, config.limits.max_tokens)
-    t, trace = 0.0, []
-    for n in lengths:
-        trace.append(RequestSpec(t, n, tokens))
-        t += rng.expovariate(OUTPUT_BURST_RATE)
-    return trace
-
-
-def measure_burst(config, trace: list[RequestSpec], seed: int, progress: bool,
-                  output_trace: list[RequestSpec] | None = None) -> tuple[list[dict], list[dict]]:
-    """Serve ``config`` for real and send ``trace`` (one thread per request, started at its arrival), then
-    ``output_trace`` if given. Returns the first trace's rows and the workers' timed passes during both."""
-    from controller.client import Client
-    from controller.server import serve_in_thread
-
-    prompts = random_prompts(config, [r.prompt_tokens for r in trace], random.Random(seed + 1))
-    with serve_in_thread(config) as address, Client(address) as client:
-        for _ in client.generate_stream(prompts[0][:64], max_tokens=4, ignore_eos=True):
-            pass  # warm-up
-        drain_passes(config)
-        rows = send_burst(client, trace, prompts)
-        passes = drain_passes(config)
-        if output_trace:
-            send_burst(client, output_trace,
-                       random_prompts(config, [r.prompt_tokens for r in output_trace], random.Random(seed + 12)))
-            passes += drain_passes(config)
-    if progress:
-        tqdm.write(f"calibration burst: {len(trace)} overlapping requests over {trace[-1].arrival_s:.1f} s timed")
-    return rows, passes
-
-
-def fit_contention(profile: Profile, sim_config, trace: list[RequestSpec], rows: list[dict],
-                   seeds: int = 3) -> tuple[float, float]:
-    """(contention_step_s, RMS of log(simulated / measured)) over the burst's TTFTs and decode times;
-    ``profile`` carries the isolated terms of the mode (its contention terms are replaced).
-
-    The distributions are compared, not request by request (the i-th shortest simulated TTFT against
-    the i-th shortest measured one, and so on): which instance a request lands on when two have equally
-    many requests is a tie the simulator and the real router may break differently, and one such flip
-    swaps a short and a long wait between two requests without changing the distribution that SLO
-    attainment depends on."""
-    from controller.planner.simulator import simulate
-
-    def quantile_sq(simulated: list[float], measured: list[float]) -> float:
-        return sum(math.log(max(a, 1e-6) / max(b, 1e-6)) ** 2 for a, b in zip(sorted(simulated), sorted(measured)))
-
-    base = profile.calibration(sim_config.mode, sim_config.calibration_threads())
-    decoding = [i for i, row in enumerate(rows) if row["tokens"] > 1]
-    best = (math.inf, 0.0)
-    for per_step in CONTENTION_STEP_GRID:
-        trial = profile.with_calibration(dataclasses.replace(base.without_contention(), contention_step_s=per_step))
-        sq, n = 0.0, 0
-        for seed in range(seeds):
-            recs = simulate(trial, sim_config, trace, seed=seed).records
-            if not all(r.finished for r in recs):
-                sq, n = math.inf, 1
-                break
-            sq += quantile_sq([r.ttft_s for r in recs], [row["ttft_s"] for row in rows])
-            sq += quantile_sq([recs[i].finish_s - recs[i].first_token_s for i in decoding],
-                              [rows[i]["decode_s"] for i in decoding])
-            n += len(recs) + len(decoding)
-        best = min(best, (sq / max(1, n), per_step))
-    return best[1], math.sqrt(best[0])
 
 
 SPECULATIVE_REQUESTS = 8  # isolated requests served with speculation for the pass scales
@@ -347,9 +211,8 @@ def fit_pass_scales(profile: Profile, drafter: str, decode_passes: list[dict], v
     verify and of draft passes over that of plain decode passes (one device per instance, as the local
     cluster runs). (1.0, 1.0, 0) when a kind is missing (e.g. the policy never speculated).
 
-    Served, a speculating worker's k = 1 step costs less relative to its k = 0 step than the profile says
-    (``benchmarks/serving_interference.py --speculation``), which is why the real policy, learning its costs
-    in place, speculates where the profile's costs alone would not."""
+    Served, a speculating worker's verify pass may cost less relative to its plain decode pass than the
+    profile says; the real policy learns its costs in place, so the simulated one must weigh the same ratios."""
     tps = {"decode": threads}
     plain = _median_ratio(profile, "decode", decode_passes, tps=tps)
     verify = _median_ratio(profile, "verify", verify_passes, tps=tps)
@@ -413,23 +276,21 @@ class CalibrationRun:
     """A calibration and the measurements it was fitted to (kept in the profile, so a changed fit can be
     re-applied to the same measurements: ``refit``).
 
-    isolated: one row per isolated request: prompt, tokens (received), ttft_s, decode_s (first -> last token);
-    burst: the same per burst request, plus arrival_s and output_tokens (the trace replayed by the fit)."""
+    isolated: one row per isolated request: prompt, tokens (received), ttft_s, decode_s (first -> last token)."""
 
     calibration: Calibration
     isolated: list[dict[str, float]]
-    burst: list[dict[str, float]]
     passes: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)  # kind -> drain_passes rows
 
     def samples(self) -> dict[str, list[dict[str, float]]]:
         """The measurements under the profile's ``samples`` keys of this mode and thread count."""
         mode, t = self.calibration.mode, self.calibration.threads
-        return {isolated_key(mode, t): self.isolated, burst_key(mode, t): self.burst,
+        return {isolated_key(mode, t): self.isolated,
                 **{passes_key(mode, kind, t): rows for kind, rows in self.passes.items()}}
 
 
 def samples_prefix(mode: str, threads: int = 1) -> str:
-    """Where a calibration's measurements sit in a profile's ``samples`` (1 thread: the keys of before)."""
+    """Where a calibration's measurements sit in a profile's ``samples``."""
     return f"calibration/{mode}/" if threads == 1 else f"calibration/{mode}@{threads}t/"
 
 
@@ -438,11 +299,6 @@ def isolated_key(mode: str, threads: int = 1) -> str:
 
 
 PASS_SAMPLE_KINDS = ("decode", "verify", "draft")  # the speculative pass scales' inputs (``with_pass_scales``)
-BURST_PASS_KINDS = ("prefill", "decode", "step", "mixed")  # the burst's log (speculation off), for the contention fit
-
-
-def burst_passes_kind(kind: str) -> str:
-    return f"burst_{kind}"
 
 
 def passes_key(mode: str, kind: str, threads: int = 1) -> str:
@@ -463,36 +319,21 @@ def with_pass_scales(profile: Profile, cal: Calibration, spec, passes: dict[str,
     return dataclasses.replace(cal, verify_pass_scale=verify, draft_pass_scale=draft, speculative_passes=n)
 
 
-def burst_key(mode: str, threads: int = 1) -> str:
-    return samples_prefix(mode, threads) + "burst"
-
-
 def _chunk_of(run_config) -> int:
     return run_config.colocated.chunk_tokens if run_config.mode == "colocated" else run_config.prefill.chunk_tokens
 
 
-def burst_rows(trace: list[RequestSpec], rows: list[dict]) -> list[dict[str, float]]:
-    """A burst's requests as stored in a profile's samples: each row with its arrival and output length."""
-    return [{"arrival_s": float(t.arrival_s), "output_tokens": float(t.output_tokens),
-             **{k: float(v) for k, v in r.items()}} for t, r in zip(trace, rows)]
-
-
 def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS, seed: int = 0,
-              progress: bool = True, burst_requests: int = 40, workload: str | None = None) -> CalibrationRun:
-    """Fit the serving-path terms of ``config``'s mode (speculation is switched off for the run): the
-    isolated terms, then (``burst_requests`` > 0) the contention terms on a burst. ``workload``: draw the
-    burst's prompt and output lengths from that workload's shape (``burst_lengths``) and send no output burst:
-    how much a step slows beside a busy instance depends on what both run (on the 2-core VM, colocated steps
-    of long_doc's long prompts slowed about 60 % as much as the generic burst's terms charge), so a
-    burst shaped like the workload to be planned measures the contention that workload meets."""
+              progress: bool = True) -> CalibrationRun:
+    """Fit the serving-path terms of ``config``'s mode on isolated requests (speculation is switched off for
+    the run; a speculating config's verify and draft pass scales come from a second run with it on)."""
     run_config = calibration_config(config)
     mode, threads = run_config.mode, config_threads(run_config)
-    chunk = _chunk_of(run_config)
     max_prompt = max_calibration_prompt(run_config)
     rows, plain_passes = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed,
                                  progress)
     passes: dict[str, list[dict[str, float]]] = {"prefill": pass_rows(plain_passes, "prefill")} if plain_passes else {}
-    cal = fit(profile, mode, rows, chunk, passes.get("prefill", []), threads)
+    cal = fit(profile, mode, rows, _chunk_of(run_config), passes.get("prefill", []), threads)
     spec = config.decode.speculation if mode == "disaggregated" else None
     if spec is not None and spec.enabled:
         spec_passes = measure_speculative_passes(calibration_config(config, keep_speculation=True),
@@ -504,54 +345,12 @@ def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple
         passes.update({"decode": reference if len(reference) >= MIN_REFERENCE_PASSES else pass_rows(plain_passes, "decode"),
                        **{k: pass_rows(spec_passes, k) for k in ("verify", "draft")}})
         cal = with_pass_scales(profile, cal, spec, passes)
-    if burst_requests <= 0:
-        return CalibrationRun(cal, rows, [], passes)
-    from controller.planner.simulator import SimConfig
-
-    isolated = profile.with_calibration(cal)
-    sim_config = SimConfig.from_cluster_config(run_config)
-    lengths, outputs = burst_lengths(run_config, burst_requests, seed, workload)
-    output_trace = None
-    if workload is None:  # the generic burst: the isolated requests' output lengths, then the output burst
-        outputs, output_trace = output_tokens, output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed)
-    trace = burst_trace(isolated, sim_config, lengths, outputs, seed)
-    burst, burst_passes = measure_burst(run_config, trace, seed, progress, output_trace)
-    passes.update({burst_passes_kind(k): pass_rows(burst_passes, k) for k in BURST_PASS_KINDS})
-    cal = dataclasses.replace(cal, contention_workload=workload or "")
-    return CalibrationRun(with_contention(profile, cal, sim_config, trace, burst, burst_passes), rows,
-                          burst_rows(trace, burst), {k: v for k, v in passes.items() if v})
-
-
-def with_contention(profile: Profile, cal: Calibration, sim_config, trace: list[RequestSpec],
-                    burst: list[dict], burst_passes: list[dict] | None = None) -> Calibration:
-    """``cal`` (isolated terms) completed by the contention term of the burst ``trace`` measured as ``burst``:
-    fitted to the workers' own passes during it when they were logged (both terms,
-    ``interference.fit_contention_terms``; ``contention_fit_error`` is then the RMS of the passes' slowdowns
-    about the fit, and ``step_noise`` their spread about it), else to the requests' latency distributions (the per-step term, ``fit_contention``; RMS
-    of log(simulated / measured))."""
-    if burst_passes:
-        acts = activities(profile, burst_passes, tps=instance_tps(cal.mode, cal.threads))
-        fitted = fit_contention_terms(acts)
-        # the contention term is a slowdown over the burst's own passes that ran alone: the prefill worker's
-        # busy scale is theirs too (the isolated phase ran in another cluster start, a few per cent apart)
-        alone = reference_ratios(acts).get("prefill")
-        if alone:
-            cal = dataclasses.replace(cal, prefill_pass_scale=min(alone, cal.prefill_scale))
-        scale, per_step, per_output, err = fitted.busy_scale, fitted.step_s, fitted.output_s, fitted.rms
-        noise = fitted.noise
-    else:
-        scale, per_output, noise = 1.0, 0.0, {}
-        per_step, err = fit_contention(profile.with_calibration(cal), sim_config, trace, burst)
-    return dataclasses.replace(cal, contention_scale=scale, contention_step_s=per_step, contention_output_s=per_output,
-                               contention_requests=len(burst), contention_fit_error=err, step_noise=noise)
+    return CalibrationRun(cal, rows, {k: v for k, v in passes.items() if v})
 
 
 def refit(config, profile: Profile) -> Calibration:
     """The calibration of ``config``'s mode fitted afresh, by this module's current fit, to the
     measurements stored in ``profile`` (by ``calibrate``; a profile without them is an error)."""
-    from controller.planner.profile import ProfileError
-    from controller.planner.simulator import SimConfig
-
     run_config = calibration_config(config)
     mode, t = run_config.mode, config_threads(run_config)
     rows = profile.samples.get(isolated_key(mode, t))
@@ -562,13 +361,4 @@ def refit(config, profile: Profile) -> Calibration:
     if mode == "disaggregated":
         passes = {k: profile.samples.get(passes_key(mode, k, t), []) for k in PASS_SAMPLE_KINDS}
         cal = with_pass_scales(profile, cal, config.decode.speculation, passes)
-    burst = profile.samples.get(burst_key(mode, t), [])
-    if not burst:
-        return cal
-    # the burst's shape is not in its rows: the calibration fitted to them before says it
-    before = next((c for c in profile.calibrations if c.mode == mode and c.threads == t), None)
-    cal = dataclasses.replace(cal, contention_workload=before.contention_workload if before else "")
-    trace = [RequestSpec(r["arrival_s"], int(r["prompt"]), int(r["output_tokens"])) for r in burst]
-    burst_passes = [{"kind": kind, **row} for kind in BURST_PASS_KINDS
-                    for row in profile.samples.get(passes_key(mode, burst_passes_kind(kind), t), [])]
-    return with_contention(profile, cal, SimConfig.from_cluster_config(run_config), trace, burst, burst_passes)
+    return cal

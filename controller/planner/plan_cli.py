@@ -44,9 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculation", action="store_true",
                    help="search without speculative decoding (DistServe's search space)")
     p.add_argument("--no-colocated", action="store_true", help="do not compare against colocated baselines")
-    p.add_argument("--no-shared-cores", action="store_true",
-                   help="CPU: never let a prefill and a decode instance share cores with more threads than cores "
-                        "(by default the pairs the profile measured with --add-threads are compared)")
     p.add_argument("--max-concurrent", type=int, default=256, help="router admission limit in the plan")
     p.add_argument("--verify-top", type=int, default=4, help="best estimates verified by full simulation")
     p.add_argument("--base-config", default=None,
@@ -84,24 +81,11 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"magicserve plan: --tensor-parallel {','.join(map(str, args.tensor_parallel))}: the "
                              f"profile measured CPU instances of {measured} threads (add others with "
                              f"`magicserve profile --add-threads`)")
-    shared = devices if cpu and args.nodes == 1 and profile.core_sharing and not args.no_shared_cores else 0
     space = SearchSpace(devices=devices, tensor_parallel=tps, pipeline_parallel=args.pipeline_parallel,
-                        speculation=specs, include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent,
-                        shared_cores=shared)
+                        speculation=specs, include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent)
     print(f"planning for {devices} devices ({profile.hardware}); tp {', '.join(map(str, tps))}"
-          + (f"; prefill and decode may share the {shared} cores" if shared else "")
           + f"; {len(specs)} speculation settings: "
           + "; ".join(describe_spec(s) for s in specs), file=sys.stderr)
-    if shared:
-        unserved = sorted({(c.prefill_threads, c.decode_threads) for c in profile.core_sharing}
-                          - {(c.prefill_threads, c.decode_threads) for c in profile.core_sharing if c.measured_in_place})
-        for p_threads, d_threads in unserved:
-            print(f"note: the core sharing of a {p_threads}-thread prefill and a {d_threads}-thread decode instance was "
-                  "measured between two bare processes only, which overstated the served slowdown about 2x on the "
-                  "2-core VM; `magicserve profile --calibrate-only --config SHARED.yaml` measures it served",
-                  file=sys.stderr)
-    for note in contention_notes(profile, None if args.trace else args.workload):
-        print(f"note: {note}", file=sys.stderr)
     result = Planner(profile, slo, workload, space, verify_top=args.verify_top).run()
     base = args.base_config or (LOCAL_CONFIG if profile.device_type == "cpu"
                                 else os.path.join(CONFIG_DIR, "gpu-8xa100-llama3.1-8b.yaml"))
@@ -112,19 +96,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan: {result.best.describe()}: {result.best.goodput:.3f} req/s ({result.best.per_device:.3f} per device)")
     print(f"wrote {args.out} and {report}")
     return 0
-
-
-def contention_notes(profile, workload: str | None) -> list[str]:
-    """One line per calibration whose contention burst had another shape than the synthetic workload planned
-    for (``Calibration.contention_workload``); none for a trace (``workload`` None), whose shape is its own."""
-    notes = []
-    for c in profile.calibrations:
-        if workload is None or not c.contention_requests or c.contention_workload == workload:
-            continue
-        had = f"{c.contention_workload}-shaped" if c.contention_workload else "generic"
-        threads = f" ({c.threads} threads)" if c.threads != 1 else ""
-        notes.append(f"the {c.mode}{threads} calibration's contention was measured on a {had} burst, "
-                     f"not on {workload}'s shape: on the 2-core VM a generic burst overstated "
-                     f"colocated long_doc steps' slowdown about 1.7x; `magicserve profile --calibrate-only --config "
-                     f"CONFIG.yaml --burst-workload {workload}` measures it on the planned shape")
-    return notes

@@ -42,10 +42,6 @@ def plan_config(best: Candidate, base_config_path: str, out_path: str, profile: 
         raw["prefill"].update(_pool_fields(c.prefill, gpu), chunk_tokens=c.prefill.token_budget,
                               max_batch_prompts=c.prefill.max_num_seqs)
         raw["decode"].update(_pool_fields(c.decode, gpu), max_num_seqs=c.decode.max_num_seqs)
-        if c.shared_cores:  # Ray reserves an equal share of the cores per instance; the threads oversubscribe them
-            for role in ("prefill", "decode"):
-                raw[role]["cpus_per_instance"] = c.shared_cores / 2
-            raw["prefill"]["threads_when_decode_busy"] = c.prefill.threads_when_decode_busy
         raw["decode"]["speculation"] = spec_to_dict(c.speculation)
     raw["slo"] = {"ttft_ms": slo.ttft_s * 1e3, "tpot_ms": slo.tpot_s * 1e3, "attainment": slo.attainment}
     raw["limits"]["max_concurrent_requests"] = c.max_concurrent

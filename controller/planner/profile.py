@@ -94,28 +94,23 @@ class AcceptanceEntry:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Serving-path terms of one mode (``disaggregated`` or ``colocated``), fitted by ``calibrate.py``: the
-    first seven on isolated requests; the contention terms on bursts of overlapping ones; the pass scales on
-    the workers' own pass logs.
+    """Serving-path terms of one mode (``disaggregated`` or ``colocated``) at one thread count, fitted by
+    ``calibrate.py`` on isolated requests served by the real cluster.
 
-    verify_pass_scale, draft_pass_scale: the profile times passes in a loop on an idle machine; served, the
-    decode worker's passes run at other speeds, and not the same for each kind (plain decode passes slower
-    against the profile than verify passes: ``benchmarks/results/serving_interference_spec.md``). ``decode_scale`` covers plain decode steps (the
-    isolated requests run without speculation); these two put a speculative step's verify and draft passes
-    in the same units, for its duration and for the simulated policy's choice of k (the real policy learns
-    the in-place costs online).
+    The profile times passes in a loop on an idle machine; served, a request also pays for Ray and gRPC hops,
+    the worker loops around each pass and the first token's delivery. The simulator's step time is the
+    profiled cost times these terms (``sim_instances.StepCosts``):
 
-    Contention (``sim_instances._Instance._contention``), how much longer a step takes while other instances
-    of the cluster are busy (workers sharing cores, memory bandwidth and the server's CPU):
-    contention_scale: a factor interpolated linearly in the share of the other instances busy as a step starts;
-    contention_step_s: seconds a busy instance loses per step completed by itself or by the other busy
-    instances (each step's outputs are polled, streamed and received by processes on the same cores): with
-    it, many short decode steps interfere more than fewer, longer speculative ones at the same busy share;
-    contention_output_s: the same per sequence output (a decode step over many sequences streams many).
-    A calibration fits all three, non-negative, to the workers' passes during its bursts
-    (``interference.fit_contention_terms``); which of them carries the slowdown is what the bursts show
-    (``benchmarks/serving_interference.py`` measured it both ways in different runs).
-    1.0 and 0.0 = no contention (unmeasured, or instances on separate devices)."""
+    * TTFT = ``ttft_overhead_s`` + ``prefill_scale`` x the profiled prefill steps; of that scale, the part
+      that holds the prefill worker busy is ``prefill_pass_scale`` (measured on the worker's own passes;
+      0.0: unmeasured, the whole scale);
+    * decode time = ``decode_start_s`` + ``decode_scale`` x the profiled plain decode steps;
+    * ``verify_pass_scale`` / ``draft_pass_scale``: a speculative step's verify and draft passes in place,
+      relative to a plain decode pass (the real policy learns these costs online, so the simulated policy
+      chooses k with the same relative costs). 1.0: unmeasured.
+
+    ``threads``: the torch threads per instance of the config it was measured on (CPU); each count has its
+    own calibration and ``Profile.calibration`` falls back to the 1-thread one."""
 
     mode: str
     ttft_overhead_s: float
@@ -125,45 +120,11 @@ class Calibration:
     requests: int
     ttft_fit_error: float  # relative RMS
     decode_fit_error: float
-    contention_scale: float = 1.0
-    contention_step_s: float = 0.0  # seconds each busy instance loses per step completed while no core is idle
-    contention_output_s: float = 0.0  # seconds each busy instance loses per sequence output while no core is idle
-    contention_requests: int = 0  # requests of the burst behind the contention term
-    # fitted on pass logs: time-weighted RMS of the passes' slowdowns about the fit; else (profiles
-    # calibrated before the workers, then the colocated instances, logged passes): RMS of
-    # log(simulated / measured) latency over the burst
-    contention_fit_error: float = 0.0
-    # the prefill worker's passes in place, measured / profiled (0.0: unmeasured, the worker is charged the
-    # whole prefill_scale). The rest of prefill_scale is TTFT latency that does not hold the worker: the
-    # prefill throughput measured under saturating load agrees with this scale, not with prefill_scale
-    # (benchmarks/sim_validate.py's prefill tok/s column)
     prefill_pass_scale: float = 0.0
-    # speculative steps in place, relative to plain decode passes (1.0: unmeasured): a verify pass's and a draft
-    # pass's measured / profiled time over a plain decode pass's, medians of the decode workers' timed passes
     verify_pass_scale: float = 1.0
     draft_pass_scale: float = 1.0
     speculative_passes: int = 0  # verify passes behind the two scales
-    # per role ("prefill", "decode", "colocated"), how a step's time varies about the fitted time: equal-
-    # probability quantiles of the burst's passes' measured / fitted time, mean 1 (``interference.step_noise``).
-    # The simulator draws one per step (``sim_instances._Instance._noise``): near capacity a queue grows with the
-    # service times' variance, not only their mean. Empty: every step takes its fitted time (unmeasured, or a
-    # profile calibrated before the spread was kept)
-    step_noise: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    # CPU: the torch threads per instance of the config it was measured on. A 2-thread instance serves at
-    # another in-place speed than a 1-thread one (its parallel regions wait for a thread the serving path
-    # preempted), so each count has its own calibration; ``Profile.calibration`` falls back to the 1-thread one
     threads: int = 1
-    # the workload shape the contention burst's lengths were drawn from (``calibrate.burst_lengths``); "": the
-    # calibration's generic lengths and output burst. The contention a step meets depends on what both
-    # instances run (prefill-heavy steps contend less than decode-heavy ones), so plan notes a mismatch
-    contention_workload: str = ""
-
-    def __post_init__(self) -> None:
-        from controller.planner.workload import WORKLOADS
-
-        if self.contention_workload not in ("", *WORKLOADS):
-            raise ProfileError(f"calibrations.contention_workload: must be one of {['', *sorted(WORKLOADS)]}, "
-                               f"got {self.contention_workload!r}")
 
     @staticmethod
     def identity(mode: str) -> "Calibration":
@@ -173,18 +134,6 @@ class Calibration:
     def prefill_busy_scale(self) -> float:
         """The factor on a prefill step's profiled time for the time it holds the prefill worker."""
         return self.prefill_pass_scale or self.prefill_scale
-
-    def without_contention(self) -> "Calibration":
-        """The isolated terms alone (no contention term, no spread of step times)."""
-        return dataclasses.replace(self, contention_scale=1.0, contention_step_s=0.0, contention_output_s=0.0,
-                                   step_noise={})
-
-    def contention_summary(self) -> str:
-        """The contention terms in words, e.g. '1.30x + 2.4 ms per step' (for reports)."""
-        parts = ([f"{self.contention_scale:.2f}x"] if self.contention_scale != 1.0 else []) + \
-                ([f"{1e3 * self.contention_step_s:.1f} ms per step"] if self.contention_step_s else []) + \
-                ([f"{1e3 * self.contention_output_s:.2f} ms per output"] if self.contention_output_s else [])
-        return " + ".join(parts) or "none"
 
 
 @dataclass(frozen=True)
@@ -200,72 +149,12 @@ class InstanceCosts:
     prefill_kv_capacity_tokens: int = 0  # the same for a prefill instance; 0 = unknown
 
 
-def instance_tps(mode: str, threads: int) -> dict[str, int]:
-    """Each role's instance shape (CPU: threads) of a config of ``mode`` with ``threads`` per instance."""
-    return {"colocated": threads} if mode == "colocated" else {"prefill": threads, "decode": threads}
-
-
 def calibration_threads(tps: dict[str, int]) -> int:
-    """The calibration's thread count for instance shapes ``tps`` (role -> tensor parallel; CPU: threads):
-    a colocated instance's, or the prefill and decode instances' when equal. A pair of unequal counts (sharing
-    cores) takes the 1-thread calibration: its ``CoreSharing`` entry is stated over that one."""
+    """The calibration's thread count for instance shapes ``tps`` (role -> tensor parallel; CPU: threads): a
+    colocated instance's, or the prefill and decode instances' when equal (else the 1-thread calibration)."""
     if "colocated" in tps:
         return tps["colocated"]
     return tps["prefill"] if tps.get("prefill") == tps.get("decode") else 1
-
-
-SHARING_SOURCES = ("served", "burst", "processes")  # in the order ``Profile.sharing`` prefers them
-
-
-@dataclass(frozen=True)
-class CoreSharing:
-    """A prefill and a decode instance whose threads outnumber the cores they run on (CPU only): each
-    role's step time while the other role is busy, over its time alone (``core_sharing.measure``).
-
-    On a 2-core machine a 2-thread prefill instance and a 1-thread decode instance run a lone long prompt
-    on both cores while decode is idle, and the OS time-slices three threads over two cores when both are
-    busy: ``prefill_factor`` and ``decode_factor`` say how much slower each role's steps run then. The
-    simulator applies them for the part of each step the other role is busy (``sim_instances``)."""
-
-    prefill_threads: int
-    decode_threads: int
-    cores: int
-    prefill_factor: float  # a prefill step's time while the decode instance is busy / alone
-    decode_factor: float  # a decode step's time while the prefill instance is busy / alone
-    prefill_units: int = 0  # timed units behind the prefill factor (contended)
-    decode_units: int = 0
-    prefill_alone_s: float = 0.0  # the measured units alone (median seconds; 0: not recorded)
-    decode_alone_s: float = 0.0
-    # "processes": two plain processes (``core_sharing.measure``); "served": a served cluster's own passes
-    # during an SLO sweep (``core_sharing.in_place``), which also measures ``prefill_scale``: the prefill steps
-    # with decode idle, in place, over what the simulator charges for them (the profile x the calibration's
-    # prefill pass scale); "burst": the same, read from a calibration burst (``calibrate_sharing``)
-    source: str = "processes"
-    prefill_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_threads", "decode_threads", "cores"):
-            if getattr(self, name) < 1:
-                raise ProfileError(f"core_sharing.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.prefill_threads + self.decode_threads <= self.cores:
-            raise ProfileError(f"core_sharing: {self.prefill_threads} + {self.decode_threads} threads fit on "
-                               f"{self.cores} cores; sharing needs more threads than cores")
-        for name in ("prefill_factor", "decode_factor", "prefill_scale"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ProfileError(f"core_sharing.{name}: must be a positive finite number, got {value!r}")
-        if self.source not in SHARING_SOURCES:
-            raise ProfileError(f"core_sharing.source: must be one of {list(SHARING_SOURCES)}, got {self.source!r}")
-
-    @property
-    def measured_in_place(self) -> bool:
-        """Measured on the served cluster (a sweep's or a burst's passes): the factors then hold everything
-        else the cluster runs meanwhile, so the calibration's contention terms do not apply on top."""
-        return self.source != "processes"
-
-    def factor(self, role: str) -> float:
-        """The slowdown of ``role`` ("prefill" | "decode") while the other role is busy."""
-        return {"prefill": self.prefill_factor, "decode": self.decode_factor}[role]
 
 
 @dataclass(frozen=True)
@@ -288,8 +177,6 @@ class Profile:
     # measured points behind the fits: model name ("prefill", "target_pass", "draft_pass/<drafter>",
     # "kv_transfer") -> rows of feature values plus "seconds" (median); empty for analytical profiles
     samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
-    # CPU: measured slowdowns of a prefill and a decode instance sharing cores (``magicserve profile --add-threads``)
-    core_sharing: tuple[CoreSharing, ...] = ()
 
     # -- lookups (each names what is missing) ------------------------------------------------------
 
@@ -305,45 +192,6 @@ class Profile:
         """This profile with ``cal`` in place of the calibration of its mode and thread count."""
         others = tuple(c for c in self.calibrations if (c.mode, c.threads) != (cal.mode, cal.threads))
         return dataclasses.replace(self, calibrations=others + (cal,))
-
-    def without_contention(self) -> "Profile":
-        """Every calibration's isolated terms alone (``Calibration.without_contention``): how a request
-        alone on the cluster is served."""
-        return dataclasses.replace(self, calibrations=tuple(c.without_contention() for c in self.calibrations))
-
-    def at_speed(self, factor: float) -> "Profile":
-        """This profile on a machine ``factor`` times as slow (2.0: every pass takes twice as long; 0.8:
-        faster): every cost model and every time term of the calibrations multiplied by ``factor``; what
-        is a ratio (pass scales, contention factors, the spread of step times, acceptance, KV capacity)
-        is unchanged. Invariant: simulating ``at_speed(f)`` on a trace whose arrival times are all
-        multiplied by ``f`` gives the same run with every time multiplied by ``f`` (the per-step
-        contention terms are seconds per step and scale with the steps). ``benchmarks/_speed_probe.py``
-        measures the factor of a machine whose speed drifted since it was profiled."""
-        return self.at_role_speeds(factor, factor, factor)
-
-    def at_role_speeds(self, prefill: float, decode: float, shared: float) -> "Profile":
-        """``at_speed`` with a factor per role (``controller/planner/load_speed.py`` measures them under
-        load): the prefill model, the KV transfer and the TTFT overhead times ``prefill``; the target and
-        draft models and the decode start times ``decode``; the per-step contention terms (time every busy
-        instance loses, whatever its role) times ``shared``."""
-        for name, factor in (("prefill", prefill), ("decode", decode), ("shared", shared)):
-            if not (factor > 0 and math.isfinite(factor)):
-                raise ValueError(f"speed factor ({name}): expected a positive finite number, got {factor!r}")
-
-        def scaled(m: FittedModel | None, factor: float) -> FittedModel | None:
-            return None if m is None else dataclasses.replace(m, coefficients=tuple(factor * c for c in m.coefficients))
-
-        instances = tuple(dataclasses.replace(c, prefill=scaled(c.prefill, prefill),
-                                              target_pass=scaled(c.target_pass, decode),
-                                              draft_pass={k: scaled(v, decode) for k, v in c.draft_pass.items()})
-                          for c in self.instances)
-        calibrations = tuple(dataclasses.replace(c, ttft_overhead_s=prefill * c.ttft_overhead_s,
-                                                 decode_start_s=decode * c.decode_start_s,
-                                                 contention_step_s=shared * c.contention_step_s,
-                                                 contention_output_s=shared * c.contention_output_s)
-                             for c in self.calibrations)
-        return dataclasses.replace(self, instances=instances, kv_transfer=scaled(self.kv_transfer, prefill),
-                                   calibrations=calibrations)
 
     def costs(self, tensor_parallel: int, pipeline_parallel: int = 1) -> InstanceCosts:
         for c in self.instances:
@@ -381,18 +229,6 @@ class Profile:
         if tokens <= 0:
             raise ProfileError(f"profile has no {role} KV capacity for tp={tp}, pp={pp}")
         return tokens
-
-    def sharing(self, prefill_threads: int, decode_threads: int) -> CoreSharing:
-        """The measured core sharing of a ``prefill_threads`` prefill and a ``decode_threads`` decode instance:
-        measured on a served cluster where the profile has that (an SLO sweep's passes, else a calibration
-        burst's), else between two plain processes."""
-        mine = [c for c in self.core_sharing if (c.prefill_threads, c.decode_threads) == (prefill_threads, decode_threads)]
-        if mine:
-            return min(mine, key=lambda c: SHARING_SOURCES.index(c.source))
-        have = sorted((c.prefill_threads, c.decode_threads) for c in self.core_sharing)
-        raise ProfileError(f"profile has no core-sharing measurement for a {prefill_threads}-thread prefill and a "
-                           f"{decode_threads}-thread decode instance (it has (prefill, decode) threads in {have}); "
-                           f"run `magicserve profile --add-threads` for it")
 
     def acceptance_rate(self, drafter: str, budget: int, context: int) -> float:
         """Measured rate of (drafter, budget) at ``context`` tokens; between measured budgets the
@@ -454,12 +290,9 @@ class Profile:
                 source=str(d["source"]), instances=instances, kv_transfer=fitted(d["kv_transfer"]),
                 acceptance=tuple(AcceptanceEntry(**a) for a in d.get("acceptance", [])),
                 notes=str(d.get("notes", "")), version=int(d["version"]),
-                calibrations=tuple(Calibration(**{**c, "step_noise": {str(role): tuple(float(q) for q in qs)
-                                                                      for role, qs in c.get("step_noise", {}).items()}})
-                                   for c in d.get("calibrations", [])),
+                calibrations=tuple(Calibration(**c) for c in d.get("calibrations", [])),
                 samples={str(k): [{str(f): float(x) for f, x in row.items()} for row in v]
                          for k, v in samples.items()},
-                core_sharing=tuple(CoreSharing(**c) for c in d.get("core_sharing", [])),
             )
         except KeyError as e:
             raise ProfileError(f"profile: missing field {e}") from None

@@ -30,8 +30,7 @@ step time to the sum of predicted pass times goes into the profile's notes.
 
 A CPU instance of ``tensor_parallel`` t is one worker on t torch threads (sharded execution is not
 runnable yet): a profile measures the config's thread count (equal for both roles), and ``--add-threads``
-(``add_threads``) adds other counts and the core sharing of prefill/decode pairs whose threads outnumber
-the cores. GPU clusters are profiled analytically (``controller.planner.analytical``).
+(``add_threads``) adds other counts. GPU clusters are profiled analytically (``controller.planner.analytical``).
 """
 
 from __future__ import annotations
@@ -181,14 +180,11 @@ def measure_costs(loaded, config: ClusterConfig, grid: Grid, limits: Limits, pro
 
 
 def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int], grid: Grid = DEFAULT_GRID,
-                progress: bool = True, log: Callable[[str], None] = print, sharing_seconds: float = 12.0) -> Profile:
+                progress: bool = True, log: Callable[[str], None] = print) -> Profile:
     """``profile`` (measured on this machine with ``config``'s model) with CPU instances of more thread counts:
     for each count t it lacks, the prefill, target-pass and draft-pass models measured at t threads (an
     instance of ``tensor_parallel`` t, as ``plan_output`` writes a CPU plan; the KV transfer, acceptance and
-    calibrations stay those of the profile); then, for every (prefill, decode) pair of its thread counts
-    whose threads outnumber the cores, the core sharing (``core_sharing.measure``) it lacks. A few minutes
-    per thread count and per pair."""
-    from controller.planner import core_sharing
+    calibrations stay those of the profile). A few minutes per thread count."""
     from modeling.checkpoint import load_model
 
     check_config(config)
@@ -204,10 +200,10 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
     if bad:
         raise ProfileError(f"--add-threads: thread counts must be in [1, {cores}] (this machine's cores), got {bad}")
     have = {c.tensor_parallel for c in profile.instances if c.pipeline_parallel == 1}
+    added = [t for t in wanted if t not in have]
     instances, samples = list(profile.instances), dict(profile.samples)
-    loaded = None
-    for t in (t for t in wanted if t not in have):
-        loaded = loaded or load_model(config.model_path, config.model.dtype, "cpu")
+    loaded = load_model(config.model_path, config.model.dtype, "cpu") if added else None
+    for t in added:
         cfg = dataclasses.replace(config, prefill=dataclasses.replace(config.prefill, threads=t),
                                   decode=dataclasses.replace(config.decode, threads=t))
         limits = _limits(cfg, loaded.config.max_position_embeddings)
@@ -217,26 +213,12 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
         instances.append(_instance_costs(cfg, fits, t))
         samples.update({f"tp{t}/{name}": rows for name, rows in measured.items()})
     counts = sorted(have | set(wanted))
-    sharing = list(profile.core_sharing)
-    measured_pairs = {(c.prefill_threads, c.decode_threads) for c in sharing if c.source == "processes"}
-    new_pairs = []
-    for p_threads, d_threads in itertools.product(counts, counts):
-        if p_threads + d_threads > cores and (p_threads, d_threads) not in measured_pairs:
-            c = core_sharing.measure(config.model_path, p_threads, d_threads, sharing_seconds, config.model.dtype,
-                                     config.prefill.chunk_tokens, cores, progress)
-            log(f"core sharing P{p_threads} + D{d_threads} threads on {cores} cores: prefill {c.prefill_factor:.2f}x, "
-                f"decode {c.decode_factor:.2f}x slower while the other role is busy")
-            sharing.append(c)
-            new_pairs.append((p_threads, d_threads))
-    added = [t for t in wanted if t not in have] + new_pairs
-    notes = profile.notes + (f"; --add-threads {','.join(map(str, wanted))}: cost models and core sharing of "
-                             f"{added}" if added else "")
+    notes = profile.notes + (f"; --add-threads {','.join(map(str, added))}: cost models" if added else "")
     hardware = (f"cpu: {cpu_model_name()} ({cores} cores); instances of {', '.join(map(str, counts))} thread(s); "
                 f"torch {torch.__version__}")
     return dataclasses.replace(profile, instances=tuple(sorted(instances, key=lambda c: (c.tensor_parallel,
                                                                                          c.pipeline_parallel))),
-                               samples=samples, core_sharing=tuple(sharing), devices_per_node=cores, notes=notes,
-                               hardware=hardware)
+                               samples=samples, devices_per_node=cores, notes=notes, hardware=hardware)
 
 
 def _instance_costs(config: ClusterConfig, fits: dict[str, FittedModel], tensor_parallel: int) -> InstanceCosts:
@@ -809,11 +791,6 @@ def _describe(fm: FittedModel) -> str:
 
 # -- command line ----------------------------------------------------------------------------------
 
-BURST_WORKLOAD_MISUSED = ("--burst-workload: shapes the burst of a calibration (--calibrate or --calibrate-only with "
-                          "--burst-requests > 0): the contention burst of the config's mode, or the core-sharing burst "
-                          "of a config whose instances share cores")
-
-
 def run_cli(args) -> int:
     """``magicserve profile`` (arguments defined in controller/cli.py)."""
     if args.analytical:
@@ -824,103 +801,57 @@ def run_cli(args) -> int:
             print(f"tp {c.tensor_parallel} pp {c.pipeline_parallel}: KV capacity {c.kv_capacity_tokens} tokens; "
                   f"decode step (batch 1, 1K context) "
                   f"{1e3 * c.target_pass.predict_pass(PassShape(1, 1024, 1)):.2f} ms")
+        profile.save(args.out)
+        print(f"wrote {args.out}")
+        return 0
+    from controller.config import load_config
+    from controller.planner.calibrate import calibrate, refit, samples_prefix
+
+    if args.model or args.gpu:
+        raise ProfileError("--model and --gpu go with --analytical (a measured profile uses the config's model)")
+    if args.calibration_requests < 4:
+        raise ProfileError(f"--calibration-requests: must be >= 4, got {args.calibration_requests}")
+    calibrating = args.calibrate or args.calibrate_only
+    config = load_config(args.config)
+    if args.refit_calibration:
+        if calibrating or args.quick or args.add_threads:
+            raise ProfileError("--refit-calibration: refits the measurements already in --out and measures nothing; "
+                               "it does not combine with --calibrate, --calibrate-only, --quick or --add-threads")
+        profile = Profile.load(args.out)
+        cal = refit(config, profile)
+        _print_calibration(cal)
+        profile.with_calibration(cal).save(args.out)
+        print(f"wrote {args.out}")
+        return 0
+    if args.add_threads:
+        if calibrating:
+            raise ProfileError("--add-threads: extends the profile at --out with other thread counts; it does not "
+                               "combine with --calibrate or --calibrate-only")
+        profile = add_threads(config, Profile.load(args.out), args.add_threads, QUICK_GRID if args.quick else DEFAULT_GRID,
+                              progress=not args.no_progress)
+    elif args.calibrate_only:
+        profile = Profile.load(args.out)
     else:
-        from controller.config import load_config
-        from controller.planner.calibrate import calibrate, samples_prefix
-        from controller.planner.calibrate_sharing import calibrate_sharing, refit_sharing, shared_pair, with_sharing
-
-        if args.model or args.gpu:
-            raise ProfileError("--model and --gpu go with --analytical (a measured profile uses the config's model)")
-        if args.calibration_requests < 4:
-            raise ProfileError(f"--calibration-requests: must be >= 4, got {args.calibration_requests}")
-        config = load_config(args.config)
-        if args.refit_calibration:
-            from controller.planner.calibrate import refit
-
-            if args.calibrate or args.calibrate_only or args.quick or args.burst_workload:
-                raise ProfileError("--refit-calibration: refits the measurements already in --out and measures "
-                                   "nothing; it does not combine with --calibrate, --calibrate-only, --quick or "
-                                   "--burst-workload (the stored burst keeps its shape)")
-
-            profile = Profile.load(args.out)
-            if shared_pair(config, profile.devices_per_node):
-                entry = refit_sharing(config, profile)
-                _print_sharing(entry)
-                with_sharing(profile, entry).save(args.out)
-                print(f"wrote {args.out}")
-                return 0
-            cal = refit(config, profile)
-            _print_calibration(cal)
-            profile.with_calibration(cal).save(args.out)
-            print(f"wrote {args.out}")
-            return 0
-        if args.burst_workload and (not (args.calibrate or args.calibrate_only) or args.burst_requests <= 0):
-            raise ProfileError(BURST_WORKLOAD_MISUSED)
-        if args.add_threads:
-            if args.calibrate or args.calibrate_only or args.refit_calibration:
-                raise ProfileError("--add-threads: extends the profile at --out with other thread counts; it does "
-                                   "not combine with --calibrate, --calibrate-only or --refit-calibration")
-            profile = add_threads(config, Profile.load(args.out), args.add_threads,
-                                  QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress,
-                                  sharing_seconds=args.sharing_seconds)
-        elif args.calibrate_only:
-            profile = Profile.load(args.out)
-            if shared_pair(config, profile.devices_per_node):  # the pair's core sharing, not the mode's terms
-                entry, samples = calibrate_sharing(config, profile, args.burst_requests, progress=not args.no_progress,
-                                                   workload=args.burst_workload)
-                _print_sharing(entry)
-                with_sharing(profile, entry, samples).save(args.out)
-                print(f"wrote {args.out}")
-                return 0
-        else:
-            profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
-        if args.calibrate or args.calibrate_only:
-            if args.burst_requests < 0:
-                raise ProfileError(f"--burst-requests: must be >= 0 (0 skips the contention burst), got {args.burst_requests}")
-            run = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress,
-                            burst_requests=args.burst_requests, workload=args.burst_workload)
-            cal = run.calibration
-            _print_calibration(cal)
-            stale = samples_prefix(cal.mode, cal.threads)  # an earlier calibration's measurements of it go
-            kept = {k: v for k, v in profile.samples.items() if not k.startswith(stale)}
-            profile = dataclasses.replace(profile.with_calibration(cal), samples={**kept, **run.samples()})
+        profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
+    if calibrating:
+        run = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress)
+        cal = run.calibration
+        _print_calibration(cal)
+        stale = samples_prefix(cal.mode, cal.threads)  # an earlier calibration's measurements of it go
+        kept = {k: v for k, v in profile.samples.items() if not k.startswith(stale)}
+        profile = dataclasses.replace(profile.with_calibration(cal), samples={**kept, **run.samples()})
     profile.save(args.out)
     print(f"wrote {args.out}")
     return 0
 
 
-def _print_sharing(c) -> None:
-    print(f"core sharing P{c.prefill_threads} + D{c.decode_threads} threads on {c.cores} cores, served "
-          f"({c.source}): prefill {c.prefill_factor:.2f}x, decode {c.decode_factor:.2f}x slower while the other role "
-          f"is busy ({c.prefill_units} / {c.decode_units} passes); prefill with decode idle {c.prefill_scale:.2f}x "
-          "what the simulator charges")
-
-
 def _print_calibration(cal) -> None:
-    print(f"calibration ({cal.mode}{f', {cal.threads} threads' if cal.threads != 1 else ''}): TTFT = {1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x "
-          f"predicted prefill (fit error {cal.ttft_fit_error:.1%}"
+    print(f"calibration ({cal.mode}{f', {cal.threads} threads' if cal.threads != 1 else ''}): TTFT = "
+          f"{1e3 * cal.ttft_overhead_s:.1f} ms + {cal.prefill_scale:.3f} x predicted prefill (fit error "
+          f"{cal.ttft_fit_error:.1%}"
           + (f"; the worker's own passes {cal.prefill_pass_scale:.3f} x" if cal.prefill_pass_scale else "")
-          + f"); decode = {1e3 * cal.decode_start_s:.1f} ms + "
-          f"{cal.decode_scale:.3f} x predicted steps (fit error {cal.decode_fit_error:.1%}); {cal.requests} requests; "
-          f"contention {cal.contention_summary()} while other instances are busy ({cal.contention_requests}-request "
-          f"{cal.contention_workload + ' ' if cal.contention_workload else ''}burst, fit RMS {cal.contention_fit_error:.2f})"
+          + f"); decode = {1e3 * cal.decode_start_s:.1f} ms + {cal.decode_scale:.3f} x predicted steps (fit error "
+          f"{cal.decode_fit_error:.1%}); {cal.requests} requests"
           + (f"; speculative steps in place: verify passes {cal.verify_pass_scale:.2f}x, draft passes "
              f"{cal.draft_pass_scale:.2f}x a plain decode pass's ratio ({cal.speculative_passes} verify passes)"
-             if cal.speculative_passes else "")
-          + (f"; step times about the fit (p10 / p50 / p90): "
-             + ", ".join(f"{role} {q[len(q) // 10]:.2f} / {q[len(q) // 2]:.2f} / {q[(9 * len(q)) // 10]:.2f}"
-                         for role, q in cal.step_noise.items() if q)
-             if any(cal.step_noise.values()) else ""))
-
-
-def iter_fits(profile: Profile) -> Iterable[tuple[str, FittedModel]]:
-    """(name, model) of every fitted model in a profile (for reports)."""
-    for c in profile.instances:
-        tag = f"tp{c.tensor_parallel}pp{c.pipeline_parallel}"
-        if c.prefill:
-            yield f"{tag}/prefill", c.prefill
-        if c.target_pass:
-            yield f"{tag}/target_pass", c.target_pass
-        for name, fm in c.draft_pass.items():
-            yield f"{tag}/draft_pass/{name}", fm
-    yield "kv_transfer", profile.kv_transfer
+             if cal.speculative_passes else ""))

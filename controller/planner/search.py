@@ -34,9 +34,6 @@ from controller.planner.workload import RequestSpec, WorkloadShape, make_trace, 
 from decode_worker.config import SpeculationConfig
 
 NO_SPECULATION = SpeculationConfig(drafter="none")
-# where a profile's core sharing was measured (``CoreSharing.source``), as the candidates' notes say it
-SHARING_WHERE = {"served": "served, in an SLO sweep", "burst": "served, in a calibration burst",
-                 "processes": "in two processes"}
 
 
 class PlanError(ValueError):
@@ -97,9 +94,6 @@ class SearchSpace:
     decode_max_num_seqs: int = 64
     max_concurrent: int = 256
     block_size: int = 16
-    # CPU: one prefill and one decode instance may share this many cores with more threads than cores (each
-    # (prefill, decode) thread pair the profile measured, ``Profile.core_sharing``); 0: instances never share
-    shared_cores: int = 0
 
 
 @dataclass
@@ -125,11 +119,8 @@ class Candidate:
             p = c.colocated
             return f"colocated {p.instances} x (tp{p.tensor_parallel} pp{p.pipeline_parallel})"
         p, d = c.prefill, c.decode
-        shared = f" sharing {c.shared_cores} cores" if c.shared_cores else ""
-        if c.shared_cores and p.threads_when_decode_busy:
-            shared += f" (prefill on {p.threads_when_decode_busy} thread(s) while decode is busy)"
         return (f"P {p.instances} x (tp{p.tensor_parallel} pp{p.pipeline_parallel}) + "
-                f"D {d.instances} x (tp{d.tensor_parallel} pp{d.pipeline_parallel}){shared}, {describe_spec(c.speculation)}")
+                f"D {d.instances} x (tp{d.tensor_parallel} pp{d.pipeline_parallel}), {describe_spec(c.speculation)}")
 
 
 def describe_spec(spec: SpeculationConfig) -> str:
@@ -210,44 +201,11 @@ class Planner:
     def _pool(self, instances: int, tp: int, pp: int, budget: int, seqs: int) -> PoolPlan:
         return PoolPlan(instances, tp, pp, self.profile.costs(tp, pp).kv_capacity_tokens, budget, seqs)
 
-    def _disaggregated(self, pshape, np_, dshape, nd, spec, shared_cores: int = 0, busy_threads: int = 0) -> SimConfig:
+    def _disaggregated(self, pshape, np_, dshape, nd, spec) -> SimConfig:
         s = self.space
-        prefill = replace(self._pool(np_, *pshape, s.prefill_token_budget, s.prefill_max_prompts),
-                          threads_when_decode_busy=busy_threads)
-        return SimConfig("disaggregated", prefill=prefill,
+        return SimConfig("disaggregated", prefill=self._pool(np_, *pshape, s.prefill_token_budget, s.prefill_max_prompts),
                          decode=self._pool(nd, *dshape, 1, s.decode_max_num_seqs),
-                         speculation=spec, block_size=s.block_size, max_concurrent=s.max_concurrent,
-                         shared_cores=shared_cores)
-
-    def _sharing(self, shapes: list[tuple[int, int]], decode_rate: dict) -> list[Candidate]:
-        """One candidate per (prefill, decode) thread pair the profile measured sharing ``space.shared_cores``
-        cores (both shapes searched): one instance of each role, with the decode shape's best screened
-        speculation setting; and the same with the prefill instance on fewer threads (each searched shape
-        whose pair with decode the profile can price) while decode is busy. Verified like the colocated
-        baselines: the screening's min(prefill rate, decode rate) does not hold when the two slow each other."""
-        cores = self.space.shared_cores
-        out = []
-        pairs = sorted({(c.prefill_threads, c.decode_threads) for c in self.profile.core_sharing if c.cores == cores})
-        for c in (self.profile.sharing(*pair) for pair in pairs):  # served measurements where there are
-            pshape, dshape = (c.prefill_threads, 1), (c.decode_threads, 1)
-            if pshape not in shapes or dshape not in shapes:
-                continue
-            spec = max(self.space.speculation, key=lambda sp: decode_rate[(dshape, sp)])
-            note = (f"prefill and decode share {cores} cores (measured {SHARING_WHERE[c.source]}: "
-                    f"prefill {c.prefill_factor:.2f}x, decode {c.decode_factor:.2f}x slower while both run)")
-            out.append(Candidate(self._disaggregated(pshape, 1, dshape, 1, spec, shared_cores=cores), note=note))
-            for fewer in range(1, c.prefill_threads):
-                fits = fewer + c.decode_threads <= cores
-                if (fewer, 1) not in shapes or not (fits or self._has_sharing(fewer, c.decode_threads)):
-                    continue
-                out.append(Candidate(self._disaggregated(pshape, 1, dshape, 1, spec, shared_cores=cores,
-                                                         busy_threads=fewer),
-                                     note=note + f"; the prefill yields to {fewer} thread(s) while decode is busy"))
-        return out
-
-    def _has_sharing(self, prefill_threads: int, decode_threads: int) -> bool:
-        return any((c.prefill_threads, c.decode_threads) == (prefill_threads, decode_threads)
-                   for c in self.profile.core_sharing)
+                         speculation=spec, block_size=s.block_size, max_concurrent=s.max_concurrent)
 
     # -- the search ---------------------------------------------------------------------------------------
 
@@ -291,10 +249,6 @@ class Planner:
                          for tp, pp in shapes]
             candidates += colocated
             to_verify = to_verify + colocated
-        if self.space.shared_cores:
-            sharing = self._sharing(shapes, decode_rate)
-            candidates += sharing
-            to_verify = to_verify + sharing
         for cand in tqdm(to_verify, desc="plan: verifying", disable=not self.progress, dynamic_ncols=True):
             cand.goodput = self.goodput(cand.config, "both")
         verified = [c for c in to_verify if not math.isnan(c.goodput)]

@@ -13,19 +13,16 @@ What it models (and mirrors from the real router, ``controller/router.py``):
                in the same steps (the reference engine)
             -> finish: the request's slot and memory free, the next queued request is admitted
 
-Instance behaviour lives in ``sim_instances``. The serving path's own costs (Ray and gRPC hops, worker
-loops, the workers sharing memory bandwidth) enter through the profile's calibration of the mode
-(``calibrate.py``): a request-path delay, scales on prefill and decode step times, a delay before a
-transferred request joins the decode batch, and a contention factor on the steps of an instance while
-others are busy (instances sharing one machine's cores and memory bandwidth). On a CPU, a prefill and a
-decode instance whose threads outnumber the cores (``SimConfig.shared_cores``) run their steps at the
-profile's measured core-sharing slowdown while both are busy (``sim_instances.CoreShareGroup``). Not
-modelled: failures and retries.
+Instance behaviour lives in ``sim_instances`` (the real schedulers, run on plain objects). A step's time is
+its profiled cost times the mode's calibration (``sim_instances.StepCosts``): the serving path's own costs
+(Ray and gRPC hops, worker loops) enter as a request-path delay, scales on prefill and decode step times
+and a delay before a transferred request joins the decode batch. An optional plug-in multiplies each step
+by a factor (``host_contention``: instances slowing each other on one small shared machine; off unless
+given). Not modelled: failures and retries.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -35,13 +32,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from controller.planner.profile import Profile, calibration_threads
-from controller.planner.sim_instances import ColocatedSim, CoreShareGroup, DecodeSim, PrefillSim, SimRequest
+from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
 from controller.planner.slo import RequestOutcome
 from controller.planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
 
 if TYPE_CHECKING:
-    from controller.planner.load_speed import SpeedTimeline
+    from controller.planner.host_contention import HostContention
 
 MODES = ("disaggregated", "colocated")
 
@@ -60,8 +57,6 @@ class PoolPlan:
     kv_cache_tokens: int = 65536  # per instance
     token_budget: int = 512  # prefill / colocated: tokens per step
     max_num_seqs: int = 64
-    # prefill sharing cores (SimConfig.shared_cores): threads of a step started while decode is busy (0: all)
-    threads_when_decode_busy: int = 0
 
     @property
     def devices(self) -> int:
@@ -71,9 +66,6 @@ class PoolPlan:
         for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs"):
             if getattr(self, f) < 1:
                 raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
-        if not 0 <= self.threads_when_decode_busy <= self.tensor_parallel:
-            raise SimConfigError(f"{name}.threads_when_decode_busy: must be in [0, tensor_parallel "
-                                 f"({self.tensor_parallel})], got {self.threads_when_decode_busy}")
 
 
 @dataclass(frozen=True)
@@ -88,9 +80,6 @@ class SimConfig:
     block_size: int = 16
     max_concurrent: int = 64
     overhead_s: float = 0.0  # added to every TTFT (request path latency outside the workers)
-    # CPU: the cores one prefill and one decode instance share when their threads (tensor_parallel) outnumber
-    # them (the profile's ``CoreSharing`` for the pair times their steps); 0: every instance has devices of its own
-    shared_cores: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,29 +92,47 @@ class SimConfig:
             pool.validate(name)
         if self.max_concurrent < 1:
             raise SimConfigError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
-        if self.shared_cores:
-            self._validate_shared_cores()
 
-    def _validate_shared_cores(self) -> None:
-        p, d, cores = self.prefill, self.decode, self.shared_cores
-        if self.mode != "disaggregated" or cores < 1:
-            raise SimConfigError(f"shared_cores: a disaggregated configuration's cores (>= 1), got {cores} in "
-                                 f"{self.mode} mode")
-        if (p.instances, d.instances, p.pipeline_parallel, d.pipeline_parallel) != (1, 1, 1, 1):
-            raise SimConfigError("shared_cores: one prefill and one decode instance without pipeline parallelism "
-                                 f"(the measured arrangement), got {p.instances} prefill x pp{p.pipeline_parallel} and "
-                                 f"{d.instances} decode x pp{d.pipeline_parallel}")
-        if max(p.tensor_parallel, d.tensor_parallel) > cores or p.tensor_parallel + d.tensor_parallel <= cores:
-            raise SimConfigError(f"shared_cores: {cores} cores for {p.tensor_parallel} prefill + {d.tensor_parallel} "
-                                 "decode threads; sharing means more threads than cores, and none more than all of them")
+    @property
+    def devices(self) -> int:
+        return self.instances * self.tensor_parallel * self.pipeline_parallel
+
+    def validate(self, name: str) -> None:
+        for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs"):
+            if getattr(self, f) < 1:
+                raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What to simulate: the pools, the speculation setting and the router's limits."""
+
+    mode: str = "disaggregated"
+    prefill: PoolPlan | None = None
+    decode: PoolPlan | None = None
+    colocated: PoolPlan | None = None
+    speculation: SpeculationConfig = SpeculationConfig()
+    block_size: int = 16
+    max_concurrent: int = 64
+    overhead_s: float = 0.0  # added to every TTFT (request path latency outside the workers)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SimConfigError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
+        pools = ("prefill", "decode") if self.mode == "disaggregated" else ("colocated",)
+        for name in pools:
+            pool = getattr(self, name)
+            if pool is None:
+                raise SimConfigError(f"{name}: required in {self.mode} mode")
+            pool.validate(name)
+        if self.max_concurrent < 1:
+            raise SimConfigError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
 
     @property
     def devices(self) -> int:
         """Devices (GPUs, or worker threads on CPU) the configuration uses."""
         if self.mode == "colocated":
             return self.colocated.devices
-        if self.shared_cores:
-            return self.shared_cores
         return self.prefill.devices + self.decode.devices
 
     def calibration_threads(self) -> int:
@@ -135,11 +142,10 @@ class SimConfig:
         return calibration_threads(tps)
 
     @staticmethod
-    def from_cluster_config(cfg, cores: int | None = None) -> "SimConfig":
+    def from_cluster_config(cfg) -> "SimConfig":
         """The simulation of a ``controller.config.ClusterConfig``. A CPU instance's threads are its
         ``tensor_parallel`` devices, as ``plan_output`` writes a CPU plan (so per-device goodput is per-core
-        goodput there, and a profile must hold costs measured at that many threads). ``cores``: the CPU
-        machine's cores; a CPU disaggregated config whose threads outnumber them shares them (``shared_cores``)."""
+        goodput there, and a profile must hold costs measured at that many threads)."""
 
         def pool(section, budget: int, seqs: int) -> PoolPlan:
             if not section.devices_per_instance:
@@ -152,13 +158,10 @@ class SimConfig:
         if getattr(cfg, "mode", "disaggregated") == "colocated":
             c = cfg.colocated
             return SimConfig("colocated", colocated=pool(c, c.chunk_tokens, c.max_num_seqs), **common)
-        prefill = dataclasses.replace(pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts),
-                                      threads_when_decode_busy=cfg.prefill.threads_when_decode_busy)
+        prefill = pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts)
         decode = pool(cfg.decode, 1, cfg.decode.max_num_seqs)
-        cpu = not cfg.prefill.devices_per_instance and not cfg.decode.devices_per_instance
-        shared = cores if cpu and cores and prefill.devices + decode.devices > cores else 0
         return SimConfig("disaggregated", prefill=prefill, decode=decode, speculation=cfg.decode.speculation,
-                         shared_cores=shared, **common)
+                         **common)
 
 
 @dataclass(frozen=True)
@@ -210,10 +213,11 @@ class SimResult:
 class Simulation:
     """One run of one configuration over one trace. ``run`` may be called once."""
 
-    def __init__(self, profile: Profile, config: SimConfig, seed: int = 0, speed: SpeedTimeline | None = None):
+    def __init__(self, profile: Profile, config: SimConfig, seed: int = 0,
+                 host_contention: HostContention | None = None):
         self.profile = profile
         self.config = config
-        self.speed = speed  # the machine's speed through the run, relative to ``profile`` (None: constant)
+        self.host_contention = host_contention  # the optional plug-in (None: every step at its calibrated time)
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
@@ -223,32 +227,33 @@ class Simulation:
         # serving-path terms of the mode at the instances' thread count (identity if unmeasured)
         self.calibration = profile.calibration(config.mode, config.calibration_threads())
         rng = random.Random(seed)
-        self.noise_rng = random.Random(seed + 104729)  # step-time spread: its own stream, apart from acceptance
-        c, bs = config, config.block_size
+        self.noise_rng = random.Random(seed + 104729)  # the plug-in's draws: a stream apart from acceptance
+        c, bs, cal = config, config.block_size, self.calibration
+        self.prefill: list[PrefillSim] = []
+        self.decode: list[DecodeSim] = []
+        self.colocated: list[ColocatedSim] = []
         if c.mode == "colocated":
             p = c.colocated
-            self.colocated = [ColocatedSim(self, f"colocated-{i}", profile, p.tensor_parallel, p.pipeline_parallel,
-                                           p.kv_cache_tokens, bs, p.token_budget, p.max_num_seqs)
-                              for i in range(p.instances)]
-            self.prefill, self.decode = [], []
+            costs = StepCosts(profile, cal, p.tensor_parallel, p.pipeline_parallel)
+            self.colocated = [ColocatedSim(self, f"colocated-{i}", costs, p.kv_cache_tokens, bs, p.token_budget,
+                                           p.max_num_seqs) for i in range(p.instances)]
         else:
             p, d = c.prefill, c.decode
-            busy_threads = p.threads_when_decode_busy if c.shared_cores else 0  # yielding matters only there
-            self.prefill = [PrefillSim(self, f"prefill-{i}", profile, p.tensor_parallel, p.pipeline_parallel,
-                                       p.kv_cache_tokens, bs, p.token_budget, p.max_num_seqs, busy_threads)
-                            for i in range(p.instances)]
-            self.decode = [DecodeSim(self, f"decode-{i}", profile, d.tensor_parallel, d.pipeline_parallel,
-                                     d.kv_cache_tokens, bs, d.max_num_seqs, c.speculation, random.Random(rng.random()))
-                           for i in range(d.instances)]
-            self.colocated = []
-            if c.shared_cores:
-                fewer = p.threads_when_decode_busy  # the yielded pair shares the cores only if it outnumbers them
-                yielded = profile.sharing(fewer, d.tensor_parallel) if fewer and fewer + d.tensor_parallel > c.shared_cores else None
-                sharing = profile.sharing(p.tensor_parallel, d.tensor_parallel)
-                CoreShareGroup(self, sharing, self.prefill + self.decode, yielded)
-                for inst in self.prefill:
-                    inst.place_scale = sharing.prefill_scale
+            pcosts = StepCosts(profile, cal, p.tensor_parallel, p.pipeline_parallel)
+            profile.prefill_model(p.tensor_parallel, p.pipeline_parallel)  # fail now if the profile lacks it
+            drafter = c.speculation.drafter if c.speculation.enabled else None
+            dcosts = StepCosts(profile, cal, d.tensor_parallel, d.pipeline_parallel, drafter)
+            self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs,
+                                       p.token_budget, p.max_num_seqs) for i in range(p.instances)]
+            self.decode = [DecodeSim(self, f"decode-{i}", profile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
+                                     c.speculation, random.Random(rng.random())) for i in range(d.instances)]
         self.instances = self.prefill + self.decode + self.colocated
+
+    def step_factor(self, inst, duration: float) -> float:
+        """The plug-in's factor on a step of ``inst`` (``duration`` at its calibrated time): 1 without one."""
+        if self.host_contention is None:
+            return 1.0
+        return self.host_contention.step_factor(inst, duration, self.instances, self.noise_rng)
 
     # -- the event loop ------------------------------------------------------------------------------
 
@@ -336,7 +341,6 @@ class Simulation:
                 self.on_finish(req, t)
 
     def on_kv_ready(self, req: SimRequest) -> None:
-        req.kv_ready_s = self.now
         if not math.isnan(req.finish_s):
             return
         start = self.calibration.decode_start_s  # acknowledgement, router admit call, next decode-loop turn
@@ -358,9 +362,7 @@ class Simulation:
 
 
 def simulate(profile: Profile, config: SimConfig, trace: list[RequestSpec], seed: int = 0,
-             time_limit_s: float | None = None, speed: SpeedTimeline | None = None) -> SimResult:
-    """Convenience: one fresh :class:`Simulation` over ``trace``; ``speed``: the machine's speed through
-    the run relative to ``profile`` (``load_speed.speed_timeline``), each step scaled by its role's factor
-    when it starts."""
-    return Simulation(profile, config, seed, speed).run(trace, time_limit_s)
+             time_limit_s: float | None = None, host_contention: HostContention | None = None) -> SimResult:
+    """Convenience: one fresh :class:`Simulation` over ``trace`` (``host_contention``: the optional plug-in)."""
+    return Simulation(profile, config, seed, host_contention).run(trace, time_limit_s)
 

@@ -36,12 +36,12 @@
 // every row's 16 scores lane-wise with VDPBF16PS against the row's broadcast query pairs, 8 rows per
 // pass: no horizontal reduction, and the transpose is shared by all G * Q rows -- this is what makes a
 // verification's extra rows cheap (1.2x faster at Q = 3-6, 32 x 8K, than per-row dot products plus
-// reduce16; benchmarks/results/kernel_variants.md);
+// reduce16; benchmarks/results/FINDINGS.md);
 // P @ V rounds P to bf16 (as GPU flash attention does) to use VDPBF16PS on pairs of keys.
 // Each tile's cache lines are software-prefetched just before the tile is computed (MS_PREFETCH_TILES
 // = 0): issuing all of them at once keeps many misses in flight. On the 2-core AMD EPYC (Zen) this was
 // tuned on (contiguous block tables, 32 x 8K), one tile ahead was as fast, and 2 or 8 tiles ahead made
-// steps 1.1-1.3x / 1.2-1.5x slower (benchmarks/results/kernel_variants.md).
+// steps 1.1-1.3x / 1.2-1.5x slower (benchmarks/results/FINDINGS.md).
 //
 // Every query row is computed on its own -- the same operations in the same order whatever the number of
 // rows beside it -- so a verification row equals the decode step at that position bit for bit when the
