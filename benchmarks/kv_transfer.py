@@ -45,7 +45,9 @@ from modeling.config import ModelConfig  # noqa: E402
 from modeling.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from modeling.model import CausalLM  # noqa: E402
 from modeling.sampling import SamplingParams  # noqa: E402
-from prefill_worker import KVDestination, PrefillRequest, PrefillWorker, PrefillWorkerConfig  # noqa: E402
+from prefill_worker.config import PrefillWorkerConfig  # noqa: E402
+from prefill_worker.worker import PrefillWorker  # noqa: E402
+from prefill_worker.messages import KVDestination, PrefillRequest  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BLOCK = 16
@@ -150,6 +152,7 @@ def prefill_side(rdv: Rendezvous, cmds, replies, args) -> dict:
         for layer in range(config.num_hidden_layers):
             group.send_layer(layer)
         group.close()
+        sender.finish_prompt(rid, None)
         while True:
             ev = sender.poll()
             if ev.failed:

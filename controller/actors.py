@@ -1,7 +1,7 @@
 """Ray actors around the prefill and decode workers, and the colocated reference engine.
 
 Each actor owns its worker and runs the worker's loop on a background thread; the router talks to it
-through small methods (submit, reserve, admit, abort, poll, status) that pass the worker's step gate
+through small methods (submit, add_remote, abort, poll, status) that pass the worker's step gate
 (``controller/step_gate.py``: a call waiting when a step ends goes before the next step).
 Outputs are batched: ``poll`` returns everything produced since the previous poll (token deltas of a
 whole decode step travel in one Ray call, never one call per token).
@@ -21,21 +21,12 @@ from typing import TYPE_CHECKING
 from controller.step_gate import StepGate
 
 if TYPE_CHECKING:
-    from modeling.sampling import SamplingParams
+    from modeling.params import SamplingParams
 
 log = logging.getLogger("magicserve.actors")
 
 # How long the loop thread sleeps when its worker has nothing to do.
 _IDLE_SLEEP_S = 0.002
-
-
-@dataclass(frozen=True)
-class TransferFailed:
-    """The decode side gave up on receiving a request's KV (its reservation is released)."""
-
-    request_id: str
-    reason: str
-    retryable: bool
 
 
 @dataclass(frozen=True)
@@ -164,52 +155,31 @@ class PrefillActor(_LoopActor):
 
 
 class DecodeActor(_LoopActor):
-    """A decode instance: receives KV, admits sequences when their KV is complete, speculates."""
+    """A decode instance: its worker receives KV, admits requests once their KV is complete, speculates."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None):
         import torch
 
         from decode_worker.worker import DecodeWorker
         from kv_transfer.channel import TransferConfig
-        from kv_transfer.descriptors import KVFingerprint
-        from kv_transfer.heads import HeadRange
-        from kv_transfer.receiver import KVReceiver
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
-        self.worker = DecodeWorker(model_path, config)
-        mc = self.worker.loaded.config
-        fingerprint = KVFingerprint.of(mc, config.block_size, self.worker.loaded.dtype)
-        self.receiver = KVReceiver(self.worker.cache, self.worker, instance_id, fingerprint,
-                                   HeadRange(0, mc.num_key_value_heads), transfer_config or TransferConfig())
-        self._arrived: set[str] = set()  # KV complete, waiting for the router's admit
-        self._to_admit: dict = {}  # DecodeRequest waiting for its KV
+        self.worker = DecodeWorker(model_path, config, instance_id, transfer_config or TransferConfig())
         self._start_loop(f"decode-loop-{instance_id}")
 
     def connect(self, prefill_id: str, host: str, port: int, generation: int = 0) -> None:
         from kv_transfer.channel import Rendezvous
 
-        self.receiver.connect(prefill_id, Rendezvous(host, port), generation)
+        self.worker.connect(prefill_id, Rendezvous(host, port), generation)
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def add_remote(self, request) -> list[int] | None:
+        """Hold ``request`` (a ``DecodeRequest``) until its KV arrives: the reserved block ids, or None."""
         with self._gate.call():
-            return self.receiver.reserve(request_id, num_tokens)
-
-    def admit(self, request) -> None:
-        """Start decoding ``request`` as soon as its KV has arrived (now, if it already has)."""
-        with self._gate.call():
-            self._to_admit[request.request_id] = request
+            return self.worker.add_remote(request)
 
     def abort(self, request_id: str) -> bool:
         with self._gate.call():
-            self._to_admit.pop(request_id, None)
-            if request_id in self._arrived:
-                self._arrived.discard(request_id)
-                self.worker.release_reservation(request_id)
-                return True
-            if request_id in self.receiver.reserved():
-                self.receiver.release(request_id)
-                return True
             return self.worker.abort(request_id)
 
     def status(self) -> dict:
@@ -217,25 +187,13 @@ class DecodeActor(_LoopActor):
             w = self.worker
             m = w.metrics.summary()
             return {"name": self.instance_id, "role": "decode", "device": str(w.loaded.device),
-                    "queue_length": len(self._to_admit), "running": w.num_running,
+                    "queue_length": w.num_waiting_for_kv, "running": w.num_running,
                     "free_kv_blocks": w.pool.num_free, "total_kv_blocks": w.pool.num_blocks,
                     "acceptance_rate": m["acceptance_rate"], "mean_accepted_length": m["mean_accepted_length"],
                     "tokens_generated": m["tokens"]}
 
     def _step(self) -> list:
-        produced: list = []
-        events = self.receiver.poll()
-        for kv in events.completed:
-            self._arrived.add(kv.request_id)
-        for f in events.failed:
-            self._to_admit.pop(f.request_id, None)
-            produced.append(TransferFailed(f.request_id, str(f.error), f.error.retryable))
-        for rid in [r for r in self._to_admit if r in self._arrived]:
-            self._arrived.discard(rid)
-            produced.extend(self.worker.admit(self._to_admit.pop(rid)))
-        if self.worker.has_work():
-            produced.extend(self.worker.step())
-        return produced
+        return self.worker.step()  # polls the KV receiver even when idle: handshakes wait on it
 
 
 class ColocatedActor(_LoopActor):
@@ -271,7 +229,7 @@ class ColocatedActor(_LoopActor):
         return self.engine.pass_log
 
     def _step(self) -> list:
-        from decode_worker.worker import TokenDelta
+        from decode_worker.messages import TokenDelta
 
         if not self.engine.has_unfinished():
             return []

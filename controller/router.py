@@ -2,9 +2,10 @@
 
 One request, end to end (``Router.generate``):
 
-    admit (bounded concurrency, bounded queue)  ->  reserve KV blocks on the least-loaded decode
-    instance  ->  prefill on the least-loaded prefill instance (KV streams to the reserved blocks)
-    ->  first token  ->  decode instance admits the sequence once its KV is complete  ->  deltas
+    admit (bounded concurrency, bounded queue)  ->  hand the request to the least-loaded decode instance
+    with room, which reserves its KV blocks and holds it waiting for KV  ->  prefill on the least-loaded
+    prefill instance (KV and then the first token stream to the reserved blocks)  ->  first token
+    streamed  ->  the decode instance starts it once its KV and first token arrived  ->  deltas
 
 ``ColocatedRouter`` serves the same API from colocated instances (the reference engine: prefill and decode
 in one instance, no KV transfer); it shares everything with ``Router`` but placement.
@@ -23,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from controller.actors import ColocatedRequest, TransferFailed, WorkerCrashed
+from controller.actors import ColocatedRequest, WorkerCrashed
 from controller.request_state import RequestRecord, RequestState, StateCounters
-from decode_worker.worker import DecodeRequest, TokenDelta
-from modeling.sampling import SamplingParams
+from decode_worker.messages import DecodeFailure, DecodeRequest, TokenDelta
+from modeling.params import SamplingParams
 from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, PrefillStepOutput
 
 log = logging.getLogger("magicserve.router")
@@ -88,7 +89,6 @@ class _Active:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     tokens_streamed: int = 0
-    first_delta_pending: bool = True  # the decode worker repeats the first token's id in its first delta
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
@@ -186,11 +186,12 @@ class Router:
             await self._slots.acquire()
 
     async def _place(self, active: _Active) -> None:
-        """Reserve KV on a decode instance, then hand the prompt to a prefill instance."""
+        """Hand the request to a decode instance (which reserves its KV), then the prompt to a prefill instance."""
         rid = active.record.request_id
         deadline = time.monotonic() + self.request_timeout_s
+        request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
         while True:
-            decode, blocks = await self._reserve_decode(rid, len(active.prompt_ids))
+            decode, blocks = await self._reserve_decode(request)
             if decode is not None:
                 break
             if time.monotonic() > deadline:
@@ -214,10 +215,10 @@ class Router:
         except Exception as err:  # the actor died between choosing and submitting
             await self._retry_or_fail(active, f"{inst.role} {inst.name} unreachable: {err}")
 
-    async def _reserve_decode(self, rid: str, num_tokens: int):
+    async def _reserve_decode(self, request: DecodeRequest):
         for inst in sorted((d for d in self.decode if d.alive), key=lambda d: len(d.assigned)):
             try:
-                blocks = await inst.handle.reserve.remote(rid, num_tokens)
+                blocks = await inst.handle.add_remote.remote(request)
             except Exception as err:
                 log.warning("decode %s unreachable: %s", inst.name, err)
                 continue
@@ -248,7 +249,6 @@ class Router:
                 return
             if kind == "first_token":
                 yield self._on_first_token(active, payload)
-                await self._admit_on_decode(active, payload)
             elif kind == "transferred":
                 if active.record.state is RequestState.TRANSFERRING:
                     active.record.to(RequestState.DECODING)
@@ -274,21 +274,10 @@ class Router:
         active.tokens_streamed = 1
         return Delta([first.token_id], "")  # its text comes with the decode worker's first delta
 
-    async def _admit_on_decode(self, active: _Active, first: FirstToken) -> None:
-        request = DecodeRequest(active.record.request_id, tuple(active.prompt_ids), first.token_id, active.params,
-                                first.sampler_state or None)
-        try:
-            await active.decode.handle.admit.remote(request)
-        except Exception as err:
-            active.events.put_nowait(("failed", (f"decode {active.decode.name} unreachable: {err}", False)))
-
     def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
         if active.record.state is RequestState.TRANSFERRING:
             active.record.to(RequestState.DECODING)
         ids = list(delta.token_ids)
-        if active.first_delta_pending:  # the admit delta repeats the first token: send only its text
-            active.first_delta_pending = False
-            ids = ids[1:]
         active.tokens_streamed += len(ids)
         active.draft_tokens += delta.draft_tokens
         active.accepted_tokens += delta.accepted_tokens
@@ -312,7 +301,6 @@ class Router:
         if active.record.retries >= MAX_RETRIES:
             raise RouterError("UNAVAILABLE", f"request {rid} failed after {MAX_RETRIES} retries: {reason}")
         active.record.to(RequestState.QUEUED, reason)
-        active.first_delta_pending = True
         await self._place(active)
 
     def _cancel_active(self, active: _Active, reason: str) -> None:
@@ -373,7 +361,7 @@ class Router:
                 self._send(f.request_id, "failed", (f.reason, f.retryable))
         elif isinstance(item, TokenDelta):
             self._send(item.request_id, "delta", item)
-        elif isinstance(item, TransferFailed):
+        elif isinstance(item, DecodeFailure):
             self._send(item.request_id, "failed", (item.reason, item.retryable))
         elif isinstance(item, WorkerCrashed):
             log.error("%s %s crashed", inst.role, inst.name)
@@ -441,5 +429,4 @@ class ColocatedRouter(Router):
         if active.record.state is RequestState.PREFILLING:  # the first token: prefill is done
             active.record.to(RequestState.DECODING)
             active.first_token_at = time.perf_counter()
-        active.first_delta_pending = False  # nothing was streamed ahead of this delta
         return super()._on_delta(active, delta)

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from controller.config import ClusterConfig
 from controller.router import ColocatedRouter, Delta, Final, Router, RouterError
 from modeling.errors import InvalidRequestError
-from modeling.sampling import SamplingParams
+from modeling.params import SamplingParams
 from modeling.tokenizer import TextTokenizer
 from protos.magicserve.v1 import magicserve_pb2 as pb
 from protos.magicserve.v1 import magicserve_pb2_grpc as pb_grpc

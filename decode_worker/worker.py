@@ -1,11 +1,13 @@
 """The decode worker: continuous-batching decode with MagicDec-style speculative decoding.
 
-A plain class (the controller wraps it as a Ray actor). Sequences arrive with their prompt KV already
-in this worker's blocks (``reserve`` then ``admit``, fed by kv_transfer) or are prefilled here
-(``add_local``: tests, benchmarks, recompute after preemption). Each ``step``:
+A plain class (the controller wraps it as a Ray actor). It owns every request it holds from reservation to
+finish, in one of three states: ``waiting_for_kv`` (``add_remote``: blocks reserved, the prompt's KV and first
+token in transfer from a prefill worker through this worker's ``KVReceiver``), ``running``, or ``waiting``
+(preempted, to be recomputed). Requests may also be prefilled here (``add_local``: tests, benchmarks).
+Each ``step``:
 
-    choose k  ->  reserve room for k  ->  draft k tokens  ->  verify all k + 1 in one target pass
-              ->  accept / recover / bonus per sequence  ->  roll back rejected KV  ->  emit deltas
+    admit arrived KV  ->  choose k  ->  reserve room for k  ->  draft k tokens  ->  verify all k + 1 in one
+    target pass  ->  accept / recover / bonus per sequence  ->  roll back rejected KV  ->  emit deltas
 
 k = 0 is a plain decode step. Sequences join and leave at every step, each with its own sampling
 parameters and stop conditions.
@@ -21,9 +23,14 @@ from dataclasses import dataclass, field
 import torch
 
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
+from decode_worker.messages import DecodeFailure, DecodeRequest, TokenDelta
 from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape, StepCorrection
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
+from kv_transfer.channel import Rendezvous, TransferConfig
+from kv_transfer.descriptors import KVFingerprint
+from kv_transfer.heads import HeadRange
+from kv_transfer.receiver import KVReceiver, ReceivedKV
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel, load_model
@@ -32,48 +39,10 @@ from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
 from modeling.runner import ModelRunner, StepInput
-from modeling.sampling import RequestSampler, SamplingParams, target_probs
+from modeling.params import SamplingParams
+from modeling.sampling import RequestSampler, target_probs
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import load_tokenizer_if_present
-
-
-@dataclass(frozen=True)
-class DecodeRequest:
-    """A sequence handed over after prefill: its prompt KV is in the blocks reserved for
-    ``request_id``; ``first_token`` was sampled by the prefill worker (and already streamed)."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    first_token: int
-    params: SamplingParams
-    # the request's generator state after the first token (FirstToken.sampler_state), so a seeded
-    # request continues the very random stream a colocated engine would use
-    sampler_state: bytes | None = None
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """New tokens of one request from one step (the first token of an admitted request is not
-    repeated). finish_reason is 'stop' | 'length' | 'abort' when finished."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-
-
-@dataclass
-class RequestStats:
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    spec_steps: int = 0  # steps with k > 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass
@@ -110,9 +79,10 @@ class WorkerMetrics:
 
 @dataclass
 class _Live:
+    """A request this worker holds; ``seq.status`` says where it is."""
+
     seq: Sequence
     stream: OutputStream
-    stats: RequestStats = field(default_factory=RequestStats)
 
 
 class DecodeWorker:
@@ -123,7 +93,10 @@ class DecodeWorker:
     # step and the acceptance estimate moves slowly, so the best k rarely changes within that span.
     CHOICE_REUSE_STEPS = 4
 
-    def __init__(self, model: LoadedModel | str, config: DecodeWorkerConfig = DecodeWorkerConfig()):
+    def __init__(self, model: LoadedModel | str, config: DecodeWorkerConfig = DecodeWorkerConfig(),
+                 instance_id: str = "decode-0", transfer: TransferConfig | None = None):
+        """``transfer``: receive prompts' KV from prefill workers (a ``KVReceiver`` under ``instance_id``);
+        None: local requests only (``add_local``)."""
         self.config = config
         spec_cfg = config.speculation
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, config.device)
@@ -146,99 +119,155 @@ class DecodeWorker:
         self._cached_choice: tuple[tuple, int, KChoice] | None = None  # (request ids, reuses left, choice)
         self.metrics = WorkerMetrics()
         self.pass_log = PassLog()
-        self._live: dict[str, _Live] = {}  # running sequences, in admission order
-        self._reserved: dict[str, BlockTable] = {}
+        # every request this worker holds, by id; ``_live`` (running, in admission order) and ``_preempted``
+        # (FIFO) index the running and preempted ones, ``seq.status`` says which
+        self._requests: dict[str, _Live] = {}
+        self._live: dict[str, _Live] = {}
         self._preempted: deque[_Live] = deque()
+        self.receiver = None if transfer is None else KVReceiver(
+            self.cache, self, instance_id, KVFingerprint.of(mc, config.block_size, self.loaded.dtype),
+            HeadRange(0, mc.num_key_value_heads), transfer)
         if config.profile_on_start:
             self.profile()
 
     # -- admission --------------------------------------------------------------------------------
 
+    def connect(self, prefill_id: str, rendezvous: Rendezvous, generation: int = 0) -> None:
+        """Form the KV channel with a prefill instance (blocks until it joins)."""
+        self.receiver.connect(prefill_id, rendezvous, generation)
+
+    def add_remote(self, request: DecodeRequest) -> list[int] | None:
+        """Hold ``request`` in ``waiting_for_kv`` with blocks reserved for its prompt (and the first decode
+        step): their ids, for the prefill worker to stream the KV into; None when there is no room
+        (back-pressure: the caller waits or goes elsewhere). Raises InvalidRequestError naming the field."""
+        if self.receiver is None:
+            raise InvalidRequestError("request_id", "this worker receives no KV (it was built without transfer)")
+        rid = request.request_id
+        self._check_new(rid, list(request.prompt_ids), request.params)
+        seq = self._new_sequence(rid, list(request.prompt_ids), request.params, BlockTable(self.config.block_size))
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self._requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
+        blocks = self.receiver.reserve(rid, seq.num_prompt)  # -> self.reserve, which takes the blocks
+        if blocks is None:
+            del self._requests[rid]
+        return blocks
+
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Reserve blocks for a prompt's KV before it is transferred; None when there is no room
-        (back-pressure: the caller waits or goes elsewhere)."""
-        if request_id in self._reserved or request_id in self._live:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already on this worker")
-        # keep room for the first decode step too
-        needed = self.pool.blocks_for_tokens(num_tokens + 1)
-        if len(self._live) >= self.config.max_num_seqs or not self.pool.can_allocate(needed):
+        """``BlockReserver`` for this worker's receiver: blocks for a request waiting for its KV (prompt and
+        the first decode step); None when there is no room. Only requests added by ``add_remote`` get any."""
+        live = self._requests.get(request_id)
+        if live is None or live.seq.status is not SequenceStatus.WAITING_FOR_KV or live.seq.block_table.blocks:
+            raise InvalidRequestError("request_id", f"{request_id!r} is not waiting for KV on this worker")
+        if len(self._live) >= self.config.max_num_seqs or \
+                not self.pool.can_allocate(self.pool.blocks_for_tokens(num_tokens + 1)):
             return None
-        table = BlockTable(self.config.block_size)
-        table.ensure_capacity(self.pool, num_tokens + 1)
-        self._reserved[request_id] = table
-        return list(table.blocks)
+        live.seq.block_table.ensure_capacity(self.pool, num_tokens + 1)
+        return list(live.seq.block_table.blocks)
 
     def release_reservation(self, request_id: str) -> None:
-        """Free reserved blocks whose transfer failed."""
-        table = self._reserved.pop(request_id, None)
-        if table is not None:
-            table.release(self.pool)
+        """``BlockReserver``: the transfer into a waiting request's blocks failed or was cancelled, and no
+        bytes are in flight any more: free them and drop the request."""
+        live = self._requests.get(request_id)
+        if live is not None and live.seq.status is SequenceStatus.WAITING_FOR_KV:
+            del self._requests[request_id]
+            live.seq.block_table.release(self.pool)
 
-    def admit(self, request: DecodeRequest) -> list[TokenDelta]:
-        """Start decoding a sequence whose prompt KV is in its reserved blocks."""
-        table = self._reserved.pop(request.request_id, None)
-        if table is None:
-            raise InvalidRequestError("request_id", f"{request.request_id!r} has no reserved blocks")
-        seq = self._new_sequence(request.request_id, list(request.prompt_ids), request.params, table)
-        if request.sampler_state:
-            state = torch.frombuffer(bytearray(request.sampler_state), dtype=torch.uint8)
-            seq.sampler.generator.set_state(state)
-        seq.num_computed = len(seq.prompt_ids)
-        return self._start(seq, request.first_token)
+    def kv_received(self, kv: ReceivedKV) -> list[TokenDelta]:
+        """The prompt's KV and first token arrived: the request starts decoding. Its delta carries the
+        first token's text but not its id (the router streamed the id when prefill sampled it)."""
+        live = self._requests[kv.request_id]
+        seq = live.seq
+        if kv.first_token is None:
+            raise InvalidRequestError("first_token", f"the transfer of {kv.request_id!r} carried none")
+        if kv.sampler_state:
+            seq.sampler.generator.set_state(torch.frombuffer(bytearray(kv.sampler_state), dtype=torch.uint8))
+        seq.num_computed = seq.num_prompt
+        seq.status = SequenceStatus.RUNNING
+        delta = self._start(live, kv.first_token)
+        return [dataclasses.replace(delta, token_ids=[])]
 
     def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[TokenDelta]:
         """Prefill on this worker, then decode (tests, benchmarks, single-process use)."""
+        self._check_new(request_id, list(prompt_ids), params)
+        if not self.pool.can_allocate(self.pool.blocks_for_tokens(len(prompt_ids) + 1)):
+            raise OutOfBlocksError(f"no room for a {len(prompt_ids)}-token prompt")
+        table = BlockTable(self.config.block_size)
+        table.ensure_capacity(self.pool, len(prompt_ids) + 1)
+        seq = self._new_sequence(request_id, list(prompt_ids), params, table)
+        live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
+        self._requests[request_id] = live
+        logits = self._prefill(seq, len(prompt_ids), want_logits=True)
+        return [self._start(live, seq.sampler.choose(logits[0]))]
+
+    def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already on this worker")
         params.validate(self.loaded.config.vocab_size)
         if not prompt_ids or len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError("prompt", f"must have 1 to {self.max_model_len - 1} tokens, got {len(prompt_ids)}")
-        blocks = self.reserve(request_id, len(prompt_ids))
-        if blocks is None:
-            raise OutOfBlocksError(f"no room for a {len(prompt_ids)}-token prompt")
-        table = self._reserved.pop(request_id)
-        seq = self._new_sequence(request_id, list(prompt_ids), params, table)
-        logits = self._prefill(seq, len(prompt_ids), want_logits=True)
-        return self._start(seq, seq.sampler.choose(logits[0]))
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request and free its KV (reserved or live)."""
-        if request_id in self._reserved:
-            self.release_reservation(request_id)
-            return True
-        live = self._live.get(request_id)
+        """Cancel a request and free its KV, whatever its state (a transfer in flight is drained first)."""
+        live = self._requests.get(request_id)
         if live is None:
-            for p in list(self._preempted):
-                if p.seq.request_id == request_id:
-                    self._preempted.remove(p)
-                    return True
             return False
-        self._finish(live, FinishReason.ABORT)
+        status = live.seq.status
+        if status is SequenceStatus.WAITING_FOR_KV:
+            self.receiver.release(request_id)  # calls release_reservation once no bytes are in flight
+        elif status is SequenceStatus.WAITING:
+            self._preempted.remove(live)
+            del self._requests[request_id]
+        else:
+            self._finish(live, FinishReason.ABORT)
         return True
 
     def has_work(self) -> bool:
-        return bool(self._live or self._preempted)
+        """Requests running, preempted or waiting for their KV."""
+        return bool(self._requests)
 
     @property
     def num_running(self) -> int:
         return len(self._live)
 
-    def request_stats(self, request_id: str) -> RequestStats | None:
-        live = self._live.get(request_id)
-        return live.stats if live else None
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return sum(lv.seq.status is SequenceStatus.WAITING_FOR_KV for lv in self._requests.values())
+
+    def _receive(self) -> list:
+        """Admit the prompts whose KV and first token arrived; report those whose transfer failed."""
+        if self.receiver is None:
+            return []
+        events = self.receiver.poll()
+        out: list = []
+        for kv in events.completed:
+            try:
+                out.extend(self.kv_received(kv))
+            except InvalidRequestError as err:  # a transfer without a first token: nothing to decode from
+                live = self._requests.pop(kv.request_id)
+                live.seq.block_table.release(self.pool)
+                out.append(DecodeFailure(kv.request_id, str(err), False))
+        for f in events.failed:  # the receiver has released the blocks (release_reservation)
+            out.append(DecodeFailure(f.request_id, str(f.error), f.error.retryable))
+        return out
 
     # -- the step ---------------------------------------------------------------------------------
 
-    def step(self, k: int | None = None) -> list[TokenDelta]:
-        """One decode iteration over every running sequence. ``k`` overrides the policy."""
+    def step(self, k: int | None = None) -> list[TokenDelta | DecodeFailure]:
+        """One decode iteration over every running sequence, after admitting the prompts whose KV arrived.
+        ``k`` overrides the policy."""
+        received = self._receive()
         self._resume_preempted()
         lives = list(self._live.values())
         if not lives:
-            return []
+            return received
         start = time.perf_counter()
         planned, choice = self._choose_k(lives) if k is None else (k, None)
         batch = len(lives)
         k, lives = self._make_room(lives, planned)
         if not lives:
-            return []
+            return received
         seqs = [lv.seq for lv in lives]
         t_forward, draft_before = time.perf_counter(), self.metrics.draft_time_s
         if k == 0:
@@ -254,7 +283,7 @@ class DecodeWorker:
         seconds = time.perf_counter() - start
         self._record_step(k, seconds)
         self.pass_log.record("step", seconds, k=k, seqs=len(lives))
-        return deltas
+        return received + deltas
 
     def _choose_k(self, lives: list[_Live]) -> tuple[int, KChoice | None]:
         """This step's k, and the adaptive policy's choice behind it (None for fixed / no speculation)."""
@@ -339,9 +368,6 @@ class DecodeWorker:
                 break
         text, reason = live.stream.push(appended, reason)
         if k > 0:
-            live.stats.draft_tokens += k
-            live.stats.accepted_tokens += verdict.num_accepted
-            live.stats.spec_steps += 1
             self.metrics.draft_tokens += k
             self.metrics.accepted_tokens += verdict.num_accepted
             self.metrics.seq_spec_steps += 1
@@ -422,8 +448,10 @@ class DecodeWorker:
             max_model_len=self.max_model_len, status=SequenceStatus.RUNNING,
         )
 
-    def _start(self, seq: Sequence, first_token: int) -> list[TokenDelta]:
-        live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
+    def _start(self, live: _Live, first_token: int) -> TokenDelta:
+        """Start decoding a sequence whose prompt is computed, from its first token."""
+        seq = live.seq
+        seq.status = SequenceStatus.RUNNING
         self._live[seq.request_id] = live
         reason = seq.append_token(first_token)
         text, reason = live.stream.push([first_token], reason)
@@ -432,12 +460,13 @@ class DecodeWorker:
             self._finish(live, reason)
         else:
             self.drafter.admit(seq)
-        return [TokenDelta(seq.request_id, [first_token], text, reason is not None,
-                           reason.value if reason is not None else None)]
+        return TokenDelta(seq.request_id, [first_token], text, reason is not None,
+                          reason.value if reason is not None else None)
 
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         seq = live.seq
         self._live.pop(seq.request_id, None)
+        self._requests.pop(seq.request_id, None)
         self.drafter.release(seq)
         seq.block_table.release(self.pool)
         seq.status = SequenceStatus.FINISHED
@@ -538,13 +567,12 @@ class DecodeWorker:
         self.drafter.on_verified(seq, seq.num_computed)
         live.stream = OutputStream.for_sequence(seq, self.tokenizer)
         live.stream.push(seq.output_ids, None)
-        live.stats = RequestStats()
 
     def status(self) -> dict:
         """Queue lengths, memory and metrics (GetClusterStatus reads this)."""
         return {
             "running": len(self._live),
-            "reserved": len(self._reserved),
+            "waiting_for_kv": self.num_waiting_for_kv,
             "preempted": len(self._preempted),
             "free_blocks": self.pool.num_free,
             "total_blocks": self.pool.num_blocks,

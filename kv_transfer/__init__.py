@@ -16,8 +16,11 @@ Protocol, per (prefill, decode) pair channel (rank 0 = prefill, rank 1 = decode)
    layer, for each piece, the K then V slab [n, block_size, heads, D]; the prefill worker posts layer
    i right after its forward wrote layer i (overlap with later layers), earlier chunks' full blocks in
    earlier steps;
-4. when a leg's last block is in the cache the receiver answers DONE (before it reports the prompt
-   complete to its owner); the sender then frees its blocks. A stalled or dead peer fails every
+4. after the prompt's last chunk the sender sends a FIRST_TOKEN frame (``PromptEnd``: the first token the
+   prefill worker sampled and its generator's state); the receiver reports the prompt complete to its owner
+   only once the KV is complete and this has arrived (``ReceivedKV.first_token``);
+5. when a leg's last block is in the cache the receiver answers DONE; the sender then frees its blocks.
+   A stalled or dead peer fails every
    transfer on the channel within ``TransferConfig.timeout_s`` on both ends (blocks released,
    TransferError(retryable=True) reported); the controller re-forms the pair with ``generation + 1``.
 
@@ -25,13 +28,14 @@ Threads: each side runs background threads per channel that only move bytes and 
 block-pool change happens in the owner's thread inside ``poll()``, which must be called regularly (the
 worker loops do it every step) and also enforces the timeouts.
 
-Decode-side API (KVReceiver; the decode worker is the BlockReserver):
+Decode-side API (KVReceiver; the decode worker, which owns the requests, is the BlockReserver):
 ``connect(prefill_id, rendezvous)``, ``reserve(request_id, num_tokens) -> list[int] | None``,
 ``poll() -> ReceiverEvents(completed=[ReceivedKV], failed=[ReceiveFailure])``, ``release(request_id)``.
 
 Prefill-side API (KVSender, driven by prefill_worker): ``connect(decode_id, rendezvous)``,
 ``begin(request_id, num_tokens, src_blocks, [LegTarget])``, ``open_group(ready) -> StreamGroup``
-(``send_layer(i)``, ``close()``), ``poll() -> SenderEvents(done, failed)``.
+(``send_layer(i)``, ``close()``), ``finish_prompt(request_id, first_token, sampler_state)``,
+``poll() -> SenderEvents(done, failed)``.
 """
 
 from kv_transfer.channel import PairChannel, Rendezvous, TransferConfig

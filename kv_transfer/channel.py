@@ -33,7 +33,7 @@ DECODE_RANK = 1
 
 MAGIC = 0x4B56_5846  # "KVXF"
 # frame kinds
-HELLO, DESCRIPTOR, PIECES, REPLY = 1, 2, 3, 4
+HELLO, DESCRIPTOR, PIECES, REPLY, FIRST_TOKEN = 1, 2, 3, 4, 5
 _CTRL_TAG, _DATA_TAG, _ABORT_TAG = 0, 1, 7
 # A control frame is one message of this size: int64 [MAGIC, kind, payload_len, 0], then the payload.
 FRAME_BYTES = 16384

@@ -114,6 +114,19 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class PromptEnd:
+    """Sender -> receiver, once per leg after the prompt's last chunk: the first token the prefill worker
+    sampled (None: none, e.g. a transfer without generation) and the request's generator state after it
+    (hex of ``torch.Generator.get_state()`` bytes), so the decode side continues the same random stream. The
+    receiver hands the prompt over only once its KV is complete and this has arrived."""
+
+    request_id: str
+    transfer_id: int
+    first_token: int | None = None
+    sampler_state: str = ""
+
+
+@dataclass(frozen=True)
 class Reply:
     """Receiver -> sender about one transfer: ACCEPT (with the blocks it will write), BUSY (no room
     now: retry later or elsewhere), REFUSE (with the reason), DONE (all bytes are in the cache: the
@@ -159,6 +172,14 @@ def decode_descriptor(data: bytes) -> TransferDescriptor:
 
 def decode_pieces(data: bytes) -> list[Piece]:
     return [Piece(int(p["transfer_id"]), int(p["block_start"]), int(p["block_count"])) for p in json.loads(data)]
+
+
+def decode_prompt_end(data: bytes) -> PromptEnd:
+    raw = json.loads(data)
+    token = raw.get("first_token")
+    state = str(raw.get("sampler_state", ""))
+    bytes.fromhex(state)  # malformed hex fails the frame here, not the decode worker later
+    return PromptEnd(str(raw["request_id"]), int(raw["transfer_id"]), None if token is None else int(token), state)
 
 
 def decode_reply(data: bytes) -> Reply:

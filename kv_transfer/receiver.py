@@ -1,8 +1,10 @@
 """The receiving half of KV transfer (runs in the decode worker).
 
-The decode worker owns the blocks; the receiver only asks it for room through a
+The decode worker owns the requests and their blocks; the receiver only asks it for room through a
 :class:`BlockReserver` (``reserve`` / ``release_reservation``: the DecodeWorker methods of the same
-names, or :class:`PoolReserver` over a bare BlockPool) and writes the bytes into the cache.
+names, or :class:`PoolReserver` over a bare BlockPool), writes the bytes into the cache and reports which
+prompts are complete (KV and the first token the prefill worker sampled, which ends every transfer) or
+failed. Its ``_reservations`` are transfers in flight, not requests: the owner decides what a request is.
 
 Threads: one per connected prefill instance reads its frames and writes KV straight into the reserved
 blocks (gloo recv into the cache slab, or a staging copy when the blocks are scattered or the leg
@@ -22,9 +24,10 @@ from typing import Protocol
 import torch
 
 from kv_transfer.blocks import post_discard_region, post_recv_region
-from kv_transfer.channel import DECODE_RANK, DESCRIPTOR, PIECES, REPLY, PairChannel, Rendezvous, TransferConfig
-from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, Reply, TransferDescriptor, decode_descriptor,
-                                     decode_pieces, encode)
+from kv_transfer.channel import (DECODE_RANK, DESCRIPTOR, FIRST_TOKEN, PIECES, REPLY, PairChannel, Rendezvous,
+                                  TransferConfig)
+from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, PromptEnd, Reply, TransferDescriptor,
+                                     decode_descriptor, decode_pieces, decode_prompt_end, encode)
 from kv_transfer.errors import TransferError
 from kv_transfer.heads import HeadRange
 from modeling.block_pool import BlockPool, BlockTable
@@ -75,11 +78,15 @@ class PoolReserver:
 @dataclass(frozen=True)
 class ReceivedKV:
     """A prompt whose KV is complete in ``block_ids`` (the whole reservation; the first
-    ``ceil(num_tokens / block_size)`` hold the prompt). Ownership is now the caller's."""
+    ``ceil(num_tokens / block_size)`` hold the prompt), with the first token the prefill worker sampled
+    (None: the sender had none) and the request's generator state after it (raw bytes; empty: none).
+    Ownership of the blocks is now the caller's."""
 
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    first_token: int | None = None
+    sampler_state: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,8 @@ class KVReceiver:
     * ``connect(prefill_id, rendezvous)`` — form the pair with a prefill instance (blocks until it joins);
     * ``reserve(request_id, num_tokens) -> list[int] | None`` — reserve via the BlockReserver and expect
       this request's KV there (None: no room; the router waits or picks another instance);
-    * ``poll() -> ReceiverEvents`` — completed prompts (admit them) and failed ones (already released);
+    * ``poll() -> ReceiverEvents`` — completed prompts (KV and first token: admit them) and failed ones
+      (already released);
     * ``release(request_id)`` — drop a reservation (cancelled request); bytes still in flight are drained.
     """
 
@@ -144,6 +152,7 @@ class KVReceiver:
         self._legs: dict[tuple[str, int], _RLeg] = {}
         self._channels: dict[str, PairChannel] = {}
         self._handshakes: "queue.Queue[tuple[str, TransferDescriptor]]" = queue.Queue()
+        self._ends: dict[str, tuple[PromptEnd, float]] = {}  # request id -> its PromptEnd, when it arrived
         self.num_busy = 0  # handshakes answered BUSY (back-pressure applied)
 
     # -- owner API --------------------------------------------------------------------------------
@@ -176,6 +185,7 @@ class KVReceiver:
 
     def release(self, request_id: str) -> None:
         with self._lock:
+            self._ends.pop(request_id, None)
             res = self._reservations.get(request_id)
             if res is None:
                 return
@@ -210,12 +220,24 @@ class KVReceiver:
                     res.error = TransferError(f"no KV received for {self.config.timeout_s}s", True, res.request_id)
                     for ch, _ in res.legs:
                         ch.abort(f"transfer of {res.request_id} stalled")
-                if res.state == "complete":
+                if res.state == "complete" and res.request_id not in self._ends and \
+                        now - res.last_progress > self.config.timeout_s:
+                    res.state = "failed"
+                    res.error = TransferError(f"KV complete but no first token for {self.config.timeout_s}s", True,
+                                              res.request_id)
+                if res.state == "complete" and res.request_id in self._ends:
                     del self._reservations[res.request_id]
-                    out.completed.append(ReceivedKV(res.request_id, tuple(res.block_ids), res.num_tokens))
+                    end, _ = self._ends.pop(res.request_id)
+                    out.completed.append(ReceivedKV(res.request_id, tuple(res.block_ids), res.num_tokens,
+                                                    end.first_token, bytes.fromhex(end.sampler_state)))
                 elif res.state == "failed":
                     del self._reservations[res.request_id]
+                    self._ends.pop(res.request_id, None)
                     out.failed.append(ReceiveFailure(res.request_id, res.error))
+            # ends of transfers that never got (or lost) a reservation here
+            for rid in [r for r, (_, t) in self._ends.items()
+                        if r not in self._reservations and now - t > self.config.timeout_s]:
+                del self._ends[rid]
         for rid in cancelled + [f.request_id for f in out.failed]:
             self.reserver.release_reservation(rid)
         return out
@@ -322,6 +344,10 @@ class KVReceiver:
                     self._on_descriptor(peer, channel, decode_descriptor(payload))
                 elif kind == PIECES:
                     self._receive_group(peer, channel, decode_pieces(payload))
+                elif kind == FIRST_TOKEN:
+                    end = decode_prompt_end(payload)
+                    with self._lock:
+                        self._ends[end.request_id] = (end, time.monotonic())
                 else:
                     raise TransferError(f"protocol error: unexpected frame kind {kind}", retryable=True)
         except TransferError as err:

@@ -2,11 +2,12 @@
 
 Life of one transfer (one prompt; one *leg* per receiving decode rank):
 
-    begin()      -> DESCRIPTOR to each receiver            (leg: hello)
-    reply ACCEPT -> pieces may flow                        (leg: accepted)   BUSY -> re-ask later
-    open_group() -> PIECES frame per channel, then send_layer(i) after layer i is written
-    flush()      -> pieces whose blocks were ready before the leg was accepted, all layers at once
-    reply DONE   -> every byte is in the receiver's cache  (leg: done); all legs done -> blocks may go
+    begin()        -> DESCRIPTOR to each receiver            (leg: hello)
+    reply ACCEPT   -> pieces may flow                        (leg: accepted)   BUSY -> re-ask later
+    open_group()   -> PIECES frame per channel, then send_layer(i) after layer i is written
+    flush()        -> pieces whose blocks were ready before the leg was accepted, all layers at once
+    finish_prompt() -> FIRST_TOKEN frame to each receiver (the first token and the sampler's state)
+    reply DONE     -> every byte is in the receiver's cache  (leg: done); all legs done -> blocks may go
 
 Threads: the owner (prefill loop) posts every send, in protocol order; per channel, a reply thread
 reads the receiver's frames and a completion thread waits for posted sends in FIFO order (gloo
@@ -26,9 +27,10 @@ from dataclasses import dataclass, field
 
 
 from kv_transfer.blocks import send_region
-from kv_transfer.channel import (DESCRIPTOR, PIECES, PREFILL_RANK, REPLY, PairChannel, PendingSend, Rendezvous,
-                                  TransferConfig)
-from kv_transfer.descriptors import KVFingerprint, PeerHello, Piece, Reply, TransferDescriptor, decode_reply, encode
+from kv_transfer.channel import (DESCRIPTOR, FIRST_TOKEN, PIECES, PREFILL_RANK, REPLY, PairChannel, PendingSend,
+                                  Rendezvous, TransferConfig)
+from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, PromptEnd, Reply, TransferDescriptor,
+                                     decode_reply, encode)
 from kv_transfer.errors import TransferError
 from kv_transfer.heads import HeadRange
 from modeling.kv_cache import PagedKVCache
@@ -199,6 +201,21 @@ class KVSender:
                 tr.ready_blocks = max(tr.ready_blocks, min(n, len(tr.src_blocks)))
         self._await_handshakes([rid for rid, n in ready.items() if n > 0])
         return StreamGroup(self, self._collect_pieces(list(ready)))
+
+    def finish_prompt(self, request_id: str, first_token: int | None, sampler_state: bytes = b"") -> None:
+        """The prompt's last chunk is computed: tell every receiver its first token (None: none) and the
+        sampler's state after it. Each receiver hands the prompt to its owner only once this has arrived and
+        the KV is complete, so every transfer ends with this call. A transfer that already failed is ignored."""
+        tr = self._transfers.get(request_id)
+        if tr is None:
+            return
+        for leg in tr.legs:
+            link = self._links[leg.peer]
+            end = PromptEnd(request_id, leg.descriptor.transfer_id, first_token, sampler_state.hex())
+            try:
+                link.post(link.channel.send_frame(FIRST_TOKEN, encode(end), wait=False), None)
+            except TransferError as err:
+                self._events.put(("broken", leg.peer, err, link.channel))
 
     def flush(self) -> None:
         """Send, all layers at once, every accepted leg's ready blocks not yet sent."""

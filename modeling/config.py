@@ -54,11 +54,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads per KV head (GQA group size)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     def fingerprint(self) -> dict[str, Any]:
         """The fields two workers must agree on to exchange KV caches."""
         return {

@@ -64,11 +64,3 @@ class PagedKVCache:
         vf = self.kv[layer, 1].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         kf.index_copy_(0, slots, k.to(kf.dtype))
         vf.index_copy_(0, slots, v.to(vf.dtype))
-
-    def read_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        """KV of some blocks of one layer: [2, n, block_size, Hkv, D] (a copy)."""
-        return self.kv[layer].index_select(1, blocks)
-
-    def write_blocks(self, layer: int, blocks: torch.Tensor, data: torch.Tensor) -> None:
-        """Inverse of read_blocks: data [2, n, block_size, Hkv, D]."""
-        self.kv[layer].index_copy_(1, blocks, data.to(self.kv.dtype))

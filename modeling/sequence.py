@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from modeling.block_pool import BlockTable
-from modeling.sampling import RequestSampler
+
+if TYPE_CHECKING:
+    from modeling.sampling import RequestSampler
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # queued, or preempted (its KV dropped, to be recomputed)
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved on a decode worker; the prompt's KV is in transfer
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -1,15 +1,16 @@
 """Typed messages between the controller's router and a prefill worker (DESIGN principle 4).
 
 In: :class:`PrefillRequest` (token ids, never raw client input). Out, per step: a
-:class:`PrefillStepOutput` with the first tokens sampled this step, the prompts whose KV the decode
-side has acknowledged, and failures the router can act on (``retryable``: try again, elsewhere).
+:class:`PrefillStepOutput` with the first tokens sampled this step (the router streams them; the decode
+worker receives them with the KV), the prompts whose KV the decode side has acknowledged, and failures the
+router can act on (``retryable``: try again, elsewhere).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modeling.sampling import SamplingParams
+from modeling.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -46,15 +47,13 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class FirstToken:
-    """The first generated token. ``sampler_state``: the request's generator state after sampling it
-    (raw bytes of ``torch.Generator.get_state()``), so a seeded request continues on the decode side
-    exactly as in a single process."""
+    """The first generated token, for the router to stream (the decode worker gets it, with the sampler's
+    state, over the KV transfer)."""
 
     request_id: str
     token_id: int
     ttft_s: float
     num_prompt_tokens: int
-    sampler_state: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -196,10 +196,11 @@ class PrefillWorker:
             row += 1
             seq.append_token(token)
             req = self._requests[seq.request_id]
-            state = seq.sampler.generator.get_state().numpy().tobytes()
-            firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt, state))
+            firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt))
             self.scheduler.hand_off(seq)
-            if req.request.destination is None:  # nothing to transfer: done with this prompt
+            if req.request.destination is not None:  # the first token ends the transfer: decode continues from it
+                self.sender.finish_prompt(seq.request_id, token, seq.sampler.generator.get_state().numpy().tobytes())
+            else:  # nothing to transfer: done with this prompt
                 self.scheduler.release(seq.request_id)
                 del self._requests[seq.request_id]
         return firsts

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
-from decode_worker.worker import DecodeRequest, DecodeWorker
+from decode_worker.messages import DecodeRequest
+from decode_worker.worker import DecodeWorker
 from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.errors import InvalidRequestError
 from modeling.sampling import SamplingParams
 from tests.checkpoints import VOCAB
 
@@ -124,24 +126,38 @@ def test_stop_inside_accepted_drafts(llama_dir):
     assert out == free[: free.index(stop_tok) + 1]
 
 
-def test_reserve_admit_abort_and_back_pressure(llama_dir):
-    worker = worker_for(llama_dir, drafter="self_sparse", k_policy="fixed", k=2, kv_cache_tokens=256)
-    blocks = worker.reserve("a", 150)
-    assert blocks is not None and len(blocks) == 10
-    assert worker.reserve("b", 150) is None  # no room: caller must wait or go elsewhere
-    # fill the reserved blocks by prefilling on a reference runner is kv_transfer's job; here we
-    # prefill locally through the worker's runner to emulate an arrived KV
+def test_waiting_for_kv_admit_abort_and_back_pressure(llama_dir):
+    """The decode worker holds a remote request from its reservation on: ``waiting_for_kv`` with blocks for
+    the prompt and the first step, then running once its KV and first token arrive (whose delta carries the
+    first token's text, not its id), and it frees the blocks on abort in either state."""
+    from kv_transfer.channel import TransferConfig
+    from kv_transfer.receiver import ReceivedKV
     from modeling.runner import StepInput
 
+    worker = worker_for(llama_dir, drafter="self_sparse", k_policy="fixed", k=2, kv_cache_tokens=256)
+    worker = DecodeWorker(worker.loaded, worker.config, "decode-0", TransferConfig())
     prompt = prompts_of([150])[0]
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    blocks = worker.add_remote(DecodeRequest("a", tuple(prompt), params))
+    assert blocks is not None and len(blocks) == 10
+    assert worker.num_waiting_for_kv == 1 and worker.num_running == 0 and worker.has_work()
+    assert worker.add_remote(DecodeRequest("b", tuple(prompt), params)) is None  # no room: wait or go elsewhere
+    with pytest.raises(InvalidRequestError, match="already on this worker"):
+        worker.add_remote(DecodeRequest("a", tuple(prompt), params))
+    with pytest.raises(InvalidRequestError, match="not waiting for KV"):
+        worker.reserve("stranger", 10)  # a transfer the worker holds no request for is refused
+    # the KV is kv_transfer's to write; here the worker's runner prefills the reserved blocks
     worker.runner.run([StepInput(prompt, 0, blocks, num_logits=0)])
-    worker.admit(DecodeRequest("a", tuple(prompt), first_token=7, params=SamplingParams(max_tokens=50, ignore_eos=True)))
-    worker.step()
+    first = worker.kv_received(ReceivedKV("a", tuple(blocks), len(prompt), first_token=7))
+    assert [(d.token_ids, d.finished) for d in first] == [([], False)]
+    assert worker.num_running == 1 and worker.num_waiting_for_kv == 0
+    out = worker.step()
+    assert out and all(d.request_id == "a" and d.token_ids for d in out)
     assert worker.abort("a") and not worker.has_work()
     assert worker.pool.num_free == worker.pool.num_blocks
-    assert worker.reserve("c", 10) is not None
-    worker.abort("c")
-    assert worker.pool.num_free == worker.pool.num_blocks
+    assert worker.add_remote(DecodeRequest("c", tuple(prompt[:10]), params)) is not None
+    assert worker.abort("c") and not worker.abort("c")  # waiting for KV: released at once (nothing in flight)
+    assert worker.pool.num_free == worker.pool.num_blocks and worker.num_waiting_for_kv == 0
 
 
 def test_tpot_slo_caps_speculation(llama_dir):

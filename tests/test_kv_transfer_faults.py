@@ -110,7 +110,9 @@ def bad_receiver_proc(rdv, mode):
 
 def prefill_victim_proc(ckpt, rdv):
     from modeling.sampling import SamplingParams
-    from prefill_worker import KVDestination, PrefillRequest, PrefillWorker, PrefillWorkerConfig
+    from prefill_worker.config import PrefillWorkerConfig
+    from prefill_worker.worker import PrefillWorker
+    from prefill_worker.messages import KVDestination, PrefillRequest
 
     worker = PrefillWorker(ckpt, PrefillWorkerConfig(block_size=4, kv_cache_tokens=256, token_budget=12,
                                                      attention_backend="torch",

@@ -49,6 +49,7 @@ def sender_proc(rank, src_tp, dst_tp, rdv, plans, dst_blocks_q, finished):
     for rid, (n, src_blocks) in REQUESTS.items():
         targets = [LegTarget(f"d{leg.dst_rank}", leg.heads, tuple(dst_blocks[(leg.dst_rank, rid)])) for leg in legs]
         sender.begin(rid, n, src_blocks, targets)
+        sender.finish_prompt(rid, 7, b"\x01\x02")  # every transfer ends with its first token
     done, failed = [], []
     import time
     deadline = time.monotonic() + 30
@@ -85,6 +86,7 @@ def receiver_proc(rank, dst_tp, src_tp, rdv, plans, dst_blocks_qs, finished):
         ev = receiver.poll()
         assert not ev.failed, ev.failed
         for kv in ev.completed:
+            assert (kv.first_token, kv.sampler_state) == (7, b"\x01\x02")  # the prompt end came with the KV
             completed[kv.request_id] = kv
         time.sleep(0.002)
     finished.wait(timeout=30)

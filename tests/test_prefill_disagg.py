@@ -37,7 +37,9 @@ def prompts() -> dict[str, list[int]]:
 
 
 def prefill_proc(ckpt, rdv, reserved_q, first_q, finished):
-    from prefill_worker import KVDestination, PrefillRequest, PrefillWorker, PrefillWorkerConfig
+    from prefill_worker.config import PrefillWorkerConfig
+    from prefill_worker.worker import PrefillWorker
+    from prefill_worker.messages import KVDestination, PrefillRequest
 
     worker = PrefillWorker(ckpt, PrefillWorkerConfig(block_size=BLOCK, kv_cache_tokens=1024, token_budget=48,
                                                      attention_backend="torch", transfer=CONFIG), "prefill-0")
@@ -85,11 +87,12 @@ def decode_proc(ckpt, rdv, reserved_q, first_q, finished):
         max_used = max(max_used, pool.num_used)
         failed += [str(f.error) for f in events.failed]
         for kv in events.completed:
-            while kv.request_id not in firsts:
+            while kv.request_id not in firsts:  # what the prefill worker streamed to the router
                 rid, tok = first_q.get(timeout=30)
                 firsts[rid] = tok
+            assert kv.first_token == firsts[kv.request_id]  # and what reached the decode side with the KV
             table = reserver.take(kv.request_id)
-            tokens = all_prompts[kv.request_id] + [firsts[kv.request_id]]
+            tokens = all_prompts[kv.request_id] + [kv.first_token]
             while len(tokens) - kv.num_tokens < MAX_TOKENS:  # plain greedy decode over received blocks
                 pos = len(tokens) - 1
                 table.ensure_capacity(pool, pos + 1)

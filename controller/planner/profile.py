@@ -276,7 +276,7 @@ class Profile:
                                             fitted(c["prefill"]), fitted(c["target_pass"]),
                                             {k: fitted(v) for k, v in c.get("draft_pass", {}).items()},
                                             int(c["kv_capacity_tokens"]),
-                                            int(c.get("prefill_kv_capacity_tokens", 0)))
+                                            int(c["prefill_kv_capacity_tokens"]))
                               for c in d["instances"])
             if d["kv_transfer"] is None:
                 raise ProfileError("kv_transfer: missing cost model")

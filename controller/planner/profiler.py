@@ -530,6 +530,7 @@ def _transfer_once(prefill, n: int, cmds, replies, child) -> float:
         for layer in range(prefill.loaded.config.num_hidden_layers):
             group.send_layer(layer)
         group.close()
+        sender.finish_prompt(rid, None)
         while True:
             events = sender.poll()
             if events.failed:
@@ -545,19 +546,20 @@ def _transfer_once(prefill, n: int, cmds, replies, child) -> float:
 
 
 def _decode_side(model_path: str, config, threads: int, transfer, rdv, cmds, replies) -> None:
-    """Child process: a DecodeWorker's cache behind a KVReceiver, as DecodeActor wires them. Polls
-    the receiver every millisecond while a transfer is pending (a decode worker polls once per step)."""
+    """Child process: a DecodeWorker's cache behind a KVReceiver over its block pool. Polls the receiver
+    every millisecond while a transfer is pending (a decode worker polls once per step)."""
     try:
         from decode_worker.worker import DecodeWorker
         from kv_transfer.descriptors import KVFingerprint
         from kv_transfer.heads import HeadRange
-        from kv_transfer.receiver import KVReceiver
+        from kv_transfer.receiver import KVReceiver, PoolReserver
 
         torch.set_num_threads(threads)
         worker = DecodeWorker(model_path, config)
         mc = worker.loaded.config
         fingerprint = KVFingerprint.of(mc, config.block_size, worker.loaded.dtype)
-        receiver = KVReceiver(worker.cache, worker, DECODE_ID, fingerprint, HeadRange(0, mc.num_key_value_heads),
+        reserver = PoolReserver(worker.pool)
+        receiver = KVReceiver(worker.cache, reserver, DECODE_ID, fingerprint, HeadRange(0, mc.num_key_value_heads),
                               transfer)
         replies.put(("ok", "loaded"))  # the parent connects now: both ends of the pair wait for each other
         receiver.connect(PREFILL_ID, rdv)
@@ -567,7 +569,7 @@ def _decode_side(model_path: str, config, threads: int, transfer, rdv, cmds, rep
             if cmd[0] == "reserve":
                 replies.put(("ok", receiver.reserve(cmd[1], cmd[2])))
             elif cmd[0] == "serve":
-                replies.put(("ok", _serve(receiver, worker, cmd[1])))
+                replies.put(("ok", _serve(receiver, reserver, cmd[1])))
             else:
                 break
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
@@ -578,13 +580,13 @@ def _decode_side(model_path: str, config, threads: int, transfer, rdv, cmds, rep
         os._exit(0)
 
 
-def _serve(receiver, worker, rid: str) -> None:
+def _serve(receiver, reserver, rid: str) -> None:
     while True:
         events = receiver.poll()
         if events.failed:
             raise RuntimeError(f"receiving {rid}: {events.failed[0].error}")
         if any(kv.request_id == rid for kv in events.completed):
-            worker.release_reservation(rid)
+            reserver.release_reservation(rid)
             return None
         time.sleep(0.001)
 
