@@ -149,7 +149,7 @@ def compare(sweeps: dict | list[dict], profile: Profile, config: SimConfig, seed
         first = repeats[0]
         if timing == "server" and not all(has_server_timing(row["records"]) for row in repeats):
             raise ValueError(f"--timing server: the sweep's records at {rate:g} req/s carry no server timings "
-                             "(recorded before they were, or an OpenAI-compatible target); use --timing client")
+                             "(an OpenAI-compatible target reports none); use --timing client")
         sims = [simulate_rate(profile, config, row, ttft_s, tpot_s, seeds, arrivals, host_contention)
                 for row in repeats]
         pooled = [r for row in repeats for r in row["records"]]

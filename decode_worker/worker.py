@@ -25,6 +25,7 @@ import torch
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.messages import DecodeFailure, DecodeRequest, TokenDelta
 from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
+from decode_worker.scheduler import DecodeScheduler
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape, StepCorrection
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from kv_transfer.channel import Rendezvous, TransferConfig
@@ -119,11 +120,10 @@ class DecodeWorker:
         self._cached_choice: tuple[tuple, int, KChoice] | None = None  # (request ids, reuses left, choice)
         self.metrics = WorkerMetrics()
         self.pass_log = PassLog()
-        # every request this worker holds, by id; ``_live`` (running, in admission order) and ``_preempted``
-        # (FIFO) index the running and preempted ones, ``seq.status`` says which
+        # every request this worker holds, by id (``seq.status`` says where it is); the scheduler orders the
+        # running and preempted ones and gives them blocks
         self._requests: dict[str, _Live] = {}
-        self._live: dict[str, _Live] = {}
-        self._preempted: deque[_Live] = deque()
+        self.scheduler = DecodeScheduler(self.pool, config.max_num_seqs)
         self.receiver = None if transfer is None else KVReceiver(
             self.cache, self, instance_id, KVFingerprint.of(mc, config.block_size, self.loaded.dtype),
             HeadRange(0, mc.num_key_value_heads), transfer)
@@ -158,10 +158,8 @@ class DecodeWorker:
         live = self._requests.get(request_id)
         if live is None or live.seq.status is not SequenceStatus.WAITING_FOR_KV or live.seq.block_table.blocks:
             raise InvalidRequestError("request_id", f"{request_id!r} is not waiting for KV on this worker")
-        if len(self._live) >= self.config.max_num_seqs or \
-                not self.pool.can_allocate(self.pool.blocks_for_tokens(num_tokens + 1)):
+        if not self.scheduler.reserve(live.seq, num_tokens):
             return None
-        live.seq.block_table.ensure_capacity(self.pool, num_tokens + 1)
         return list(live.seq.block_table.blocks)
 
     def release_reservation(self, request_id: str) -> None:
@@ -189,11 +187,9 @@ class DecodeWorker:
     def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[TokenDelta]:
         """Prefill on this worker, then decode (tests, benchmarks, single-process use)."""
         self._check_new(request_id, list(prompt_ids), params)
-        if not self.pool.can_allocate(self.pool.blocks_for_tokens(len(prompt_ids) + 1)):
+        seq = self._new_sequence(request_id, list(prompt_ids), params, BlockTable(self.config.block_size))
+        if not self.scheduler.reserve(seq, len(prompt_ids)):
             raise OutOfBlocksError(f"no room for a {len(prompt_ids)}-token prompt")
-        table = BlockTable(self.config.block_size)
-        table.ensure_capacity(self.pool, len(prompt_ids) + 1)
-        seq = self._new_sequence(request_id, list(prompt_ids), params, table)
         live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
         self._requests[request_id] = live
         logits = self._prefill(seq, len(prompt_ids), want_logits=True)
@@ -217,7 +213,7 @@ class DecodeWorker:
         if status is SequenceStatus.WAITING_FOR_KV:
             self.receiver.release(request_id)  # calls release_reservation once no bytes are in flight
         elif status is SequenceStatus.WAITING:
-            self._preempted.remove(live)
+            self.scheduler.finish(live.seq)
             del self._requests[request_id]
         else:
             self._finish(live, FinishReason.ABORT)
@@ -229,7 +225,7 @@ class DecodeWorker:
 
     @property
     def num_running(self) -> int:
-        return len(self._live)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting_for_kv(self) -> int:
@@ -259,13 +255,13 @@ class DecodeWorker:
         ``k`` overrides the policy."""
         received = self._receive()
         self._resume_preempted()
-        lives = list(self._live.values())
+        lives = [self._requests[rid] for rid in self.scheduler.running]
         if not lives:
             return received
         start = time.perf_counter()
         planned, choice = self._choose_k(lives) if k is None else (k, None)
         batch = len(lives)
-        k, lives = self._make_room(lives, planned)
+        k, lives = self._make_room(planned)
         if not lives:
             return received
         seqs = [lv.seq for lv in lives]
@@ -292,7 +288,7 @@ class DecodeWorker:
             return 0, None
         if spec.k_policy == "fixed":
             return spec.k, None
-        key = tuple(self._live)  # the running request ids, in admission order
+        key = tuple(self.scheduler.running)  # the running request ids, in admission order
         cached = self._cached_choice
         if cached is not None and cached[0] == key and cached[1] > 0:
             self._cached_choice = (key, cached[1] - 1, cached[2])
@@ -389,43 +385,18 @@ class DecodeWorker:
 
     # -- memory -----------------------------------------------------------------------------------
 
-    def _make_room(self, lives: list[_Live], k: int) -> tuple[int, list[_Live]]:
-        """Give every sequence blocks for positions up to len + k - 1, lowering k to 0 and then
-        preempting the newest sequences (recomputed later) when the pool runs short."""
-        while lives:
-            try:
-                for lv in lives:
-                    lv.seq.block_table.ensure_capacity(self.pool, len(lv.seq.tokens) + k)
-                return k, lives
-            except OutOfBlocksError:
-                if k > 0:
-                    k = 0
-                    continue
-                victim = lives.pop()
-                self._preempt(victim)
-        return 0, lives
-
-    def _preempt(self, live: _Live) -> None:
-        seq = live.seq
-        del self._live[seq.request_id]
-        self.drafter.release(seq)
-        seq.block_table.release(self.pool)
-        seq.num_computed = 0
-        seq.status = SequenceStatus.WAITING
-        self._preempted.append(live)
-        self.metrics.preemptions += 1
+    def _make_room(self, k: int) -> tuple[int, list[_Live]]:
+        """The step's k and batch (``DecodeScheduler.make_room``); the preempted give up their draft state."""
+        k, batch, preempted = self.scheduler.make_room(k)
+        for seq in preempted:
+            self.drafter.release(seq)
+            self.metrics.preemptions += 1
+        return k, [self._requests[seq.request_id] for seq in batch]
 
     def _resume_preempted(self) -> None:
-        while self._preempted:
-            live = self._preempted[0]
-            seq = live.seq
-            if not self.pool.can_allocate(self.pool.blocks_for_tokens(len(seq.tokens) + 1)) or len(self._live) >= self.config.max_num_seqs:
-                return
-            self._preempted.popleft()
-            seq.block_table.ensure_capacity(self.pool, len(seq.tokens))
-            self._prefill(seq, len(seq.tokens) - 1, want_logits=False)
-            seq.status = SequenceStatus.RUNNING
-            self._live[seq.request_id] = live
+        """Recompute the KV of the preempted sequences that fit again (all tokens but the last)."""
+        for seq in self.scheduler.resumable():
+            self._prefill(seq, seq.num_tokens - 1, want_logits=False)
             self.drafter.admit(seq)
 
     def _prefill(self, seq: Sequence, upto: int, want_logits: bool) -> torch.Tensor:
@@ -451,8 +422,7 @@ class DecodeWorker:
     def _start(self, live: _Live, first_token: int) -> TokenDelta:
         """Start decoding a sequence whose prompt is computed, from its first token."""
         seq = live.seq
-        seq.status = SequenceStatus.RUNNING
-        self._live[seq.request_id] = live
+        self.scheduler.start(seq)
         reason = seq.append_token(first_token)
         text, reason = live.stream.push([first_token], reason)
         self.metrics.tokens += 1
@@ -465,10 +435,9 @@ class DecodeWorker:
 
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         seq = live.seq
-        self._live.pop(seq.request_id, None)
         self._requests.pop(seq.request_id, None)
         self.drafter.release(seq)
-        seq.block_table.release(self.pool)
+        self.scheduler.finish(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -532,7 +501,7 @@ class DecodeWorker:
         """Switch speculation settings between steps (planner updates, benchmarks). The drafter is
         rebuilt; cost models and the step-time correction carry over unless the drafter (kind or model)
         changes, the acceptance estimate unless the draft's view (budget, sink, positions) changes too."""
-        live = [lv.seq for lv in self._live.values()]
+        live = list(self.scheduler.running.values())
         for seq in live:
             self.drafter.release(seq)
         old = self.config.speculation
@@ -557,7 +526,7 @@ class DecodeWorker:
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Cut a running sequence back to its first ``num_tokens`` tokens (at least prompt + 1),
         dropping the KV of later positions; its text stream restarts from there."""
-        live = self._live[request_id]
+        live = self._requests[request_id]
         seq = live.seq
         if not seq.num_prompt < num_tokens <= len(seq.tokens):
             raise ValueError(f"num_tokens: must be in ({seq.num_prompt}, {len(seq.tokens)}], got {num_tokens}")
@@ -571,9 +540,9 @@ class DecodeWorker:
     def status(self) -> dict:
         """Queue lengths, memory and metrics (GetClusterStatus reads this)."""
         return {
-            "running": len(self._live),
+            "running": len(self.scheduler.running),
             "waiting_for_kv": self.num_waiting_for_kv,
-            "preempted": len(self._preempted),
+            "preempted": len(self.scheduler.preempted),
             "free_blocks": self.pool.num_free,
             "total_blocks": self.pool.num_blocks,
             "acceptance_rate_estimate": self.acceptance.rate,

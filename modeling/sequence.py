@@ -50,6 +50,10 @@ class Sequence:
         return len(self.prompt_ids)
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt :]
 

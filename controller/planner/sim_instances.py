@@ -9,10 +9,11 @@ Scheduling decisions come from the real schedulers, run on plain objects (``SimS
   channel per (prefill, decode) pair, serialised on that channel.
 * colocated: ``modeling.scheduler.ChunkedPrefillScheduler`` (the reference engine: decode tokens first, then
   prefill chunks, under one token budget per step, in one forward pass; preemption by recompute).
-* decode (``decode_worker/worker.py``): reservation of prompt + 1 tokens before prefill, admission at step
-  boundaries once the KV is complete, k chosen by the configured policy (the real ``AdaptiveK`` over the
-  profile's cost models), acceptance sampled per sequence from the profile's measured rates, blocks for
-  len + k per sequence, k lowered to 0 and then the newest sequences preempted when memory runs short.
+* decode: ``decode_worker.scheduler.DecodeScheduler`` (reservation of prompt + 1 tokens before prefill, blocks
+  for len + k per sequence each step, k lowered to 0 and then the newest sequences preempted when memory
+  runs short, the preempted resumed first in first out), admission at step boundaries once the KV is
+  complete, k chosen by the configured policy (the real ``AdaptiveK`` over the profile's cost models),
+  acceptance sampled per sequence from the profile's measured rates.
 
 Step times come from one interface, ``StepCosts``: the profile's fitted cost of the step's passes times the
 mode's calibration (``profile.Calibration``); the simulation may multiply each step by a plug-in's factor
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from dataclasses import dataclass, field
 
 from controller.planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
 from decode_worker.config import SpeculationConfig
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape
+from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
 from modeling.sequence import FinishReason, SequenceStatus
@@ -250,7 +251,8 @@ def accepted_drafts(rng: random.Random, rate: float, k: int) -> int:
 
 
 class DecodeSim(_Instance):
-    """A decode instance: one (speculative) step over its running batch at a time."""
+    """A decode instance: ``DecodeScheduler`` gives each step its batch, room for k and preemptions, as in
+    the worker; one (speculative) step over the batch at a time."""
 
     role = "decode"
 
@@ -260,11 +262,9 @@ class DecodeSim(_Instance):
         self.profile = profile
         self.costs = costs
         self.block_size = block_size
-        self.total_blocks = capacity_tokens // block_size
-        self.free_blocks = self.total_blocks
+        self.scheduler = DecodeScheduler(BlockPool(capacity_tokens // block_size, block_size), max_num_seqs)
         self.spec = spec
         self.rng = rng
-        self.max_num_seqs = max_num_seqs
         self._rates: dict[int, float] = {}  # context bucket (64 tokens) -> acceptance rate
         if spec.enabled:
             self._rate(0)  # fail now, not mid-run, if the profile lacks it
@@ -276,56 +276,42 @@ class DecodeSim(_Instance):
                                  _FittedCost(costs.draft, cal.draft_pass_scale), self.acceptance,
                                  spec.tpot_slo_ms / 1000 if spec.tpot_slo_ms else None, explore=False)
                        if spec.enabled and spec.k_policy == "adaptive" else None)
-        self.held: dict[int, int] = {}  # request index -> blocks held (reserved or live)
-        self.ready: list[SimRequest] = []  # KV complete, joins at the next step
-        self.live: list[SimRequest] = []
-        self.preempted: deque[SimRequest] = deque()
+        self.seqs: dict[int, SimSequence] = {}  # request index -> its sequence here (reserved or live)
+        self.ready: list[SimSequence] = []  # KV complete, joins at the next step
         self.k_counts: dict[int, int] = {}
 
-    def _take(self, blocks: int) -> bool:
-        if blocks > self.free_blocks:
-            return False
-        self.free_blocks -= blocks
-        return True
-
     def reserve(self, req: SimRequest) -> bool:
-        blocks = blocks_for(req.prompt_tokens + 1, self.block_size)
-        if len(self.live) >= self.max_num_seqs or not self._take(blocks):
+        seq = SimSequence(req, self.block_size)
+        if not self.scheduler.reserve(seq, req.prompt_tokens):
             return False
-        self.held[req.index] = blocks
+        self.seqs[req.index] = seq
         return True
 
     def admit(self, req: SimRequest) -> None:
-        self.ready.append(req)
+        self.ready.append(self.seqs[req.index])
         self.kick()
-
-    def _grow(self, req: SimRequest, tokens: int) -> bool:
-        need = blocks_for(tokens, self.block_size) - self.held[req.index]
-        if need <= 0:
-            return True
-        if not self._take(need):
-            return False
-        self.held[req.index] += need
-        return True
 
     def release(self, req: SimRequest) -> None:
         """Free the request's blocks (reserved or live)."""
-        self.free_blocks += self.held.pop(req.index)
+        self.scheduler.finish(self.seqs.pop(req.index))
 
     def _plan_step(self):
-        recompute_s = self._resume_preempted()
-        self.live.extend(self.ready)
+        for seq in self.ready:  # as the worker's step: arrived KV first, then the preempted that fit
+            seq.num_computed = seq.num_tokens = seq.req.context
+            self.scheduler.start(seq)
         self.ready.clear()
-        if not self.live:
+        recompute_s = sum(self.costs.recompute(seq.num_tokens) for seq in self.scheduler.resumable())
+        if not self.scheduler.running:
             return None
-        k = self._make_room(self._choose_k())
-        if not self.live:
+        k, batch, preempted = self.scheduler.make_room(self._choose_k())
+        for seq in preempted:
+            seq.req.preemptions += 1
+        if not batch:
             return None
-        batch = list(self.live)
         self.k_counts[k] = self.k_counts.get(k, 0) + 1
         self.step_outputs = len(batch)
         duration = recompute_s * self.costs.cal.decode_scale + \
-            self.costs.decode_step([r.context for r in batch], k, self.spec.budget)
+            self.costs.decode_step([seq.num_tokens for seq in batch], k, self.spec.budget)
         return duration, lambda: self._done(batch, k)
 
     def _choose_k(self) -> int:
@@ -333,17 +319,13 @@ class DecodeSim(_Instance):
             return 0
         if self.policy is None:
             return self.spec.k
-        self.acceptance.rate = self._mean_rate()
-        lens = [r.context for r in self.live]
+        lens = [seq.num_tokens for seq in self.scheduler.running.values()]
+        self.acceptance.rate = sum(self._rate(n) for n in lens) / len(lens)
         b = len(lens)
         choice = self.policy.choose(
             lambda k: PassShape(b, sum(lens) + b * k, b * (k + 1)),
             lambda step: PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
         return choice.k
-
-    def _mean_rate(self) -> float:
-        rates = [self._rate(r.context) for r in self.live]
-        return sum(rates) / len(rates)
 
     def _rate(self, context: int) -> float:
         """The profile's acceptance rate at ``context``, looked up once per 64-token bucket."""
@@ -352,43 +334,18 @@ class DecodeSim(_Instance):
             self._rates[bucket] = self.profile.acceptance_rate(self.spec.drafter, self.spec.budget, bucket << 6)
         return self._rates[bucket]
 
-    def _make_room(self, k: int) -> int:
-        while self.live:
-            if all(self._grow(r, r.context + k) for r in self.live):
-                return k
-            if k > 0:
-                k = 0
-                continue
-            victim = self.live.pop()
-            self.release(victim)
-            victim.preemptions += 1
-            self.preempted.append(victim)
-        return 0
-
-    def _resume_preempted(self) -> float:
-        seconds = 0.0
-        while self.preempted and len(self.live) < self.max_num_seqs:
-            req = self.preempted[0]
-            blocks = blocks_for(req.context + 1, self.block_size)
-            if not self._take(blocks):
-                break
-            self.preempted.popleft()
-            self.held[req.index] = blocks
-            self.live.append(req)
-            seconds += self.costs.recompute(req.context)
-        return seconds
-
-    def _done(self, batch: list[SimRequest], k: int) -> None:
+    def _done(self, batch: list[SimSequence], k: int) -> None:
         now = self.sim.now
-        for req in batch:  # nothing leaves ``live`` between planning a step and its end
+        for seq in batch:  # nothing leaves the running batch between planning a step and its end
+            req = seq.req
             accepted = 0
             if k > 0:
                 accepted = accepted_drafts(self.rng, self._rate(req.context), k)
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
             req.generated += min(accepted + 1, req.remaining)
+            seq.num_computed = seq.num_tokens = req.context  # verified positions; the last token's KV comes next
             if req.remaining <= 0:
-                self.live.remove(req)
                 self.release(req)
                 self.sim.on_finish(req, now)
 

@@ -1,0 +1,92 @@
+"""Decode-side scheduling: admission room, room for each step's speculation, preemption and resumption.
+Pure Python (no torch): the decode worker runs it, and so does the planner's simulator.
+
+Each step every running sequence needs blocks for its tokens plus the step's k draft positions. When the
+pool runs short, k drops to 0 first (a plain decode step needs the least), then the newest sequences are
+preempted: their KV is dropped and they wait, first in first out, to be recomputed once there is room.
+
+Sequences are any objects with ``request_id``, ``num_tokens``, ``num_computed``, ``block_table`` and
+``status`` (``modeling.sequence.Sequence``, or the simulator's stand-in).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+from modeling.block_pool import BlockPool
+from modeling.errors import OutOfBlocksError
+from modeling.sequence import SequenceStatus
+
+
+class DecodeScheduler:
+    """Invariant: every running sequence holds blocks for its computed tokens; a preempted one holds none."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.running: dict[str, object] = {}  # request id -> sequence, in admission order
+        self.preempted: deque = deque()  # FIFO
+        self.num_preemptions = 0
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        """Room to admit a prompt of ``num_tokens`` (and its first decode step) alongside the running ones."""
+        return len(self.running) < self.max_num_seqs and \
+            self.pool.can_allocate(self.pool.blocks_for_tokens(num_tokens + 1))
+
+    def reserve(self, seq, num_tokens: int) -> bool:
+        """Give ``seq`` blocks for ``num_tokens`` positions and its first decode step, if ``can_reserve``."""
+        if not self.can_reserve(num_tokens):
+            return False
+        seq.block_table.ensure_capacity(self.pool, num_tokens + 1)
+        return True
+
+    def start(self, seq) -> None:
+        """``seq`` (its prompt computed) joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running[seq.request_id] = seq
+
+    def finish(self, seq) -> None:
+        """``seq`` leaves (finished or aborted), wherever it is; its blocks are freed."""
+        if self.running.pop(seq.request_id, None) is None and seq in self.preempted:
+            self.preempted.remove(seq)
+        seq.block_table.release(self.pool)
+
+    def make_room(self, k: int) -> tuple[int, list, list]:
+        """(the step's k, its batch, the sequences preempted for it): blocks for positions up to
+        ``num_tokens + k - 1`` of every running sequence, lowering k to 0 and then preempting the newest
+        sequences when the pool runs short."""
+        batch, preempted = list(self.running.values()), []
+        while batch:
+            try:
+                for seq in batch:
+                    seq.block_table.ensure_capacity(self.pool, seq.num_tokens + k)
+                return k, batch, preempted
+            except OutOfBlocksError:
+                if k > 0:
+                    k = 0
+                    continue
+                preempted.append(batch.pop())
+                self._preempt(preempted[-1])
+        return 0, batch, preempted
+
+    def resumable(self) -> Iterator:
+        """Preempted sequences, first in first out, while the next fits (blocks for its tokens and a step)
+        under ``max_num_seqs``: each is given blocks for its tokens and joins the running batch; the
+        caller recomputes its KV before the next step."""
+        while self.preempted:
+            seq = self.preempted[0]
+            if not self.can_reserve(seq.num_tokens):
+                return
+            self.preempted.popleft()
+            seq.block_table.ensure_capacity(self.pool, seq.num_tokens)
+            self.start(seq)
+            yield seq
+
+    def _preempt(self, seq) -> None:
+        del self.running[seq.request_id]
+        seq.block_table.release(self.pool)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        self.preempted.append(seq)
+        self.num_preemptions += 1
