@@ -271,8 +271,8 @@ def write_markdown(meta: dict, value: dict, path: str) -> None:
     """The short human-readable table next to the JSON."""
     with open(path, "w") as f:
         f.write(f"# KV transfer\n\n`{meta['command'].strip()}`  \n{meta['params_m']:.1f}M-param Llama config, bf16, "
-                f"block {meta['block_size']}, {meta['backend']}, {meta['cpus']} CPUs ({meta['machine']}) shared with "
-                f"a model-training job and other jobs (1-min load {meta['loadavg_1m_at_end']:.1f} at the end), "
+                f"block {meta['block_size']}, {meta['backend']}, {meta['cpus']} CPUs ({meta['machine']}), "
+                f"1-min load {meta['loadavg_1m_at_end']:.1f} at the end, "
                 f"{meta['threads']} torch thread(s) per process. Absolute times are noisy; ratios are measured "
                 "interleaved in one run.\n\n"
                 f"## Bandwidth (median of {meta['repeats']}; target: ratio >= 0.8 from 4K)\n\n"
@@ -333,8 +333,7 @@ def main() -> None:
             "params_m": ModelConfig.from_hf_dict(BENCH_CONFIG).num_parameters() / 1e6,
             "token_budget": args.token_budget, "repeats": args.repeats, "ttft_repeats": args.ttft_repeats,
             "loadavg_1m_at_end": load[0],
-            "note": "shared 2-core machine (a training job and other jobs ran concurrently): absolute times are noisy; "
-                    "ratios are measured interleaved in one run",
+            "note": "absolute times move with the machine's load; ratios are measured interleaved in one run",
             "command": " ".join(["python benchmarks/kv_transfer.py"] + sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

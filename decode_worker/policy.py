@@ -3,7 +3,7 @@
 Cost model: the time of one forward pass is linear in what it moves and computes,
     t = c0 + c_seq * B + c_kv * (KV tokens read) + c_tok * (new tokens) + c_att * (KV tokens x queries),
 (the last term is attention's arithmetic: each of a sequence's k+1 verify queries attends to its whole
-KV; without it the fit error on a 2-core CPU was 17 %, with it 4 %),
+KV, so the cost of a verify pass grows with k times the context),
 fitted by least squares on steps profiled at start and refreshed online from measured steps (one model
 for target passes, one for draft passes). For a batch of B sequences with contexts L_b and acceptance
 conditional acceptance rates a_1, a_2, ... by draft depth (measured online), a step with k drafts costs
@@ -13,14 +13,14 @@ the k in 0..max_k maximising B * E(k) / T(k) (SmartSpec's goodput; MagicDec's bo
 same trade-off), with k = 0 meaning a plain decode step, and never picks a k whose step time exceeds the
 TPOT SLO when one is set.
 
-A single linear model over all shapes is biased in places (on a 2-core CPU it overpredicted the gain of
-speculating at short contexts and batch 1). :class:`StepCorrection` removes that bias from measurements,
+A single linear model over all shapes is biased in places (it can overpredict the gain of speculating at
+short contexts and batch 1). :class:`StepCorrection` removes that bias from measurements,
 separately for the two parts of a step, because their biases differ and combine differently with k:
 the draft passes get one EMA of measured / predicted time per (batch bucket, context bucket), which
 applies to every k (k draft passes of the same shape share their bias); the verify pass gets one per
-(k, batch bucket, context bucket). One factor for the whole step, per k, mixed the two: a k that had
-not been measured borrowed the factor of one that had, with the wrong share of draft time in it (an
-underrated draft inflates a long k's factor; k = 1, borrowing it, then looks as bad as that k, while
+(k, batch bucket, context bucket). One factor for the whole step per k would mix the two: a k not yet
+measured would borrow the factor of one that was, with the wrong share of draft time in it (an
+underrated draft inflates a long k's factor; k = 1, borrowing it, would look as bad as that k, while
 plain decoding, with its own factor, looks better than both).
 Unmeasured cells keep factor 1, which makes them look as good as the model says, so the policy tries
 them and learns their factor.

@@ -180,7 +180,6 @@ class DecodeWorker:
         if kv.sampler_state:
             seq.sampler.generator.set_state(torch.frombuffer(bytearray(kv.sampler_state), dtype=torch.uint8))
         seq.num_computed = seq.num_prompt
-        seq.status = SequenceStatus.RUNNING
         delta = self._start(live, kv.first_token)
         return [dataclasses.replace(delta, token_ids=[])]
 
