@@ -30,8 +30,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._refcount = [0] * num_blocks
-        # Min-heap of candidate free ids; may hold stale entries (checked against _refcount on pop).
-        self._heap = list(range(num_blocks))
+        # Free blocks are the ids >= _fresh (never allocated yet) and those in _heap, a min-heap of freed ids
+        # that may hold stale entries (checked against _refcount on pop). Building the pool is O(1) in its size.
+        self._fresh = 0
+        self._heap: list[int] = []
         self._num_free = num_blocks
 
     @property
@@ -64,8 +66,11 @@ class BlockPool:
         out: list[int] = []
         nxt = None if after is None else after + 1
         while len(out) < num_blocks:
-            if nxt is not None and nxt < self.num_blocks and self._refcount[nxt] == 0:
+            if nxt is not None and nxt < self._fresh and self._refcount[nxt] == 0:
                 block = nxt
+            elif nxt is not None and nxt == self._fresh < self.num_blocks:
+                block = nxt
+                self._fresh += 1
             else:
                 block = self._pop_lowest_free()
             self._refcount[block] = 1
@@ -93,13 +98,16 @@ class BlockPool:
                 self._num_free += 1
                 heapq.heappush(self._heap, b)
         if len(self._heap) > 4 * self.num_blocks:
-            self._heap = [b for b in range(self.num_blocks) if self._refcount[b] == 0]
+            self._heap = [b for b in range(self._fresh) if self._refcount[b] == 0]
 
     def _pop_lowest_free(self) -> int:
-        while True:
-            block = heapq.heappop(self._heap)
-            if self._refcount[block] == 0:
-                return block
+        while self._heap and self._refcount[self._heap[0]] != 0:
+            heapq.heappop(self._heap)  # stale: allocated again since it was freed
+        if self._heap and self._heap[0] < self._fresh:
+            return heapq.heappop(self._heap)
+        block = self._fresh  # every freed block is taken: the lowest never-allocated one
+        self._fresh += 1
+        return block
 
 
 @dataclass
