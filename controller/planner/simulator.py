@@ -95,41 +95,6 @@ class SimConfig:
 
     @property
     def devices(self) -> int:
-        return self.instances * self.tensor_parallel * self.pipeline_parallel
-
-    def validate(self, name: str) -> None:
-        for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs"):
-            if getattr(self, f) < 1:
-                raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """What to simulate: the pools, the speculation setting and the router's limits."""
-
-    mode: str = "disaggregated"
-    prefill: PoolPlan | None = None
-    decode: PoolPlan | None = None
-    colocated: PoolPlan | None = None
-    speculation: SpeculationConfig = SpeculationConfig()
-    block_size: int = 16
-    max_concurrent: int = 64
-    overhead_s: float = 0.0  # added to every TTFT (request path latency outside the workers)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise SimConfigError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
-        pools = ("prefill", "decode") if self.mode == "disaggregated" else ("colocated",)
-        for name in pools:
-            pool = getattr(self, name)
-            if pool is None:
-                raise SimConfigError(f"{name}: required in {self.mode} mode")
-            pool.validate(name)
-        if self.max_concurrent < 1:
-            raise SimConfigError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
-
-    @property
-    def devices(self) -> int:
         """Devices (GPUs, or worker threads on CPU) the configuration uses."""
         if self.mode == "colocated":
             return self.colocated.devices
