@@ -84,10 +84,6 @@ class SimSequence:
         return self.num_tokens - self.num_computed
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 class StepCosts:
     """The simulator's one step-time interface: a step's profiled cost x the mode's calibration."""
 
@@ -193,7 +189,7 @@ class PrefillSim(_Instance):
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
 
     def add(self, req: SimRequest) -> None:
-        if blocks_for(req.prompt_tokens, self.block_size) > self.pool.num_blocks:
+        if self.pool.blocks_for_tokens(req.prompt_tokens) > self.pool.num_blocks:
             raise ValueError(f"{self.name}: a {req.prompt_tokens}-token prompt does not fit in its KV cache "
                              f"({self.pool.num_blocks * self.block_size} tokens)")
         self.scheduler.add(SimSequence(req, self.block_size))
