@@ -30,9 +30,9 @@ from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, Linear
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
-from kv_transfer.heads import HeadRange
+from kv_transfer.heads import peer_ranks, rank_peer_id
+from kv_transfer.rank_sync import FollowerOutcomes, exchange_outcomes
 from kv_transfer.receiver import KVReceiver, ReceivedKV
-from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel, load_model
 from modeling.errors import InvalidRequestError, OutOfBlocksError
@@ -44,6 +44,8 @@ from modeling.params import SamplingParams
 from modeling.sampling import RequestSampler, target_probs
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import load_tokenizer_if_present
+from modeling.tp_group import TPGroup
+from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, forward_follower, load_for_rank
 
 
 @dataclass
@@ -95,21 +97,21 @@ class DecodeWorker:
     CHOICE_REUSE_STEPS = 4
 
     def __init__(self, model: LoadedModel | str, config: DecodeWorkerConfig = DecodeWorkerConfig(),
-                 instance_id: str = "decode-0", transfer: TransferConfig | None = None):
+                 instance_id: str = "decode-0", transfer: TransferConfig | None = None, tp: TPGroup | None = None):
         """``transfer``: receive prompts' KV from prefill workers (a ``KVReceiver`` under ``instance_id``);
-        None: local requests only (``add_local``)."""
+        None: local requests only (``add_local``). ``tp``: drive a tensor-parallel instance as its rank 0
+        (the other ranks run :func:`follower`); ``model`` is then a path, loaded as this rank's shard. A
+        draft model runs whole on this rank."""
         self.config = config
         spec_cfg = config.speculation
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, config.device)
+        self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
         mc = self.loaded.config
         self.max_model_len = mc.max_position_embeddings
         self.tokenizer = load_tokenizer_if_present(self.loaded.path)
         self.pool = BlockPool(config.kv_cache_tokens // config.block_size, config.block_size)
-        kv_spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size, self.loaded.dtype)
-        self.cache = PagedKVCache(kv_spec, self.pool.num_blocks, self.loaded.device)
-        backend = make_backend(config.attention_backend, self.loaded.device, config.block_size)
-        self.runner = ModelRunner(self.loaded.model, self.cache, backend)
-        self.drafter = self._make_drafter(backend)
+        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp)
+        self.cache = self.runner.cache
+        self.drafter = self._make_drafter(self.runner.backend)
         self.target_cost = LinearCostModel()
         self.draft_cost = LinearCostModel()
         self.acceptance = AcceptanceEstimator()
@@ -124,17 +126,25 @@ class DecodeWorker:
         # running and preempted ones and gives them blocks
         self._requests: dict[str, _Live] = {}
         self.scheduler = DecodeScheduler(self.pool, config.max_num_seqs)
+        self.tp = tp if tp is not None and tp.shard.sharded else None
+        size = 1 if self.tp is None else self.tp.size
         self.receiver = None if transfer is None else KVReceiver(
-            self.cache, self, instance_id, KVFingerprint.of(mc, config.block_size, self.loaded.dtype),
-            HeadRange(0, mc.num_key_value_heads), transfer)
+            self.cache, self, rank_peer_id(instance_id, 0, size),
+            KVFingerprint.of(mc, config.block_size, self.loaded.dtype), self.loaded.kv_heads, transfer)
+        # TP: transfers whose KV the other ranks are still receiving, and prompts complete here waiting on them
+        self._rank_outcomes = None if self.tp is None else FollowerOutcomes(self.tp.size)
+        self._arrived: dict[str, ReceivedKV] = {}
         if config.profile_on_start:
             self.profile()
 
     # -- admission --------------------------------------------------------------------------------
 
-    def connect(self, prefill_id: str, rendezvous: Rendezvous, generation: int = 0) -> None:
-        """Form the KV channel with a prefill instance (blocks until it joins)."""
-        self.receiver.connect(prefill_id, rendezvous, generation)
+    def connect(self, prefill_id: str, rendezvous: Rendezvous, generation: int = 0, prefill_tp: int = 1) -> None:
+        """Form this rank's KV channels with a prefill instance of ``prefill_tp`` ranks: one per prefill rank
+        holding heads this rank receives (blocks until they join; the other ranks connect on their own)."""
+        size = 1 if self.tp is None else self.tp.size
+        for r in peer_ranks(self.loaded.config.num_key_value_heads, prefill_tp, size, 0, sending=False):
+            self.receiver.connect(rank_peer_id(prefill_id, r, prefill_tp), rendezvous, generation)
 
     def add_remote(self, request: DecodeRequest) -> list[int] | None:
         """Hold ``request`` in ``waiting_for_kv`` with blocks reserved for its prompt (and the first decode
@@ -150,6 +160,10 @@ class DecodeWorker:
         blocks = self.receiver.reserve(rid, seq.num_prompt)  # -> self.reserve, which takes the blocks
         if blocks is None:
             del self._requests[rid]
+        elif self.tp is not None:  # every rank expects its heads in the same blocks before any may arrive
+            slot = self._rank_outcomes.track(rid)
+            self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=seq.num_prompt, blocks=blocks)
+            self.tp.barrier()
         return blocks
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -210,7 +224,7 @@ class DecodeWorker:
             return False
         status = live.seq.status
         if status is SequenceStatus.WAITING_FOR_KV:
-            self.receiver.release(request_id)  # calls release_reservation once no bytes are in flight
+            self._drop_transfer(request_id)
         elif status is SequenceStatus.WAITING:
             self.scheduler.finish(live.seq)
             del self._requests[request_id]
@@ -221,6 +235,11 @@ class DecodeWorker:
     def has_work(self) -> bool:
         """Requests running, preempted or waiting for their KV."""
         return bool(self._requests)
+
+    def close(self) -> None:
+        """Release a tensor-parallel instance's followers (nothing to do on one rank)."""
+        if isinstance(self.runner, TPDriverRunner):
+            self.runner.stop()
 
     @property
     def num_running(self) -> int:
@@ -236,7 +255,10 @@ class DecodeWorker:
             return []
         events = self.receiver.poll()
         out: list = []
-        for kv in events.completed:
+        completed = events.completed
+        if self._rank_outcomes is not None:
+            completed = self._complete_on_every_rank(completed, out)
+        for kv in completed:
             try:
                 out.extend(self.kv_received(kv))
             except InvalidRequestError as err:  # a transfer without a first token: nothing to decode from
@@ -244,8 +266,42 @@ class DecodeWorker:
                 live.seq.block_table.release(self.pool)
                 out.append(DecodeFailure(kv.request_id, str(err), False))
         for f in events.failed:  # the receiver has released the blocks (release_reservation)
+            if self._rank_outcomes is not None:
+                self._forget_transfer(f.request_id)
             out.append(DecodeFailure(f.request_id, str(f.error), f.error.retryable))
         return out
+
+    def _complete_on_every_rank(self, completed: list[ReceivedKV], out: list) -> list[ReceivedKV]:
+        """TP: the prompts whose KV every rank holds (this rank's arrived now or earlier); prompts a follower
+        failed to receive fail here too (``out``), their blocks freed on every rank."""
+        for kv in completed:
+            self._arrived[kv.request_id] = kv
+        if not self._rank_outcomes:
+            return []
+        self.runner.call("kv_sync")
+        self._rank_outcomes.absorb(exchange_outcomes(self.tp, [], []))
+        for rid, why in self._rank_outcomes.failures():
+            self._drop_transfer(rid)
+            out.append(DecodeFailure(rid, why, True))
+        ready = [rid for rid in self._arrived if self._rank_outcomes.all_done(rid)]
+        for rid in ready:
+            self._rank_outcomes.forget(rid)
+        return [self._arrived.pop(rid) for rid in ready]
+
+    def _drop_transfer(self, request_id: str) -> None:
+        """Free a request waiting for its KV, on every rank (bytes still in flight are drained first)."""
+        kv = self._arrived.pop(request_id, None)
+        if kv is None:
+            self.receiver.release(request_id)  # calls release_reservation once no bytes are in flight
+        else:  # complete here, waiting on other ranks: the blocks are this worker's already
+            self.release_reservation(request_id)
+        if self._rank_outcomes is not None:
+            self._forget_transfer(request_id)
+
+    def _forget_transfer(self, request_id: str) -> None:
+        if request_id in self._rank_outcomes:
+            self._rank_outcomes.forget(request_id)
+            self.runner.call("kv_release", request_id=request_id)
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -552,3 +608,17 @@ class DecodeWorker:
             "draft_cost": self.draft_cost.coefficients(),
             "step_correction": self.step_correction.summary(),
         }
+
+
+def follower(model_path: str, config: DecodeWorkerConfig, tp: TPGroup, instance_id: str = "decode-0",
+             transfer: TransferConfig | None = None) -> TPFollower:
+    """A non-driver rank of a tensor-parallel decode instance: its shard and cache, ready to ``serve()``
+    (draft passes over the sparse view and verification are forwards like any other); with ``transfer``,
+    it receives its own KV heads from the prefill ranks that hold them (:class:`DecodeRankFollower`)."""
+    base = forward_follower(model_path, config.dtype, config.device, config.kv_cache_tokens // config.block_size,
+                            config.block_size, config.attention_backend, tp)
+    if transfer is None:
+        return base
+    from decode_worker.tp_rank import DecodeRankFollower
+
+    return DecodeRankFollower(base.runner, tp, instance_id, transfer)

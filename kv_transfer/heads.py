@@ -97,3 +97,17 @@ def legs_from(legs: list[TransferLeg], src_rank: int) -> list[TransferLeg]:
 def legs_to(legs: list[TransferLeg], dst_rank: int) -> list[TransferLeg]:
     """The legs one receiver rank expects."""
     return [leg for leg in legs if leg.dst_rank == dst_rank]
+
+
+def rank_peer_id(instance_id: str, rank: int, tp: int) -> str:
+    """The KV-channel id of one rank of an instance: the instance id itself when it has one rank."""
+    return instance_id if tp == 1 else f"{instance_id}#{rank}"
+
+
+def peer_ranks(num_kv_heads: int, src_tp: int, dst_tp: int, rank: int, sending: bool) -> list[int]:
+    """The ranks of the other side that ``rank`` exchanges KV with (sorted: every rank forms its pairs in
+    the same global order, so concurrent connects never wait on each other in a cycle)."""
+    legs = plan_transfer(num_kv_heads, src_tp, dst_tp)
+    if sending:
+        return sorted({leg.dst_rank for leg in legs_from(legs, rank)})
+    return sorted({leg.src_rank for leg in legs_to(legs, rank)})

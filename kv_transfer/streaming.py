@@ -10,8 +10,12 @@ from typing import Callable
 
 import torch
 
+from kv_transfer.heads import legs_from, plan_transfer, rank_peer_id
+from kv_transfer.sender import KVSender, LegTarget
 from modeling.attention import AttentionBackend, AttentionMetadata, PagedAttentionContext
+from modeling.config import ModelConfig
 from modeling.kv_cache import PagedKVCache
+from modeling.runner import ModelRunner, StepInput
 
 
 class LayerStreamingContext(PagedAttentionContext):
@@ -28,3 +32,32 @@ class LayerStreamingContext(PagedAttentionContext):
         self.on_layer_written(layer)
         k_cache, v_cache = self.cache.layer(layer)
         return self.backend.forward(q, k, v, k_cache, v_cache, self.meta)
+
+
+def forward_streaming(runner: ModelRunner, sender: KVSender, inputs: list[StepInput], ready: dict[str, int],
+                      layerwise: bool) -> tuple[torch.Tensor, list[int]]:
+    """Run a prefill forward over ``runner``'s cache and send the KV of each prompt's ``ready`` blocks:
+    each layer as soon as it is written (``layerwise``), or all layers after the pass. Returns the final
+    hidden states and the logit rows (``ModelRunner.forward``'s result)."""
+    ids, positions, meta, rows = runner.build(inputs)
+    if layerwise:
+        group = sender.open_group(ready)
+        hidden = runner.model(ids, positions, LayerStreamingContext(runner.cache, meta, runner.backend, group.send_layer))
+        group.close()
+    else:
+        hidden = runner.model(ids, positions, LayerStreamingContext(runner.cache, meta, runner.backend, lambda layer: None))
+        group = sender.open_group(ready)
+        for layer in range(runner.model.config.num_hidden_layers):
+            group.send_layer(layer)
+        group.close()
+    return hidden, rows
+
+
+def leg_targets(config: ModelConfig, rank: int, tp: int, decode_id: str, decode_tp: int,
+                dst_blocks: tuple[int, ...] | list[int] | None) -> list[LegTarget]:
+    """The legs prefill rank ``rank`` of ``tp`` sends for one prompt to a decode instance of ``decode_tp``
+    ranks (the N x M plan of :mod:`kv_transfer.heads`; every decode rank uses the same block ids). May be
+    empty: with replicated heads, some prefill ranks send nothing."""
+    legs = legs_from(plan_transfer(config.num_key_value_heads, tp, decode_tp), rank)
+    blocks = None if dst_blocks is None else tuple(dst_blocks)
+    return [LegTarget(rank_peer_id(decode_id, leg.dst_rank, decode_tp), leg.heads, blocks) for leg in legs]

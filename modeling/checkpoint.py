@@ -15,10 +15,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kv_transfer.heads import HeadRange
 from modeling.config import ModelConfig, _token_ids
 from modeling.errors import CheckpointError
 from modeling.model import CausalLM
 from modeling.rope import RotaryEmbedding
+from modeling.tp import DROP, TensorSlice, TPShard, shard_layout, slice_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SINGLE_WEIGHTS = "model.safetensors"
@@ -35,6 +37,12 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: tuple[int, ...]
+    shard: TPShard = TPShard()  # which tensor-parallel slice of the model this is
+
+    @property
+    def kv_heads(self) -> HeadRange:
+        """The global KV heads this (possibly sharded) model computes and caches."""
+        return self.shard.kv_heads(self.config)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -81,8 +89,11 @@ def read_eos_token_ids(directory: str, config: ModelConfig) -> tuple[int, ...]:
     return config.eos_token_ids
 
 
-def load_model(directory: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
-    """Build a :class:`CausalLM` from a local HF directory, weights cast to ``dtype`` on ``device``."""
+def load_model(directory: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               shard: TPShard = TPShard()) -> LoadedModel:
+    """Build a :class:`CausalLM` from a local HF directory, weights cast to ``dtype`` on ``device``.
+    With a sharded ``shard``, only that tensor-parallel rank's slices are read (see :mod:`modeling.tp`);
+    the caller installs the all-reduces (:func:`modeling.tp.install_all_reduce`)."""
     torch_dtype = parse_dtype(dtype)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -90,8 +101,9 @@ def load_model(directory: str, dtype: str | torch.dtype = "float32", device: str
     config = load_config(directory)
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = model.hf_state_dict()
-    tensors = _read_weights(directory, expected, torch_dtype, device)
+    full_shapes = {name: tuple(t.shape) for name, t in model.hf_state_dict().items()}
+    shard_layout(model, shard)
+    tensors = _read_weights(directory, full_shapes, slice_plan(config, shard), torch_dtype, device)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
     model.load_state_dict(tensors, strict=False, assign=True)
@@ -106,6 +118,7 @@ def load_model(directory: str, dtype: str | torch.dtype = "float32", device: str
         dtype=torch_dtype,
         device=device,
         eos_token_ids=read_eos_token_ids(directory, config),
+        shard=shard,
     )
 
 
@@ -135,8 +148,11 @@ def _weight_files(directory: str) -> dict[str, list[str]]:
 
 
 def _read_weights(
-    directory: str, expected: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    directory: str, full_shapes: dict[str, tuple[int, ...]], plan: dict[str, TensorSlice | None],
+    dtype: torch.dtype, device: torch.device,
 ) -> dict[str, torch.Tensor]:
+    """Every tensor of ``full_shapes`` (checked against it), or the slice ``plan`` names; none it drops."""
+    expected = {name for name in full_shapes if not (name in plan and plan[name] is DROP)}
     tensors: dict[str, torch.Tensor] = {}
     for path, names in _weight_files(directory).items():
         if not os.path.isfile(path):
@@ -148,16 +164,23 @@ def _read_weights(
                     if name not in available:
                         raise CheckpointError(path, "tensor listed in the index is missing", name)
                 for name in sorted(available):
-                    if name not in expected:
+                    if name not in full_shapes:
                         if name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
                             continue
                         raise CheckpointError(path, "unexpected tensor for this architecture", name)
-                    tensor = f.get_tensor(name)
-                    want = tuple(expected[name].shape)
-                    if tuple(tensor.shape) != want:
-                        raise CheckpointError(
-                            path, f"shape {list(tensor.shape)} does not match config.json {list(want)}", name
-                        )
+                    lazy = f.get_slice(name)
+                    shape, want = tuple(lazy.get_shape()), full_shapes[name]
+                    if shape != want:
+                        raise CheckpointError(path, f"shape {list(shape)} does not match config.json {list(want)}", name)
+                    if name in plan and plan[name] is DROP:
+                        continue
+                    part = plan.get(name)
+                    if part is None:
+                        tensor = lazy[:]
+                    elif part.dim == 0:
+                        tensor = lazy[part.start : part.stop]
+                    else:
+                        tensor = lazy[:, part.start : part.stop]
                     tensors[name] = tensor.to(device=device, dtype=dtype)
         except SafetensorError as err:
             raise CheckpointError(path, f"corrupt safetensors file ({err})") from None

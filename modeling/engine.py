@@ -12,18 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
-from modeling.checkpoint import LoadedModel, load_model
+from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError
-from modeling.kv_cache import KVCacheSpec, PagedKVCache
-from modeling.runner import ModelRunner, StepInput
+from modeling.runner import StepInput
 from modeling.sampling import RequestSampler, SamplingParams
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
 from modeling.sequence import FinishReason, Sequence
 from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
+from modeling.tp_group import TPGroup
+from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, forward_follower, load_for_rank
 
 
 @dataclass(frozen=True)
@@ -84,18 +84,18 @@ class _Request:
 class ReferenceEngine:
     """Colocated prefill + decode in one process."""
 
-    def __init__(self, model: LoadedModel | str, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: LoadedModel | str, config: EngineConfig = EngineConfig(), tp: TPGroup | None = None):
+        """``tp``: drive a tensor-parallel instance as its rank 0 (the other ranks run
+        :func:`follower` with the same config); ``model`` is then a path, loaded as this rank's shard."""
         self.config = config
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, config.device)
+        self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
         mc = self.loaded.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.tokenizer = load_tokenizer_if_present(self.loaded.path)
-        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size, self.loaded.dtype)
         num_blocks = config.kv_cache_tokens // config.block_size
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.cache = PagedKVCache(spec, num_blocks, self.loaded.device)
-        backend = make_backend(config.attention_backend, self.loaded.device, config.block_size)
-        self.runner = ModelRunner(self.loaded.model, self.cache, backend)
+        self.runner = build_runner(self.loaded, num_blocks, config.block_size, config.attention_backend, tp)
+        self.cache = self.runner.cache
         self.scheduler = ChunkedPrefillScheduler(SchedulerConfig(config.token_budget, config.max_num_seqs), self.pool)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -150,6 +150,11 @@ class ReferenceEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Release a tensor-parallel instance's followers (nothing to do on one rank)."""
+        if isinstance(self.runner, TPDriverRunner):
+            self.runner.stop()
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -243,3 +248,9 @@ class ReferenceEngine:
             req.finished_at = now
             self.scheduler.finish(seq, reason)
         return RequestOutput(seq.request_id, [token], new_text, reason is not None, reason)
+
+
+def follower(model_path: str, config: EngineConfig, tp: TPGroup) -> TPFollower:
+    """A non-driver rank of a tensor-parallel engine: its shard and cache, ready to ``serve()``."""
+    return forward_follower(model_path, config.dtype, config.device, config.kv_cache_tokens // config.block_size,
+                            config.block_size, config.attention_backend, tp)

@@ -79,10 +79,17 @@ class ModelRunner:
         """Compute the step; returns float32 logits [sum(num_logits), vocab] in input order."""
         if not inputs:
             return torch.empty(0, self.model.config.vocab_size)
-        input_ids, positions, meta, logit_rows = self.build(inputs, sink_len, window_starts)
-        ctx = PagedAttentionContext(self.cache, meta, self.backend)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden, logit_rows = self.forward(inputs, sink_len, window_starts)
         if not logit_rows:
             return torch.empty(0, self.model.config.vocab_size)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)
         return self.model.logits(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[StepInput], sink_len: int = 0,
+                window_starts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The step's forward pass without logits: (final hidden states [T, hidden], logit row indices).
+        Writes the inputs' KV into the cache."""
+        input_ids, positions, meta, logit_rows = self.build(inputs, sink_len, window_starts)
+        hidden = self.model(input_ids, positions, PagedAttentionContext(self.cache, meta, self.backend))
+        return hidden, logit_rows

@@ -17,19 +17,20 @@ import torch
 from kv_transfer.channel import Rendezvous
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.errors import TransferError
-from kv_transfer.heads import HeadRange
-from kv_transfer.sender import KVSender, LegTarget
-from kv_transfer.streaming import LayerStreamingContext
-from modeling.attention import make_backend
+from kv_transfer.heads import peer_ranks, rank_peer_id
+from kv_transfer.rank_sync import FollowerOutcomes, exchange_outcomes
+from kv_transfer.sender import KVSender
+from kv_transfer.streaming import forward_streaming, leg_targets
 from modeling.block_pool import BlockPool, BlockTable
-from modeling.checkpoint import LoadedModel, load_model
+from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError
-from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.pass_log import PassLog
-from modeling.runner import ModelRunner, StepInput
+from modeling.runner import StepInput
 from modeling.sampling import RequestSampler
 from modeling.scheduler import ScheduledChunk, SchedulerConfig
 from modeling.sequence import Sequence
+from modeling.tp_group import TPGroup
+from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, load_for_rank
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.messages import FirstToken, PrefillFailure, PrefillRequest, PrefillStepOutput
 from prefill_worker.scheduler import PrefillScheduler
@@ -46,29 +47,46 @@ class PrefillWorker:
     """Owns a model, a paged KV cache, a chunked-prefill scheduler and a KV sender."""
 
     def __init__(self, model: LoadedModel | str, config: PrefillWorkerConfig = PrefillWorkerConfig(),
-                 instance_id: str = "prefill-0"):
+                 instance_id: str = "prefill-0", tp: TPGroup | None = None):
+        """``tp``: drive a tensor-parallel instance as its rank 0 (the other ranks run :func:`follower`);
+        ``model`` is then a path, loaded as this rank's shard, and each rank sends its own KV heads."""
         self.config = config
         self.instance_id = instance_id
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, config.device)
+        self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
         mc = self.loaded.config
-        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size,
-                           self.loaded.dtype)
         self.pool = BlockPool(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.cache = PagedKVCache(spec, self.pool.num_blocks, self.loaded.device)
-        self.backend = make_backend(config.attention_backend, self.loaded.device, config.block_size)
-        self.runner = ModelRunner(self.loaded.model, self.cache, self.backend)
+        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp)
+        self.cache, self.backend = self.runner.cache, self.runner.backend
         self.pass_log = PassLog()
         self.scheduler = PrefillScheduler(SchedulerConfig(config.token_budget, config.max_num_seqs), self.pool)
         self.fingerprint = KVFingerprint.of(mc, config.block_size, self.loaded.dtype)
-        self.sender = KVSender(self.cache, instance_id, self.fingerprint, HeadRange(0, mc.num_key_value_heads),
-                               config.transfer)
+        self.tp = tp if tp is not None and tp.shard.sharded else None
+        self.tp_size = 1 if self.tp is None else self.tp.size
+        self.sender = KVSender(self.cache, rank_peer_id(instance_id, 0, self.tp_size), self.fingerprint,
+                               self.loaded.kv_heads, config.transfer)
+        self._decode_tp: dict[str, int] = {}  # decode instance -> its tensor-parallel degree
+        # TP: transfers the other ranks are still sending, and those done here waiting on them
+        self._rank_outcomes = None if self.tp is None else FollowerOutcomes(self.tp.size)
+        self._sent_here: set[str] = set()
         self._requests: dict[str, _Request] = {}
 
     # -- control ----------------------------------------------------------------------------------
 
-    def connect(self, decode_id: str, rendezvous: Rendezvous, generation: int = 0) -> None:
-        """Form the KV channel to a decode instance (its receiver connects to this id concurrently)."""
-        self.sender.connect(decode_id, rendezvous, generation)
+    def connect(self, decode_id: str, rendezvous: Rendezvous, generation: int = 0, decode_tp: int = 1) -> None:
+        """Form this rank's KV channels to a decode instance of ``decode_tp`` ranks: one per decode rank it
+        sends heads to (their receivers connect concurrently; the other ranks connect on their own)."""
+        for r in peer_ranks(self.loaded.config.num_key_value_heads, self.tp_size, decode_tp, 0, sending=True):
+            self.sender.connect(rank_peer_id(decode_id, r, decode_tp), rendezvous, generation)
+        self._decode_tp[decode_id] = decode_tp
+
+    def close(self) -> None:
+        """Release a tensor-parallel instance's followers (nothing to do on one rank)."""
+        if isinstance(self.runner, TPDriverRunner):
+            self.runner.stop()
+
+    def transfers_pending(self) -> int:
+        """Transfers not yet acknowledged by every receiving rank."""
+        return self.sender.pending() + len(self._sent_here)
 
     def add_request(self, request: PrefillRequest) -> None:
         """Validate and queue a prompt. Raises InvalidRequestError naming the field."""
@@ -126,14 +144,39 @@ class PrefillWorker:
 
     def _apply_transfer_events(self, out: PrefillStepOutput) -> None:
         events = self.sender.poll()
-        for rid in events.done:
+        done = events.done
+        failed = [(f.request_id, str(f.error), f.error.retryable) for f in events.failed]
+        if self._rank_outcomes is not None:
+            done = self._done_on_every_rank(done, failed)
+        for rid in done:
             self.scheduler.release(rid)
             self._requests.pop(rid, None)
             out.transferred.append(rid)
-        for failure in events.failed:
-            self.scheduler.release(failure.request_id)
-            self._requests.pop(failure.request_id, None)
-            out.failed.append(PrefillFailure(failure.request_id, str(failure.error), failure.error.retryable))
+        for rid, why, retryable in failed:
+            self.scheduler.release(rid)
+            self._requests.pop(rid, None)
+            out.failed.append(PrefillFailure(rid, why, retryable))
+
+    def _done_on_every_rank(self, done: list[str], failed: list[tuple[str, str, bool]]) -> list[str]:
+        """TP: the transfers every rank has finished (this rank's now or earlier); a transfer any rank failed
+        joins ``failed`` (its blocks are freed once; the other ranks' legs fail or drain on their own)."""
+        self._sent_here.update(done)
+        for rid, _, _ in failed:
+            self._rank_outcomes.forget(rid)
+        if not self._rank_outcomes:
+            return []
+        self.runner.call("kv_sync")
+        self._rank_outcomes.absorb(exchange_outcomes(self.tp, [], []))
+        for rid, why in self._rank_outcomes.failures():
+            self._rank_outcomes.forget(rid)
+            self._sent_here.discard(rid)
+            if rid not in {f[0] for f in failed}:
+                failed.append((rid, why, True))
+        ready = [rid for rid in self._sent_here if self._rank_outcomes.all_done(rid)]
+        for rid in ready:
+            self._rank_outcomes.forget(rid)
+            self._sent_here.discard(rid)
+        return ready
 
     def _begin_transfers(self, chunks: list[ScheduledChunk], out: PrefillStepOutput) -> list[ScheduledChunk]:
         """Announce the KV of prompts starting this step; drop those whose destination is unreachable."""
@@ -141,14 +184,21 @@ class PrefillWorker:
         for c in chunks:
             dest = self._requests[c.seq.request_id].request.destination
             if c.start == 0 and dest is not None:
-                target = LegTarget(dest.decode_id, self.sender.heads, dest.block_ids)
+                rid, decode_tp = c.seq.request_id, self._decode_tp.get(dest.decode_id, 1)
                 try:
-                    self.sender.begin(c.seq.request_id, c.seq.num_prompt, c.seq.block_table.blocks, [target])
+                    self.sender.begin(rid, c.seq.num_prompt, c.seq.block_table.blocks,
+                                      leg_targets(self.loaded.config, 0, self.tp_size,
+                                                  dest.decode_id, decode_tp, dest.block_ids))
                 except TransferError as err:
-                    self.scheduler.release(c.seq.request_id)
-                    del self._requests[c.seq.request_id]
-                    out.failed.append(PrefillFailure(c.seq.request_id, str(err), err.retryable))
+                    self.scheduler.release(rid)
+                    del self._requests[rid]
+                    out.failed.append(PrefillFailure(rid, str(err), err.retryable))
                     continue
+                if self.tp is not None:
+                    self.runner.call("kv_begin", request_id=rid, slot=self._rank_outcomes.track(rid),
+                                     num_tokens=c.seq.num_prompt, src_blocks=list(c.seq.block_table.blocks),
+                                     decode_id=dest.decode_id, decode_tp=decode_tp,
+                                     dst_blocks=None if dest.block_ids is None else list(dest.block_ids))
             kept.append(c)
         return kept
 
@@ -164,28 +214,19 @@ class PrefillWorker:
         """Run the chunks; KV streams out layer by layer (or after the pass). Returns logits [n_sample, V]."""
         inputs = [StepInput(c.seq.tokens[c.start : c.start + c.num_tokens], c.start, c.seq.block_table.blocks,
                             num_logits=1 if c.sample else 0) for c in chunks]
-        ids, positions, meta, rows = self.runner.build(inputs)
         ready = {c.seq.request_id: self._ready_blocks(c) for c in chunks}
-        model = self.loaded.model
-        if self.config.layerwise_streaming:
-            group = self.sender.open_group(ready)
-            ctx = LayerStreamingContext(self.cache, meta, self.backend, group.send_layer)
-            hidden = model(ids, positions, ctx)
-            group.close()
-        else:
-            ctx = LayerStreamingContext(self.cache, meta, self.backend, lambda layer: None)
-            hidden = model(ids, positions, ctx)
-            group = self.sender.open_group(ready)
-            for layer in range(self.loaded.config.num_hidden_layers):
-                group.send_layer(layer)
-            group.close()
+        if self.tp is not None:
+            self.runner.announce(inputs, side={"ready": ready})
+        hidden, rows = forward_streaming(self.runner, self.sender, inputs, ready, self.config.layerwise_streaming)
         if not rows:
             return torch.empty(0, self.loaded.config.vocab_size)
+        model = self.loaded.model
         return model.logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device)))
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[FirstToken]:
         now = time.perf_counter()
         firsts = []
+        ends = []  # (request id, first token, sampler state hex): every rank ends its legs with them
         row = 0
         for c in chunks:
             seq = c.seq
@@ -199,8 +240,23 @@ class PrefillWorker:
             firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt))
             self.scheduler.hand_off(seq)
             if req.request.destination is not None:  # the first token ends the transfer: decode continues from it
-                self.sender.finish_prompt(seq.request_id, token, seq.sampler.generator.get_state().numpy().tobytes())
+                state = seq.sampler.generator.get_state().numpy().tobytes()
+                self.sender.finish_prompt(seq.request_id, token, state)
+                ends.append([seq.request_id, token, state.hex()])
             else:  # nothing to transfer: done with this prompt
                 self.scheduler.release(seq.request_id)
                 del self._requests[seq.request_id]
+        if ends and self.tp is not None:
+            self.runner.call("kv_finish", ends=ends)
         return firsts
+
+
+def follower(model_path: str, config: PrefillWorkerConfig, tp: TPGroup, instance_id: str = "prefill-0") -> TPFollower:
+    """A non-driver rank of a tensor-parallel prefill instance: its shard, its cache and a KV sender for its
+    heads, ready to ``serve()``."""
+    from prefill_worker.tp_rank import PrefillRankFollower
+
+    loaded = load_for_rank(model_path, config.dtype, config.device, tp)
+    runner = build_runner(loaded, config.kv_cache_tokens // config.block_size, config.block_size,
+                          config.attention_backend, tp)
+    return PrefillRankFollower(runner, tp, instance_id, config)

@@ -1,0 +1,209 @@
+"""Driving a tensor-parallel instance: rank 0 schedules and broadcasts each step, every rank runs it.
+
+The driver (rank 0) is the whole worker (engine, prefill or decode worker) with a
+:class:`TPDriverRunner` in place of its :class:`ModelRunner`: before each forward it broadcasts a compact
+:class:`StepDescription` (token ids, positions, block tables and the sparse-view settings as int64, plus
+a small JSON side payload for what is not a number), then runs its own shard. Followers
+(:class:`TPFollower`) hold only their shard of the model and of the KV cache; they loop receiving
+descriptions and running the same forward, so the all-reduces inside it line up across ranks. Only the
+driver computes logits and samples.
+
+Wire format per step, over the group's control channel: ``int64 [op, n_numbers, n_side_bytes, 0]``,
+then the numbers (int64), then the side payload (uint8 JSON) when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from modeling.attention import make_backend
+from modeling.checkpoint import LoadedModel, load_model
+from modeling.kv_cache import KVCacheSpec, PagedKVCache
+from modeling.runner import ModelRunner, StepInput
+from modeling.tp import install_all_reduce
+from modeling.tp_group import TPError, TPGroup
+
+OP_RUN, OP_STOP, OP_CALL = 1, 2, 3
+_OPS = (OP_RUN, OP_STOP, OP_CALL)
+
+
+@dataclass(frozen=True)
+class StepDescription:
+    """What every rank runs next. ``op``: OP_RUN (a forward over ``inputs``), OP_CALL (a named
+    follower action with ``side`` arguments, e.g. a KV-transfer instruction) or OP_STOP."""
+
+    op: int
+    inputs: list[StepInput] = field(default_factory=list)
+    sink_len: int = 0
+    window_starts: list[int] | None = None
+    side: dict[str, Any] | None = None
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(header int64 [4], numbers int64 [n], side uint8 [m] or None)."""
+        nums: list[int] = [len(self.inputs), self.sink_len, int(self.window_starts is not None)]
+        tail: list[int] = []
+        for inp in self.inputs:
+            has_pos = inp.positions is not None
+            nums += [inp.start, len(inp.token_ids), inp.num_logits, len(inp.block_table), int(has_pos)]
+            tail += inp.token_ids
+            tail += inp.block_table
+            if has_pos:
+                tail += inp.positions
+        if self.window_starts is not None:
+            tail += self.window_starts
+        numbers = torch.from_numpy(np.asarray(nums + tail, dtype=np.int64))
+        side = None
+        if self.side is not None:
+            side = torch.frombuffer(bytearray(json.dumps(self.side, separators=(",", ":")).encode()), dtype=torch.uint8)
+        header = torch.tensor([self.op, numbers.numel(), 0 if side is None else side.numel(), 0], dtype=torch.int64)
+        return header, numbers, side
+
+    @staticmethod
+    def decode(header: torch.Tensor, numbers: torch.Tensor, side: torch.Tensor | None) -> "StepDescription":
+        op = int(header[0])
+        if op not in _OPS:
+            raise TPError(f"protocol error: unknown step op {op}")
+        v = numbers.tolist()
+        n_inputs, sink_len, has_windows = v[0], v[1], v[2]
+        heads = [v[3 + 5 * i : 8 + 5 * i] for i in range(n_inputs)]
+        pos = 3 + 5 * n_inputs
+        inputs = []
+        for start, n_tok, num_logits, n_blocks, has_pos in heads:
+            tokens = v[pos : pos + n_tok]
+            pos += n_tok
+            blocks = v[pos : pos + n_blocks]
+            pos += n_blocks
+            positions = None
+            if has_pos:
+                positions = v[pos : pos + n_tok]
+                pos += n_tok
+            inputs.append(StepInput(tokens, start, blocks, num_logits, positions))
+        windows = v[pos : pos + n_inputs] if has_windows else None
+        side_obj = json.loads(side.numpy().tobytes()) if side is not None else None
+        return StepDescription(op, inputs, sink_len, windows, side_obj)
+
+
+def broadcast_step(group: TPGroup, desc: StepDescription) -> None:
+    """Driver: send ``desc`` to every follower."""
+    header, numbers, side = desc.encode()
+    group.broadcast_ctrl(header)
+    if numbers.numel():
+        group.broadcast_ctrl(numbers)
+    if side is not None:
+        group.broadcast_ctrl(side)
+
+
+def receive_step(group: TPGroup) -> StepDescription:
+    """Follower: wait for the driver's next description."""
+    header = torch.zeros(4, dtype=torch.int64)
+    group.broadcast_ctrl(header)
+    n_numbers, n_side = int(header[1]), int(header[2])
+    if not 0 <= n_numbers < 1 << 32 or not 0 <= n_side < 1 << 32:
+        raise TPError("protocol error: bad step header")
+    numbers = torch.zeros(n_numbers, dtype=torch.int64)
+    if n_numbers:
+        group.broadcast_ctrl(numbers)
+    side = None
+    if n_side:
+        side = torch.zeros(n_side, dtype=torch.uint8)
+        group.broadcast_ctrl(side)
+    return StepDescription.decode(header, numbers, side)
+
+
+class TPDriverRunner(ModelRunner):
+    """A ModelRunner on rank 0 of a TP group: every forward is first broadcast to the followers."""
+
+    def __init__(self, model, cache, backend, group: TPGroup):
+        super().__init__(model, cache, backend)
+        self.group = group
+
+    def forward(self, inputs: list[StepInput], sink_len: int = 0,
+                window_starts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        self.announce(inputs, sink_len, window_starts)
+        return super().forward(inputs, sink_len, window_starts)
+
+    def announce(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None,
+                 side: dict[str, Any] | None = None) -> None:
+        """Tell the followers the forward this rank is about to run itself (a worker that wraps its own
+        forward, like the prefill worker's KV streaming, calls this and then runs it)."""
+        broadcast_step(self.group, StepDescription(OP_RUN, inputs, sink_len, window_starts, side))
+
+    def call(self, name: str, **args: Any) -> None:
+        """Have every follower run its action ``name`` with JSON-serialisable ``args``."""
+        broadcast_step(self.group, StepDescription(OP_CALL, side={"name": name, "args": args}))
+
+    def stop(self) -> None:
+        """Release the followers from their loops."""
+        broadcast_step(self.group, StepDescription(OP_STOP))
+
+
+class TPFollower:
+    """A follower rank: its shard of the model and cache, running what the driver describes.
+
+    ``actions`` maps OP_CALL names to callables (keyword arguments from the description); a worker kind
+    that needs more than forward passes (the prefill worker's KV streaming) registers them, and may
+    replace ``run_step`` to wrap the forward (e.g. to stream each layer's KV as it is written)."""
+
+    def __init__(self, runner: ModelRunner, group: TPGroup,
+                 actions: dict[str, Callable[..., None]] | None = None):
+        self.runner = runner
+        self.group = group
+        self.actions = dict(actions or {})
+        self.steps = 0
+
+    def run_step(self, desc: StepDescription) -> None:
+        self.runner.forward(desc.inputs, desc.sink_len, desc.window_starts)
+
+    def serve(self) -> int:
+        """Run steps until the driver says stop; returns how many forwards ran. Raises TPError when the
+        group breaks (the driver died or a collective timed out)."""
+        while True:
+            desc = receive_step(self.group)
+            if desc.op == OP_STOP:
+                return self.steps
+            if desc.op == OP_CALL:
+                name = desc.side["name"]
+                if name not in self.actions:
+                    raise TPError(f"protocol error: follower has no action {name!r}")
+                self.actions[name](**desc.side["args"])
+                continue
+            if desc.inputs:
+                self.run_step(desc)
+                self.steps += 1
+
+
+def load_for_rank(path: str, dtype: str, device: str, group: TPGroup | None) -> LoadedModel:
+    """The model as this rank runs it: whole without a group (or with a 1-rank one), else this rank's
+    slices with the all-reduces installed (their time accumulates in ``group.collectives``)."""
+    if group is None or not group.shard.sharded:
+        return load_model(path, dtype, device)
+    loaded = load_model(path, dtype, device, shard=group.shard)
+    group.collectives = install_all_reduce(loaded.model, group.all_reduce)
+    return loaded
+
+
+def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attention_backend: str,
+                 group: TPGroup | None = None) -> ModelRunner:
+    """A paged KV cache of ``num_blocks`` blocks for this rank's KV heads, the attention backend and the
+    runner over them: a :class:`TPDriverRunner` on rank 0 of a sharded group, a plain runner otherwise
+    (followers run plain forwards, in step with the driver)."""
+    mc = loaded.config
+    spec = KVCacheSpec(mc.num_hidden_layers, loaded.kv_heads.size, mc.head_dim, block_size, loaded.dtype)
+    cache = PagedKVCache(spec, num_blocks, loaded.device)
+    backend = make_backend(attention_backend, loaded.device, block_size)
+    if group is not None and group.shard.sharded and group.rank == 0:
+        return TPDriverRunner(loaded.model, cache, backend, group)
+    return ModelRunner(loaded.model, cache, backend)
+
+
+def forward_follower(model_path: str, dtype: str, device: str, num_blocks: int, block_size: int,
+                     attention_backend: str, tp: TPGroup) -> TPFollower:
+    """A follower rank that only runs forward passes (the engine's and the decode worker's followers):
+    this rank's shard of the model and a cache of ``num_blocks`` blocks, ready to ``serve()``."""
+    loaded = load_for_rank(model_path, dtype, device, tp)
+    return TPFollower(build_runner(loaded, num_blocks, block_size, attention_backend, tp), tp)

@@ -1,0 +1,260 @@
+"""Tensor parallelism over gloo between real processes: TP 2 must reproduce TP 1.
+
+Each rank is its own process (forkserver, one torch thread), forming its instance's group from a TCP
+store hosted here. Greedy output must be token-identical to the single-process engine in float32 (the
+row-parallel sums round differently, far below what moves an argmax of these models); seeded sampling
+must draw the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_transfer import Rendezvous
+from modeling.checkpoint import load_model
+from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.params import SamplingParams
+from modeling.tp import TPShard, slice_plan
+from tests.kv_procs import run_procs
+
+ENGINE = EngineConfig(dtype="float32", block_size=4, kv_cache_tokens=1024, token_budget=24, max_num_seqs=8,
+                      attention_backend="torch")
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], list(range(3, 40)), [200, 201, 7, 9] * 5]
+
+
+def _params():
+    return [SamplingParams(max_tokens=12, ignore_eos=True),
+            SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=1.0, top_k=20, seed=3, ignore_eos=True)]
+
+
+def _form(rdv, instance, rank, size):
+    from modeling.tp_group import TPGroup
+
+    return TPGroup.form(rdv.connect(), instance, TPShard(rank, size), "cpu")
+
+
+def engine_driver(path, rdv, size):
+    engine = ReferenceEngine(path, ENGINE, tp=_form(rdv, "engine", 0, size))
+    try:
+        outs = engine.generate(PROMPTS, _params())
+        blocks_free = engine.pool.num_free == engine.pool.num_blocks
+    finally:
+        engine.close()
+    return {"tokens": [c.token_ids for c in outs], "blocks_free": blocks_free,
+            "all_reduces": engine.runner.group.collectives.calls}
+
+
+def engine_follower(path, rdv, rank, size):
+    from modeling.engine import follower
+
+    return follower(path, ENGINE, _form(rdv, "engine", rank, size)).serve()
+
+
+def run_engine_tp(path: str, size: int) -> dict:
+    store, rdv = Rendezvous.host_store()
+    specs = {"r0": (engine_driver, dict(path=path, rdv=rdv, size=size))}
+    specs.update({f"r{r}": (engine_follower, dict(path=path, rdv=rdv, rank=r, size=size)) for r in range(1, size)})
+    out = run_procs(specs, timeout_s=120)
+    del store
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2_bias"])
+def test_engine_tp2_matches_tp1(checkpoint_dir, family):
+    path = checkpoint_dir(family)
+    reference = [c.token_ids for c in ReferenceEngine(path, ENGINE).generate(PROMPTS, _params())]
+    out = run_engine_tp(path, 2)
+    assert out["r0"]["tokens"] == reference
+    assert out["r0"]["blocks_free"]
+    # every forward ran on the follower too, with two all-reduces per layer each
+    assert out["r1"] > 0
+    assert out["r0"]["all_reduces"] == 2 * 2 * out["r1"]
+
+
+def test_engine_tp_beyond_kv_heads_replicates_them(checkpoint_dir):
+    """llama3_rope has one KV head: with TP 2 each rank holds a replica of it."""
+    path = checkpoint_dir("llama3_rope")
+    reference = [c.token_ids for c in ReferenceEngine(path, ENGINE).generate(PROMPTS, _params())]
+    assert run_engine_tp(path, 2)["r0"]["tokens"] == reference
+
+
+def test_shards_cover_the_model_once(checkpoint_dir):
+    """Concatenating the ranks' column/row slices gives back every full weight; replicated ones are whole;
+    a row-parallel bias lives on rank 0 only."""
+    path = checkpoint_dir("qwen2_bias")
+    full = load_model(path).model.state_dict()
+    shards = [load_model(path, shard=TPShard(r, 2)) for r in range(2)]
+    assert [s.kv_heads.size for s in shards] == [1, 1]
+    plan = slice_plan(shards[0].config, TPShard(0, 2))
+    for name, tensor in full.items():
+        parts = [s.model.state_dict().get(name) for s in shards]
+        if name in plan and plan[name] is not None:
+            assert torch.equal(torch.cat(parts, dim=plan[name].dim), tensor), name
+        elif name in plan:
+            assert parts[0] is not None and parts[1] is None, name
+        else:
+            assert all(torch.equal(p, tensor) for p in parts), name
+
+
+def test_unsplittable_model_is_refused_naming_the_field(checkpoint_dir):
+    with pytest.raises(ValueError, match="tensor_parallel: 3 does not divide the model's num_attention_heads"):
+        load_model(checkpoint_dir("llama_gqa"), shard=TPShard(0, 3))
+
+
+# -- decode worker -------------------------------------------------------------------------------------
+
+DECODE_PROMPTS = [list(range(5, 45)), [9, 8, 7, 6, 5, 4, 3, 2] * 12, [100 + i % 50 for i in range(150)]]
+
+
+def _decode_config(drafter: str, draft_dir: str | None):
+    from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
+
+    spec = SpeculationConfig(drafter=drafter, budget=24, sink_tokens=4, k_policy="fixed", k=3,
+                             draft_model=draft_dir if drafter == "draft_model" else None)
+    return DecodeWorkerConfig(dtype="float32", kv_cache_tokens=2048, block_size=4, attention_backend="torch",
+                              profile_on_start=False, speculation=spec)
+
+
+def _decode_all(worker) -> dict:
+    outs: dict[str, list[int]] = {}
+    for i, (prompt, params) in enumerate(zip(DECODE_PROMPTS, _params())):
+        for d in worker.add_local(f"r{i}", prompt, params):
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+    while worker.has_work():
+        for d in worker.step():
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+    m = worker.metrics.summary()
+    return {"tokens": [outs[f"r{i}"] for i in range(len(DECODE_PROMPTS))], "draft_tokens": m["draft_tokens"],
+            "blocks_free": worker.pool.num_free == worker.pool.num_blocks}
+
+
+def decode_driver(path, draft_dir, drafter, rdv):
+    from decode_worker.worker import DecodeWorker
+
+    worker = DecodeWorker(path, _decode_config(drafter, draft_dir), tp=_form(rdv, "decode", 0, 2))
+    try:
+        return _decode_all(worker)
+    finally:
+        worker.close()
+
+
+def decode_follower(path, draft_dir, drafter, rdv):
+    from decode_worker.worker import follower
+
+    return follower(path, _decode_config(drafter, draft_dir), _form(rdv, "decode", 1, 2)).serve()
+
+
+@pytest.mark.parametrize("drafter", ["none", "self_sparse", "draft_model"])
+def test_decode_worker_tp2_matches_tp1(checkpoint_dir, drafter):
+    """Plain decoding, self-speculation over the sparse view and a draft model (whole on the driver):
+    greedy and seeded-sampled tokens are those of the one-rank worker, and no block is left held."""
+    from decode_worker.worker import DecodeWorker
+
+    path, draft_dir = checkpoint_dir("llama_gqa"), checkpoint_dir("llama_tied")
+    expected = _decode_all(DecodeWorker(path, _decode_config(drafter, draft_dir)))
+    store, rdv = Rendezvous.host_store()
+    kw = dict(path=path, draft_dir=draft_dir, drafter=drafter, rdv=rdv)
+    out = run_procs({"r0": (decode_driver, kw), "r1": (decode_follower, kw)}, timeout_s=120)
+    del store
+    assert out["r0"] == expected
+    assert (expected["draft_tokens"] > 0) == (drafter != "none")
+    assert out["r1"] > 0
+
+
+# -- prefill TP p -> decode TP d, KV moved rank to rank ---------------------------------------------------
+
+def _prefill_config():
+    from prefill_worker.config import PrefillWorkerConfig
+
+    return PrefillWorkerConfig(dtype="float32", block_size=4, kv_cache_tokens=1024, token_budget=32,
+                               attention_backend="torch")
+
+
+def _remote_decode_config():
+    # plain decoding: seeded sampling then draws exactly the engine's tokens (speculation draws differently)
+    return _decode_config("none", None)
+
+
+def prefill_rank(path, rdv, rank, p, d, handoff, firsts_q):
+    """Rank ``rank`` of the prefill instance; rank 0 takes prompts (with their decode blocks) from
+    ``handoff`` and reports first tokens on ``firsts_q``."""
+    from prefill_worker.messages import KVDestination, PrefillRequest
+    from prefill_worker.worker import PrefillWorker, follower
+
+    group = _form(rdv, "prefill-0", rank, p)
+    if rank:
+        f = follower(path, _prefill_config(), group, "prefill-0")
+        f.connect("decode-0", rdv, 0, decode_tp=d)
+        f.serve()
+        return {"blocks_free": None}
+    worker = PrefillWorker(path, _prefill_config(), "prefill-0", tp=group if p > 1 else None)
+    worker.connect("decode-0", rdv, 0, decode_tp=d)
+    transferred = set()
+    try:
+        for _ in PROMPTS:
+            rid, prompt, params, blocks = handoff.get(timeout=60)
+            worker.add_request(PrefillRequest(rid, prompt, params, KVDestination("decode-0", tuple(blocks))))
+        while len(transferred) < len(PROMPTS):
+            out = worker.step()
+            assert not out.failed, out.failed
+            for ft in out.first_tokens:
+                firsts_q.put((ft.request_id, ft.token_id))
+            transferred.update(out.transferred)
+        return {"blocks_free": worker.pool.num_free == worker.pool.num_blocks}
+    finally:
+        worker.close()
+
+
+def decode_rank(path, rdv, rank, p, d, handoff):
+    from decode_worker.messages import DecodeRequest
+    from decode_worker.worker import DecodeWorker, follower
+    from kv_transfer.channel import TransferConfig
+
+    transfer = TransferConfig(timeout_s=30)
+    group = _form(rdv, "decode-0", rank, d)
+    if rank:
+        f = follower(path, _remote_decode_config(), group, "decode-0", transfer)
+        f.connect("prefill-0", rdv, 0, prefill_tp=p)
+        return {"steps": f.serve()}
+    worker = DecodeWorker(path, _remote_decode_config(), "decode-0", transfer, tp=group if d > 1 else None)
+    worker.connect("prefill-0", rdv, 0, prefill_tp=p)
+    outs: dict[str, list[int]] = {}
+    try:
+        for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+            blocks = worker.add_remote(DecodeRequest(f"r{i}", tuple(prompt), params))
+            handoff.put((f"r{i}", prompt, params, blocks))
+        finished = set()
+        while len(finished) < len(PROMPTS):
+            for d_ in worker.step():
+                assert hasattr(d_, "token_ids"), d_  # a DecodeFailure fails the test
+                outs.setdefault(d_.request_id, []).extend(d_.token_ids)
+                if d_.finished:
+                    finished.add(d_.request_id)
+        return {"tokens": outs, "blocks_free": worker.pool.num_free == worker.pool.num_blocks}
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (2, 4)])
+def test_prefill_tp_to_decode_tp_matches_the_engine(checkpoint_dir, p, d):
+    """Each decode rank receives exactly its KV heads from the prefill rank holding them (2 KV heads: with
+    d = 4 each head lives on two decode ranks); greedy and seeded-sampled tokens equal the engine's."""
+    from tests.kv_procs import context
+
+    path = checkpoint_dir("llama_gqa")
+    reference = [c.token_ids for c in ReferenceEngine(path, ENGINE).generate(PROMPTS, _params())]
+    store, rdv = Rendezvous.host_store()
+    ctx = context()
+    handoff, firsts_q = ctx.Queue(), ctx.Queue()
+    specs = {f"p{r}": (prefill_rank, dict(path=path, rdv=rdv, rank=r, p=p, d=d, handoff=handoff, firsts_q=firsts_q))
+             for r in range(p)}
+    specs.update({f"d{r}": (decode_rank, dict(path=path, rdv=rdv, rank=r, p=p, d=d, handoff=handoff))
+                  for r in range(d)})
+    out = run_procs(specs, timeout_s=180)
+    del store
+    firsts = dict(firsts_q.get(timeout=5) for _ in PROMPTS)
+    got = [[firsts[f"r{i}"]] + out["d0"]["tokens"][f"r{i}"] for i in range(len(PROMPTS))]
+    assert got == reference
+    assert out["p0"]["blocks_free"] and out["d0"]["blocks_free"]
