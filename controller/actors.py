@@ -116,24 +116,51 @@ class _LoopActor:
         self._thread.join(timeout=5)
 
 
-class PrefillActor(_LoopActor):
-    """A prefill instance: chunked prefill, first tokens, KV sent to decode instances."""
+@dataclass(frozen=True)
+class RankSpec:
+    """Rank ``rank`` of a tensor-parallel instance of ``size`` ranks, whose group forms on the controller's
+    store at ``host:port``."""
 
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1):
+    rank: int
+    size: int
+    host: str
+    port: int
+
+    def form(self, instance_id: str, device: str):
+        """Join the instance's group (blocks until every rank has joined)."""
+        from kv_transfer.channel import Rendezvous
+        from modeling.tp import TPShard
+        from modeling.tp_group import TPGroup, TPGroupConfig
+
+        store = Rendezvous(self.host, self.port).connect()
+        return TPGroup.form(store, instance_id, TPShard(self.rank, self.size), device,
+                            TPGroupConfig(interface_host=self.host))
+
+
+def _driver_group(tp: RankSpec | None, instance_id: str, device: str):
+    return None if tp is None else tp.form(instance_id, device)
+
+
+class PrefillActor(_LoopActor):
+    """A prefill instance: chunked prefill, first tokens, KV sent to decode instances. With ``tp``, the
+    instance's rank 0 (the other ranks are :class:`RankFollowerActor`)."""
+
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
         import torch
 
         from prefill_worker.worker import PrefillWorker
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
-        self.worker = PrefillWorker(model_path, config, instance_id)
+        self.worker = PrefillWorker(model_path, config, instance_id, tp=_driver_group(tp, instance_id, config.device))
         self._start_loop(f"prefill-loop-{instance_id}")
 
-    def connect(self, decode_id: str, host: str, port: int, generation: int = 0) -> None:
-        """Form the KV channel to a decode instance (blocks until it joins; not under the loop lock)."""
+    def connect(self, decode_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
+        """Form the KV channels to a decode instance of ``peer_tp`` ranks (blocks until they join; not under
+        the loop lock)."""
         from kv_transfer.channel import Rendezvous
 
-        self.worker.connect(decode_id, Rendezvous(host, port), generation)
+        self.worker.connect(decode_id, Rendezvous(host, port), generation, decode_tp=peer_tp)
 
     def submit(self, request) -> None:
         with self._gate.call():
@@ -148,7 +175,7 @@ class PrefillActor(_LoopActor):
             return _scheduler_status(self.instance_id, "prefill", self.worker)
 
     def _step(self) -> list:
-        if not self.worker.has_work() and not self.worker.sender.pending():
+        if not self.worker.has_work() and not self.worker.transfers_pending():
             return []
         out = self.worker.step()
         return [] if out.empty else [out]
@@ -157,7 +184,8 @@ class PrefillActor(_LoopActor):
 class DecodeActor(_LoopActor):
     """A decode instance: its worker receives KV, admits requests once their KV is complete, speculates."""
 
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None):
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
+                 tp: RankSpec | None = None):
         import torch
 
         from decode_worker.worker import DecodeWorker
@@ -165,13 +193,14 @@ class DecodeActor(_LoopActor):
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
-        self.worker = DecodeWorker(model_path, config, instance_id, transfer_config or TransferConfig())
+        self.worker = DecodeWorker(model_path, config, instance_id, transfer_config or TransferConfig(),
+                                   tp=_driver_group(tp, instance_id, config.device))
         self._start_loop(f"decode-loop-{instance_id}")
 
-    def connect(self, prefill_id: str, host: str, port: int, generation: int = 0) -> None:
+    def connect(self, prefill_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
         from kv_transfer.channel import Rendezvous
 
-        self.worker.connect(prefill_id, Rendezvous(host, port), generation)
+        self.worker.connect(prefill_id, Rendezvous(host, port), generation, prefill_tp=peer_tp)
 
     def add_remote(self, request) -> list[int] | None:
         """Hold ``request`` (a ``DecodeRequest``) until its KV arrives: the reserved block ids, or None."""
@@ -201,14 +230,14 @@ class ColocatedActor(_LoopActor):
     step's token budget; no KV transfer, no speculation). Every step yields one ``TokenDelta`` per
     request that sampled a token; a request's first delta carries its first token."""
 
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1):
+    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
         import torch
 
         from modeling.engine import ReferenceEngine
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
-        self.engine = ReferenceEngine(model_path, config)
+        self.engine = ReferenceEngine(model_path, config, tp=_driver_group(tp, instance_id, config.device))
         self._tokens_generated = 0
         self._start_loop(f"colocated-loop-{instance_id}")
 
@@ -241,6 +270,52 @@ class ColocatedActor(_LoopActor):
             reason = out.finish_reason.value if out.finish_reason is not None else None
             deltas.append(TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, reason))
         return deltas
+
+
+class RankFollowerActor:
+    """Rank 1.. of a tensor-parallel instance: runs the driver's steps on its shard, on a background thread
+    (``serve``); ``connect`` forms this rank's own KV channels beside it. A broken group (the driver or
+    another rank died, a collective timed out) ends the thread and ``ping`` reports it."""
+
+    def __init__(self, role: str, model_path: str, config, instance_id: str, threads: int, tp: RankSpec,
+                 transfer_config=None):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.instance_id = f"{instance_id}#{tp.rank}"
+        group = tp.form(instance_id, config.device)
+        if role == "prefill":
+            from prefill_worker.worker import follower
+
+            self.follower = follower(model_path, config, group, instance_id)
+        elif role == "decode":
+            from decode_worker.worker import follower
+
+            self.follower = follower(model_path, config, group, instance_id, transfer_config)
+        else:
+            from modeling.engine import follower
+
+            self.follower = follower(model_path, config, group)
+        self._crashed: str | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"tp-follower-{self.instance_id}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.follower.serve()
+        except Exception:  # noqa: BLE001 - the controller learns of it through ping
+            self._crashed = traceback.format_exc()
+            log.error("tensor-parallel rank stopped:\n%s", self._crashed)
+
+    def connect(self, peer_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
+        from kv_transfer.channel import Rendezvous
+
+        self.follower.connect(peer_id, Rendezvous(host, port), generation, peer_tp)
+
+    def ping(self) -> str:
+        if self._crashed:
+            raise RuntimeError(f"tensor-parallel rank stopped: {self._crashed}")
+        return self.instance_id
 
 
 def ray_actor_class(cls, max_restarts: int = 3):

@@ -13,7 +13,8 @@ import asyncio
 import logging
 import os
 
-from controller.actors import ColocatedActor, DecodeActor, PrefillActor, ray_actor_class
+from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFollowerActor, RankSpec,
+                               ray_actor_class)
 from controller.config import ClusterConfig
 from controller.router import Instance
 from decode_worker.config import DecodeWorkerConfig
@@ -64,13 +65,11 @@ class Cluster:
         disaggregated = config.mode == "disaggregated"
         if disaggregated and config.prefill.block_size != config.decode.block_size:
             raise ClusterError("decode.block_size: must equal prefill.block_size (KV moves block by block)")
-        if any(p.tensor_parallel > 1 for p in config.pools.values()):
-            raise ClusterError("tensor_parallel: sharded model execution is not available yet; use 1 "
-                               "(KV transfer already reshards heads between TP degrees)")
         self.config = config
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
         self.colocated: list[Instance] = []
+        self.followers: dict[str, list] = {}  # instance name -> its rank 1.. actors (tensor parallel)
         self._groups = []
         self._store = None
         self.rendezvous: Rendezvous | None = None
@@ -85,6 +84,9 @@ class Cluster:
         model = self.config.model_path
         if not os.path.isdir(model):
             raise ClusterError(f"model.path: {model} is not a directory")
+        self._check_parallelism(model)
+        # the store where KV pairs and tensor-parallel groups form
+        self._store, self.rendezvous = Rendezvous.host_store(self.config.kv_transfer.rendezvous_host)
         if self.config.mode == "colocated":
             self._start_colocated(model)
         else:
@@ -95,25 +97,39 @@ class Cluster:
     def instances(self) -> list[Instance]:
         return self.prefill + self.decode + self.colocated
 
-    def _start_disaggregated(self, model: str) -> None:
-        import ray
+    def _check_parallelism(self, model: str) -> None:
+        """Every pool's tensor_parallel must split the model's heads and MLP evenly."""
+        from modeling.checkpoint import load_config
+        from modeling.tp import TPShard
 
-        self._store, self.rendezvous = Rendezvous.host_store(self.config.kv_transfer.rendezvous_host)
+        config = load_config(model)
+        for role, pool in self.config.pools.items():
+            try:
+                TPShard(0, pool.tensor_parallel).check(config, f"{role}.tensor_parallel")
+            except ValueError as err:
+                raise ClusterError(str(err)) from None
+
+    def _start_disaggregated(self, model: str) -> None:
         pcfg, dcfg = prefill_worker_config(self.config), decode_worker_config(self.config)
         p, d = self.config.prefill, self.config.decode
-        self.prefill = self._start_pool("prefill", p, PrefillActor, lambda name: (model, pcfg, name, p.threads))
-        self.decode = self._start_pool("decode", d, DecodeActor,
-                                       lambda name: (model, dcfg, name, d.threads, transfer_config(self.config)))
-        ray.get([i.handle.ping.remote() for i in self.instances])
+        transfer = transfer_config(self.config)
+        self.prefill = self._start_pool("prefill", p, PrefillActor, model, pcfg, lambda name: (name, p.threads))
+        self.decode = self._start_pool("decode", d, DecodeActor, model, dcfg,
+                                       lambda name: (name, d.threads, transfer), transfer)
+        self._wait_ready()
         self._connect_all()
 
     def _start_colocated(self, model: str) -> None:
+        ecfg = colocated_engine_config(self.config)
+        c = self.config.colocated
+        self.colocated = self._start_pool("colocated", c, ColocatedActor, model, ecfg, lambda name: (name, c.threads))
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
         import ray
 
-        ecfg = colocated_engine_config(self.config)
-        self.colocated = self._start_pool("colocated", self.config.colocated, ColocatedActor,
-                                          lambda name: (model, ecfg, name, self.config.colocated.threads))
-        ray.get([i.handle.ping.remote() for i in self.instances])
+        ray.get([i.handle.ping.remote() for i in self.instances]
+                + [f.ping.remote() for fs in self.followers.values() for f in fs])
 
     def _init_ray(self, ray) -> None:
         rc = self.config.ray
@@ -130,39 +146,60 @@ class Cluster:
                      namespace=rc.namespace, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
 
-    def _start_pool(self, role: str, pool, actor_cls, args) -> list[Instance]:
+    def _start_pool(self, role: str, pool, actor_cls, model: str, worker_config, args,
+                    transfer: TransferConfig | None = None) -> list[Instance]:
+        """Place the pool (one bundle per rank: an instance of tensor_parallel t takes t consecutive bundles,
+        each with 1/t of its CPUs and devices) and start each instance's rank 0 (``actor_cls``, with
+        ``model, worker_config, *args(name)``) and its followers."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": pool.cpus_per_instance}
+        t = pool.tensor_parallel
+        bundle = {"CPU": pool.cpus_per_instance / t}
         if pool.devices_per_instance:
-            bundle["GPU"] = pool.devices_per_instance
-        group = placement_group([dict(bundle) for _ in range(pool.instances)], strategy="PACK", name=f"magicserve-{role}")
+            bundle["GPU"] = pool.devices_per_instance // t
+        group = placement_group([dict(bundle) for _ in range(pool.instances * t)], strategy="PACK",
+                                name=f"magicserve-{role}")
         ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(group)
-            raise ClusterError(f"{role}: cannot place {pool.instances} instances of {bundle} "
+            raise ClusterError(f"{role}: cannot place {pool.instances} instances of {t} x {bundle} "
                                f"(cluster resources: {ray.cluster_resources()})")
         self._groups.append(group)
-        remote_cls = ray_actor_class(actor_cls)
+        # a tensor-parallel instance restarts as a whole or not at all: its ranks are not restarted one by one
+        restarts = 3 if t == 1 else 0
+        driver_cls = ray_actor_class(actor_cls, max_restarts=restarts)
+        follower_cls = ray_actor_class(RankFollowerActor, max_restarts=0)
+
+        def options(name: str, index: int) -> dict:
+            return dict(name=name, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index))
+
         instances = []
         for i in range(pool.instances):
             name = f"{role}-{i}"
-            handle = remote_cls.options(
-                name=f"magicserve-{name}", num_cpus=pool.cpus_per_instance, num_gpus=pool.devices_per_instance,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-            ).remote(*args(name))
+            specs = [RankSpec(r, t, self.rendezvous.host, self.rendezvous.port) for r in range(t)] if t > 1 else [None]
+            handle = driver_cls.options(**options(f"magicserve-{name}", i * t)).remote(
+                model, worker_config, *args(name), tp=specs[0])
+            self.followers[name] = [
+                follower_cls.options(**options(f"magicserve-{name}-rank{r}", i * t + r)).remote(
+                    role, model, worker_config, name, pool.threads, specs[r], transfer)
+                for r in range(1, t)]
             instances.append(Instance(name, role, handle))
         return instances
 
     # -- KV channels ------------------------------------------------------------------------------
 
     def _pair_calls(self, prefill: Instance, decode: Instance):
+        """Every rank of both instances forms its own channels (the KV of each head moves rank to rank)."""
         gen = prefill.generation + decode.generation
         host, port = self.rendezvous.host, self.rendezvous.port
-        return [prefill.handle.connect.remote(decode.name, host, port, gen),
-                decode.handle.connect.remote(prefill.name, host, port, gen)]
+        p_tp, d_tp = self.config.prefill.tensor_parallel, self.config.decode.tensor_parallel
+        return ([h.connect.remote(decode.name, host, port, gen, d_tp)
+                 for h in [prefill.handle, *self.followers.get(prefill.name, [])]]
+                + [h.connect.remote(prefill.name, host, port, gen, p_tp)
+                   for h in [decode.handle, *self.followers.get(decode.name, [])]])
 
     def _connect_all(self) -> None:
         import ray
@@ -206,9 +243,9 @@ class Cluster:
     def shutdown(self) -> None:
         import ray
 
-        for inst in self.instances:
+        for handle in [i.handle for i in self.instances] + [f for fs in self.followers.values() for f in fs]:
             try:
-                ray.kill(inst.handle, no_restart=True)
+                ray.kill(handle, no_restart=True)
             except Exception:
                 pass
         for g in self._groups:

@@ -91,8 +91,6 @@ class PoolSection:
             errs.append(("devices_per_instance", f"must be >= 0, got {self.devices_per_instance}"))
         if self.devices_per_instance and self.devices_per_instance % self.tensor_parallel:
             errs.append(("devices_per_instance", f"must be a multiple of tensor_parallel ({self.tensor_parallel})"))
-        if self.tensor_parallel > 1 and self.devices_per_instance == 0:
-            errs.append(("tensor_parallel", "tensor parallelism needs GPUs (devices_per_instance > 0)"))
         if self.cpus_per_instance <= 0:
             errs.append(("cpus_per_instance", f"must be > 0, got {self.cpus_per_instance}"))
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):

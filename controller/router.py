@@ -363,23 +363,27 @@ class Router:
             self._send(item.request_id, "delta", item)
         elif isinstance(item, DecodeFailure):
             self._send(item.request_id, "failed", (item.reason, item.retryable))
-        elif isinstance(item, WorkerCrashed):
-            log.error("%s %s crashed", inst.role, inst.name)
+        elif isinstance(item, WorkerCrashed):  # its loop stopped: nothing it holds will progress
+            self._fail_instance(inst, f"{inst.role} {inst.name} crashed")
 
     def _send(self, rid: str, kind: str, payload) -> None:
         active = self._active.get(rid)
         if active is not None:
             active.events.put_nowait((kind, payload))
 
-    async def _instance_down(self, inst: Instance, reason: str) -> None:
-        """Fail over the instance's requests, wait for Ray to restart it, re-form its channels."""
+    def _fail_instance(self, inst: Instance, reason: str) -> None:
+        """Take the instance out of service and fail its requests (retryable while nothing has streamed:
+        ``_stream`` decides)."""
         if inst.alive:
             inst.alive = False
             log.error("%s", reason)
             for rid in list(inst.assigned):
-                # retryable only while nothing was streamed: _stream decides
                 self._send(rid, "failed", (reason, True))
             inst.assigned.clear()
+
+    async def _instance_down(self, inst: Instance, reason: str) -> None:
+        """Fail over the instance's requests, wait for Ray to restart it, re-form its channels."""
+        self._fail_instance(inst, reason)
         while True:
             await asyncio.sleep(0.5)
             try:
