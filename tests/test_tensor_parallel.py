@@ -258,3 +258,38 @@ def test_prefill_tp_to_decode_tp_matches_the_engine(checkpoint_dir, p, d):
     got = [[firsts[f"r{i}"]] + out["d0"]["tokens"][f"r{i}"] for i in range(len(PROMPTS))]
     assert got == reference
     assert out["p0"]["blocks_free"] and out["d0"]["blocks_free"]
+
+
+# -- CUDA: NCCL all-reduces, flash-attn where installed ---------------------------------------------------
+
+def cuda_engine_rank(path, rdv, rank, size):
+    import dataclasses
+
+    from modeling.engine import follower
+    from modeling.tp_group import TPGroup
+
+    device = f"cuda:{rank}"
+    cfg = dataclasses.replace(ENGINE, device=device, attention_backend="auto", block_size=256, kv_cache_tokens=8192)
+    group = TPGroup.form(rdv.connect(), "cuda-engine", TPShard(rank, size), device)
+    if rank:
+        return follower(path, cfg, group).serve()
+    engine = ReferenceEngine(path, cfg, tp=group)
+    try:
+        return [c.token_ids for c in engine.generate(PROMPTS, _params()[:1] * len(PROMPTS))]
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_engine_tp2_on_cuda_matches_tp1(checkpoint_dir):
+    import dataclasses
+
+    path = checkpoint_dir("llama_gqa")
+    cfg = dataclasses.replace(ENGINE, device="cuda", attention_backend="auto", block_size=256, kv_cache_tokens=8192)
+    reference = [c.token_ids for c in ReferenceEngine(path, cfg).generate(PROMPTS, _params()[:1] * len(PROMPTS))]
+    store, rdv = Rendezvous.host_store()
+    out = run_procs({f"r{r}": (cuda_engine_rank, dict(path=path, rdv=rdv, rank=r, size=2)) for r in range(2)},
+                    timeout_s=300)
+    del store
+    assert out["r0"] == reference
