@@ -281,8 +281,10 @@ class RankFollowerActor:
                  transfer_config=None):
         import torch
 
+        from kv_transfer.heads import rank_peer_id
+
         torch.set_num_threads(threads)
-        self.instance_id = f"{instance_id}#{tp.rank}"
+        self.instance_id = rank_peer_id(instance_id, tp.rank, tp.size)
         group = tp.form(instance_id, config.device)
         if role == "prefill":
             from prefill_worker.worker import follower

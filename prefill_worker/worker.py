@@ -167,10 +167,11 @@ class PrefillWorker:
             return []
         self.runner.call("kv_sync")
         self._rank_outcomes.absorb(exchange_outcomes(self.tp, [], []))
+        failed_here = {rid for rid, _, _ in failed}
         for rid, why in self._rank_outcomes.failures():
             self._rank_outcomes.forget(rid)
             self._sent_here.discard(rid)
-            if rid not in {f[0] for f in failed}:
+            if rid not in failed_here:
                 failed.append((rid, why, True))
         ready = [rid for rid in self._sent_here if self._rank_outcomes.all_done(rid)]
         for rid in ready:
