@@ -12,6 +12,7 @@ The classes are plain; ``ray_actor_class`` wraps them with ``ray.remote`` (threa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -119,12 +120,14 @@ class _LoopActor:
 @dataclass(frozen=True)
 class RankSpec:
     """Rank ``rank`` of a tensor-parallel instance of ``size`` ranks, whose group forms on the controller's
-    store at ``host:port``."""
+    store at ``host:port`` under the instance's ``generation`` (a restarted instance forms a new group)."""
 
     rank: int
     size: int
     host: str
     port: int
+    generation: int = 0
+    collective_timeout_s: float = 60.0
 
     def form(self, instance_id: str, device: str):
         """Join the instance's group (blocks until every rank has joined)."""
@@ -133,8 +136,8 @@ class RankSpec:
         from modeling.tp_group import TPGroup, TPGroupConfig
 
         store = Rendezvous(self.host, self.port).connect()
-        return TPGroup.form(store, instance_id, TPShard(self.rank, self.size), device,
-                            TPGroupConfig(interface_host=self.host))
+        config = TPGroupConfig(collective_timeout_s=self.collective_timeout_s, interface_host=self.host)
+        return TPGroup.form(store, instance_id, TPShard(self.rank, self.size), device, config, self.generation)
 
 
 def _driver_group(tp: RankSpec | None, instance_id: str, device: str):
@@ -319,10 +322,14 @@ class RankFollowerActor:
             raise RuntimeError(f"tensor-parallel rank stopped: {self._crashed}")
         return self.instance_id
 
+    def pid(self) -> int:
+        """This rank's process id (operators and fault tests signal it)."""
+        return os.getpid()
 
-def ray_actor_class(cls, max_restarts: int = 3):
-    """``ray.remote`` version of an actor class: threaded (poll / submit run beside the loop) and
-    restarted by Ray if its process dies."""
+
+def ray_actor_class(cls):
+    """``ray.remote`` version of an actor class: threaded (poll / submit run beside the loop). Ray does not
+    restart it: the controller replaces a dead instance as a whole (every rank, new groups and channels)."""
     import ray
 
-    return ray.remote(max_concurrency=16, max_restarts=max_restarts, max_task_retries=0)(cls)
+    return ray.remote(max_concurrency=16, max_restarts=0, max_task_retries=0)(cls)

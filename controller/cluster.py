@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFollowerActor, RankSpec,
                                ray_actor_class)
@@ -25,10 +27,29 @@ from prefill_worker.config import PrefillWorkerConfig
 log = logging.getLogger("magicserve.cluster")
 
 PLACEMENT_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 300.0  # a restarted instance's ranks load the model and form their group within this
+MAX_INSTANCE_RESTARTS = 3  # per instance; a fourth failure leaves it out of service
 
 
 class ClusterError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How one instance's ranks start: its pool, actor class and arguments, and its first bundle in the
+    pool's placement group (rank r takes bundle ``first_bundle + r``)."""
+
+    role: str
+    pool: object
+    actor_cls: object
+    model: str
+    worker_config: object
+    args: Callable[[str], tuple]
+    transfer: TransferConfig | None
+    group: object
+    first_bundle: int
+    bundle: dict
 
 
 def _pool_settings(cfg: ClusterConfig, pool) -> dict:
@@ -70,6 +91,7 @@ class Cluster:
         self.decode: list[Instance] = []
         self.colocated: list[Instance] = []
         self.followers: dict[str, list] = {}  # instance name -> its rank 1.. actors (tensor parallel)
+        self._launches: dict[str, _Launch] = {}  # instance name -> how to start its ranks again
         self._groups = []
         self._store = None
         self.rendezvous: Rendezvous | None = None
@@ -129,7 +151,7 @@ class Cluster:
         import ray
 
         ray.get([i.handle.ping.remote() for i in self.instances]
-                + [f.ping.remote() for fs in self.followers.values() for f in fs])
+                + [f.ping.remote() for fs in self.followers.values() for f in fs])  # every rank
 
     def _init_ray(self, ray) -> None:
         rc = self.config.ray
@@ -153,7 +175,6 @@ class Cluster:
         ``model, worker_config, *args(name)``) and its followers."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         t = pool.tensor_parallel
         bundle = {"CPU": pool.cpus_per_instance / t}
@@ -167,27 +188,78 @@ class Cluster:
             raise ClusterError(f"{role}: cannot place {pool.instances} instances of {t} x {bundle} "
                                f"(cluster resources: {ray.cluster_resources()})")
         self._groups.append(group)
-        # a tensor-parallel instance restarts as a whole or not at all: its ranks are not restarted one by one
-        restarts = 3 if t == 1 else 0
-        driver_cls = ray_actor_class(actor_cls, max_restarts=restarts)
-        follower_cls = ray_actor_class(RankFollowerActor, max_restarts=0)
-
-        def options(name: str, index: int) -> dict:
-            return dict(name=name, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index))
-
         instances = []
         for i in range(pool.instances):
-            name = f"{role}-{i}"
-            specs = [RankSpec(r, t, self.rendezvous.host, self.rendezvous.port) for r in range(t)] if t > 1 else [None]
-            handle = driver_cls.options(**options(f"magicserve-{name}", i * t)).remote(
-                model, worker_config, *args(name), tp=specs[0])
-            self.followers[name] = [
-                follower_cls.options(**options(f"magicserve-{name}-rank{r}", i * t + r)).remote(
-                    role, model, worker_config, name, pool.threads, specs[r], transfer)
-                for r in range(1, t)]
-            instances.append(Instance(name, role, handle))
+            launch = _Launch(role, pool, ray_actor_class(actor_cls), model, worker_config, args, transfer, group,
+                             i * t, bundle)
+            inst = Instance(f"{role}-{i}", role, None)
+            self._launches[inst.name] = launch
+            self._launch(inst, launch)
+            instances.append(inst)
         return instances
+
+    def _launch(self, inst: Instance, launch: "_Launch") -> None:
+        """Start every rank of ``inst`` (generation ``inst.generation``) in its bundles; returns at once."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        t, gen = launch.pool.tensor_parallel, inst.generation
+        suffix = f"-g{gen}" if gen else ""  # a dead actor's name may not be free yet
+
+        def options(actor: str, rank: int) -> dict:
+            return dict(name=f"magicserve-{actor}{suffix}", num_cpus=launch.bundle["CPU"],
+                        num_gpus=launch.bundle.get("GPU", 0),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            launch.group, placement_group_bundle_index=launch.first_bundle + rank))
+
+        host, port = self.rendezvous.host, self.rendezvous.port
+        timeout = launch.pool.collective_timeout_s
+        specs = [RankSpec(r, t, host, port, gen, timeout) for r in range(t)] if t > 1 else [None]
+        inst.handle = launch.actor_cls.options(**options(inst.name, 0)).remote(
+            launch.model, launch.worker_config, *launch.args(inst.name), tp=specs[0])
+        follower_cls = ray_actor_class(RankFollowerActor)
+        self.followers[inst.name] = [
+            follower_cls.options(**options(f"{inst.name}-rank{r}", r)).remote(
+                launch.role, launch.model, launch.worker_config, inst.name, launch.pool.threads, specs[r],
+                launch.transfer)
+            for r in range(1, t)]
+
+    def _ranks(self, inst: Instance) -> list:
+        return [inst.handle, *self.followers.get(inst.name, [])]
+
+    async def restart(self, inst: Instance) -> None:
+        """Replace every rank of ``inst`` (dead, hung or crashed) with fresh actors in the same bundles: a new
+        generation, so its tensor-parallel group and KV channels form anew. Raises ClusterError once the
+        instance has used its restarts or the new ranks do not come up."""
+        import ray
+
+        if inst.generation >= MAX_INSTANCE_RESTARTS:
+            raise ClusterError(f"{inst.role} {inst.name}: restarted {inst.generation} times already; "
+                               "left out of service")
+        launch = self._launches[inst.name]
+        for handle in self._ranks(inst):
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already gone
+                pass
+        inst.generation += 1
+        self._launch(inst, launch)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(h.ping.remote() for h in self._ranks(inst))),
+                                   READY_TIMEOUT_S)
+        except Exception as err:
+            raise ClusterError(f"{inst.role} {inst.name}: its new ranks did not come up: {err}") from None
+        await self.rewire(inst)
+
+    async def check_ranks(self, inst: Instance) -> None:
+        """Raise if a follower rank of ``inst`` died or has not answered within the pool's
+        ``collective_timeout_s`` (hung). Rank 0 is watched by the router's polls."""
+        followers = self.followers.get(inst.name, [])
+        if followers:
+            timeout = self._launches[inst.name].pool.collective_timeout_s
+            try:
+                await asyncio.wait_for(asyncio.gather(*(f.ping.remote() for f in followers)), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"a rank did not answer within collective_timeout_s ({timeout:g} s)") from None
 
     # -- KV channels ------------------------------------------------------------------------------
 
@@ -196,10 +268,8 @@ class Cluster:
         gen = prefill.generation + decode.generation
         host, port = self.rendezvous.host, self.rendezvous.port
         p_tp, d_tp = self.config.prefill.tensor_parallel, self.config.decode.tensor_parallel
-        return ([h.connect.remote(decode.name, host, port, gen, d_tp)
-                 for h in [prefill.handle, *self.followers.get(prefill.name, [])]]
-                + [h.connect.remote(prefill.name, host, port, gen, p_tp)
-                   for h in [decode.handle, *self.followers.get(decode.name, [])]])
+        return ([h.connect.remote(decode.name, host, port, gen, d_tp) for h in self._ranks(prefill)]
+                + [h.connect.remote(prefill.name, host, port, gen, p_tp) for h in self._ranks(decode)])
 
     def _connect_all(self) -> None:
         import ray
@@ -208,7 +278,7 @@ class Cluster:
         ray.get(refs, timeout=self.config.kv_transfer.timeout_s * 4 + 60)
 
     async def rewire(self, inst: Instance) -> None:
-        """Re-form every KV channel of an instance that Ray restarted."""
+        """Re-form every KV channel of a restarted instance with its live peers."""
         peers = self.decode if inst.role == "prefill" else self.prefill
         refs = []
         for peer in peers:
@@ -243,7 +313,7 @@ class Cluster:
     def shutdown(self) -> None:
         import ray
 
-        for handle in [i.handle for i in self.instances] + [f for fs in self.followers.values() for f in fs]:
+        for handle in [h for inst in self.instances for h in self._ranks(inst)]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:

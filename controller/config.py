@@ -84,9 +84,14 @@ class PoolSection:
     kv_cache_tokens: int = 65536
     block_size: int = 16
     attention_backend: str = "auto"
+    # tensor parallel: the longest a rank waits in one all-reduce, and the longest a rank may go without
+    # answering the controller's health check; a hung rank fails and restarts its instance after this long
+    collective_timeout_s: float = 60.0
 
     def check(self) -> list[tuple[str, str]]:
         errs = _at_least_one(self, ("instances", "tensor_parallel", "threads", "kv_cache_tokens", "block_size"))
+        if not self.collective_timeout_s > 0:
+            errs.append(("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}"))
         if self.devices_per_instance < 0:
             errs.append(("devices_per_instance", f"must be >= 0, got {self.devices_per_instance}"))
         if self.devices_per_instance and self.devices_per_instance % self.tensor_parallel:

@@ -33,6 +33,7 @@ from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, P
 log = logging.getLogger("magicserve.router")
 
 MAX_RETRIES = 3
+RANK_CHECK_PERIOD_S = 1.0  # how often an instance's other ranks are checked (``check_ranks``)
 _PLACEMENT_RETRY_S = 0.01
 
 
@@ -52,7 +53,7 @@ class Instance:
     role: str  # "prefill" | "decode" | "colocated"
     handle: object
     alive: bool = True
-    generation: int = 0  # bumped when the actor restarts and its KV channels are re-formed
+    generation: int = 0  # bumped when the instance restarts (new ranks, new group and KV channels)
     assigned: set = field(default_factory=set)  # request ids currently placed here
 
 
@@ -99,7 +100,7 @@ class Router:
     kv_transfer = True  # requests go prefilling -> transferring -> decoding
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_concurrent: int, max_queue: int,
-                 request_timeout_s: float = 600.0, rewire=None):
+                 request_timeout_s: float = 600.0, restart=None, check_ranks=None):
         self.prefill = prefill
         self.decode = decode
         self.instances = prefill + decode  # every instance the router polls
@@ -112,7 +113,11 @@ class Router:
         self._waiting = 0
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
-        self._rewire = rewire  # async callable(instance) re-forming its KV channels after a restart
+        # async callables(instance): ``restart`` replaces a dead instance as a whole (every rank, its
+        # channels re-formed; raises when it cannot), ``check_ranks`` raises when a rank the polls do not
+        # reach (a tensor-parallel follower) died or hung
+        self._restart = restart
+        self._check_ranks = check_ranks
         self._closing = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -339,16 +344,30 @@ class Router:
     # -- instance polling -------------------------------------------------------------------------
 
     async def _poll_instance(self, inst: Instance) -> None:
+        next_check = time.monotonic() + RANK_CHECK_PERIOD_S
         while True:
             try:
                 items = await inst.handle.poll.remote(0.05)
             except asyncio.CancelledError:
                 raise
             except Exception as err:
-                await self._instance_down(inst, f"{inst.role} {inst.name} died: {type(err).__name__}")
+                if not await self._instance_down(inst, f"{inst.role} {inst.name} died: {type(err).__name__}"):
+                    return
                 continue
             for item in items:
                 self._dispatch(inst, item)
+            reason = next((f"{inst.role} {inst.name} crashed" for item in items if isinstance(item, WorkerCrashed)),
+                          None)
+            if reason is None and self._check_ranks is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + RANK_CHECK_PERIOD_S
+                try:
+                    await self._check_ranks(inst)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:
+                    reason = f"{inst.role} {inst.name} lost a rank: {type(err).__name__}: {err}".rstrip(": ")
+            if reason is not None and not await self._instance_down(inst, reason):
+                return
 
     def _dispatch(self, inst: Instance, item) -> None:
         if isinstance(item, PrefillStepOutput):
@@ -364,7 +383,7 @@ class Router:
         elif isinstance(item, DecodeFailure):
             self._send(item.request_id, "failed", (item.reason, item.retryable))
         elif isinstance(item, WorkerCrashed):  # its loop stopped: nothing it holds will progress
-            self._fail_instance(inst, f"{inst.role} {inst.name} crashed")
+            self._fail_instance(inst, f"{inst.role} {inst.name} crashed")  # _poll_instance restarts it
 
     def _send(self, rid: str, kind: str, payload) -> None:
         active = self._active.get(rid)
@@ -381,25 +400,23 @@ class Router:
                 self._send(rid, "failed", (reason, True))
             inst.assigned.clear()
 
-    async def _instance_down(self, inst: Instance, reason: str) -> None:
-        """Fail over the instance's requests, wait for Ray to restart it, re-form its channels."""
+    async def _instance_down(self, inst: Instance, reason: str) -> bool:
+        """Fail over the instance's requests and bring it back as a whole; False when it stays out of
+        service (no restart hook, or the restart failed)."""
         self._fail_instance(inst, reason)
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                await inst.handle.ping.remote()
-                break
-            except Exception:
-                continue
-        inst.generation += 1
-        if self._rewire is not None:
-            try:
-                await self._rewire(inst)
-            except Exception as err:
-                log.error("re-joining %s after its restart failed (KV channels): %s", inst.name, err)
-                return
+        if self._restart is None or self._closing:
+            return False
+        log.warning("restarting %s %s", inst.role, inst.name)
+        try:
+            await self._restart(inst)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.error("%s %s stays out of service: %s", inst.role, inst.name, err)
+            return False
         inst.alive = True
         log.warning("%s %s is back (generation %d)", inst.role, inst.name, inst.generation)
+        return True
 
     # -- status -----------------------------------------------------------------------------------
 
@@ -416,9 +433,10 @@ class ColocatedRouter(Router):
 
     kv_transfer = False
 
-    def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0):
+    def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0,
+                 restart=None, check_ranks=None):
         # the instances stand where decode instances do: each holds its requests' KV until they end
-        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s)
+        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s, restart, check_ranks)
 
     async def _place(self, active: _Active) -> None:
         rid = active.record.request_id

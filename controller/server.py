@@ -243,9 +243,9 @@ def build_router(config: ClusterConfig, cluster) -> Router:
     lim = config.limits
     if config.mode == "colocated":
         return ColocatedRouter(cluster.colocated, lim.max_concurrent_requests, lim.max_queue_length,
-                               lim.request_timeout_s)
+                               lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks)
     return Router(cluster.prefill, cluster.decode, lim.max_concurrent_requests, lim.max_queue_length,
-                  lim.request_timeout_s, rewire=cluster.rewire)
+                  lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks)
 
 
 async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: asyncio.Event | None = None) -> None:

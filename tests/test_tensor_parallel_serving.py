@@ -1,18 +1,23 @@
 """Tensor-parallel pools served end to end: a real local Ray cluster places each instance's ranks in its
 placement-group bundles, real gRPC over localhost, KV moved rank to rank over gloo. Greedy output equals
-the single-process reference engine; a killed rank fails its instance's requests cleanly (never a hang)."""
+the single-process reference engine; a dead or hung rank fails its instance's requests cleanly (never a
+hang) and the instance restarts as a whole."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import os
+import signal
 import time
 
 import grpc
 import pytest
 
+from controller.config import ConfigError, parse_config
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
-from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_free
+from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_alive, wait_all_free
 
 PROMPTS_LENGTHS = [5, 40, 130, 21]
 
@@ -30,6 +35,13 @@ def _config(path: str, prefill_tp: int, decode_tp: int):
     )
 
 
+@pytest.mark.parametrize("value", [0, -1.5])
+def test_bad_collective_timeout_is_a_config_error_naming_the_field(value):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"model": {"path": "m"}, "decode": {"collective_timeout_s": value}})
+    assert str(info.value).startswith(f"decode.collective_timeout_s: must be > 0, got {value}"), str(info.value)
+
+
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
 def test_tp_pools_serve_the_reference_output(llama_dir, prefill_tp, decode_tp):
     prompts = prompts_of(PROMPTS_LENGTHS, seed=7)
@@ -43,23 +55,64 @@ def test_tp_pools_serve_the_reference_output(llama_dir, prefill_tp, decode_tp):
         assert wait_all_free(address)  # the drivers' pools; followers mirror them
 
 
-def test_killed_decode_rank_fails_requests_cleanly(llama_dir):
+def _stream_or_code(address, prompt, max_tokens):
+    try:
+        return stream_ids(address, prompt, max_tokens=max_tokens, ignore_eos=True)[0]
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+def _fault_during_streams(address, prompts, fault) -> list:
+    """Stream ``prompts`` (400 tokens each), apply ``fault()`` mid-stream, return each outcome."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_stream_or_code, address, p, 400) for p in prompts]
+        time.sleep(2.0)
+        fault()
+        return [f.result(timeout=120) for f in futures]
+
+
+def test_dead_or_hung_rank_fails_requests_and_the_instance_restarts_whole(llama_dir):
     import ray
 
+    cfg = _config(llama_dir, 2, 2)
+    cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, collective_timeout_s=5.0),
+                              decode=dataclasses.replace(cfg.decode, collective_timeout_s=5.0))
     prompts = prompts_of([50, 60, 70], seed=8)
-    with running_server(_config(llama_dir, 1, 2)) as address:
+    reference = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
+    expected = [c.token_ids for c in reference.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
 
-        def call(p):
-            try:
-                return stream_ids(address, p, max_tokens=400, ignore_eos=True)[0]
-            except grpc.RpcError as err:
-                return err.code().name
-
+    def serves_the_reference(address) -> bool:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(call, p) for p in prompts]
-            time.sleep(2.0)
-            ray.kill(ray.get_actor("magicserve-decode-0-rank1", namespace="magicserve"), no_restart=True)
-            outcomes = [f.result(timeout=120) for f in futures]
-    # the only decode instance lost a rank: every request still streaming is told so, none hangs
-    assert all(out == "UNAVAILABLE" or len(out) == 400 for out in outcomes), outcomes
-    assert "UNAVAILABLE" in outcomes
+            return list(pool.map(lambda p: _stream_or_code(address, p, 30), prompts)) == expected
+
+    def actor(name):
+        return ray.get_actor(name, namespace="magicserve")
+
+    with running_server(cfg) as address:
+        # a decode rank dies: its instance's streams end UNAVAILABLE (none hangs), then every rank of it is
+        # replaced, its group and KV channels re-form, and it serves the reference output again
+        kill = lambda: ray.kill(actor("magicserve-decode-0-rank1"), no_restart=True)  # noqa: E731
+        outcomes = _fault_during_streams(address, prompts, kill)
+        assert all(out == "UNAVAILABLE" or len(out) == 400 for out in outcomes), outcomes
+        assert "UNAVAILABLE" in outcomes
+        assert wait_all_alive(address)
+        assert serves_the_reference(address)
+        assert wait_all_free(address)
+
+        # a decode rank hangs (stopped, never answers): bounded by collective_timeout_s, then the same
+        pid = ray.get(actor("magicserve-decode-0-rank1-g1").pid.remote())
+        t0 = time.monotonic()
+        outcomes = _fault_during_streams(address, prompts, lambda: os.kill(pid, signal.SIGSTOP))
+        assert all(out == "UNAVAILABLE" or len(out) == 400 for out in outcomes), outcomes
+        assert "UNAVAILABLE" in outcomes
+        assert time.monotonic() - t0 < 60
+        assert wait_all_alive(address)
+        assert serves_the_reference(address)
+
+        # a prefill rank dies while the instance is idle: found by the rank check, replaced before it is needed
+        ray.kill(actor("magicserve-prefill-0-rank1"), no_restart=True)
+        time.sleep(3.0)
+        assert wait_all_alive(address)
+        assert serves_the_reference(address)
+        blocks = wait_all_free(address)  # the drivers' pools; the replaced followers held no blocks of their own
+        assert all(free == total for free, total in blocks.values()), blocks
