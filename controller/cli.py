@@ -85,8 +85,9 @@ PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
     magicserve profile --config cluster_configs/local-colocated.yaml --out PROFILE.json --calibrate-only
   the config mode's calibration fitted again to the measurements the profile keeps (after a change of the fit):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --refit-calibration
-  more CPU thread counts (instances of tensor_parallel T = T threads):
+  more CPU instance shapes: one process of T threads, or T rank processes (tensor parallel, gloo):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --add-threads 2
+    magicserve profile --config CLUSTER_YAML --out PROFILE.json --add-tensor-parallel 2
   analytical (a GPU type from controller/planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
     magicserve profile --analytical --gpu H100-80GB-SXM --model llama-3.1-8b|HF_CHECKPOINT_DIR --out PROFILE.json
         [--acceptance-from MEASURED.json | --acceptance self_sparse:256:0.8 ...] [--transfer-gbps 25]
@@ -108,7 +109,10 @@ def _add_profile_parser(sub) -> None:
                    help="fit the config mode's calibration again to the measurements stored in --out (no serving)")
     p.add_argument("--calibration-requests", type=int, default=16, help="isolated requests timed for calibration")
     p.add_argument("--add-threads", type=int, nargs="+", default=None, metavar="T",
-                   help="extend the CPU profile at --out with instances of T torch threads (tensor_parallel T)")
+                   help="extend the CPU profile at --out with single-process instances of T torch threads")
+    p.add_argument("--add-tensor-parallel", type=int, nargs="+", default=None, metavar="T",
+                   help="extend the CPU profile at --out with tensor-parallel instances of T rank processes "
+                        "(each of the config's threads), measured as served")
     p.add_argument("--analytical", action="store_true", help="model a GPU type instead of measuring")
     p.add_argument("--gpu", help="GPU type (analytical), e.g. A100-80GB-SXM, H100-80GB-SXM, H200-141GB, L40S")
     p.add_argument("--model", help="model (analytical): llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir")

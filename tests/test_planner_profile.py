@@ -186,9 +186,10 @@ def test_quick_measured_profile(tmp_path, llama_dir, capsys):
     assert "measured / predicted" in p.notes
 
 
-def test_add_threads_measures_more_thread_counts(tmp_path, llama_dir, capsys):
-    """`magicserve profile --add-threads 2`: cost models of 2-thread instances (tp 2) beside the 1-thread ones;
-    run again it measures nothing; counts beyond the machine's cores are refused by name."""
+def test_added_shapes_threads_and_tensor_parallel_ranks(tmp_path, llama_dir, capsys):
+    """`--add-threads 2` adds one 2-thread process, `--add-tensor-parallel 2` two 1-thread rank processes over
+    gloo (measured as served), beside the 1-thread instance; run again they measure nothing; counts beyond
+    the machine's cores are refused by name; a version-1 profile reads its t-thread instances as such."""
     import os
 
     if (os.cpu_count() or 1) < 2:
@@ -197,26 +198,40 @@ def test_add_threads_measures_more_thread_counts(tmp_path, llama_dir, capsys):
     cfg.write_text(TINY_CLUSTER.format(model=llama_dir))
     out = tmp_path / "profile.json"
     assert cli_main(["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress"]) == 0
-    args = ["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress", "--add-threads", "2"]
+    args = ["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress", "--add-threads", "2",
+            "--add-tensor-parallel", "2"]
     assert cli_main(args) == 0
-    assert "2 threads: fit prefill" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 threads: fit prefill" in printed and "tp 2 x 1 thread(s): fit prefill" in printed
     p = Profile.load(str(out))
-    assert [(c.tensor_parallel, c.pipeline_parallel) for c in p.instances] == [(1, 1), (2, 1)]
-    tp2 = p.costs(2)
-    for name, fm in (("prefill", tp2.prefill), ("target_pass", tp2.target_pass),
-                     ("draft_pass/self_sparse", tp2.draft_pass["self_sparse"])):
-        assert any(x > 0 for x in fm.coefficients) and len(p.samples[f"tp2/{name}"]) == fm.points, name
-    assert p.kv_capacity("decode", 2) == 8192
-    assert p.devices_per_node == os.cpu_count() and "instances of 1, 2 thread(s)" in p.hardware
-    assert cli_main(args) == 0 and "threads: fit" not in capsys.readouterr().out  # nothing left to measure
+    assert [c.shape for c in p.instances] == [(1, 1, 1), (1, 1, 2), (2, 1, 1)]
+    for shape, prefix in (((1, 1, 2), "threads2"), ((2, 1, 1), "tp2x1")):
+        c = p.costs(*shape)
+        for name, fm in (("prefill", c.prefill), ("target_pass", c.target_pass),
+                         ("draft_pass/self_sparse", c.draft_pass["self_sparse"])):
+            assert any(x > 0 for x in fm.coefficients) and len(p.samples[f"{prefix}/{name}"]) == fm.points, name
+        assert p.kv_capacity("decode", *shape) == 8192
+    assert p.devices_per_node == os.cpu_count()
+    assert "instances of tp1 pp1, tp1 pp1 x 2 threads, tp2 pp1" in p.hardware
+    assert cli_main(args) == 0 and "fit" not in capsys.readouterr().out  # nothing left to measure
     assert Profile.load(str(out)).instances == p.instances
     # what it refuses, by name
-    assert cli_main(args[:-1] + [str(os.cpu_count() + 1)]) == 2
-    assert f"thread counts must be in [1, {os.cpu_count()}]" in capsys.readouterr().err
+    assert cli_main(args[:-3] + [str(os.cpu_count() + 1)]) == 2
+    assert f"--add-threads: values must be in [1, {os.cpu_count()}]" in capsys.readouterr().err
+    assert cli_main(args[:-4] + ["--add-tensor-parallel", str(os.cpu_count() + 1)]) == 2
+    assert "--add-tensor-parallel: values must be in" in capsys.readouterr().err
     mixed = load_config(str(cfg))
     mixed = dataclasses.replace(mixed, decode=dataclasses.replace(mixed.decode, threads=2))
     with pytest.raises(ProfileError, match="decode.threads"):
         check_config(mixed)
+    # version 1 wrote a 2-thread process as tensor_parallel 2
+    old = p.to_dict()
+    old["version"] = 1
+    old["instances"] = [{k: v for k, v in c.items() if k != "threads"} | {"tensor_parallel": c["threads"]}
+                        for c in old["instances"] if c["tensor_parallel"] == 1]
+    old["samples"] = {k.replace("threads2/", "tp2/"): v for k, v in old["samples"].items() if not k.startswith("tp2x1")}
+    v1 = Profile.from_dict(old)
+    assert [c.shape for c in v1.instances] == [(1, 1, 1), (1, 1, 2)] and "threads2/prefill" in v1.samples
 
 
 def test_measured_profile_rejects_what_it_cannot_run(tmp_path, llama_dir):
@@ -376,5 +391,5 @@ def test_calibrations_are_kept_per_mode_and_thread_count():
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).calibration("colocated", 2) == two
     assert calibration_threads({"colocated": 2}) == 2 and calibration_threads({"prefill": 2, "decode": 2}) == 2
     assert calibration_threads({"prefill": 2, "decode": 1}) == 1  # unequal counts: the 1-thread calibration
-    colocated = SimConfig("colocated", colocated=PoolPlan(1, 2, 1, 4096, 256, 8))
+    colocated = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 4096, 256, 8, threads=2))
     assert colocated.calibration_threads() == 2

@@ -15,7 +15,7 @@ from controller.config import load_config
 from controller.planner.plan_output import plan_config
 from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, Calibration,
                                         FittedModel, InstanceCosts, Profile, ProfileError)
-from controller.planner.search import (NO_SPECULATION, Planner, SearchSpace, SLOTarget, Workload,
+from controller.planner.search import (NO_SPECULATION, Planner, PlanError, SearchSpace, SLOTarget, Workload,
                                        speculation_space)
 from controller.planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
 from controller.planner.slo import RequestOutcome, attainment, goodput
@@ -259,15 +259,53 @@ def test_calibration_never_fits_free_work():
     assert cal.ttft_overhead_s == 0.0 and cal.decode_start_s == 0.0
 
 
-def test_a_cpu_pools_threads_are_its_tensor_parallel_devices_both_ways():
-    """``plan_output`` writes a CPU pool of tp t as t threads; a config read back gives the same pool, and a
-    profile that measured no t-thread instance refuses it by name rather than simulating something else."""
+def test_a_cpu_pool_is_ranks_times_threads_both_ways():
+    """A CPU pool is ``tensor_parallel`` rank processes of ``threads`` threads, a device per thread:
+    ``plan_output`` writes a shape as it reads back, and a profile that measured no such shape refuses it by
+    name rather than simulating something else."""
     from controller.planner.plan_output import _pool_fields
 
     root = os.path.join(os.path.dirname(__file__), "..")
     config = SimConfig.from_cluster_config(load_config(os.path.join(root, "cluster_configs", "local-prefill2.yaml")))
-    assert (config.prefill.tensor_parallel, config.prefill.pipeline_parallel) == (2, 1)
-    assert (config.decode.tensor_parallel, config.decode.pipeline_parallel) == (1, 1)
-    assert _pool_fields(config.prefill, gpu=False)["threads"] == 2
-    with pytest.raises(ProfileError, match="tensor_parallel=2"):
+    assert config.prefill.shape == (1, 1, 2) and config.decode.shape == (1, 1, 1)
+    assert config.prefill.devices == 2
+    assert _pool_fields(config.prefill, gpu=False) | {"kv_cache_tokens": 0} == {
+        "instances": 1, "kv_cache_tokens": 0, "tensor_parallel": 1, "devices_per_instance": 0, "threads": 2,
+        "cpus_per_instance": 2.0}
+    ranks = PoolPlan(1, 2, 1, 4096, 512, 16, threads=1)
+    fields = _pool_fields(ranks, gpu=False)
+    assert (fields["tensor_parallel"], fields["threads"], fields["cpus_per_instance"]) == (2, 1, 2.0)
+    with pytest.raises(ProfileError, match="threads=2"):
         simulate(make_profile(), config, make_trace(workload_shape("long_doc"), 0.3, 3, seed=0))
+
+
+def test_cpu_search_compares_ranks_with_threads_and_picks_by_goodput():
+    """On two cores the search weighs a TP-2 instance (two 1-thread ranks) against one 2-thread process and
+    two 1-thread instances; the faster shape's costs decide, whichever it is."""
+    base = make_profile(tps=(1,))
+    one = base.instances[0]
+
+    def shape(tp, threads, speedup):
+        scaled = lambda fm: FittedModel(fm.features, tuple(c / speedup for c in fm.coefficients), 0.0, 0)  # noqa: E731
+        return dataclasses.replace(one, tensor_parallel=tp, threads=threads, prefill=scaled(one.prefill),
+                                   target_pass=scaled(one.target_pass),
+                                   draft_pass={k: scaled(v) for k, v in one.draft_pass.items()})
+
+    wl = Workload(shape=workload_shape("chat"), num_requests=20, min_duration_s=10.0)
+    slo = SLOTarget(2.0, 0.008)  # a TPOT only the faster shape's decode pass (10 ms / 1.9) meets
+    for fast in ((2, 1), (1, 2)):
+        slow = (1, 2) if fast == (2, 1) else (2, 1)
+        prof = dataclasses.replace(base, device_type="cpu", instances=(one, shape(*fast, 1.9), shape(*slow, 1.2)))
+        space = SearchSpace(devices=3, shapes=((1, 1, 1), (2, 1, 1), (1, 1, 2)), include_colocated=False)
+        result = Planner(prof, slo, wl, space, verify_top=2, bisect_steps=3, progress=False).run()
+        assert set(result.screening["prefill"]) == {"tp1 pp1", "tp2 pp1", "tp1 pp1 x 2 threads"}
+        best = result.best.config
+        assert best.decode.shape == (fast[0], 1, fast[1]) and best.prefill.shape == (1, 1, 1)
+        assert best.devices == 3
+
+
+def test_search_never_proposes_pipeline_parallelism():
+    with pytest.raises(PlanError, match="pipeline_parallel: magicserve executes pipeline_parallel 1 only"):
+        SearchSpace(devices=4, pipeline_parallel=(1, 2))
+    with pytest.raises(PlanError, match="pipeline_parallel"):
+        SearchSpace(devices=4, shapes=((1, 2, 1),))

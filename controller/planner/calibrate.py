@@ -36,7 +36,15 @@ from decode_worker.policy import PassShape, fit_nonnegative_relative
 
 
 def config_threads(config) -> int:
-    """Torch threads per instance of a config the calibration serves (prefill and decode alike)."""
+    """Torch threads per instance of a config the calibration serves (prefill and decode alike). It serves
+    single-process instances; a tensor-parallel instance's simulation takes the calibration of its ranks'
+    thread count (the serving path around a pass is the driver's, the same as a single process's)."""
+    pools = {"colocated": config.colocated} if config.mode == "colocated" else \
+        {"prefill": config.prefill, "decode": config.decode}
+    for role, pool in pools.items():
+        if pool.tensor_parallel != 1:
+            raise ProfileError(f"{role}.tensor_parallel: the calibration serves instances of tensor_parallel 1, "
+                               f"got {pool.tensor_parallel}")
     if config.mode == "colocated":
         return config.colocated.threads
     if config.prefill.threads != config.decode.threads:
@@ -46,13 +54,13 @@ def config_threads(config) -> int:
 
 
 def predicted_prefill_s(profile: Profile, prompt: int, chunk: int, threads: int = 1) -> float:
-    model = profile.prefill_model(threads)
+    model = profile.prefill_model(1, 1, threads)
     return sum(model.predict(prefill_features([(s, min(chunk, prompt - s))])) for s in range(0, prompt, chunk))
 
 
 def predicted_decode_s(profile: Profile, prompt: int, tokens: int, threads: int = 1) -> float:
     """Plain decode steps of one sequence producing ``tokens`` tokens after the first."""
-    model = profile.target_model(threads)
+    model = profile.target_model(1, 1, threads)
     return sum(model.predict_pass(PassShape(1, prompt + j + 1, 1)) for j in range(tokens))
 
 
@@ -134,20 +142,20 @@ def pass_row(record: dict, worker: int | None = None) -> dict:
 
 
 def predicted_s(profile: Profile, row: dict, drafter: str | None = None, tps: dict[str, int] | None = None) -> float:
-    """The profile's time for a logged pass on an instance of ``tps[role]`` devices (CPU: threads; default
+    """The profile's time for a logged pass on a single-process instance of ``tps[role]`` threads (default
     1, as on the CPU cluster)."""
-    tp = (tps or {}).get(ROLE_OF_KIND[row["kind"]], 1)
+    shape = (1, 1, (tps or {}).get(ROLE_OF_KIND[row["kind"]], 1))
     if row["kind"] == "prefill":
-        return profile.prefill_model(tp).predict(row)
+        return profile.prefill_model(*shape).predict(row)
     if row["kind"] == "mixed":
-        return mixed_pass_seconds(profile.prefill_model(tp), profile.target_model(tp), row, int(row["decode_seqs"]),
-                                  int(row["decode_kv_tokens"]))
-    shape = PassShape(int(row["seqs"]), int(row["kv_tokens"]), int(row["new_tokens"]), int(row.get("passes", 1)))
+        return mixed_pass_seconds(profile.prefill_model(*shape), profile.target_model(*shape), row,
+                                  int(row["decode_seqs"]), int(row["decode_kv_tokens"]))
+    pass_shape = PassShape(int(row["seqs"]), int(row["kv_tokens"]), int(row["new_tokens"]), int(row.get("passes", 1)))
     if row["kind"] == "draft":
         if drafter is None:
             raise ValueError("draft passes need the drafter's name")
-        return profile.draft_model(drafter, tp).predict_pass(shape)
-    return profile.target_model(tp).predict_pass(shape)
+        return profile.draft_model(drafter, *shape).predict_pass(pass_shape)
+    return profile.target_model(*shape).predict_pass(pass_shape)
 
 
 def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool

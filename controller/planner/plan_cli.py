@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -38,9 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1 = Poisson)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel", type=_int_list("--tensor-parallel"), default=(1, 2, 4, 8),
-                   help="TP degrees to search, e.g. 1,2,4,8 (those the profile lacks are an error)")
-    p.add_argument("--pipeline-parallel", type=_int_list("--pipeline-parallel"), default=(1,),
-                   help="PP degrees to search (magicserve executes PP 1 only; others are for what-if plans)")
+                   help="TP degrees to search, e.g. 1,2,4,8 (GPU: those the profile lacks are an error; CPU: the "
+                        "profile's measured instance shapes of these degrees). Plans are pipeline_parallel 1: "
+                        "magicserve does not execute pipeline parallelism")
     p.add_argument("--no-speculation", action="store_true",
                    help="search without speculative decoding (DistServe's search space)")
     p.add_argument("--no-colocated", action="store_true", help="do not compare against colocated baselines")
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from controller.planner.plan_output import plan_config, write_plan
-    from controller.planner.profile import Profile
+    from controller.planner.profile import Profile, describe_shape
     from controller.planner.search import Planner, SearchSpace, SLOTarget, Workload, describe_spec, speculation_space
 
     profile = Profile.load(args.profile)
@@ -72,18 +73,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
     specs = speculation_space(profile) if not args.no_speculation else speculation_space(profile)[:1]
-    cpu = profile.device_type == "cpu"
-    tps = args.tensor_parallel
-    if cpu:  # a CPU instance's tp is its threads: search the counts the profile measured
-        measured = sorted({c.tensor_parallel for c in profile.instances})
-        tps = tuple(t for t in measured if t in args.tensor_parallel and t <= devices)
-        if not tps:
+    shapes: tuple = ()
+    if profile.device_type == "cpu":  # the instance shapes the profile measured (ranks x threads per rank)
+        measured = sorted(c.shape for c in profile.instances)
+        shapes = tuple(s for s in measured if s[0] in args.tensor_parallel and s[1] == 1 and math.prod(s) <= devices)
+        if not shapes:
             raise SystemExit(f"magicserve plan: --tensor-parallel {','.join(map(str, args.tensor_parallel))}: the "
-                             f"profile measured CPU instances of {measured} threads (add others with "
-                             f"`magicserve profile --add-threads`)")
-    space = SearchSpace(devices=devices, tensor_parallel=tps, pipeline_parallel=args.pipeline_parallel,
-                        speculation=specs, include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent)
-    print(f"planning for {devices} devices ({profile.hardware}); tp {', '.join(map(str, tps))}"
+                             f"profile measured CPU instances of (tp, pp, threads) {measured} (add others with "
+                             f"`magicserve profile --add-threads` or `--add-tensor-parallel`)")
+    space = SearchSpace(devices=devices, tensor_parallel=args.tensor_parallel, shapes=shapes, speculation=specs,
+                        include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent)
+    described = [describe_shape(*s) for s in shapes] or [f"tp{t}" for t in args.tensor_parallel]
+    print(f"planning for {devices} devices ({profile.hardware}); instances of {', '.join(described)}"
           + f"; {len(specs)} speculation settings: "
           + "; ".join(describe_spec(s) for s in specs), file=sys.stderr)
     result = Planner(profile, slo, workload, space, verify_top=args.verify_top).run()

@@ -19,9 +19,9 @@ def _pool_fields(pool: PoolPlan, gpu: bool) -> dict:
     out = {"instances": pool.instances, "kv_cache_tokens": pool.kv_cache_tokens}
     if gpu:
         out.update(tensor_parallel=pool.tensor_parallel, devices_per_instance=pool.tensor_parallel * pool.pipeline_parallel)
-    else:  # a CPU "device" is a worker thread (the profile measured one thread per tp=1 instance)
-        out.update(tensor_parallel=1, devices_per_instance=0, threads=pool.tensor_parallel,
-                   cpus_per_instance=float(pool.tensor_parallel))
+    else:  # a CPU "device" is a core: tensor_parallel rank processes of ``threads`` threads each
+        out.update(tensor_parallel=pool.tensor_parallel, devices_per_instance=0, threads=pool.threads,
+                   cpus_per_instance=float(pool.tensor_parallel * pool.threads))
     return out
 
 

@@ -31,12 +31,13 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
 from decode_worker.policy import FEATURES as PASS_FEATURES
 from decode_worker.policy import PassShape, fit_nonnegative_relative
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: CPU instances keyed by (tensor_parallel ranks, threads per rank); 1 read as threads
 PREFILL_FEATURES = ("passes", "seqs", "tokens", "attn_pairs", "kv_tokens")
 # context_hi of an acceptance range that is open at the top (JSON has no infinity)
 CONTEXT_UNBOUNDED = 2**31 - 1
@@ -138,7 +139,9 @@ class Calibration:
 
 @dataclass(frozen=True)
 class InstanceCosts:
-    """Costs of one instance shape: a role on ``tensor_parallel`` x ``pipeline_parallel`` devices."""
+    """Costs of one instance shape: ``tensor_parallel`` x ``pipeline_parallel`` rank processes of ``threads``
+    torch threads each. A device is a GPU, or a core on a CPU, so the shape takes tp x pp x threads devices:
+    on a CPU, (tp 2, threads 1) is two 1-thread rank processes and (tp 1, threads 2) one 2-thread process."""
 
     tensor_parallel: int
     pipeline_parallel: int
@@ -147,14 +150,24 @@ class InstanceCosts:
     draft_pass: dict[str, FittedModel] = field(default_factory=dict)  # drafter name -> model
     kv_capacity_tokens: int = 0  # KV tokens one decode instance can hold (all layers); 0 = unknown
     prefill_kv_capacity_tokens: int = 0  # the same for a prefill instance; 0 = unknown
+    threads: int = 1  # torch threads per rank process (CPU); 1 on GPUs
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.tensor_parallel, self.pipeline_parallel, self.threads
 
 
-def calibration_threads(tps: dict[str, int]) -> int:
-    """The calibration's thread count for instance shapes ``tps`` (role -> tensor parallel; CPU: threads): a
+def describe_shape(tp: int, pp: int, threads: int = 1) -> str:
+    """``tp2 pp1``, with `` x 2 threads`` for CPU ranks of several threads."""
+    return f"tp{tp} pp{pp}" + (f" x {threads} threads" if threads > 1 else "")
+
+
+def calibration_threads(threads: dict[str, int]) -> int:
+    """The calibration's thread count for instances of ``threads`` (role -> torch threads per rank): a
     colocated instance's, or the prefill and decode instances' when equal (else the 1-thread calibration)."""
-    if "colocated" in tps:
-        return tps["colocated"]
-    return tps["prefill"] if tps.get("prefill") == tps.get("decode") else 1
+    if "colocated" in threads:
+        return threads["colocated"]
+    return threads["prefill"] if threads.get("prefill") == threads.get("decode") else 1
 
 
 @dataclass(frozen=True)
@@ -193,41 +206,42 @@ class Profile:
         others = tuple(c for c in self.calibrations if (c.mode, c.threads) != (cal.mode, cal.threads))
         return dataclasses.replace(self, calibrations=others + (cal,))
 
-    def costs(self, tensor_parallel: int, pipeline_parallel: int = 1) -> InstanceCosts:
+    def costs(self, tensor_parallel: int, pipeline_parallel: int = 1, threads: int = 1) -> InstanceCosts:
         for c in self.instances:
-            if c.tensor_parallel == tensor_parallel and c.pipeline_parallel == pipeline_parallel:
+            if c.shape == (tensor_parallel, pipeline_parallel, threads):
                 return c
-        have = sorted((c.tensor_parallel, c.pipeline_parallel) for c in self.instances)
+        have = sorted(c.shape for c in self.instances)
         raise ProfileError(f"profile has no costs for tensor_parallel={tensor_parallel}, "
-                           f"pipeline_parallel={pipeline_parallel} (it has (tp, pp) in {have})")
+                           f"pipeline_parallel={pipeline_parallel}, threads={threads} "
+                           f"(it has (tp, pp, threads) in {have})")
 
-    def prefill_model(self, tp: int, pp: int = 1) -> FittedModel:
-        c = self.costs(tp, pp)
+    def prefill_model(self, tp: int, pp: int = 1, threads: int = 1) -> FittedModel:
+        c = self.costs(tp, pp, threads)
         if c.prefill is None:
-            raise ProfileError(f"profile has no prefill costs for tp={tp}, pp={pp}")
+            raise ProfileError(f"profile has no prefill costs for {describe_shape(tp, pp, threads)}")
         return c.prefill
 
-    def target_model(self, tp: int, pp: int = 1) -> FittedModel:
-        c = self.costs(tp, pp)
+    def target_model(self, tp: int, pp: int = 1, threads: int = 1) -> FittedModel:
+        c = self.costs(tp, pp, threads)
         if c.target_pass is None:
-            raise ProfileError(f"profile has no decode (target pass) costs for tp={tp}, pp={pp}")
+            raise ProfileError(f"profile has no decode (target pass) costs for {describe_shape(tp, pp, threads)}")
         return c.target_pass
 
-    def draft_model(self, drafter: str, tp: int, pp: int = 1) -> FittedModel:
-        c = self.costs(tp, pp)
+    def draft_model(self, drafter: str, tp: int, pp: int = 1, threads: int = 1) -> FittedModel:
+        c = self.costs(tp, pp, threads)
         if drafter not in c.draft_pass:
-            raise ProfileError(f"profile has no draft-pass costs for drafter {drafter!r} at tp={tp}, pp={pp} "
-                               f"(it has {sorted(c.draft_pass)})")
+            raise ProfileError(f"profile has no draft-pass costs for drafter {drafter!r} at "
+                               f"{describe_shape(tp, pp, threads)} (it has {sorted(c.draft_pass)})")
         return c.draft_pass[drafter]
 
-    def kv_capacity(self, role: str, tp: int, pp: int = 1) -> int:
-        """KV tokens one ``role`` ("prefill" | "decode") instance of shape (tp, pp) holds."""
+    def kv_capacity(self, role: str, tp: int, pp: int = 1, threads: int = 1) -> int:
+        """KV tokens one ``role`` ("prefill" | "decode") instance of shape (tp, pp, threads) holds."""
         if role not in ("prefill", "decode"):
             raise ProfileError(f"role: must be 'prefill' or 'decode', got {role!r}")
-        c = self.costs(tp, pp)
+        c = self.costs(tp, pp, threads)
         tokens = c.kv_capacity_tokens if role == "decode" else c.prefill_kv_capacity_tokens
         if tokens <= 0:
-            raise ProfileError(f"profile has no {role} KV capacity for tp={tp}, pp={pp}")
+            raise ProfileError(f"profile has no {role} KV capacity for {describe_shape(tp, pp, threads)}")
         return tokens
 
     def acceptance_rate(self, drafter: str, budget: int, context: int) -> float:
@@ -260,8 +274,11 @@ class Profile:
     @staticmethod
     def from_dict(d: dict) -> "Profile":
         try:
-            if d.get("version") != PROFILE_VERSION:
-                raise ProfileError(f"version: expected {PROFILE_VERSION}, got {d.get('version')!r}")
+            version = d.get("version")
+            if version not in (1, PROFILE_VERSION):
+                raise ProfileError(f"version: expected {PROFILE_VERSION} (or 1), got {version!r}")
+            # version 1 wrote a CPU instance of t threads as tensor_parallel t: one process on t threads
+            threads_as_tp = version == 1 and d.get("device_type") == "cpu"
 
             def fitted(m: dict | None) -> FittedModel | None:
                 if m is None:
@@ -272,24 +289,28 @@ class Profile:
                     raise ProfileError(f"malformed cost model {m}")
                 return fm
 
-            instances = tuple(InstanceCosts(int(c["tensor_parallel"]), int(c["pipeline_parallel"]),
+            instances = tuple(InstanceCosts(1 if threads_as_tp else int(c["tensor_parallel"]),
+                                            int(c["pipeline_parallel"]),
                                             fitted(c["prefill"]), fitted(c["target_pass"]),
                                             {k: fitted(v) for k, v in c.get("draft_pass", {}).items()},
                                             int(c["kv_capacity_tokens"]),
-                                            int(c["prefill_kv_capacity_tokens"]))
+                                            int(c["prefill_kv_capacity_tokens"]),
+                                            int(c["tensor_parallel"]) if threads_as_tp else int(c.get("threads", 1)))
                               for c in d["instances"])
             if d["kv_transfer"] is None:
                 raise ProfileError("kv_transfer: missing cost model")
             samples = d.get("samples", {})
             if not isinstance(samples, dict) or not all(isinstance(v, list) for v in samples.values()):
                 raise ProfileError("samples: expected a mapping of model name -> list of rows")
+            if threads_as_tp:  # version 1's "tp{t}/..." samples were measured on t threads
+                samples = {re.sub(r"^tp(\d+)/", r"threads\1/", k): v for k, v in samples.items()}
             return Profile(
                 hardware=str(d["hardware"]), device_type=str(d["device_type"]),
                 devices_per_node=int(d["devices_per_node"]), model=str(d["model"]),
                 model_params=int(d["model_params"]), kv_bytes_per_token=int(d["kv_bytes_per_token"]),
                 source=str(d["source"]), instances=instances, kv_transfer=fitted(d["kv_transfer"]),
                 acceptance=tuple(AcceptanceEntry(**a) for a in d.get("acceptance", [])),
-                notes=str(d.get("notes", "")), version=int(d["version"]),
+                notes=str(d.get("notes", "")),
                 calibrations=tuple(Calibration(**c) for c in d.get("calibrations", [])),
                 samples={str(k): [{str(f): float(x) for f, x in row.items()} for row in v]
                          for k, v in samples.items()},

@@ -28,9 +28,12 @@ irrelevant to timing, so passes run over synthetic KV:
 The same speculative steps also check the fitted pass models end to end: the median ratio of measured
 step time to the sum of predicted pass times goes into the profile's notes.
 
-A CPU instance of ``tensor_parallel`` t is one worker on t torch threads (sharded execution is not
-runnable yet): a profile measures the config's thread count (equal for both roles), and ``--add-threads``
-(``add_threads``) adds other counts. GPU clusters are profiled analytically (``controller.planner.analytical``).
+A profile measures single-process instances of the config's thread count (equal for both roles);
+``--add-threads`` (``add_threads``) adds other thread counts, and ``--add-tensor-parallel``
+(``controller.planner.tp_profile``) tensor-parallel instances of t rank processes, measured as served (rank
+0 a worker whose runner broadcasts each pass, the other ranks following over gloo). A CPU device is a core:
+an instance takes ranks x threads of them. GPU clusters are profiled analytically
+(``controller.planner.analytical``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from tqdm import tqdm
 from controller.config import ClusterConfig
 from controller.planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
-    ProfileError, prefill_features, transfer_features)
+    ProfileError, describe_shape, prefill_features, transfer_features)
 from decode_worker.config import SpeculationConfig
 from decode_worker.drafters import window_start
 from decode_worker.policy import FEATURES as PASS_FEATURES
@@ -163,75 +166,98 @@ def measure_costs(loaded, config: ClusterConfig, grid: Grid, limits: Limits, pro
     fits: dict[str, FittedModel] = {}
     samples: dict[str, list[dict[str, float]]] = {}
     with _threads(config.prefill.threads):
-        steps = prefill_steps(grid, limits, config.prefill.max_batch_prompts)
-        bs = limits.block_size
-        need = max([sum(s + n + bs for s, n in chunks) for chunks in steps] + [limits.max_prompt + bs])
+        steps, need = prefill_cache_tokens(config, grid, limits)
         prefill = _prefill_worker(loaded, config, need)
         fits["prefill"], samples["prefill"] = measure_prefill(prefill, steps, grid.repeats, progress)
     with _threads(config.decode.threads):
         decode = _decode_worker(loaded, config, grid, limits)
         target, drafts = measure_decode(decode, grid, limits, progress)
-        for name, rows in [("target_pass", target)] + [(f"draft_pass/{d}", r) for d, r in drafts.items()]:
-            fits[name], samples[name] = _fit(PASS_FEATURES, rows, name)
+        fit_passes(target, drafts, fits, samples)
     if transfer:
         with _threads(config.prefill.threads):
             fits["kv_transfer"], samples["kv_transfer"] = measure_transfer(prefill, config, grid, limits, progress)
     return fits, samples, decode
 
 
+def fit_passes(target: list[dict], drafts: dict[str, list[dict]], fits: dict, samples: dict) -> None:
+    """Fit the target-pass and each drafter's draft-pass model into ``fits`` / ``samples``."""
+    for name, rows in [("target_pass", target)] + [(f"draft_pass/{d}", r) for d, r in drafts.items()]:
+        fits[name], samples[name] = _fit(PASS_FEATURES, rows, name)
+
+
 def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int], grid: Grid = DEFAULT_GRID,
                 progress: bool = True, log: Callable[[str], None] = print) -> Profile:
-    """``profile`` (measured on this machine with ``config``'s model) with CPU instances of more thread counts:
-    for each count t it lacks, the prefill, target-pass and draft-pass models measured at t threads (an
-    instance of ``tensor_parallel`` t, as ``plan_output`` writes a CPU plan; the KV transfer, acceptance and
-    calibrations stay those of the profile). A few minutes per thread count."""
+    """``profile`` (measured on this machine with ``config``'s model) with single-process CPU instances of more
+    thread counts: for each count t it lacks, the prefill, target-pass and draft-pass models measured at t
+    threads (the KV transfer, acceptance and calibrations stay those of the profile). A few minutes per count."""
     from modeling.checkpoint import load_model
 
-    check_config(config)
-    if profile.device_type != "cpu" or profile.source != "measured":
-        raise ProfileError(f"--add-threads: extends a measured CPU profile, got a {profile.source} "
-                           f"{profile.device_type} one")
-    model = os.path.basename(os.path.normpath(config.model_path))
-    if profile.model != model:
-        raise ProfileError(f"--add-threads: the profile is of model {profile.model!r}, the config's is {model!r}")
-    cores = os.cpu_count() or 1
-    wanted = sorted(set(threads))
-    bad = [t for t in wanted if not 1 <= t <= cores]
-    if bad:
-        raise ProfileError(f"--add-threads: thread counts must be in [1, {cores}] (this machine's cores), got {bad}")
-    have = {c.tensor_parallel for c in profile.instances if c.pipeline_parallel == 1}
+    wanted = check_extension(config, profile, "--add-threads", threads)
+    have = {c.threads for c in profile.instances if c.shape[:2] == (1, 1)}
     added = [t for t in wanted if t not in have]
-    instances, samples = list(profile.instances), dict(profile.samples)
     loaded = load_model(config.model_path, config.model.dtype, "cpu") if added else None
+    new = []
     for t in added:
-        cfg = dataclasses.replace(config, prefill=dataclasses.replace(config.prefill, threads=t),
-                                  decode=dataclasses.replace(config.decode, threads=t))
+        cfg = with_threads(config, t)
         limits = _limits(cfg, loaded.config.max_position_embeddings)
         fits, measured, _ = measure_costs(loaded, cfg, grid, limits, progress, transfer=False)
         for name, fm in fits.items():
             log(f"{t} threads: fit {name:<20} {_describe(fm)}")
-        instances.append(_instance_costs(cfg, fits, t))
-        samples.update({f"tp{t}/{name}": rows for name, rows in measured.items()})
-    counts = sorted(have | set(wanted))
-    notes = profile.notes + (f"; --add-threads {','.join(map(str, added))}: cost models" if added else "")
-    hardware = (f"cpu: {cpu_model_name()} ({cores} cores); instances of {', '.join(map(str, counts))} thread(s); "
-                f"torch {torch.__version__}")
-    return dataclasses.replace(profile, instances=tuple(sorted(instances, key=lambda c: (c.tensor_parallel,
-                                                                                         c.pipeline_parallel))),
-                               samples=samples, devices_per_node=cores, notes=notes, hardware=hardware)
+        new.append((instance_costs(cfg, fits, 1, t), {f"threads{t}/{name}": rows for name, rows in measured.items()}))
+    return extended_profile(profile, new, f"--add-threads {','.join(map(str, added))}")
 
 
-def _instance_costs(config: ClusterConfig, fits: dict[str, FittedModel], tensor_parallel: int) -> InstanceCosts:
+def with_threads(config: ClusterConfig, threads: int) -> ClusterConfig:
+    """``config`` with ``threads`` torch threads per worker in both pools."""
+    return dataclasses.replace(config, prefill=dataclasses.replace(config.prefill, threads=threads),
+                               decode=dataclasses.replace(config.decode, threads=threads))
+
+
+def check_extension(config: ClusterConfig, profile: Profile, flag: str, counts: Iterable[int]) -> list[int]:
+    """Refuse to extend ``profile`` with ``counts`` (threads or ranks: each a core here) unless it is a
+    measured CPU profile of the config's model and every count fits this machine; the counts sorted."""
+    check_config(config)
+    if profile.device_type != "cpu" or profile.source != "measured":
+        raise ProfileError(f"{flag}: extends a measured CPU profile, got a {profile.source} {profile.device_type} one")
+    model = os.path.basename(os.path.normpath(config.model_path))
+    if profile.model != model:
+        raise ProfileError(f"{flag}: the profile is of model {profile.model!r}, the config's is {model!r}")
+    cores = os.cpu_count() or 1
+    wanted = sorted(set(counts))
+    bad = [t for t in wanted if not 1 <= t <= cores]
+    if bad:
+        raise ProfileError(f"{flag}: values must be in [1, {cores}] (this machine's cores), got {bad}")
+    return wanted
+
+
+def extended_profile(profile: Profile, new: list[tuple[InstanceCosts, dict]], what: str) -> Profile:
+    """``profile`` with the measured instance shapes ``new`` (costs, samples) added."""
+    if not new:
+        return profile
+    instances = sorted(list(profile.instances) + [c for c, _ in new], key=lambda c: c.shape)
+    samples = dict(profile.samples)
+    for _, rows in new:
+        samples.update(rows)
+    cores = os.cpu_count() or 1
+    shapes = ", ".join(describe_shape(*c.shape) for c in instances)
+    hardware = f"cpu: {cpu_model_name()} ({cores} cores); instances of {shapes}; torch {torch.__version__}"
+    return dataclasses.replace(profile, instances=tuple(instances), samples=samples, devices_per_node=cores,
+                               notes=profile.notes + f"; {what}: cost models", hardware=hardware)
+
+
+def instance_costs(config: ClusterConfig, fits: dict[str, FittedModel], tensor_parallel: int = 1,
+                   threads: int = 1) -> InstanceCosts:
     return InstanceCosts(
         tensor_parallel=tensor_parallel, pipeline_parallel=1, prefill=fits["prefill"], target_pass=fits["target_pass"],
         draft_pass={name.split("/", 1)[1]: fm for name, fm in fits.items() if name.startswith("draft_pass/")},
-        kv_capacity_tokens=config.decode.kv_cache_tokens, prefill_kv_capacity_tokens=config.prefill.kv_cache_tokens)
+        kv_capacity_tokens=config.decode.kv_cache_tokens, prefill_kv_capacity_tokens=config.prefill.kv_cache_tokens,
+        threads=threads)
 
 
 def _assemble(config: ClusterConfig, loaded, kv_bytes_per_token: int, grid: Grid, limits: Limits,
               fits: dict[str, FittedModel], samples: dict, acceptance: list[AcceptanceEntry], check: str) -> Profile:
     spec = config.decode.speculation
-    costs = _instance_costs(config, fits, config.prefill.threads)
+    costs = instance_costs(config, fits, 1, config.prefill.threads)
     notes = (f"measured by `magicserve profile` on {config.source or 'a config'} (median of up to {grid.repeats} "
              f"runs per point; 1-min load {os.getloadavg()[0]:.1f} at the end); drafter {spec.drafter}, budget "
              f"{spec.budget}, sink {spec.sink_tokens}, max_k {spec.max_k}; prefill chunks up to "
@@ -241,7 +267,7 @@ def _assemble(config: ClusterConfig, loaded, kv_bytes_per_token: int, grid: Grid
              f"rate = accepted / (accepted + rejections); {check}")
     return Profile(
         hardware=hardware_string(config), device_type="cpu",
-        devices_per_node=os.cpu_count() or 1,  # a CPU device is a core (a tp t instance runs t threads)
+        devices_per_node=os.cpu_count() or 1,  # a CPU device is a core (an instance takes ranks x threads)
         model=os.path.basename(os.path.normpath(config.model_path)), model_params=loaded.config.num_parameters(),
         kv_bytes_per_token=kv_bytes_per_token, source="measured", instances=(costs,),
         kv_transfer=fits["kv_transfer"], acceptance=tuple(acceptance), notes=notes, samples=samples,
@@ -254,14 +280,14 @@ def check_config(config: ClusterConfig) -> None:
         raise ProfileError(f"mode: profiles measure the disaggregated pools (prefill, decode, kv_transfer); "
                            f"got {config.mode!r}")
     if config.prefill.threads != config.decode.threads:
-        raise ProfileError(f"decode.threads: a profile measures instances of one thread count (tensor_parallel = "
-                           f"threads), got prefill {config.prefill.threads} and decode {config.decode.threads}; "
-                           f"profile with equal counts and add others with --add-threads")
+        raise ProfileError(f"decode.threads: a profile measures instances of one thread count, got prefill "
+                           f"{config.prefill.threads} and decode {config.decode.threads}; profile with equal counts "
+                           f"and add others with --add-threads")
     for role in ("prefill", "decode"):
         pool = getattr(config, role)
         if pool.tensor_parallel != 1:
-            raise ProfileError(f"{role}.tensor_parallel: only 1 can be measured (sharded execution is not "
-                               f"runnable yet); profile GPU clusters with `magicserve profile --analytical`")
+            raise ProfileError(f"{role}.tensor_parallel: a profile starts from single-process instances (1), got "
+                               f"{pool.tensor_parallel}; add tensor-parallel instances with --add-tensor-parallel")
         if pool.devices_per_instance:
             raise ProfileError(f"{role}.devices_per_instance: measured profiles are CPU only; profile GPU "
                                f"clusters with `magicserve profile --analytical`")
@@ -299,25 +325,43 @@ def _limits(config: ClusterConfig, max_model_len: int) -> Limits:
 
 # -- workers ---------------------------------------------------------------------------------------
 
-def _prefill_worker(loaded, config: ClusterConfig, tokens: int):
-    """A PrefillWorker of the config whose cache holds ``tokens`` (at most the configured size)."""
+def prefill_cache_tokens(config: ClusterConfig, grid: Grid, limits: Limits) -> tuple[list, int]:
+    """The prefill steps to time and the KV tokens their worker's cache needs."""
+    steps = prefill_steps(grid, limits, config.prefill.max_batch_prompts)
+    bs = limits.block_size
+    return steps, max([sum(s + n + bs for s, n in chunks) for chunks in steps] + [limits.max_prompt + bs])
+
+
+def profiled_prefill_config(config: ClusterConfig, tokens: int):
+    """The config's PrefillWorkerConfig with a cache of ``tokens`` (at most the configured size)."""
     from controller.cluster import prefill_worker_config
-    from prefill_worker.worker import PrefillWorker
 
     cfg = prefill_worker_config(config)
-    tokens = max(cfg.block_size, min(cfg.kv_cache_tokens, tokens))
-    return PrefillWorker(loaded, dataclasses.replace(cfg, kv_cache_tokens=tokens), PREFILL_ID)
+    return dataclasses.replace(cfg, kv_cache_tokens=max(cfg.block_size, min(cfg.kv_cache_tokens, tokens)))
 
 
-def _decode_worker(loaded, config: ClusterConfig, grid: Grid, limits: Limits):
+def profiled_decode_config(config: ClusterConfig, grid: Grid, limits: Limits):
+    """The config's DecodeWorkerConfig with a cache for the grid's decode cells and the acceptance runs."""
     from controller.cluster import decode_worker_config
-    from decode_worker.worker import DecodeWorker
 
     cfg = decode_worker_config(config)
     steps = grid.acceptance_steps + 4
     acceptance = grid.acceptance_batch * (limits.max_prompt + steps * (limits.max_k + 1) + 2 * cfg.block_size)
     tokens = min(cfg.kv_cache_tokens, max(grid.max_kv_tokens + 64 * (limits.max_k + 2) * cfg.block_size, acceptance))
-    return DecodeWorker(loaded, dataclasses.replace(cfg, kv_cache_tokens=tokens, profile_on_start=False))
+    return dataclasses.replace(cfg, kv_cache_tokens=tokens, profile_on_start=False)
+
+
+def _prefill_worker(loaded, config: ClusterConfig, tokens: int):
+    """A PrefillWorker of the config whose cache holds ``tokens`` (at most the configured size)."""
+    from prefill_worker.worker import PrefillWorker
+
+    return PrefillWorker(loaded, profiled_prefill_config(config, tokens), PREFILL_ID)
+
+
+def _decode_worker(loaded, config: ClusterConfig, grid: Grid, limits: Limits):
+    from decode_worker.worker import DecodeWorker
+
+    return DecodeWorker(loaded, profiled_decode_config(config, grid, limits))
 
 
 # -- 1. prefill ------------------------------------------------------------------------------------
@@ -816,21 +860,29 @@ def run_cli(args) -> int:
     calibrating = args.calibrate or args.calibrate_only
     config = load_config(args.config)
     if args.refit_calibration:
-        if calibrating or args.quick or args.add_threads:
+        if calibrating or args.quick or args.add_threads or args.add_tensor_parallel:
             raise ProfileError("--refit-calibration: refits the measurements already in --out and measures nothing; "
-                               "it does not combine with --calibrate, --calibrate-only, --quick or --add-threads")
+                               "it does not combine with --calibrate, --calibrate-only, --quick, --add-threads or "
+                               "--add-tensor-parallel")
         profile = Profile.load(args.out)
         cal = refit(config, profile)
         _print_calibration(cal)
         profile.with_calibration(cal).save(args.out)
         print(f"wrote {args.out}")
         return 0
-    if args.add_threads:
+    if args.add_threads or args.add_tensor_parallel:
+        from controller.planner.tp_profile import add_tensor_parallel
+
         if calibrating:
-            raise ProfileError("--add-threads: extends the profile at --out with other thread counts; it does not "
-                               "combine with --calibrate or --calibrate-only")
-        profile = add_threads(config, Profile.load(args.out), args.add_threads, QUICK_GRID if args.quick else DEFAULT_GRID,
-                              progress=not args.no_progress)
+            raise ProfileError("--add-threads / --add-tensor-parallel: extend the profile at --out with other "
+                               "instance shapes; they do not combine with --calibrate or --calibrate-only")
+        grid = QUICK_GRID if args.quick else DEFAULT_GRID
+        profile = Profile.load(args.out)
+        if args.add_threads:
+            profile = add_threads(config, profile, args.add_threads, grid, progress=not args.no_progress)
+        if args.add_tensor_parallel:
+            profile = add_tensor_parallel(config, profile, args.add_tensor_parallel, grid,
+                                          progress=not args.no_progress)
     elif args.calibrate_only:
         profile = Profile.load(args.out)
     else:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
-from controller.planner.profile import Profile
+from controller.planner.profile import Profile, describe_shape
 from controller.planner.simulator import PoolPlan, SimConfig, simulate
 from controller.planner.slo import attainment
 from controller.planner.workload import RequestSpec, WorkloadShape, make_trace, scale_trace
@@ -82,11 +82,15 @@ class Workload:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the planner may choose. Devices are GPUs, or worker threads (cores) on a CPU profile."""
+    """What the planner may choose. Devices are GPUs, or cores on a CPU profile. Instance shapes are
+    (tensor_parallel, pipeline_parallel, threads per rank): ``shapes`` when given (a CPU profile's measured
+    shapes, e.g. one 2-thread process and two 1-thread ranks), else every tensor_parallel x
+    pipeline_parallel at 1 thread."""
 
     devices: int
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
     pipeline_parallel: tuple[int, ...] = (1,)
+    shapes: tuple[tuple[int, int, int], ...] = ()
     speculation: tuple[SpeculationConfig, ...] = (NO_SPECULATION,)
     include_colocated: bool = True
     prefill_token_budget: int = 512
@@ -94,6 +98,11 @@ class SearchSpace:
     decode_max_num_seqs: int = 64
     max_concurrent: int = 256
     block_size: int = 16
+
+    def __post_init__(self) -> None:
+        pps = sorted({s[1] for s in self.shapes} | ({*self.pipeline_parallel} if not self.shapes else set()))
+        if pps != [1]:
+            raise PlanError(f"pipeline_parallel: magicserve executes pipeline_parallel 1 only, got {pps}")
 
 
 @dataclass
@@ -117,10 +126,10 @@ class Candidate:
         c = self.config
         if c.mode == "colocated":
             p = c.colocated
-            return f"colocated {p.instances} x (tp{p.tensor_parallel} pp{p.pipeline_parallel})"
+            return f"colocated {p.instances} x ({describe_shape(*p.shape)})"
         p, d = c.prefill, c.decode
-        return (f"P {p.instances} x (tp{p.tensor_parallel} pp{p.pipeline_parallel}) + "
-                f"D {d.instances} x (tp{d.tensor_parallel} pp{d.pipeline_parallel}), {describe_spec(c.speculation)}")
+        return (f"P {p.instances} x ({describe_shape(*p.shape)}) + "
+                f"D {d.instances} x ({describe_shape(*d.shape)}), {describe_spec(c.speculation)}")
 
 
 def describe_spec(spec: SpeculationConfig) -> str:
@@ -181,30 +190,32 @@ class Planner:
 
     # -- shapes -----------------------------------------------------------------------------------------
 
-    def _shapes(self) -> list[tuple[int, int]]:
-        """(tp, pp) pairs of the space that fit on the devices and hold the longest prompt; a pair the
-        profile lacks is an error."""
+    def _shapes(self) -> list[tuple[int, int, int]]:
+        """(tp, pp, threads) shapes of the space that fit on the devices and hold the longest prompt; a shape
+        the profile lacks is an error."""
+        space = self.space.shapes or [(tp, pp, 1) for tp in self.space.tensor_parallel
+                                      for pp in self.space.pipeline_parallel]
         shapes = []
-        for tp in self.space.tensor_parallel:
-            for pp in self.space.pipeline_parallel:
-                if tp * pp > self.space.devices:
-                    continue
-                costs = self.profile.costs(tp, pp)  # raises ProfileError naming the shape
-                if costs.kv_capacity_tokens < self._max_prompt + 1:
-                    continue  # the weights leave too little memory for one prompt's KV
-                shapes.append((tp, pp))
+        for shape in space:
+            if math.prod(shape) > self.space.devices:
+                continue
+            costs = self.profile.costs(*shape)  # raises ProfileError naming the shape
+            if costs.kv_capacity_tokens < self._max_prompt + 1:
+                continue  # the weights leave too little memory for one prompt's KV
+            shapes.append(tuple(shape))
         if not shapes:
-            raise PlanError(f"no (tp, pp) in {self.space.tensor_parallel} x {self.space.pipeline_parallel} fits "
+            raise PlanError(f"no instance shape of {', '.join(describe_shape(*s) for s in space)} fits "
                             f"{self.space.devices} devices with room for a {self._max_prompt}-token prompt")
         return shapes
 
-    def _pool(self, instances: int, tp: int, pp: int, budget: int, seqs: int) -> PoolPlan:
-        return PoolPlan(instances, tp, pp, self.profile.costs(tp, pp).kv_capacity_tokens, budget, seqs)
+    def _pool(self, instances: int, shape: tuple[int, int, int], budget: int, seqs: int) -> PoolPlan:
+        tp, pp, threads = shape
+        return PoolPlan(instances, tp, pp, self.profile.costs(*shape).kv_capacity_tokens, budget, seqs, threads)
 
     def _disaggregated(self, pshape, np_, dshape, nd, spec) -> SimConfig:
         s = self.space
-        return SimConfig("disaggregated", prefill=self._pool(np_, *pshape, s.prefill_token_budget, s.prefill_max_prompts),
-                         decode=self._pool(nd, *dshape, 1, s.decode_max_num_seqs),
+        return SimConfig("disaggregated", prefill=self._pool(np_, pshape, s.prefill_token_budget, s.prefill_max_prompts),
+                         decode=self._pool(nd, dshape, 1, s.decode_max_num_seqs),
                          speculation=spec, block_size=s.block_size, max_concurrent=s.max_concurrent)
 
     # -- the search ---------------------------------------------------------------------------------------
@@ -214,8 +225,8 @@ class Planner:
         for spec in self.space.speculation:  # missing acceptance / draft costs: fail before any work
             if spec.enabled:
                 self.profile.acceptance_rate(spec.drafter, spec.budget, 0)
-                for tp, pp in shapes:
-                    self.profile.draft_model(spec.drafter, tp, pp)
+                for shape in shapes:
+                    self.profile.draft_model(spec.drafter, *shape)
         bar = tqdm(total=len(shapes) * (1 + len(self.space.speculation)), desc="plan: screening",
                    disable=not self.progress, dynamic_ncols=True)
         prefill_rate, decode_rate = {}, {}
@@ -227,7 +238,7 @@ class Planner:
         # the decode screening's non-binding prefill pool: the shape that screened fastest (the cheapest among
         # equals), so that TTFT misses come from decode admission, not from a prefill shape too slow for the
         # longest prompts even alone
-        fastest = max(shapes, key=lambda s: (prefill_rate[s], -s[0] * s[1]))
+        fastest = max(shapes, key=lambda s: (prefill_rate[s], -math.prod(s)))
         for shape in shapes:
             for spec in self.space.speculation:
                 cfg = self._disaggregated(fastest, big, shape, 1, spec)
@@ -241,12 +252,12 @@ class Planner:
         candidates.sort(key=lambda c: c.estimate / c.devices, reverse=True)
         to_verify = candidates[: self.verify_top]
         if self.space.include_colocated:
-            colocated = [Candidate(SimConfig("colocated", colocated=self._pool(self.space.devices // (tp * pp), tp, pp,
-                                                                                  self.space.prefill_token_budget,
+            colocated = [Candidate(SimConfig("colocated", colocated=self._pool(self.space.devices // math.prod(shape),
+                                                                                  shape, self.space.prefill_token_budget,
                                                                                   self.space.decode_max_num_seqs),
                                              block_size=self.space.block_size, max_concurrent=self.space.max_concurrent),
                                    note="colocated baseline")
-                         for tp, pp in shapes]
+                         for shape in shapes]
             candidates += colocated
             to_verify = to_verify + colocated
         for cand in tqdm(to_verify, desc="plan: verifying", disable=not self.progress, dynamic_ncols=True):
@@ -257,8 +268,9 @@ class Planner:
             raise PlanError("no configuration meets the SLOs even at a trickle of requests: "
                             f"TTFT {self.slo.ttft_s * 1e3:.0f} ms / TPOT {self.slo.tpot_s * 1e3:.0f} ms at "
                             f"{self.slo.attainment:.0%} may be below what this hardware can do for this workload")
-        screening = {"prefill": {f"tp{t} pp{p}": r for (t, p), r in prefill_rate.items()},
-                     "decode": {f"tp{t} pp{p}, {describe_spec(s)}": r for ((t, p), s), r in decode_rate.items()}}
+        screening = {"prefill": {describe_shape(*shape): r for shape, r in prefill_rate.items()},
+                     "decode": {f"{describe_shape(*shape)}, {describe_spec(s)}": r
+                                for (shape, s), r in decode_rate.items()}}
         return PlanResult(best, candidates, screening)
 
     def _replicate(self, prefill_rate: dict, decode_rate: dict) -> list[Candidate]:
@@ -268,9 +280,9 @@ class Planner:
         out: dict[tuple, Candidate] = {}
         best_rd: dict[tuple, float] = {}
         for pshape, rp in prefill_rate.items():
-            pdev = pshape[0] * pshape[1]
+            pdev = math.prod(pshape)
             for (dshape, spec), rd in decode_rate.items():
-                ddev = dshape[0] * dshape[1]
+                ddev = math.prod(dshape)
                 for np_ in range(1, n // pdev + 1):
                     for nd in range(1, (n - np_ * pdev) // ddev + 1):
                         est = min(np_ * rp, nd * rd)
@@ -301,8 +313,10 @@ def spec_to_dict(spec: SpeculationConfig) -> dict:
 
 
 def ensure_executable(cand: Candidate) -> None:
+    """Refuse a plan ``magicserve serve`` cannot run (the search space never proposes one; a hand-built
+    candidate might)."""
     c = cand.config
     pools = [c.colocated] if c.mode == "colocated" else [c.prefill, c.decode]
     if any(p.pipeline_parallel > 1 for p in pools):
-        raise PlanError(f"the best plan ({cand.describe()}) uses pipeline parallelism, which magicserve cannot "
-                        "execute yet; re-plan with --pipeline-parallel 1")
+        raise PlanError(f"pipeline_parallel: the plan ({cand.describe()}) uses pipeline parallelism, which "
+                        "magicserve does not execute")

@@ -87,11 +87,13 @@ class SimSequence:
 class StepCosts:
     """The simulator's one step-time interface: a step's profiled cost x the mode's calibration."""
 
-    def __init__(self, profile: Profile, calibration: Calibration, tp: int, pp: int, drafter: str | None = None):
+    def __init__(self, profile: Profile, calibration: Calibration, shape: tuple[int, int, int],
+                 drafter: str | None = None):
+        """``shape``: the instance's (tensor_parallel, pipeline_parallel, threads)."""
         self.cal = calibration
-        self.prefill = profile.costs(tp, pp).prefill  # None: a decode-only shape
-        self.target = profile.target_model(tp, pp)
-        self.draft = profile.draft_model(drafter, tp, pp) if drafter else None
+        self.prefill = profile.costs(*shape).prefill  # None: a decode-only shape
+        self.target = profile.target_model(*shape)
+        self.draft = profile.draft_model(drafter, *shape) if drafter else None
 
     def prefill_step(self, chunks: list[tuple[int, int]]) -> float:
         """A prefill step over (start, length) chunks: the time it holds the prefill worker."""

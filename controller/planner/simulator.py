@@ -49,7 +49,8 @@ class SimConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """One pool: ``instances`` instances of ``tensor_parallel`` x ``pipeline_parallel`` devices each."""
+    """One pool: ``instances`` instances of ``tensor_parallel`` x ``pipeline_parallel`` rank processes of
+    ``threads`` torch threads each (a device per thread on a CPU; ``threads`` is 1 on GPUs)."""
 
     instances: int
     tensor_parallel: int = 1
@@ -57,13 +58,19 @@ class PoolPlan:
     kv_cache_tokens: int = 65536  # per instance
     token_budget: int = 512  # prefill / colocated: tokens per step
     max_num_seqs: int = 64
+    threads: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.tensor_parallel, self.pipeline_parallel, self.threads
 
     @property
     def devices(self) -> int:
-        return self.instances * self.tensor_parallel * self.pipeline_parallel
+        return self.instances * self.tensor_parallel * self.pipeline_parallel * self.threads
 
     def validate(self, name: str) -> None:
-        for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs"):
+        for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs",
+                  "threads"):
             if getattr(self, f) < 1:
                 raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
 
@@ -95,27 +102,27 @@ class SimConfig:
 
     @property
     def devices(self) -> int:
-        """Devices (GPUs, or worker threads on CPU) the configuration uses."""
+        """Devices (GPUs, or cores on a CPU: every rank's threads) the configuration uses."""
         if self.mode == "colocated":
             return self.colocated.devices
         return self.prefill.devices + self.decode.devices
 
     def calibration_threads(self) -> int:
         """The thread count whose calibration the simulation takes (``profile.calibration_threads``)."""
-        tps = ({"colocated": self.colocated.tensor_parallel} if self.mode == "colocated" else
-               {"prefill": self.prefill.tensor_parallel, "decode": self.decode.tensor_parallel})
-        return calibration_threads(tps)
+        threads = ({"colocated": self.colocated.threads} if self.mode == "colocated" else
+                   {"prefill": self.prefill.threads, "decode": self.decode.threads})
+        return calibration_threads(threads)
 
     @staticmethod
     def from_cluster_config(cfg) -> "SimConfig":
-        """The simulation of a ``controller.config.ClusterConfig``. A CPU instance's threads are its
-        ``tensor_parallel`` devices, as ``plan_output`` writes a CPU plan (so per-device goodput is per-core
-        goodput there, and a profile must hold costs measured at that many threads)."""
+        """The simulation of a ``controller.config.ClusterConfig``. A CPU instance is ``tensor_parallel``
+        rank processes of ``threads`` threads, a device per thread (so per-device goodput is per-core goodput
+        there, and a profile must hold costs measured for that shape)."""
 
         def pool(section, budget: int, seqs: int) -> PoolPlan:
-            if not section.devices_per_instance:
-                return PoolPlan(section.instances, section.threads, 1, section.kv_cache_tokens, budget, seqs)
             tp = section.tensor_parallel
+            if not section.devices_per_instance:
+                return PoolPlan(section.instances, tp, 1, section.kv_cache_tokens, budget, seqs, section.threads)
             return PoolPlan(section.instances, tp, max(1, section.devices_per_instance // tp), section.kv_cache_tokens,
                             budget, seqs)
 
@@ -199,15 +206,15 @@ class Simulation:
         self.colocated: list[ColocatedSim] = []
         if c.mode == "colocated":
             p = c.colocated
-            costs = StepCosts(profile, cal, p.tensor_parallel, p.pipeline_parallel)
+            costs = StepCosts(profile, cal, p.shape)
             self.colocated = [ColocatedSim(self, f"colocated-{i}", costs, p.kv_cache_tokens, bs, p.token_budget,
                                            p.max_num_seqs) for i in range(p.instances)]
         else:
             p, d = c.prefill, c.decode
-            pcosts = StepCosts(profile, cal, p.tensor_parallel, p.pipeline_parallel)
-            profile.prefill_model(p.tensor_parallel, p.pipeline_parallel)  # fail now if the profile lacks it
+            pcosts = StepCosts(profile, cal, p.shape)
+            profile.prefill_model(*p.shape)  # fail now if the profile lacks it
             drafter = c.speculation.drafter if c.speculation.enabled else None
-            dcosts = StepCosts(profile, cal, d.tensor_parallel, d.pipeline_parallel, drafter)
+            dcosts = StepCosts(profile, cal, d.shape, drafter)
             self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs,
                                        p.token_budget, p.max_num_seqs) for i in range(p.instances)]
             self.decode = [DecodeSim(self, f"decode-{i}", profile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
