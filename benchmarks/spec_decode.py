@@ -8,6 +8,7 @@ verify/target time ratios, and the speedup over k = 0 on the same worker and pro
 
     python benchmarks/spec_decode.py                  # full grid -> benchmarks/results/spec_decode.*
     python benchmarks/spec_decode.py --batches 4 --prefixes 1024 --ks 0 2 --budgets 256 --steps 8
+    python benchmarks/spec_decode.py --device cuda --attention-backend torch --out runs/gpu/spec_decode
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def write_outputs(rows: list[dict], meta: dict, rope: dict | None, out: str) -> 
                     f"acceptance {rope['original']:.2f} with original positions vs {rope['reindexed']:.2f} re-indexed.\n")
 
 
-def plot(rows: list[dict], out: str) -> None:
+def plot(rows: list[dict], out: str, where: str = "CPU") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,7 +258,7 @@ def plot(rows: list[dict], out: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("speedup over autoregressive decoding")
-    ax.set_title("Self-speculation with a sparse-KV draft (bundled model, CPU)")
+    ax.set_title(f"Self-speculation with a sparse-KV draft (bundled model, {where})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=120)
@@ -281,6 +282,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    ap.add_argument("--block-size", type=int, default=16, help="KV block size (flash-attn needs a multiple of 256)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode"))
     ap.add_argument("--corpus-tokens", type=int, default=None,
                     help="held-out tokens to spread the prompts over (default: largest batch x largest prefix; "
@@ -292,10 +295,13 @@ def main() -> None:
     if args.corpus_tokens is not None and args.corpus_tokens < max(args.prefixes):
         ap.error(f"--corpus-tokens: must be >= the largest prefix ({max(args.prefixes)}), got {args.corpus_tokens}")
     torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device: CUDA requested but no CUDA device is available")
 
     max_tokens = max(args.batches) * (max(args.prefixes) + 64 * (max(args.ks) + 1) * args.steps)
     worker = DecodeWorker(args.model, DecodeWorkerConfig(
-        dtype=args.dtype, kv_cache_tokens=max_tokens + 4096, max_num_seqs=max(args.batches) + 8,
+        dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_tokens=max_tokens + 4096, max_num_seqs=max(args.batches) + 8,
         attention_backend=args.attention_backend, prefill_chunk=2048,
         speculation=SpeculationConfig(drafter="self_sparse", sink_tokens=SINK_TOKENS, k_policy="fixed", k=0)))
     # the prompts of a cell are spread over the corpus, so a cell re-run alone (--extend) must load as
@@ -323,13 +329,16 @@ def main() -> None:
         rope_cell = (min(4, max(args.batches)), min(4096, max(args.prefixes)))
         rope = rope_measurement(worker, make_prompts(corpus, *rope_cell), args.steps)
         rope.update(batch=rope_cell[0], prefix=rope_cell[1])
+    on_cuda = worker.cache.device.type == "cuda"
+    machine = torch.cuda.get_device_name(worker.cache.device) if on_cuda else f"{platform.machine()} {os.cpu_count()} cpus"
     meta = {"model": os.path.basename(os.path.normpath(args.model)), "dtype": args.dtype, "threads": args.threads,
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
+            "machine": machine, "device": str(worker.cache.device), "block_size": args.block_size,
+            "torch": torch.__version__,
             "backend": worker.runner.backend.name, "steps": args.steps, "repeats": args.repeats,
             "adaptive_warmup": args.adaptive_warmup, "min_run_ms": args.min_run_ms, "corpus_tokens": len(corpus),
             "command": command}
     write_outputs(rows, meta, rope, args.out)
-    plot(rows, args.out)
+    plot(rows, args.out, machine if on_cuda else "CPU")
     print(f"wrote {args.out}.json/.md/.png")
 
 

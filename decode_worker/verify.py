@@ -42,6 +42,8 @@ def verify_sampled(
     """Rejection sampling. draft_probs: q [k, V]; target_probs: p [k + 1, V]; both already processed
     by the request's temperature / top-k / top-p (the distributions actually sampled from)."""
     k = len(draft)
+    # draws happen where the request's generator lives (the CPU), whatever device computed the probabilities
+    draft_probs, target_probs = draft_probs.to(generator.device), target_probs.to(generator.device)
     uniforms = torch.rand(k, generator=generator, dtype=torch.float64) if k else None
     for i, tok in enumerate(draft):
         p, q = float(target_probs[i, tok]), float(draft_probs[i, tok])

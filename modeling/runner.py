@@ -76,14 +76,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None) -> torch.Tensor:
-        """Compute the step; returns float32 logits [sum(num_logits), vocab] in input order."""
+        """Compute the step; returns float32 logits [sum(num_logits), vocab] in input order. On CUDA the
+        step has finished when this returns (every caller reads the logits next), so the pass timings the
+        workers take around it (cost models, pass logs) are device time, not kernel-launch time."""
         if not inputs:
             return torch.empty(0, self.model.config.vocab_size)
         hidden, logit_rows = self.forward(inputs, sink_len, window_starts)
         if not logit_rows:
-            return torch.empty(0, self.model.config.vocab_size)
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)
-        return self.model.logits(hidden.index_select(0, rows))
+            logits = torch.empty(0, self.model.config.vocab_size)
+        else:
+            rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)
+            logits = self.model.logits(hidden.index_select(0, rows))
+        if hidden.device.type == "cuda":
+            torch.cuda.synchronize(hidden.device)
+        return logits
 
     @torch.inference_mode()
     def forward(self, inputs: list[StepInput], sink_len: int = 0,

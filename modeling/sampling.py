@@ -39,8 +39,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from probs [V] with the request's generator."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """Draw one token id from probs [V] with the request's generator. Generators live on the CPU (the same
+    seed gives the same tokens on every device), so probabilities computed on a GPU are drawn from there."""
+    return int(torch.multinomial(probs.to(generator.device), 1, generator=generator).item())
 
 
 @dataclass

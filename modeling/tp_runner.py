@@ -195,7 +195,7 @@ def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attentio
     mc = loaded.config
     spec = KVCacheSpec(mc.num_hidden_layers, loaded.kv_heads.size, mc.head_dim, block_size, loaded.dtype)
     cache = PagedKVCache(spec, num_blocks, loaded.device)
-    backend = make_backend(attention_backend, loaded.device, block_size)
+    backend = make_backend(attention_backend, loaded.device, block_size, loaded.dtype)
     if group is not None and group.shard.sharded and group.rank == 0:
         return TPDriverRunner(loaded.model, cache, backend, group)
     return ModelRunner(loaded.model, cache, backend)

@@ -91,8 +91,7 @@ def test_greedy_64_tokens_match_hf_batched(checkpoint_dir, family, chunk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,block_size", [("torch", 16), ("flash", 256)])
-def test_cuda_backends_match_hf(checkpoint_dir, backend, block_size):
-    if backend == "flash":
-        pytest.importorskip("flash_attn")
-    check_prefill_and_decode(checkpoint_dir("llama_gqa"), device="cuda", backend=backend, block_size=block_size)
+def test_cuda_torch_backend_matches_hf(checkpoint_dir):
+    """float32 on CUDA against HF (flash-attn has half-precision kernels only: tests/test_gpu.py compares it
+    with the torch oracle in the same dtype)."""
+    check_prefill_and_decode(checkpoint_dir("llama_gqa"), device="cuda", backend="torch", block_size=16)

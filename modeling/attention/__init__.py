@@ -36,13 +36,16 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def make_backend(name: str, device: torch.device | str, block_size: int) -> AttentionBackend:
+def make_backend(name: str, device: torch.device | str, block_size: int,
+                 dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
     """'torch' | 'flash' | 'cpu' | 'auto'.
 
     'cpu' is the C++ CPU kernel (JIT-built on first use); 'auto' picks flash on CUDA when installed and
-    the block size allows, the cpu kernel on CPU when it builds, else torch."""
+    the block size and ``dtype`` (the KV cache's: flash-attn has half-precision kernels only) allow, the cpu
+    kernel on CPU when it builds, else torch."""
     from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_available, cpu_kernel_error
-    from modeling.attention.flash_backend import FLASH_BLOCK_MULTIPLE, FlashAttentionBackend, flash_attn_available
+    from modeling.attention.flash_backend import (FLASH_BLOCK_MULTIPLE, FLASH_DTYPES, FlashAttentionBackend,
+                                                  flash_attn_available)
 
     if name not in BACKENDS:
         raise ValueError(f"attention_backend: unknown {name!r}; allowed: {', '.join(BACKENDS)}")
@@ -57,7 +60,8 @@ def make_backend(name: str, device: torch.device | str, block_size: int) -> Atte
         if not cpu_kernel_available():
             raise ValueError(f"attention_backend: 'cpu' kernel unavailable ({cpu_kernel_error()}); use 'torch'")
         return CpuPagedAttentionBackend()
-    if name == "auto" and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0 and flash_attn_available():
+    if (name == "auto" and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0
+            and dtype in FLASH_DTYPES and flash_attn_available()):
         return FlashAttentionBackend(block_size)
     if name == "auto" and device.type == "cpu" and cpu_kernel_available():
         return CpuPagedAttentionBackend()

@@ -15,6 +15,7 @@ import torch
 from modeling.attention.metadata import AttentionMetadata
 
 FLASH_BLOCK_MULTIPLE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn has no float32 kernels
 
 
 def flash_attn_available() -> bool:
@@ -43,9 +44,16 @@ class FlashAttentionBackend:
         except ImportError as err:
             raise RuntimeError("attention backend 'flash' needs the flash-attn package (pip install magicserve[gpu])") from err
         self._varlen = flash_attn_varlen_func
+        from modeling.attention.torch_backend import TorchAttentionBackend
+
+        self._gather = TorchAttentionBackend()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D]."""
+        if meta.window_starts is not None and not self._block_aligned(meta):
+            # a sink + window view that does not fall on block boundaries cannot be a block table: the
+            # torch backend gathers it (draft passes only; the target's passes stay on flash)
+            return self._gather.forward(q, k, v, k_cache, v_cache, meta)
         t = meta.tensors(q.device)
         if meta.window_starts is None:
             tables, seq_lens = t["block_tables"], t["seq_lens"]
@@ -60,6 +68,11 @@ class FlashAttentionBackend:
             max_seqlen_q=max_q, max_seqlen_k=int(seq_lens.max().item()),
             causal=True, block_table=tables,
         )
+
+    @staticmethod
+    def _block_aligned(meta: AttentionMetadata) -> bool:
+        bs = meta.block_size
+        return meta.sink_len % bs == 0 and all(max(w, meta.sink_len) % bs == 0 for w in meta.window_starts)
 
     @staticmethod
     def _sparse_tables(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
