@@ -7,6 +7,7 @@ decode TP d.
      tokens/s;
    * a decode step at batch 16 x 4K context: plain (one token per sequence) and speculative (k = 3 draft
      passes over the sink + window view, then one verification pass of k + 1 tokens);
+   * a decode step of one sequence at a 128-token context (fixed costs and all-reduce latency);
    * the all-reduce share: time inside the model's all-reduces on rank 0 over the pass time.
 2. KV move: a 4K and a 16K-token prompt's KV (bfloat16) from p prefill ranks to d decode ranks, each
    receiver rank getting exactly its heads from the sender rank holding them (``kv_transfer/heads.py``),
@@ -44,6 +45,7 @@ from modeling.tp import TPShard  # noqa: E402
 RESULTS = os.path.join(_HERE, "results")
 MODEL = os.path.join(os.path.dirname(_HERE), "models", "stdlib-llama-15m")
 BLOCK = 16
+SMALL_CONTEXT = 128
 
 
 # -- processes ----------------------------------------------------------------------------------------
@@ -125,6 +127,9 @@ def compute_rank(rank: int, size: int, rdv, args) -> dict:
     def decode():
         runner.run([StepInput([7], ctx, t) for t in tables])
 
+    def decode_small():  # one sequence, short context: the step is mostly fixed costs (and all-reduce latency)
+        runner.run([StepInput([7], SMALL_CONTEXT, tables[0])])
+
     sink, window = 16, 240
     starts = [max(sink, ctx + 1 - window)] * batch
 
@@ -134,7 +139,8 @@ def compute_rank(rank: int, size: int, rdv, args) -> dict:
         runner.run([StepInput([7] * (k + 1), ctx, t, num_logits=k + 1) for t in tables])
 
     out = {}
-    for name, fn in (("prefill", prefill), ("decode", decode), ("speculative", speculate)):
+    for name, fn in (("prefill", prefill), ("decode", decode), ("speculative", speculate),
+                     ("decode_small", decode_small)):
         seconds, share = _timed(fn, args.repeats, group)
         out[name] = {"ms": 1e3 * seconds, "all_reduce_share": share}
     out["prefill"]["tokens_per_s"] = ctx / (out["prefill"]["ms"] / 1e3)
@@ -261,12 +267,18 @@ def write_markdown(meta: dict, compute: dict, kv: list[dict], path: str) -> None
                 "| | TP 1, 2 threads | TP 1, 1 thread | TP 2, 1 thread per rank | TP 2 / TP 1 (2 threads) | "
                 "all-reduce share of the TP 2 step |\n|---|---:|---:|---:|---:|---:|\n")
         for name, label in (("prefill", f"prefill {meta['context']} (ms)"), ("decode", "decode step (ms)"),
-                            ("speculative", "speculative step (ms)")):
+                            ("speculative", "speculative step (ms)"),
+                            ("decode_small", f"decode step, batch 1 x {SMALL_CONTEXT} (ms)")):
             f.write(f"| {label} | {base[name]['ms']:.1f} | {one[name]['ms']:.1f} | {tp2[name]['ms']:.1f} | "
                     f"{tp2[name]['ms'] / base[name]['ms']:.2f}x | {tp2[name]['all_reduce_share']:.0%} |\n")
         f.write(f"| prefill tokens/s | {base['prefill']['tokens_per_s']:.0f} | {one['prefill']['tokens_per_s']:.0f} | "
                 f"{tp2['prefill']['tokens_per_s']:.0f} | | |\n\n"
                 "Target: TP 2 within 1.3x of TP 1 on 2 threads for the 4K prefill and the batch-16 x 4K decode step.\n\n"
+                f"Each TP 2 pass makes {2 * meta['layers']} all-reduces (after o_proj and down_proj in every layer), "
+                "each one send/recv exchange between the two ranks over loopback TCP: on the batch-1 step that is "
+                f"{tp2['decode_small']['ms'] * tp2['decode_small']['all_reduce_share'] / (2 * meta['layers']):.2f} ms per "
+                "all-reduce, mostly latency, so small steps cost more in TP 2 than in one 2-thread process; large "
+                "steps (long prompts, big batches) split their compute in two and come out ahead.\n\n"
                 "## Moving a prompt's KV (bfloat16) from prefill TP p to decode TP d\n\n"
                 "Begin to the last leg's DONE; every decode rank receives exactly its heads from the prefill rank "
                 "holding them.\n\n| tokens | MB | p -> d | legs | ms | vs p == d = 1 |\n|---:|---:|---|---:|---:|---:|\n")
@@ -281,7 +293,7 @@ def plot(compute: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["prefill", "decode", "speculative"]
+    names = ["prefill", "decode", "speculative", "decode_small"]
     labels = {"tp1_2threads": "TP 1, 2 threads", "tp1_1thread": "TP 1, 1 thread", "tp2_1thread_each": "TP 2"}
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.27
@@ -293,7 +305,8 @@ def plot(compute: dict, path: str) -> None:
             ax.bar([x + (i - 1) * width for x in range(len(names))], shares, width, color="black", alpha=0.35,
                    label="all-reduce part of TP 2")
     ax.axhline(1.3, color="red", linestyle="--", linewidth=1, label="target 1.3x")
-    ax.set_xticks(range(len(names)), ["prefill 4K", "decode 16 x 4K", "speculative k=3"])
+    ax.set_xticks(range(len(names)), ["prefill 4K", "decode 16 x 4K", "speculative k=3",
+                                      f"decode 1 x {SMALL_CONTEXT}"])
     ax.set_ylabel("time / TP 1 on 2 threads")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -315,7 +328,8 @@ def main() -> None:
     kv = measure_kv(args)
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "model": os.path.relpath(args.model, os.path.dirname(_HERE)), "context": args.context, "chunk": args.chunk,
-            "batch": args.batch, "k": args.k, "repeats": args.repeats, "loadavg_1m": os.getloadavg()[0],
+            "batch": args.batch, "k": args.k, "repeats": args.repeats,
+            "layers": load_config(args.model).num_hidden_layers, "loadavg_1m": os.getloadavg()[0],
             "command": " ".join(["python benchmarks/tp_scaling.py"] + sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

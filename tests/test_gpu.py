@@ -37,6 +37,7 @@ from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.runner import ModelRunner, StepInput
 from modeling.sampling import SamplingParams
 from tests.checkpoints import VOCAB
+from tests.test_decode_worker import run_worker
 from tests.kv_procs import context, run_procs
 
 pytestmark = pytest.mark.gpu
@@ -263,27 +264,7 @@ def test_flash_runner_matches_torch_runner_in_the_same_dtype(llama_dir, dtype):
 
 
 # -- 2. speculative decoding on CUDA: greedy output equals autoregressive output ------------------------
-
-def run_worker(worker: DecodeWorker, prompts, params, join_every=0) -> list[list[int]]:
-    """Decode every prompt to completion (with join_every > 0, one prompt joins every few steps)."""
-    outs: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-
-    def take(deltas):
-        for d in deltas:
-            outs.setdefault(d.request_id, []).extend(d.token_ids)
-
-    steps = 0
-    while pending or worker.has_work():
-        if pending and (join_every == 0 or steps % join_every == 0):
-            batch = pending if join_every == 0 else pending[:1]
-            for i, p in batch:
-                take(worker.add_local(f"r{i}", p, params[i] if isinstance(params, list) else params))
-            pending = pending[len(batch):]
-        take(worker.step())
-        steps += 1
-    return [outs[f"r{i}"] for i in range(len(prompts))]
-
+# (run_worker: tests/test_decode_worker.py's loop, a prompt joining every few steps when asked)
 
 def cuda_worker(directory, dtype="float32", backend="torch", block_size=16, kv_tokens=16384, profile=False,
                 **spec) -> DecodeWorker:

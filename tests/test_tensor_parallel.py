@@ -237,10 +237,11 @@ def decode_rank(path, rdv, rank, p, d, handoff):
         worker.close()
 
 
-@pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (2, 4), (4, 2)])
 def test_prefill_tp_to_decode_tp_matches_the_engine(checkpoint_dir, p, d):
     """Each decode rank receives exactly its KV heads from the prefill rank holding them (2 KV heads: with
-    d = 4 each head lives on two decode ranks); greedy and seeded-sampled tokens equal the engine's."""
+    d = 4 each head lives on two decode ranks, with p = 4 on two prefill ranks, one of which sends it);
+    greedy and seeded-sampled tokens equal the engine's."""
     from tests.kv_procs import context
 
     path = checkpoint_dir("llama_gqa")
