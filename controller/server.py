@@ -219,7 +219,7 @@ async def start_server(config: ClusterConfig, servicer: MagicServeServicer) -> t
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),
     ])
-    pb_grpc.add_MagicServeServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
@@ -236,6 +236,44 @@ async def start_server(config: ClusterConfig, servicer: MagicServeServicer) -> t
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
+
+
+def add_servicer(servicer, server) -> None:
+    """Register the MagicServe methods, as the generated ``add_MagicServeServicer_to_server`` does, but
+    decoding each request ourselves: a body that is not the method's message is INVALID_ARGUMENT naming
+    the expected type (grpc's own deserializer failure would reach the client as an opaque error)."""
+    from google.protobuf.message_factory import GetMessageClass
+
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["MagicServe"].methods:
+        request_cls, response_cls = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
+        impl = getattr(servicer, method.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(_decoding(impl, request_cls, method.server_streaming),
+                                     request_deserializer=None, response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _decoding(impl, request_cls, streaming: bool):
+    """``impl`` (an async method of the servicer) taking the raw request bytes instead of the message."""
+    async def decode(raw: bytes, context):
+        from google.protobuf.message import DecodeError
+
+        try:
+            return request_cls.FromString(raw)
+        except DecodeError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {request_cls.DESCRIPTOR.full_name} message ({err})")
+
+    if streaming:
+        async def stream(raw: bytes, context):
+            async for item in impl(await decode(raw, context), context):
+                yield item
+        return stream
+
+    async def unary(raw: bytes, context):
+        return await impl(await decode(raw, context), context)
+    return unary
 
 
 def build_router(config: ClusterConfig, cluster) -> Router:

@@ -105,6 +105,23 @@ def test_invalid_requests_name_the_field(server, kwargs, field):
         assert c.generate([5, 6], max_tokens=2).finish_reason in ("length", "stop")  # still serving
 
 
+@pytest.mark.parametrize("method,streaming", [("Generate", True), ("GenerateUnary", False),
+                                              ("GetClusterStatus", False)])
+def test_undecodable_request_is_invalid_argument(server, method, streaming):
+    """Bytes that are not the method's message: INVALID_ARGUMENT naming the expected type; still serving."""
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length-delimited, length past the end
+    with grpc.insecure_channel(server) as ch:
+        call = (ch.unary_stream if streaming else ch.unary_unary)(f"/magicserve.v1.MagicServe/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            result = call(garbage, timeout=30)
+            if streaming:
+                list(result)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid magicserve.v1." in info.value.details()
+    with Client(server) as c:
+        assert c.generate([5, 6], max_tokens=2).finish_reason in ("length", "stop")
+
+
 def test_health_and_reflection(server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
