@@ -11,6 +11,7 @@ The classes are plain; ``ray_actor_class`` wraps them with ``ray.remote`` (threa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -327,9 +328,11 @@ class RankFollowerActor:
         return os.getpid()
 
 
+@functools.cache
 def ray_actor_class(cls):
     """``ray.remote`` version of an actor class: threaded (poll / submit run beside the loop). Ray does not
-    restart it: the controller replaces a dead instance as a whole (every rank, new groups and channels)."""
+    restart it: the controller replaces a dead instance as a whole (every rank, new groups and channels).
+    One per class: every instance and restart reuses it."""
     import ray
 
     return ray.remote(max_concurrency=16, max_restarts=0, max_task_retries=0)(cls)

@@ -151,7 +151,7 @@ class Cluster:
         import ray
 
         ray.get([i.handle.ping.remote() for i in self.instances]
-                + [f.ping.remote() for fs in self.followers.values() for f in fs])  # every rank
+                + [f.ping.remote() for fs in self.followers.values() for f in fs])
 
     def _init_ray(self, ray) -> None:
         rc = self.config.ray

@@ -17,6 +17,7 @@ import os
 import re
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -257,8 +258,6 @@ def add_servicer(servicer, server) -> None:
 def _decoding(impl, request_cls, streaming: bool):
     """``impl`` (an async method of the servicer) taking the raw request bytes instead of the message."""
     async def decode(raw: bytes, context):
-        from google.protobuf.message import DecodeError
-
         try:
             return request_cls.FromString(raw)
         except DecodeError as err:

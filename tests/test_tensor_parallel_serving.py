@@ -113,6 +113,7 @@ def test_dead_or_hung_rank_fails_requests_and_the_instance_restarts_whole(llama_
         ray.kill(actor("magicserve-prefill-0-rank1"), no_restart=True)
         time.sleep(3.0)
         assert wait_all_alive(address)
+        assert ray.get(actor("magicserve-prefill-0-rank1-g1").ping.remote())  # replaced, not merely alive
         assert serves_the_reference(address)
         blocks = wait_all_free(address)  # the drivers' pools; the replaced followers held no blocks of their own
         assert all(free == total for free, total in blocks.values()), blocks
