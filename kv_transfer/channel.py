@@ -194,7 +194,10 @@ class PairChannel:
             rest = torch.empty(length - inline, dtype=torch.uint8)
             self._wait(self.ctrl.recv([rest], self.peer_rank, _CTRL_TAG), self._timeout)
             payload += rest.numpy().tobytes()
-        self._next_frame = self._post_frame_recv()  # the peer's next frame need not wait for us
+        try:
+            self._next_frame = self._post_frame_recv()  # the peer's next frame need not wait for us
+        except RuntimeError:  # the peer already closed the pair (e.g. it refused our HELLO): this frame
+            self._next_frame = None  # still counts, and the next recv_frame reports the closed pair
         return kind, payload
 
     def _post_frame_recv(self) -> tuple[dist.Work, torch.Tensor]:
