@@ -35,10 +35,15 @@ setup(
         "tokenizers>=0.15",
         "tqdm>=4.60",
         "numpy>=1.24",
+        # the OpenAI-compatible HTTP front, its chat templates and Prometheus metrics
+        "starlette>=0.37",
+        "uvicorn>=0.30",
+        "jinja2>=3.1.6",
+        "prometheus_client>=0.20",
     ],
     extras_require={
         "gpu": ["flash-attn>=2.5"],
-        "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5"],
+        "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5", "openai>=1.40"],
     },
     entry_points={"console_scripts": ["magicserve=controller.cli:main"]},
 )

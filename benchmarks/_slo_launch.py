@@ -137,13 +137,16 @@ def http_healthy(url: str) -> Callable[[], bool]:
     return check
 
 
-def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float) -> ManagedServer:
-    """``magicserve serve --config CONFIG --port PORT``, run as ``python -m controller.cli`` with this
-    interpreter and this checkout (the console script could belong to another install)."""
-    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port)]
+def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float,
+                      http_port: int | None = None) -> ManagedServer:
+    """``magicserve serve --config CONFIG --port PORT`` (and ``--http-port`` where given: then ready once
+    the HTTP front answers ``/health``), run as ``python -m controller.cli`` with this interpreter and this
+    checkout (the console script could belong to another install)."""
+    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port),
+            "--http-port", str(http_port if http_port is not None else -1)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return ManagedServer("magicserve", argv, grpc_healthy(f"{host}:{port}"), startup_timeout_s, env=env,
-                         stop_grace_s=60.0)
+    healthy = grpc_healthy(f"{host}:{port}") if http_port is None else http_healthy(f"http://{host}:{http_port}/health")
+    return ManagedServer("magicserve", argv, healthy, startup_timeout_s, env=env, stop_grace_s=60.0)
 
 
 def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: float, startup_timeout_s: float,

@@ -321,9 +321,21 @@ async def post_sse(host: str, port: int, path: str, payload: dict) -> AsyncItera
                 yield event
 
 
+def queue_gauges(metrics_text: str) -> float | None:
+    """Running + waiting requests in a Prometheus exposition (vLLM's or magicserve's gauges); None when
+    it has neither."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.split(":", 1)[-1] in ("num_requests_running", "num_requests_waiting") and ":" in name:
+            seen = True
+            total += float(line.rsplit(" ", 1)[1])
+    return total if seen else None
+
+
 class OpenAITarget:
-    """An OpenAI-compatible ``/v1/completions`` endpoint, streamed (vLLM's extensions: ``ignore_eos``,
-    ``return_token_ids``; prompt as a token-id list)."""
+    """An OpenAI-compatible ``/v1/completions`` endpoint, streamed (vLLM's extensions, which magicserve's
+    HTTP front also takes: ``ignore_eos``, ``return_token_ids``; prompt as a token-id list)."""
 
     kind = "openai"
 
@@ -376,9 +388,24 @@ class OpenAITarget:
         record.finish(finish, clock(), usage_tokens)
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """vLLM aborts a request when its connection closes; give it a moment to do so."""
-        await asyncio.sleep(min(1.0, timeout_s))
-        return True
+        """Poll ``/metrics`` until the server's running and waiting request gauges (vLLM's ``vllm:`` or
+        magicserve's ``magicserve:`` ``num_requests_running`` / ``num_requests_waiting``) are 0; a server
+        without them gets a moment to abort the requests whose connections closed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                status, body = await http_get_json(self.host, self.port, "/metrics")
+            except OSError:
+                status, body = 0, None
+            busy = queue_gauges(body) if status == 200 and isinstance(body, str) else None
+            if busy is None:
+                await asyncio.sleep(min(1.0, timeout_s))
+                return True
+            if busy == 0:
+                return True
+            await asyncio.sleep(0.25)
+        return False
 
     async def close(self) -> None:
         return None

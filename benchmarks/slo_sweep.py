@@ -5,8 +5,10 @@ with attainment >= the target).
     # against a running magicserve server (gRPC) or one this script starts and stops
     python benchmarks/slo_sweep.py --target grpc --address 127.0.0.1:50051 --workload chat --rates 0.2,0.5,1
     python benchmarks/slo_sweep.py --target grpc --launch cluster_configs/local.yaml --rates 0.2,0.5
-    # against an OpenAI-compatible server (vLLM's CPU build from .peers/vllm, started and stopped here)
+    # against an OpenAI-compatible server: vLLM's CPU build from .peers/vllm, or magicserve's own HTTP front
+    # (the same client path for both), started and stopped here
     python benchmarks/slo_sweep.py --target openai --launch-vllm models/stdlib-llama-15m --rates 0.2,0.5
+    python benchmarks/slo_sweep.py --target openai --launch cluster_configs/local.yaml --rates 0.2,0.5
     # several sweeps on one figure, goodput per core: benchmarks/slo_compare.py
 
 The trace (``controller.planner.workload``): ``--num-requests`` requests of the workload's length
@@ -473,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--url", default=None, help="openai: http://host:port of a running server (e.g. vllm serve)")
     t.add_argument("--served-model", default=None, help="openai: model name to request (default: the first served)")
     t.add_argument("--launch", metavar="CONFIG", default=None,
-                   help="grpc: start `magicserve serve --config CONFIG` for the sweep and stop it afterwards")
+                   help="start `magicserve serve --config CONFIG` for the sweep and stop it afterwards "
+                        "(grpc: its gRPC port; openai: its OpenAI-compatible HTTP front)")
     t.add_argument("--launch-vllm", metavar="MODEL_DIR", default=None,
                    help="openai: start vLLM's OpenAI server on MODEL_DIR for the sweep and stop it afterwards")
     t.add_argument("--vllm-python", default=os.path.join(ROOT, ".peers", "vllm", "bin", "python"))
@@ -522,6 +525,8 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
 
     ascending_positive("--rates", args.rates)
     ascending_positive("--slo-scales", args.slo_scales)
+    if args.launch and not os.path.isfile(args.launch):
+        ap.error(f"--launch: config file {args.launch!r} not found")
     if args.target == "grpc":
         if args.url or args.launch_vllm:
             ap.error("--url / --launch-vllm: only with --target openai")
@@ -529,13 +534,12 @@ def validate(ap: argparse.ArgumentParser, args) -> None:
             ap.error("--target grpc: give exactly one of --address HOST:PORT or --launch CONFIG")
         if args.address and (":" not in args.address or not args.address.rsplit(":", 1)[1].isdigit()):
             ap.error(f"--address: need host:port, got {args.address!r}")
-        if args.launch and not os.path.isfile(args.launch):
-            ap.error(f"--launch: config file {args.launch!r} not found")
     else:
-        if args.address or args.launch:
-            ap.error("--address / --launch: only with --target grpc")
-        if bool(args.url) == bool(args.launch_vllm):
-            ap.error("--target openai: give exactly one of --url http://HOST:PORT or --launch-vllm MODEL_DIR")
+        if args.address:
+            ap.error("--address: only with --target grpc (give --url http://HOST:PORT)")
+        if sum(bool(x) for x in (args.url, args.launch_vllm, args.launch)) != 1:
+            ap.error("--target openai: give exactly one of --url http://HOST:PORT, --launch-vllm MODEL_DIR "
+                     "or --launch CONFIG")
         if args.url:
             try:
                 parse_http_url(args.url)
@@ -583,7 +587,9 @@ def resolve(ap: argparse.ArgumentParser, args) -> list[RequestSpec] | None:
     if launched is not None:
         host = launched.server.host if launched.server.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         args.address = f"{host}:{free_port()}"
-    args.label = args.label or ("magicserve" if args.target == "grpc" else "vllm")
+        if args.target == "openai":  # the launched server's HTTP front
+            args.url = f"http://{host}:{free_port()}"
+    args.label = args.label or ("magicserve" if args.target == "grpc" or args.launch else "vllm")
     args.cores = args.cores or float(os.cpu_count() or 1)
     args.out = args.out or os.path.join(RESULTS, f"slo_sweep_{args.workload if not args.trace else 'trace'}_{args.label}")
     base = None
@@ -622,7 +628,8 @@ def launched_server(args):
     """The server the flags ask to start (None for an external one); stopped on the way out."""
     if args.launch:
         host, port = args.address.rsplit(":", 1)
-        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s)
+        http_port = parse_http_url(args.url)[1] if args.target == "openai" else None
+        server = magicserve_server(args.launch, host, int(port), args.launch_timeout_s, http_port)
     elif args.launch_vllm:
         port = free_port()
         args.url = f"http://127.0.0.1:{port}"

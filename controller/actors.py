@@ -176,7 +176,7 @@ class PrefillActor(_LoopActor):
 
     def status(self) -> dict:
         with self._gate.call():
-            return _scheduler_status(self.instance_id, "prefill", self.worker)
+            return {**_scheduler_status(self.instance_id, "prefill", self.worker), **self.worker.transfer_stats()}
 
     def _step(self) -> list:
         if not self.worker.has_work() and not self.worker.transfers_pending():
@@ -223,7 +223,9 @@ class DecodeActor(_LoopActor):
                     "queue_length": w.num_waiting_for_kv, "running": w.num_running,
                     "free_kv_blocks": w.pool.num_free, "total_kv_blocks": w.pool.num_blocks,
                     "acceptance_rate": m["acceptance_rate"], "mean_accepted_length": m["mean_accepted_length"],
-                    "tokens_generated": m["tokens"]}
+                    "tokens_generated": m["tokens"], "draft_tokens": m["draft_tokens"],
+                    "accepted_tokens": m["accepted_tokens"], "spec_steps": m["seq_spec_steps"],
+                    "k_counts": m["k_counts"], "last_k": m["last_k"]}
 
     def _step(self) -> list:
         return self.worker.step()  # polls the KV receiver even when idle: handshakes wait on it

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a cluster config over gRPC")
     serve.add_argument("--config", default=LOCAL_CONFIG, help="cluster config YAML (default: the embedded local.yaml)")
-    serve.add_argument("--port", type=int, default=None, help="override server.port")
+    serve.add_argument("--port", type=int, default=None, help="override server.port (gRPC)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="override server.http_port (the OpenAI-compatible HTTP front and /metrics; -1: off)")
     serve.add_argument("--pass-log-rpc", action="store_true",
                        help="override server.pass_log_rpc: serve DrainPassLog (the workers' timed passes)")
     gen = sub.add_parser("generate", help="stream a completion from a server")
@@ -158,12 +160,15 @@ def cmd_serve(args) -> int:
     from controller.server import serve_forever
 
     server = {**({"port": args.port} if args.port is not None else {}),
+              **({"http_port": args.http_port if args.http_port >= 0 else None} if args.http_port is not None else {}),
               **({"pass_log_rpc": True} if args.pass_log_rpc else {})}
     config = load_config(args.config, {"server": server} if server else None)
 
-    def ready(port: int) -> None:
-        print(f"magicserve: serving {config.model_path} on {config.server.host}:{port} "
-              f"({config.describe_pools()}); Ctrl-C to stop", flush=True)
+    def ready(ports) -> None:
+        host = config.server.host
+        http = f", OpenAI-compatible HTTP on http://{host}:{ports.http}/v1" if ports.http is not None else ""
+        print(f"magicserve: serving {config.model_path} ({config.describe_pools()}): gRPC on {host}:{ports.grpc}"
+              f"{http}; Ctrl-C to stop", flush=True)
 
     asyncio.run(serve_forever(config, ready_callback=ready))
     return 0
@@ -225,7 +230,7 @@ def cmd_demo(args) -> int:
     from controller.config import load_config
     from controller.server import serve_forever
 
-    config = load_config(args.config, {"server": {"port": 0}})
+    config = load_config(args.config, {"server": {"port": 0, "http_port": None}})
     print(f"magicserve demo: {config.describe_pools()} on a local Ray cluster, model {config.model_path}")
     start = time.perf_counter()
     ready: list[int] = []
@@ -246,9 +251,9 @@ def cmd_demo(args) -> int:
         time.sleep(0.1)
     if not ready:
         raise RuntimeError(f"cluster failed to start: {state.get('error')}")
-    print(f"cluster up in {time.perf_counter() - start:.1f}s, gRPC on 127.0.0.1:{ready[0]}\n")
+    print(f"cluster up in {time.perf_counter() - start:.1f}s, gRPC on 127.0.0.1:{ready[0].grpc}\n")
     try:
-        with Client(f"127.0.0.1:{ready[0]}") as client:
+        with Client(f"127.0.0.1:{ready[0].grpc}") as client:
             for prompt in DEMO_PROMPTS:
                 print(f"--- prompt ---\n{prompt}", end="")
                 sys.stdout.write("\033[1m")

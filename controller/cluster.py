@@ -290,6 +290,8 @@ class Cluster:
     # -- status and shutdown ----------------------------------------------------------------------
 
     async def statuses(self) -> list[dict]:
+        """Every instance's ``status()`` (zeros where it does not answer within 5 s), with ``alive`` and
+        ``generation`` (how many times it was replaced: its counters restarted at 0 each time)."""
         out = []
         for inst in self.instances:
             try:
@@ -300,6 +302,7 @@ class Cluster:
                 st = {"name": inst.name, "role": inst.role, "device": "", "queue_length": 0, "running": 0,
                       "free_kv_blocks": 0, "total_kv_blocks": 0}
             st["alive"] = inst.alive and st.get("device", "") != ""
+            st["generation"] = inst.generation
             out.append(st)
         return out
 

@@ -167,7 +167,8 @@ class SLOSection:
 @dataclass(frozen=True)
 class ServerSection:
     host: str = "127.0.0.1"  # localhost unless configured
-    port: int = 50051
+    port: int = 50051  # gRPC (0: any free port)
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP front and /metrics (0: any free port; null: off)
     tls_cert: str = ""  # PEM files; both or neither
     tls_key: str = ""
     auth_token_env: str = ""  # name of an environment variable holding a bearer token ("" = no auth)
@@ -181,6 +182,10 @@ class ServerSection:
         errs = []
         if not 0 <= self.port <= 65535:
             errs.append(("port", f"must be in [0, 65535], got {self.port}"))
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            errs.append(("http_port", f"must be in [0, 65535] or null (no HTTP front), got {self.http_port}"))
+        elif self.http_port and self.http_port == self.port:
+            errs.append(("http_port", f"must differ from port ({self.port})"))
         if bool(self.tls_cert) != bool(self.tls_key):
             errs.append(("tls_cert", "tls_cert and tls_key must be given together"))
         local = self.host in ("127.0.0.1", "localhost", "::1")
@@ -191,6 +196,15 @@ class ServerSection:
         if self.workers < 1:
             errs.append(("workers", f"must be >= 1, got {self.workers}"))
         return errs
+
+    def token(self) -> str | None:
+        """The bearer token both fronts require (read from ``auth_token_env``; None: no auth)."""
+        if not self.auth_token_env:
+            return None
+        token = os.environ.get(self.auth_token_env, "")
+        if not token:
+            raise ValueError(f"server.auth_token_env: environment variable {self.auth_token_env} is empty or unset")
+        return token
 
 
 @dataclass(frozen=True)

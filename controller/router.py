@@ -18,6 +18,7 @@ failed or cancelled, and the counters say how many are where.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from controller.actors import ColocatedRequest, WorkerCrashed
+from controller.metrics import FinishedRequest, ServingMetrics
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from decode_worker.messages import DecodeFailure, DecodeRequest, TokenDelta
 from modeling.params import SamplingParams
@@ -100,7 +102,8 @@ class Router:
     kv_transfer = True  # requests go prefilling -> transferring -> decoding
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_concurrent: int, max_queue: int,
-                 request_timeout_s: float = 600.0, restart=None, check_ranks=None):
+                 request_timeout_s: float = 600.0, restart=None, check_ranks=None,
+                 metrics: ServingMetrics | None = None):
         self.prefill = prefill
         self.decode = decode
         self.instances = prefill + decode  # every instance the router polls
@@ -118,6 +121,7 @@ class Router:
         # reach (a tensor-parallel follower) died or hung
         self._restart = restart
         self._check_ranks = check_ranks
+        self.metrics = metrics  # told of every first token, token batch, finish and failure
         self._closing = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -149,7 +153,12 @@ class Router:
         if request_id in self._active:
             raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already running")
         arrival = time.perf_counter()  # before admission: the TTFT reported includes any wait for a slot
-        await self._admit()
+        try:
+            await self._admit()
+        except RouterError as err:
+            if self.metrics is not None:
+                self.metrics.failed(err.code)
+            raise
         record = RequestRecord(request_id, self.counters, self.kv_transfer)
         active = _Active(record, list(prompt_ids), params, asyncio.Queue(), arrival)
         self._active[request_id] = active
@@ -162,6 +171,8 @@ class Router:
             raise
         except RouterError as err:
             self._end(active, RequestState.FAILED, str(err))
+            if self.metrics is not None:
+                self.metrics.failed(err.code)
             raise
         finally:
             self._release(active)
@@ -241,14 +252,23 @@ class Router:
     async def _stream(self, active: _Active) -> AsyncIterator[Delta | Final]:
         rid = active.record.request_id
         deadline = time.monotonic() + self.request_timeout_s
+        # decode deltas that overtook the prefill instance's first token (each instance is polled on its
+        # own): held until the first token has gone out, so tokens stream in order
+        early: collections.deque = collections.deque()
         while True:
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 self._cancel_active(active, "timed out")
                 raise RouterError("DEADLINE_EXCEEDED", f"request ran longer than {self.request_timeout_s}s")
-            try:
-                kind, payload = await asyncio.wait_for(active.events.get(), timeout)
-            except asyncio.TimeoutError:
+            if early and active.record.state is not RequestState.PREFILLING:
+                kind, payload = "delta", early.popleft()
+            else:
+                try:
+                    kind, payload = await asyncio.wait_for(active.events.get(), timeout)
+                except asyncio.TimeoutError:
+                    continue
+            if kind == "delta" and self.kv_transfer and active.record.state is RequestState.PREFILLING:
+                early.append(payload)
                 continue
             if kind == "cancelled":
                 return
@@ -268,6 +288,7 @@ class Router:
             elif kind == "failed":
                 reason, retryable = payload
                 if retryable and active.tokens_streamed == 0 and active.record.retries < MAX_RETRIES:
+                    early.clear()  # the re-run streams afresh
                     await self._retry_or_fail(active, reason)
                 else:
                     self._cancel_on_workers(active)
@@ -277,6 +298,8 @@ class Router:
         active.record.to(RequestState.TRANSFERRING)
         active.first_token_at = active.last_token_at = time.perf_counter()
         active.tokens_streamed = 1
+        if self.metrics is not None:
+            self.metrics.first_token(active.first_token_at - active.arrival)
         return Delta([first.token_id], "")  # its text comes with the decode worker's first delta
 
     def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
@@ -287,7 +310,10 @@ class Router:
         active.draft_tokens += delta.draft_tokens
         active.accepted_tokens += delta.accepted_tokens
         if ids:
-            active.last_token_at = time.perf_counter()
+            now = time.perf_counter()
+            if self.metrics is not None and active.tokens_streamed > len(ids):  # not the request's first token
+                self.metrics.tokens(len(ids), now - active.last_token_at)
+            active.last_token_at = now
         if not ids and not delta.text:
             return None
         return Delta(ids, delta.text)
@@ -295,8 +321,12 @@ class Router:
     def _final(self, active: _Active, reason: str | None) -> Final:
         n = active.tokens_streamed
         tpot = (active.last_token_at - active.first_token_at) / (n - 1) if n > 1 else 0.0
-        return Final(reason or "stop", len(active.prompt_ids), n, active.first_token_at - active.arrival, tpot,
-                     active.draft_tokens, active.accepted_tokens)
+        final = Final(reason or "stop", len(active.prompt_ids), n, active.first_token_at - active.arrival, tpot,
+                      active.draft_tokens, active.accepted_tokens)
+        if self.metrics is not None:
+            self.metrics.finished(FinishedRequest(final.finish_reason, final.prompt_tokens, n, final.ttft_s, tpot,
+                                                  time.perf_counter() - active.arrival))
+        return final
 
     # -- failures ---------------------------------------------------------------------------------
 
@@ -434,9 +464,9 @@ class ColocatedRouter(Router):
     kv_transfer = False
 
     def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0,
-                 restart=None, check_ranks=None):
+                 restart=None, check_ranks=None, metrics: ServingMetrics | None = None):
         # the instances stand where decode instances do: each holds its requests' KV until they end
-        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s, restart, check_ranks)
+        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s, restart, check_ranks, metrics)
 
     async def _place(self, active: _Active) -> None:
         rid = active.record.request_id
@@ -450,5 +480,7 @@ class ColocatedRouter(Router):
     def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
         if active.record.state is RequestState.PREFILLING:  # the first token: prefill is done
             active.record.to(RequestState.DECODING)
-            active.first_token_at = time.perf_counter()
+            active.first_token_at = active.last_token_at = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.first_token(active.first_token_at - active.arrival)
         return super()._on_delta(active, delta)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -210,12 +211,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 async def start_server(config: ClusterConfig, servicer: MagicServeServicer) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     sc = config.server
-    interceptors = []
-    if sc.auth_token_env:
-        token = os.environ.get(sc.auth_token_env, "")
-        if not token:
-            raise ValueError(f"server.auth_token_env: environment variable {sc.auth_token_env} is empty or unset")
-        interceptors.append(BearerTokenInterceptor(token))
+    token = sc.token()
+    interceptors = [BearerTokenInterceptor(token)] if token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),
@@ -275,38 +272,71 @@ def _decoding(impl, request_cls, streaming: bool):
     return unary
 
 
-def build_router(config: ClusterConfig, cluster) -> Router:
+def build_router(config: ClusterConfig, cluster, metrics=None) -> Router:
     """The router of the config's mode over a started cluster's instances."""
     lim = config.limits
     if config.mode == "colocated":
         return ColocatedRouter(cluster.colocated, lim.max_concurrent_requests, lim.max_queue_length,
-                               lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks)
+                               lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks,
+                               metrics=metrics)
     return Router(cluster.prefill, cluster.decode, lim.max_concurrent_requests, lim.max_queue_length,
-                  lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks)
+                  lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class BoundPorts:
+    """Where a started server listens: gRPC, and the HTTP front (None where ``server.http_port`` is null)."""
+
+    grpc: int
+    http: int | None
+
+
+def _openai_server(config: ClusterConfig, router: Router, metrics, tokenizer: TextTokenizer, mc, status_fn):
+    from controller.chat_template import ChatTemplate
+    from controller.http_server import OpenAIServer
+    from controller.openai_protocol import OpenAIProtocol
+
+    lim = config.limits
+    protocol = OpenAIProtocol(metrics.model_name, tokenizer, ChatTemplate.from_checkpoint(config.model_path),
+                              mc.vocab_size, lim.max_prompt_tokens, lim.max_tokens, mc.max_position_embeddings)
+    return OpenAIServer(router, protocol, metrics, status_fn, token=config.server.token())
 
 
 async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: asyncio.Event | None = None) -> None:
-    """Bring up the cluster and serve until ``stop_event`` (or SIGINT/SIGTERM); drains on the way out."""
+    """Bring up the cluster and serve gRPC and the HTTP front until ``stop_event`` (or SIGINT/SIGTERM);
+    drains on the way out. ``ready_callback(BoundPorts)`` once both listen."""
     import signal
 
     from controller.cluster import Cluster
+    from controller.http_server import HttpServer
+    from controller.metrics import ServingMetrics
     from modeling.checkpoint import load_config as load_model_config
 
     cluster = Cluster(config)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, cluster.start)
+    http = None
     try:
         tokenizer = TextTokenizer(config.model_path)
         mc = load_model_config(config.model_path)
-        router = build_router(config, cluster)
+        model_name = os.path.basename(config.model_path)
+        metrics = ServingMetrics(model_name)
+        router = build_router(config, cluster, metrics)
         router.start()
         validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens)
-        servicer = MagicServeServicer(router, validator, cluster.statuses, os.path.basename(config.model_path),
+        servicer = MagicServeServicer(router, validator, cluster.statuses, model_name,
                                       cluster.drain_pass_logs if config.server.pass_log_rpc else None)
         server, port, health_servicer = await start_server(config, servicer)
         log.info("serving magicserve.v1 on %s:%d", config.server.host, port)
+        http_port = None
+        if config.server.http_port is not None:
+            front = _openai_server(config, router, metrics, tokenizer, mc, cluster.statuses)
+            sc = config.server
+            http = HttpServer(front.app, sc.host, sc.http_port, sc.tls_cert, sc.tls_key)
+            http_port = await http.start()
+            log.info("serving the OpenAI-compatible API on %s:%d", sc.host, http_port)
         if ready_callback is not None:
-            ready_callback(port)
+            ready_callback(BoundPorts(port, http_port))
         stop_event = stop_event or asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -316,16 +346,20 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         await stop_event.wait()
         log.info("shutting down: draining in-flight requests")
         await health_servicer.enter_graceful_shutdown()
+        if http is not None:
+            front.accepting = False
         await router.stop(drain_timeout_s=30.0)
         await server.stop(grace=5.0)
     finally:
+        if http is not None:
+            await http.stop()
         cluster.shutdown()
 
 
 @contextlib.contextmanager
-def serve_in_thread(config: ClusterConfig, start_timeout_s: float = 180.0):
-    """Serve ``config`` (``server.port: 0`` picks a free port) on a background thread; yields
-    ``host:port`` and drains and shuts the cluster down on exit (profiler calibration, tests)."""
+def serving(config: ClusterConfig, start_timeout_s: float = 180.0):
+    """Serve ``config`` (``server.port: 0`` / ``http_port: 0`` pick free ports) on a background thread;
+    yields the ``BoundPorts`` and drains and shuts the cluster down on exit (profiler calibration, tests)."""
     import threading
     import time
 
@@ -351,7 +385,14 @@ def serve_in_thread(config: ClusterConfig, start_timeout_s: float = 180.0):
         thread.join(timeout=60)
         raise RuntimeError(f"server did not start within {start_timeout_s:.0f} s: {state.get('error')}")
     try:
-        yield f"{config.server.host}:{ready[0]}"
+        yield ready[0]
     finally:
         state["loop"].call_soon_threadsafe(state["stop"].set)
         thread.join(timeout=60)
+
+
+@contextlib.contextmanager
+def serve_in_thread(config: ClusterConfig, start_timeout_s: float = 180.0):
+    """:func:`serving`, yielding the gRPC address ``host:port``."""
+    with serving(config, start_timeout_s) as ports:
+        yield f"{config.server.host}:{ports.grpc}"

@@ -61,6 +61,19 @@ class SenderEvents:
 
 
 @dataclass
+class TransferStats:
+    """Cumulative counts of one sender since it started (a restarted instance starts again at 0):
+    transfers every receiver acknowledged, transfers that failed, the KV bytes the acknowledged ones
+    carried (this sender's heads, K and V of every layer) and their seconds from ``begin`` to the last
+    acknowledgement."""
+
+    completed: int = 0
+    failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class _Leg:
     request_id: str
     peer: str
@@ -81,6 +94,7 @@ class _Transfer:
     src_blocks: list[int]
     legs: list[_Leg]
     ready_blocks: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 class _PeerLink:
@@ -146,6 +160,7 @@ class KVSender:
         self._events: "queue.Queue[tuple]" = queue.Queue()
         self._stash = SenderEvents()  # events applied outside poll(), returned by the next poll()
         self._ids = itertools.count(1)
+        self.stats = TransferStats()
 
     # -- pairs ------------------------------------------------------------------------------------
 
@@ -316,6 +331,7 @@ class KVSender:
             if all(lg.state == "done" for lg in tr.legs):
                 del self._transfers[leg.request_id]
                 out.done.append(leg.request_id)
+                self._count_done(tr)
 
     def _on_broken(self, peer: str, err: TransferError, out: SenderEvents, channel: PairChannel) -> None:
         link = self._links.get(peer)
@@ -349,6 +365,15 @@ class KVSender:
     def _fail(self, request_id: str, err: TransferError, out: SenderEvents) -> None:
         if self._transfers.pop(request_id, None) is not None:
             out.failed.append(TransferFailure(request_id, err))
+            self.stats.failed += 1
+
+    def _count_done(self, tr: _Transfer) -> None:
+        kv = self.cache.kv  # [layers, 2, num_blocks, block_size, heads, D]
+        per_block_head = kv.shape[3] * kv.shape[5] * kv.element_size() * 2 * kv.shape[0]  # K and V, every layer
+        heads = sum(leg.heads_local.stop - leg.heads_local.start for leg in tr.legs)
+        self.stats.completed += 1
+        self.stats.bytes += len(tr.src_blocks) * heads * per_block_head
+        self.stats.seconds += time.monotonic() - tr.started
 
     def _find_leg(self, peer: str, transfer_id: int) -> _Leg | None:
         for tr in self._transfers.values():

@@ -84,6 +84,13 @@ class PrefillWorker:
         if isinstance(self.runner, TPDriverRunner):
             self.runner.stop()
 
+    def transfer_stats(self) -> dict:
+        """The KV sender's cumulative counts (``TransferStats``) for the whole instance: under tensor
+        parallelism every rank sends its own heads, so the bytes are rank 0's share times the ranks."""
+        st = self.sender.stats
+        return {"kv_transfers_completed": st.completed, "kv_transfers_failed": st.failed,
+                "kv_transfer_bytes": st.bytes * self.tp_size, "kv_transfer_seconds": st.seconds}
+
     def transfers_pending(self) -> int:
         """Transfers not yet acknowledged by every receiving rank."""
         return self.sender.pending() + len(self._sent_here)

@@ -23,7 +23,7 @@ def e2e_config(model_dir: str, **sections) -> ClusterConfig:
     """A config for end-to-end tests: float32 model, local Ray, any free port, small limits (8 running,
     4 queued); ``sections`` replace whole top-level sections or set ``mode``."""
     raw = {"model": {"path": model_dir, "dtype": "float32"}, "ray": {"num_cpus": 6, "num_gpus": 0},
-           "server": {"port": 0},
+           "server": {"port": 0, "http_port": None},
            "limits": {"max_concurrent_requests": 8, "max_queue_length": 4, "max_tokens": 512, "max_prompt_tokens": 600}}
     return parse_config({**raw, **sections})
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 
 import grpc
@@ -65,6 +66,9 @@ def test_shipped_configs_load_and_the_prefill2_pair_reserves_the_cores_of_local_
     assert spec.prefill.chunk_tokens == no_spec.prefill.chunk_tokens == loaded["local.yaml"].prefill.chunk_tokens
     one_by_two = loaded["local-colocated-1x2.yaml"].colocated
     assert (one_by_two.instances, one_by_two.threads, one_by_two.cpus_per_instance) == (1, 2, 2)
+    f32, default = loaded["local-float32.yaml"], loaded["local.yaml"]
+    assert f32.model.dtype == "float32"
+    assert dataclasses.replace(f32, model=default.model, source="") == dataclasses.replace(default, source="")
 
 
 # -- served (one cluster for the module) ---------------------------------------------------------------

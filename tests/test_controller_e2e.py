@@ -29,7 +29,7 @@ def server(llama_dir):
         decode={"instances": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 5},
-        server={"port": 0, "pass_log_rpc": True},
+        server={"port": 0, "http_port": None, "pass_log_rpc": True},
     )
     with running_server(cfg) as address:
         yield address

@@ -338,7 +338,7 @@ def server(llama_dir):
         "prefill": {"kv_cache_tokens": 2048, "attention_backend": "torch", "chunk_tokens": 64},
         "decode": {"kv_cache_tokens": 2048, "attention_backend": "torch",
                    "speculation": {"k_policy": "fixed", "k": 2, "budget": 32, "sink_tokens": 4}},
-        "server": {"port": 0},
+        "server": {"port": 0, "http_port": None},
         "kv_transfer": {"timeout_s": 10},
     })
     with running_server(cfg) as address:

@@ -31,7 +31,7 @@ def _config(path: str, prefill_tp: int, decode_tp: int):
         decode={"tensor_parallel": decode_tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 10},
-        server={"port": 0},
+        server={"port": 0, "http_port": None},
     )
 
 

@@ -273,7 +273,7 @@ def calibration_config(config, keep_speculation: bool = False):
 
     raw = to_dict(config)
     raw["model"]["path"] = config.model_path
-    raw["server"]["port"] = 0
+    raw["server"]["port"], raw["server"]["http_port"] = 0, None
     if not keep_speculation:
         raw["decode"]["speculation"] = {"drafter": "none"}
     return dataclasses.replace(parse_config(raw), source=config.source)

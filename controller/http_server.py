@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP front: Starlette routes served by uvicorn on the router's event loop.
+
+    POST /v1/completions        text or token-id prompt; streamed (server-sent events) or not
+    POST /v1/chat/completions   messages through the model's chat template; streamed or not
+    GET  /v1/models             the served model
+    GET  /health                200 while the server accepts requests, 503 while it shuts down
+    GET  /metrics               Prometheus text format (``controller/metrics.py``)
+
+Same security rules as gRPC: 127.0.0.1 unless configured, a non-local bind needs TLS and a bearer token
+(the config enforces it), and with ``server.auth_token_env`` set every route but ``/health`` needs
+``Authorization: Bearer <token>``. Bodies are parsed and validated here (``controller/openai_protocol.py``);
+malformed JSON or a bad parameter is an OpenAI error object with HTTP 400 naming the parameter and never
+reaches the router. Router refusals map to 429 (queue full), 503 (unavailable), 504 (timeout).
+
+A stream waits for the request's first token before it sends headers, so admission errors still get
+their HTTP status; an error after that arrives as an ``error`` event followed by ``data: [DONE]``. A
+client that disconnects cancels its request (its KV is freed on every worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from controller.metrics import CONTENT_TYPE, ServingMetrics
+from controller.openai_protocol import (ROUTER_STATUS, OpenAIError, OpenAIProtocol, ParsedRequest, chunk, model_list,
+                                        now, response, usage_chunk)
+from controller.router import Delta, Router, RouterError
+
+log = logging.getLogger("magicserve.http")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class OpenAIServer:
+    """The routes over one router. ``status_fn``: ``Cluster.statuses`` (for ``/metrics``)."""
+
+    def __init__(self, router: Router, protocol: OpenAIProtocol, metrics: ServingMetrics, status_fn,
+                 token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+        self.router = router
+        self.protocol = protocol
+        self.metrics = metrics
+        self.status_fn = status_fn
+        self._expected = f"Bearer {token}".encode() if token else None
+        self.max_body_bytes = max_body_bytes
+        self.created = now()
+        self.accepting = True
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.scrape, methods=["GET"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    # -- routes -----------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, self.protocol.completion)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, self.protocol.chat)
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        return JSONResponse(model_list(self.protocol.model_name, self.created, self.protocol.max_model_len))
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.accepting else 503)
+
+    async def scrape(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        q = self.router.queue_stats()
+        self.metrics.queue(q["active"], q["waiting"])
+        self.metrics.observe_instances(await self.status_fn())
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    # -- generation -------------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, parse) -> Response:
+        try:
+            if (denied := self._denied(request)) is not None:
+                return denied
+            req = parse(await self._json(request))
+        except OpenAIError as err:
+            self.metrics.failed("INVALID_ARGUMENT" if err.status == 400 else
+                                "NOT_FOUND" if err.status == 404 else str(err.status))
+            return _error(err)
+        rid = self.protocol.new_id(req.kind)
+        created = now()
+        items = self.router.generate(rid, req.prompt_ids, req.params)
+        try:
+            first = await items.__anext__()  # admission and prefill: errors here still get an HTTP status
+        except RouterError as err:
+            return _error(_router_error(err))
+        except StopAsyncIteration:
+            return _error(OpenAIError(503, "request ended without output", code="unavailable"))
+        if req.stream:
+            return StreamingResponse(self._sse(req, rid, created, first, items), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        collect = asyncio.ensure_future(_collect(first, items))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not collect.done():  # the client left: cancel the request
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
+            return Response(status_code=499)
+        try:
+            text, ids, final = collect.result()
+        except RouterError as err:
+            return _error(_router_error(err))
+        body = response(req, rid, created, text, final.finish_reason, final.prompt_tokens, final.completion_tokens, ids)
+        return JSONResponse(body, headers={"X-Request-Id": rid})
+
+    async def _sse(self, req: ParsedRequest, rid: str, created: int, first, items):
+        """The event stream of one request (the first item already taken). A delta goes out when it has
+        text (or token ids the client asked for); the chat stream's first chunk carries the role."""
+        sent_first = False
+        try:
+            item = first
+            while True:
+                if isinstance(item, Delta):
+                    if item.text or (req.return_token_ids and item.token_ids) or (not sent_first and req.kind == "chat"):
+                        yield _event(chunk(req, rid, created, item.text, first=not sent_first, token_ids=item.token_ids))
+                        sent_first = True
+                else:
+                    if not sent_first and req.kind == "chat":
+                        yield _event(chunk(req, rid, created, "", first=True))
+                    yield _event(chunk(req, rid, created, None if req.kind == "chat" else "", item.finish_reason))
+                    if req.include_usage:
+                        yield _event(usage_chunk(req, rid, created, item.prompt_tokens, item.completion_tokens))
+                    break
+                item = await items.__anext__()
+        except RouterError as err:
+            yield _event(_router_error(err).body())
+        except StopAsyncIteration:
+            yield _event(OpenAIError(503, "request ended without a final message", code="unavailable").body())
+        finally:
+            await items.aclose()  # a disconnected client cancels the request
+        yield b"data: [DONE]\n\n"
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _denied(self, request: Request) -> Response | None:
+        if self._expected is None:
+            return None
+        got = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(got, self._expected):
+            return None
+        self.metrics.failed("UNAUTHENTICATED")
+        return _error(OpenAIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                                  code="invalid_api_key"))
+
+    async def _json(self, request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise OpenAIError(400, f"request body: larger than {self.max_body_bytes} bytes", code="body_too_large")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.max_body_bytes:
+                raise OpenAIError(400, f"request body: larger than {self.max_body_bytes} bytes", code="body_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise OpenAIError(400, f"request body: not valid JSON ({err})", code="invalid_json") from None
+
+    async def _not_found(self, request: Request, exc) -> Response:
+        return _error(OpenAIError(404, f"{request.url.path}: no such route; routes: /v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /health, /metrics", code="not_found"))
+
+    async def _not_allowed(self, request: Request, exc) -> Response:
+        return JSONResponse(OpenAIError(405, f"{request.method} {request.url.path}: method not allowed").body(),
+                            status_code=405)
+
+
+async def _collect(first, items) -> tuple[str, list[int], object]:
+    """(text, token ids, the Final) of a whole request."""
+    text, ids, item = [], [], first
+    try:
+        while True:
+            if isinstance(item, Delta):
+                text.append(item.text)
+                ids.extend(item.token_ids)
+            else:
+                return "".join(text), ids, item
+            item = await items.__anext__()
+    finally:
+        await items.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _router_error(err: RouterError) -> OpenAIError:
+    status = ROUTER_STATUS.get(err.code, 503)
+    return OpenAIError(status, str(err), code=err.code.lower())
+
+
+class HttpServer:
+    """uvicorn serving an ASGI app on the running event loop, on a socket bound here (a port in use is an
+    error naming ``server.http_port``). uvicorn installs no signal handlers: the serving process owns
+    SIGINT/SIGTERM and drains."""
+
+    def __init__(self, app, host: str, port: int, tls_cert: str = "", tls_key: str = ""):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            def capture_signals(self):
+                return contextlib.nullcontext()
+
+        self.host, self.port = host, port
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                                ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None, timeout_graceful_shutdown=5)
+        self._server = _Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Bind and serve in the background; returns the bound port."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as err:
+            sock.close()
+            raise RuntimeError(f"server.http_port: cannot bind {self.host}:{self.port} ({err.strerror})") from None
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                raise RuntimeError(f"server.http_port: uvicorn stopped at start ({self._task.exception()})")
+            await asyncio.sleep(0.02)
+        return sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP front end to end: the official ``openai`` client against ``serve_forever``
+(the path ``magicserve serve`` runs) on a real local Ray cluster with the bundled model, disaggregated
+with KV transfer and self-speculation. Greedy outputs equal the single-process reference engine's;
+chat prompts are rendered as transformers' ``apply_chat_template`` renders them; refusals are OpenAI
+error objects naming the parameter; ``/metrics`` parses with prometheus_client and its counts match
+what was served."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from controller.config import parse_config
+from controller.server import serving
+from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.sampling import SamplingParams
+
+openai = pytest.importorskip("openai")
+parser = pytest.importorskip("prometheus_client.parser")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_DIR = os.path.join(REPO, "models", "stdlib-llama-15m")
+MODEL = "stdlib-llama-15m"
+TOKEN = "test-token-not-secret"
+TOKEN_ENV = "MAGICSERVE_TEST_HTTP_TOKEN"
+PROMPT = "import os\n\n\ndef walk(top):\n"
+MESSAGES = [{"role": "system", "content": "Filesystem helpers."}, {"role": "user", "content": "def walk(top):"}]
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory):
+    """``(base_url, ports)`` of a served cluster: 1 prefill + 1 decode, float32, 2 requests at once and
+    no queue (a third is refused with 429), bearer-token auth on."""
+    os.environ[TOKEN_ENV] = TOKEN
+    cfg = parse_config({
+        "model": {"path": MODEL_DIR, "dtype": "float32"},
+        "ray": {"num_cpus": 4, "num_gpus": 0},
+        "prefill": {"kv_cache_tokens": 4096, "chunk_tokens": 256},
+        "decode": {"kv_cache_tokens": 8192,
+                   "speculation": {"drafter": "self_sparse", "k_policy": "fixed", "k": 3, "budget": 64, "sink_tokens": 16}},
+        "server": {"port": 0, "http_port": 0, "auth_token_env": TOKEN_ENV},
+        "limits": {"max_concurrent_requests": 2, "max_queue_length": 0, "max_tokens": 256, "max_prompt_tokens": 1024},
+    })
+    with serving(cfg) as ports:
+        yield f"http://127.0.0.1:{ports.http}", ports
+
+
+@pytest.fixture(scope="module")
+def client(http):
+    return openai.OpenAI(base_url=http[0] + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceEngine(MODEL_DIR, EngineConfig(kv_cache_tokens=8192, attention_backend="torch"))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def greedy(reference, prompt, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return reference.generate([prompt], params)[0]
+
+
+def get(url, token=TOKEN):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.status, r.read().decode()
+
+
+def post_raw(url, data: bytes, token=TOKEN):
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def scrape(base_url) -> dict:
+    """``{(family name, sample name, frozenset(labels)): value}`` of one scrape, plus the family types."""
+    _, text = get(base_url + "/metrics")
+    out = {"types": {}}
+    for fam in parser.text_string_to_metric_families(text):
+        out["types"][fam.name] = fam.type
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def sample(m: dict, name: str, **labels) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels``."""
+    return sum(v for k, v in m.items() if k != "types" and k[0] == name and set(labels.items()) <= k[1])
+
+
+def test_models_and_health(client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert get(http[0] + "/health", token=None)[0] == 200  # open without a token
+
+
+def test_completion_is_the_reference_engines_greedy_output(client, reference):
+    ref = greedy(reference, PROMPT, 48)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(ref.prompt_ids), 48, len(ref.prompt_ids) + 48)
+    assert abs(r.created - time.time()) < 120
+
+
+def test_streamed_completion_and_usage_chunk(client, reference):
+    ref = greedy(reference, PROMPT, 40)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert len({c.id for c in chunks}) == 1
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == ref.text
+    assert len(text_chunks) > 2  # streamed, not one blob
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_ids)
+
+
+def test_return_token_ids_streams_every_token(client, reference):
+    """vLLM's ``return_token_ids`` extension (the SLO sweep counts tokens by it): the first token goes out
+    as soon as prefill samples it, before its text is known."""
+    ref = greedy(reference, PROMPT, 30)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == ref.token_ids
+    assert chunks[0].choices[0].model_extra["token_ids"] == ref.token_ids[:1]
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert whole.choices[0].model_extra["token_ids"] == ref.token_ids
+
+
+def test_token_id_prompt_and_stop_string(client, reference):
+    ids = greedy(reference, PROMPT, 1).prompt_ids
+    ref = greedy(reference, ids, 64)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=64, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text
+    cut = ref.text.find("\n", 1)
+    assert cut > 0, "the reference output has a line break to stop at"
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=64, temperature=0, stop=["\n"],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert "\n" not in r.choices[0].text and ref.text.startswith(r.choices[0].text)
+
+
+def test_chat_applies_the_models_template_as_transformers_does(client, reference, hf_tokenizer):
+    ids = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    ref = greedy(reference, ids, 32)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ids)
+    stream = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=32,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
+    assert stream[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in stream)
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=7,
+              extra_body={"top_k": 50, "ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"n": 2}, "n"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"extra_body": {"top_k": -5}}, "top_k"),
+    ({"extra_body": {"beam_width": 2}}, "beam_width"),
+    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": [1, 2, 999999]}, "prompt[2]"),
+])
+def test_bad_parameters_are_400_naming_the_parameter(client, kwargs, param):
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**kw)
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert body["param"] == param and body["message"].startswith(param) and body["type"] == "invalid_request_error"
+
+
+def test_chat_refusals(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
+    assert err.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
+    assert err.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.body["param"] == "tools"
+
+
+def test_unknown_model_auth_and_bad_json(client, http):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    wrong = openai.OpenAI(base_url=http[0] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    status, body = post_raw(http[0] + "/v1/completions", b'{"model": "stdlib-llama-15m", "prompt": ')
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, body = post_raw(http[0] + "/v1/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = post_raw(http[0] + "/v1/nothing", b"{}")
+    assert status == 404 and "error" in body
+
+
+def test_full_server_is_429_and_disconnects_free_kv(client, http):
+    """Two long streams fill the server (2 at once, no queue): a third request is refused with 429; closing
+    the streams mid-way cancels them and every KV block comes back."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=256, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    streams = [client.completions.create(**kw) for _ in range(2)]
+    for s in streams:
+        next(iter(s))  # both admitted and streaming
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert err.value.status_code == 429
+    for s in streams:
+        s.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = scrape(http[0])
+        if sample(m, "magicserve:num_requests_running") == 0 and sample(m, "magicserve:kv_cache_blocks_used") == 0:
+            break
+        time.sleep(0.3)
+    assert sample(m, "magicserve:num_requests_running") == 0
+    assert sample(m, "magicserve:kv_cache_blocks_used") == 0
+    assert sample(m, "magicserve:request_errors_total", code="RESOURCE_EXHAUSTED") >= 1
+
+
+def test_metrics_parse_and_count_what_was_served(client, http):
+    before = scrape(http[0])
+    n = 3
+    threads = [threading.Thread(target=client.completions.create,
+                                kwargs=dict(model=MODEL, prompt=PROMPT + "    " * i, max_tokens=20, temperature=0,
+                                            extra_body={"ignore_eos": True})) for i in range(n)]
+    for t in threads[:2]:
+        t.start()
+    for t in threads[:2]:
+        t.join()
+    threads[2].start()
+    threads[2].join()
+    m = scrape(http[0])
+    types = m["types"]
+    for name, kind in [("magicserve:time_to_first_token_seconds", "histogram"),
+                       ("magicserve:inter_token_latency_seconds", "histogram"),
+                       ("magicserve:request_time_per_output_token_seconds", "histogram"),
+                       ("magicserve:e2e_request_latency_seconds", "histogram"),
+                       ("magicserve:request_success", "counter"), ("magicserve:request_errors", "counter"),
+                       ("magicserve:prompt_tokens", "counter"), ("magicserve:generation_tokens", "counter"),
+                       ("magicserve:num_requests_running", "gauge"), ("magicserve:num_requests_waiting", "gauge"),
+                       ("magicserve:kv_cache_blocks_used", "gauge"), ("magicserve:kv_cache_blocks_total", "gauge"),
+                       ("magicserve:prefill_queue_length", "gauge"), ("magicserve:decode_queue_length", "gauge"),
+                       ("magicserve:spec_decode_num_draft_tokens", "counter"),
+                       ("magicserve:spec_decode_num_accepted_tokens", "counter"),
+                       ("magicserve:spec_decode_acceptance_rate", "gauge"),
+                       ("magicserve:spec_decode_mean_accepted_length", "gauge"), ("magicserve:spec_decode_k", "gauge"),
+                       ("magicserve:kv_transfer_bytes", "counter"), ("magicserve:kv_transfer_seconds", "counter"),
+                       ("magicserve:kv_transfer_failures", "counter")]:
+        assert types.get(name) == kind, name
+
+    def grew(name, **labels):
+        return sample(m, name, **labels) - sample(before, name, **labels)
+
+    assert grew("magicserve:request_success_total", finished_reason="length") == n
+    assert grew("magicserve:generation_tokens_total") == n * 20
+    assert grew("magicserve:time_to_first_token_seconds_count") == n
+    assert grew("magicserve:e2e_request_latency_seconds_count") == n
+    assert grew("magicserve:inter_token_latency_seconds_count") == n * 19
+    assert grew("magicserve:kv_transfers_total", instance="prefill-0") == n
+    # K and V of every layer, 2 KV heads x 64 dims in float32, whole 16-token blocks of each prompt
+    assert grew("magicserve:kv_transfer_bytes_total") > 0
+    assert grew("magicserve:kv_transfer_bytes_total") % (8 * 2 * 16 * 2 * 64 * 4) == 0
+    assert grew("magicserve:spec_decode_num_draft_tokens_total") > 0
+    drafts = sample(m, "magicserve:spec_decode_num_draft_tokens_total")
+    accepted = sample(m, "magicserve:spec_decode_num_accepted_tokens_total")
+    assert sample(m, "magicserve:spec_decode_acceptance_rate", instance="decode-0") == pytest.approx(accepted / drafts)
+    assert sample(m, "magicserve:kv_cache_blocks_total", instance="decode-0") == 8192 // 16
+    assert sample(m, "magicserve:kv_cache_blocks_total", instance="prefill-0") == 4096 // 16

@@ -1,0 +1,237 @@
+"""The HTTP front's parts on plain objects: OpenAI request validation and response shapes, chat templates
+rendered exactly as transformers renders them, metrics that never go backwards across restarts, and the
+config fields of the HTTP front."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from controller.chat_template import ChatTemplate, ChatTemplateError
+from controller.config import ConfigError, parse_config
+from controller.metrics import MonotonicTotals, ServingMetrics
+from controller.openai_protocol import OpenAIError, OpenAIProtocol, chunk, response, usage_chunk
+from modeling.tokenizer import TextTokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_DIR = os.path.join(REPO, "models", "stdlib-llama-15m")
+
+# a Llama-3-style template: bos, headers, raise_exception, loop controls, tojson
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+    "{% if loop.index0 > 8 %}{% break %}{% endif %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{% if tools is defined %}{{ tools | tojson }}{% endif %}"
+)
+CONVERSATION = [{"role": "system", "content": "Be brief. é ✓"}, {"role": "user", "content": "  hi  "},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+
+
+@pytest.fixture(scope="module")
+def protocol():
+    tok = TextTokenizer(MODEL_DIR)
+    return OpenAIProtocol("m", tok, ChatTemplate.from_checkpoint(MODEL_DIR), vocab_size=4096, max_prompt_tokens=64,
+                          max_tokens=100, max_model_len=128)
+
+
+# -- chat templates ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template", ["bundled", LLAMA3_STYLE])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_renders_as_transformers(tmp_path, template, add_generation_prompt):
+    transformers = pytest.importorskip("transformers")
+    directory = MODEL_DIR
+    if template != "bundled":
+        directory = str(tmp_path)
+        for name in ("tokenizer.json", "special_tokens_map.json"):
+            with open(os.path.join(MODEL_DIR, name)) as f, open(os.path.join(directory, name), "w") as g:
+                g.write(f.read())
+        with open(os.path.join(MODEL_DIR, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+        cfg["chat_template"] = template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = ChatTemplate.from_checkpoint(directory)
+    expected = hf.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert ours.render(CONVERSATION, add_generation_prompt) == expected
+    ids = hf.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert TextTokenizer(directory).encode(expected, add_special_tokens=False) == ids
+
+
+def test_chat_template_file_wins_and_named_lists(tmp_path):
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": "</s>", "chat_template": [{"name": "tool_use", "template": "T"},
+                                                           {"name": "default", "template": "D{{ eos_token }}"}]}, f)
+    assert ChatTemplate.from_checkpoint(str(tmp_path)).render([]) == "D</s>"
+    (tmp_path / "chat_template.jinja").write_text("F{{ messages | length }}")
+    assert ChatTemplate.from_checkpoint(str(tmp_path)).render([{"role": "user", "content": "x"}]) == "F1"
+
+
+def test_chat_template_errors_and_sandbox(tmp_path):
+    t = ChatTemplate(LLAMA3_STYLE, {"bos_token": "<s>"})
+    with pytest.raises(ChatTemplateError, match="bad role tool"):
+        t.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="chat_template: not a valid jinja2 template"):
+        ChatTemplate("{% for %}", {})
+    evil = ChatTemplate("{{ messages.__class__.__mro__ }}", {})
+    with pytest.raises(ChatTemplateError):
+        evil.render([])
+    assert ChatTemplate.from_checkpoint(str(tmp_path)) is None
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+
+def refused(fn, body) -> OpenAIError:
+    with pytest.raises(OpenAIError) as err:
+        fn(body)
+    return err.value
+
+
+def test_completion_parsing(protocol):
+    r = protocol.completion({"model": "m", "prompt": "def f():", "max_tokens": 7, "temperature": 0, "stop": "\n",
+                             "seed": 3, "top_k": -1, "ignore_eos": True, "user": "u"})
+    assert r.kind == "completion" and r.prompt_ids == protocol.tokenizer.encode("def f():")
+    p = r.params
+    assert (p.max_tokens, p.temperature, p.stop, p.seed, p.top_k, p.ignore_eos) == (7, 0.0, ("\n",), 3, 0, True)
+    assert protocol.completion({"model": "m", "prompt": [5, 6]}).params.max_tokens == 16  # OpenAI's default
+    assert protocol.completion({"model": "m", "prompt": [[5, 6]]}).prompt_ids == [5, 6]
+    assert protocol.completion({"model": "m", "prompt": ["ab"]}).prompt_ids == protocol.tokenizer.encode("ab")
+
+
+def test_chat_parsing_defaults_to_the_room_left(protocol):
+    r = protocol.chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                 {"type": "text", "text": "b"}]}]})
+    text = protocol.chat_template.render([{"role": "user", "content": "ab"}], True)
+    assert r.prompt_ids == protocol.tokenizer.encode(text, add_special_tokens=False)
+    assert r.params.max_tokens == min(100, 128 - len(r.prompt_ids))
+    r = protocol.chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 5,
+                       "max_completion_tokens": 9})
+    assert r.params.max_tokens == 9
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"model": "m"}, 400, "prompt"),
+    ({"model": "m", "prompt": ""}, 400, "prompt"),
+    ({"model": "m", "prompt": "x" * 400}, 400, "prompt"),
+    ({"model": "m", "prompt": [1, True]}, 400, "prompt"),
+    ({"model": "m", "prompt": [4096]}, 400, "prompt[0]"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "m", "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "m", "prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+    ({"model": "m", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "m", "prompt": "x", "seed": "1"}, 400, "seed"),
+    ({"model": "m", "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": "m", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "m", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"model": "m", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "messages": []}, 400, "messages"),
+])
+def test_completion_refusals_name_the_parameter(protocol, body, status, param):
+    err = refused(protocol.completion, body)
+    assert (err.status, err.param) == (status, param)
+    assert err.body()["error"]["param"] == param and err.message.startswith(param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": "hi"}, "messages"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
+])
+def test_chat_refusals_name_the_parameter(protocol, body, param):
+    assert refused(protocol.chat, body).param == param
+
+
+def test_chat_without_a_template_is_refused(protocol):
+    bare = OpenAIProtocol("m", protocol.tokenizer, None, 4096, 64, 100, 128)
+    err = refused(bare.chat, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert err.param == "messages" and "no chat template" in err.message
+
+
+def test_response_shapes(protocol):
+    c = protocol.completion({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    assert response(c, "cmpl-1", 5, "hi", "length", 3, 2) == {
+        "id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
+        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    assert chunk(c, "cmpl-1", 5, "h")["usage"] is None  # include_usage: every chunk has the key
+    assert usage_chunk(c, "cmpl-1", 5, 3, 2)["choices"] == []
+    chat = protocol.chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
+    first = chunk(chat, "chatcmpl-1", 5, "", first=True)
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "usage" not in first
+    assert chunk(chat, "chatcmpl-1", 5, None, "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                                          "finish_reason": "stop"}
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+def test_monotonic_totals_survive_restarts():
+    t = MonotonicTotals()
+    t.update("d0", 0, {"x": 5})
+    t.update("d0", 0, {"x": 9})
+    assert t.total("d0", "x") == 9
+    t.update("d0", 1, {"x": 12})  # replaced, and already counted 12 more before this scrape
+    assert t.total("d0", "x") == 21
+    t.update("d0", 1, {"x": 2})  # a drop without a generation change is a restart too
+    assert t.total("d0", "x") == 23
+    t.update("d0", 1, {"x": 4})
+    assert t.total("d0", "x") == 25
+
+
+def test_instance_counters_never_go_backwards():
+    parser = pytest.importorskip("prometheus_client.parser")
+    m = ServingMetrics("m")
+
+    def value(name, **labels):
+        for fam in parser.text_string_to_metric_families(m.exposition().decode()):
+            for s in fam.samples:
+                if s.name == name and set(labels.items()) <= set(s.labels.items()):
+                    return s.value
+        return None
+
+    st = {"name": "decode-0", "role": "decode", "device": "cpu", "alive": True, "generation": 0, "draft_tokens": 40,
+          "accepted_tokens": 30, "k_counts": {3: 10}, "total_kv_blocks": 8, "free_kv_blocks": 6}
+    m.observe_instances([st])
+    assert value("magicserve:spec_decode_num_draft_tokens_total") == 40
+    assert value("magicserve:spec_decode_steps_total", k="3") == 10
+    assert value("magicserve:kv_cache_usage_perc") == 0.25
+    m.observe_instances([{**st, "device": "", "draft_tokens": 0}])  # not answering: keeps the counts
+    assert value("magicserve:spec_decode_num_draft_tokens_total") == 40
+    m.observe_instances([{**st, "generation": 1, "draft_tokens": 4, "accepted_tokens": 1, "k_counts": {3: 1}}])
+    assert value("magicserve:spec_decode_num_draft_tokens_total") == 44
+    assert value("magicserve:spec_decode_num_accepted_tokens_total") == 31
+    assert value("magicserve:spec_decode_steps_total", k="3") == 11
+    assert value("magicserve:instance_generation") == 1
+
+
+# -- config -----------------------------------------------------------------------------------------
+
+
+def test_http_port_config():
+    base = {"model": {"path": "x"}}
+    assert parse_config(base).server.http_port == 8000
+    assert parse_config({**base, "server": {"http_port": None}}).server.http_port is None
+    for bad, why in [(70000, "must be in"), (50051, "must differ from port"), ("80", "must be an integer")]:
+        with pytest.raises(ConfigError, match=f"server.http_port: {why}"):
+            parse_config({**base, "server": {"http_port": bad}})
