@@ -213,6 +213,9 @@ def test_analysis_figures_and_compare(tmp_path):
     (["--address", "nohost"], "--address"),
     (["--address", "a:1", "--warmup", "-1"], "--warmup"),
     (["--address", "a:1", "--num-requests", "0"], "--num-requests"),
+    (["--target", "openai", "--address", "a:1"], "--address"),
+    (["--target", "openai", "--url", "http://h:1", "--launch", "missing.yaml"], "--launch"),
+    (["--target", "openai", "--url", "http://h:1", "--launch-vllm", "m"], "--launch-vllm"),
 ])
 def test_bad_arguments_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -328,9 +331,10 @@ def test_managed_server_stops_its_process_group(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
+def served(llama_dir):
+    """(gRPC address, HTTP front URL) of one real server."""
     from controller.config import parse_config
-    from tests.serving import running_server
+    from controller.server import serving
 
     cfg = parse_config({
         "model": {"path": llama_dir, "dtype": "float32"},
@@ -338,11 +342,16 @@ def server(llama_dir):
         "prefill": {"kv_cache_tokens": 2048, "attention_backend": "torch", "chunk_tokens": 64},
         "decode": {"kv_cache_tokens": 2048, "attention_backend": "torch",
                    "speculation": {"k_policy": "fixed", "k": 2, "budget": 32, "sink_tokens": 4}},
-        "server": {"port": 0, "http_port": None},
+        "server": {"port": 0, "http_port": 0},
         "kv_transfer": {"timeout_s": 10},
     })
-    with running_server(cfg) as address:
-        yield address
+    with serving(cfg) as ports:
+        yield f"127.0.0.1:{ports.grpc}", f"http://127.0.0.1:{ports.http}"
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 def test_sweep_against_real_server(server, llama_dir, tmp_path):
@@ -371,3 +380,30 @@ def test_sweep_against_real_server(server, llama_dir, tmp_path):
     assert result["settings"]["rates"] == [2.0] and "goodput" in result
     for suffix in ("_rate.png", "_scale.png", ".md"):
         assert os.path.getsize(out + suffix) > 0
+
+
+def test_openai_sweep_against_magicserves_http_front(served, llama_dir, tmp_path):
+    """The same client path that measures vLLM, against magicserve's OpenAI-compatible front: every
+    token counted (return_token_ids), the finish reason, and the idle wait reading /metrics."""
+    trace = tmp_path / "trace.jsonl"
+    save_trace([RequestSpec(0.0, 40, 8), RequestSpec(0.2, 30, 5)], str(trace))
+    out = str(tmp_path / "sweep_http")
+    code = slo_sweep.main(["--target", "openai", "--url", served[1], "--model", llama_dir, "--trace", str(trace),
+                           "--rates", "2", "--warmup", "1", "--time-limit-s", "60", "--ttft-slo-ms", "5000",
+                           "--tpot-slo-ms", "1000", "--out", out])
+    assert code == 0
+    (row,) = json.load(open(out + ".json"))["rates"]
+    for r, (p, o) in zip(row["records"], [(40, 8), (30, 5)]):
+        assert r["error"] is None, r
+        assert (r["prompt_tokens"], r["completion_tokens"], r["finish_reason"]) == (p, o, "length")
+        assert 0 < r["ttft_s"] <= r["e2e_s"] and r["tpot_s"] > 0
+
+
+def test_queue_gauges_read_either_servers_metrics():
+    from benchmarks._slo_targets import queue_gauges
+
+    vllm = 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
+    ours = "# TYPE magicserve:num_requests_running gauge\nmagicserve:num_requests_running{model_name=\"m\"} 0.0\n"
+    assert queue_gauges(vllm) == 3.0
+    assert queue_gauges(ours) == 0.0
+    assert queue_gauges("other_metric 1.0\n") is None
