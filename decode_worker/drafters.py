@@ -11,6 +11,11 @@ draft step costs O(budget) KV reads per sequence whatever the context length.
 * :class:`DraftModelDrafter` runs a separate small model with its own cache; blocks that fall out of the
   window are freed, so its memory stays at about ``budget`` tokens per sequence.
 
+Sliding-window layers: the view is a property of the step, the layer's window one of the model, and the
+attention backends apply both (:mod:`modeling.attention.metadata`): on a layer with window ``W`` a draft
+query at position ``p`` reads only the view's keys in ``p - W + 1 .. p``, so a draft never attends to a
+key the target would not see on that layer (the sink included, once it falls behind the window).
+
 RoPE positions: keys are cached after rotation at their original positions, so draft queries use their
 original positions too (``draft_positions='original'``); re-indexing queries into the compressed view
 (``'reindexed'``) skews every query-key distance and is kept only to measure that cost

@@ -27,11 +27,12 @@ class LayerStreamingContext(PagedAttentionContext):
         super().__init__(cache, meta, backend)
         self.on_layer_written = on_layer_written
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
         self.on_layer_written(layer)
         k_cache, v_cache = self.cache.layer(layer)
-        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta)
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, sliding_window)
 
 
 def forward_streaming(runner: ModelRunner, sender: KVSender, inputs: list[StepInput], ready: dict[str, int],

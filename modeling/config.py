@@ -1,9 +1,41 @@
 """Typed model configuration parsed from a Hugging Face ``config.json``.
 
 Supported families: Llama 2 / 3 / 3.1 / 3.2 (``model_type: llama``, including ``llama3`` and ``linear``
-RoPE scaling), Mistral (``mistral``, served with full attention) and Qwen2 / 2.5 (``qwen2``, QKV bias).
-Both the classic layout (``rope_theta`` + ``rope_scaling``) and the newer ``rope_parameters`` layout are
-read.
+RoPE scaling), Mistral (``mistral``) and Qwen2 / 2.5 (``qwen2``, QKV bias). Both the classic layout
+(``rope_theta`` + ``rope_scaling``) and the newer ``rope_parameters`` layout are read; as in transformers,
+a non-empty ``rope_scaling`` takes precedence over ``rope_parameters``.
+
+Sliding-window attention follows transformers 5.24 (:attr:`ModelConfig.layer_windows`). A query at
+position ``p`` of a layer with window ``W`` sees keys ``p - W + 1 .. p`` (``W`` keys, itself included;
+masking_utils.sliding_window_overlay: ``kv_idx > q_idx - W``). Which layers slide:
+
+* Mistral: every layer when ``sliding_window`` is an integer, none when it is null. A missing field means
+  4096 (MistralConfig's default). MistralForCausalLM ignores ``layer_types``: one that disagrees with
+  ``sliding_window`` is refused.
+* Qwen2: the window is ``sliding_window`` when ``use_sliding_window`` is true (default false), else there
+  is none; the layers are ``layer_types`` when given, else layer ``i`` slides iff a window exists and
+  ``i >= max_window_layers`` (default 28).
+* Llama: no window; a non-null ``sliding_window`` or a sliding ``layer_types`` is refused.
+
+``layer_types`` entries must be ``full_attention`` or ``sliding_attention`` (the legacy ``attention``
+reads as ``full_attention``, as transformers remaps it), one per layer.
+
+Fields that would change the math and are not implemented are refused with a CheckpointError naming the
+file and field:
+
+* ``layer_types`` values other than the two above;
+* non-null ``attn_logit_softcapping`` / ``final_logit_softcapping`` (Gemma 2 fields, which transformers'
+  Llama / Mistral / Qwen2 classes would silently drop: a checkpoint that sets them expects other math) and
+  ``attention_chunk_size`` (Llama 4 chunked attention; transformers would give such a checkpoint a chunked
+  KV cache in ``generate``);
+* ``partial_rotary_factor`` other than 1, at top level or in the RoPE object (transformers' linear and
+  llama3 RoPE read it), and RoPE parameters nested per layer type;
+* RoPE types other than SUPPORTED_ROPE_TYPES, activations other than SiLU;
+* ``attention_bias`` / ``mlp_bias`` true on Mistral or Qwen2, whose transformers classes have fixed biases
+  (none; Qwen2: q/k/v only).
+
+``pretraining_tp`` (read by no transformers 5.24 model code) and ``attention_dropout`` (training only) do
+not change inference and are ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +48,13 @@ from modeling.errors import CheckpointError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+_LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION}  # transformers' remap of old names
+_DEFAULT_SLIDING_WINDOW = 4096  # MistralConfig / Qwen2Config default when the field is absent
+_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config default
+# Fields of other architectures that would change the math; refused when set to anything but null.
+_UNIMPLEMENTED_WHEN_SET = ("attn_logit_softcapping", "final_logit_softcapping", "attention_chunk_size")
 
 _CONFIG_FILE = "config.json"
 
@@ -53,6 +92,22 @@ class ModelConfig:
     mlp_bias: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding window of each layer (None: full attention), or None when no layer slides. A query at
+    # position p of a layer with window W sees keys p - W + 1 .. p.
+    layer_windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_windows is None:
+            return
+        if len(self.layer_windows) != self.num_hidden_layers:
+            raise ValueError(f"layer_windows: expected {self.num_hidden_layers} entries, got {len(self.layer_windows)}")
+        for w in self.layer_windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"layer_windows: entries must be None or integers >= 1, got {w!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of ``layer`` (None: full attention)."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
 
     def fingerprint(self) -> dict[str, Any]:
         """The fields two workers must agree on to exchange KV caches."""
@@ -104,16 +159,25 @@ class ModelConfig:
         if head_dim <= 0 or head_dim % 2:
             raise CheckpointError(file, f"must be a positive even number, got {head_dim}", "head_dim")
         rope_theta, scaling = _read_rope(reader)
+        _refuse_unimplemented(reader)
         attention_bias = reader.get("attention_bias", bool, default=False)
+        mlp_bias = reader.get("mlp_bias", bool, default=False)
+        if model_type != "llama":
+            # MistralForCausalLM / Qwen2ForCausalLM build fixed biases (Qwen2: q/k/v only) whatever these say
+            for field, value in (("attention_bias", attention_bias), ("mlp_bias", mlp_bias)):
+                if value:
+                    raise CheckpointError(file, f"not supported for model_type {model_type!r} (its projections "
+                                                f"have fixed biases in transformers)", field)
         qkv_bias = True if model_type == "qwen2" else attention_bias
         o_bias = False if model_type == "qwen2" else attention_bias
+        num_layers = reader.positive_int("num_hidden_layers")
         eos = raw.get("eos_token_id")
         return ModelConfig(
             model_type=model_type,
             vocab_size=reader.positive_int("vocab_size"),
             hidden_size=hidden,
             intermediate_size=reader.positive_int("intermediate_size"),
-            num_hidden_layers=reader.positive_int("num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -124,10 +188,80 @@ class ModelConfig:
             tie_word_embeddings=reader.get("tie_word_embeddings", bool, default=False),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=reader.get("mlp_bias", bool, default=False),
+            mlp_bias=mlp_bias,
             bos_token_id=reader.get("bos_token_id", int, default=None),
             eos_token_ids=_token_ids(eos, file, "eos_token_id"),
+            layer_windows=_read_layer_windows(reader, model_type, num_layers),
         )
+
+
+def _read_layer_windows(reader: "_FieldReader", model_type: str, num_layers: int) -> tuple[int | None, ...] | None:
+    """Per-layer sliding windows as transformers 5.24 computes them (see the module docstring)."""
+    file = reader.file
+    if model_type == "qwen2":
+        use = reader.get("use_sliding_window", bool, default=False)
+        window = _window_value(reader) if use else None
+        max_window_layers = reader.get("max_window_layers", int, default=_DEFAULT_MAX_WINDOW_LAYERS)
+        types = _layer_types(reader, num_layers)
+        if types is None:
+            types = [SLIDING_ATTENTION if window is not None and i >= max_window_layers else FULL_ATTENTION
+                     for i in range(num_layers)]
+        elif SLIDING_ATTENTION in types and window is None:
+            raise CheckpointError(file, "sliding_attention layers need use_sliding_window: true and an integer "
+                                        "sliding_window", "layer_types")
+    else:
+        window = _window_value(reader) if model_type == "mistral" else None
+        if model_type == "llama" and reader.raw.get("sliding_window") is not None:
+            raise CheckpointError(file, "model_type 'llama' has no sliding-window attention; must be null "
+                                        "(a sliding-window checkpoint is model_type 'mistral' or 'qwen2')",
+                                  "sliding_window")
+        # Mistral/Llama attention ignores layer_types: the window (if any) applies to every layer.
+        implied = SLIDING_ATTENTION if window is not None else FULL_ATTENTION
+        types = _layer_types(reader, num_layers)
+        if types is not None and any(t != implied for t in types):
+            raise CheckpointError(
+                file, f"model_type {model_type!r} applies "
+                      f"{'full attention' if window is None else f'sliding_window {window}'}"
+                      f" to every layer (transformers ignores layer_types for it); this list disagrees", "layer_types")
+        types = [implied] * num_layers
+    windows = tuple(window if t == SLIDING_ATTENTION else None for t in types)
+    return windows if any(w is not None for w in windows) else None
+
+
+def _window_value(reader: "_FieldReader") -> int | None:
+    """``sliding_window``: a positive integer, null for none; absent means transformers' default 4096."""
+    if "sliding_window" not in reader.raw:
+        return _DEFAULT_SLIDING_WINDOW
+    window = reader.get("sliding_window", int, default=None)
+    if window is not None and window < 1:
+        raise CheckpointError(reader.file, f"must be a positive integer or null, got {window}", "sliding_window")
+    return window
+
+
+def _layer_types(reader: "_FieldReader", num_layers: int) -> list[str] | None:
+    """Validated ``layer_types`` (legacy names remapped), or None when absent or null."""
+    raw = reader.raw.get("layer_types")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise CheckpointError(reader.file, f"expected a list of strings, got {raw!r}", "layer_types")
+    if len(raw) != num_layers:
+        raise CheckpointError(reader.file, f"expected one entry per layer ({num_layers}), got {len(raw)}",
+                              "layer_types")
+    types = [_LEGACY_LAYER_TYPES.get(t, t) for t in raw]
+    for i, t in enumerate(types):
+        if t not in SUPPORTED_LAYER_TYPES:
+            raise CheckpointError(reader.file, f"unsupported {t!r}; supported: {', '.join(SUPPORTED_LAYER_TYPES)}",
+                                  f"layer_types[{i}]")
+    return types
+
+
+def _refuse_unimplemented(reader: "_FieldReader") -> None:
+    """Refuse set fields that ask for math this model does not compute (see the module docstring)."""
+    for field in _UNIMPLEMENTED_WHEN_SET:
+        if reader.raw.get(field) is not None:
+            raise CheckpointError(reader.file, f"not supported (must be null or absent), got {reader.raw[field]!r}",
+                                  field)
 
 
 def _token_ids(value: Any, file: str, field: str) -> tuple[int, ...]:
@@ -174,23 +308,32 @@ class _FieldReader:
 
 
 def _read_rope(reader: _FieldReader) -> tuple[float, RopeScaling | None]:
-    """Read RoPE theta and scaling from either config layout."""
-    params = reader.raw.get("rope_parameters")
-    field_prefix = "rope_parameters"
-    if params is None:
-        theta = reader.raw.get("rope_theta", 10000.0)
-        params = reader.raw.get("rope_scaling")
-        field_prefix = "rope_scaling"
+    """Read RoPE theta and scaling from either config layout (``rope_scaling`` wins when non-empty, as in
+    transformers' ``convert_rope_params_to_dict``)."""
+    scaling_raw = reader.raw.get("rope_scaling")
+    if scaling_raw:
+        params, field_prefix = scaling_raw, "rope_scaling"
     else:
-        if not isinstance(params, Mapping):
-            raise CheckpointError(reader.file, f"expected an object, got {params!r}", "rope_parameters")
-        theta = params.get("rope_theta", reader.raw.get("rope_theta", 10000.0))
+        params, field_prefix = reader.raw.get("rope_parameters"), "rope_parameters"
+    if params is not None and not isinstance(params, Mapping):
+        raise CheckpointError(reader.file, f"expected an object or null, got {params!r}", field_prefix)
+    params = params or None
+    theta = reader.raw.get("rope_theta", 10000.0) if params is None else params.get(
+        "rope_theta", reader.raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise CheckpointError(reader.file, f"must be a positive number, got {theta!r}", "rope_theta")
+    sources = ((reader.raw, "partial_rotary_factor"), (params or {}, f"{field_prefix}.partial_rotary_factor"))
+    for where, field in sources:
+        factor = where.get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            raise CheckpointError(reader.file, f"partial rotary embeddings are not supported (must be 1), "
+                                               f"got {factor!r}", field)
     if params is None:
         return float(theta), None
-    if not isinstance(params, Mapping):
-        raise CheckpointError(reader.file, f"expected an object or null, got {params!r}", field_prefix)
+    nested = [key for key in params if key in SUPPORTED_LAYER_TYPES or key in _LEGACY_LAYER_TYPES]
+    if nested:
+        raise CheckpointError(reader.file, f"RoPE parameters per layer type are not supported (keys {nested})",
+                              field_prefix)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(

@@ -3,7 +3,9 @@
 The model works on a flat list of tokens (``T`` = all new tokens of all sequences in a step) and leaves
 attention to an :class:`AttentionContext`, which decides where keys and values come from: the paged KV
 cache when serving (:mod:`modeling.attention`), or a dense causal batch when training
-(:class:`DenseCausalContext`). Parameter names match Hugging Face checkpoints exactly, so
+(:class:`DenseCausalContext`). Each layer passes its sliding window (``ModelConfig.layer_window``; None
+for full attention) to the context, which applies it: a query at position ``p`` then sees keys
+``p - W + 1 .. p`` only. Parameter names match Hugging Face checkpoints exactly, so
 ``state_dict()`` loads from and saves to HF format without renaming.
 """
 
@@ -22,8 +24,10 @@ from modeling.rope import RotaryEmbedding, apply_rotary
 class AttentionContext(Protocol):
     """Where a layer's attention reads its keys/values from. One instance per forward pass."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens (RoPE applied). Returns [T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens (RoPE applied). Returns [T, Hq, D].
+        ``sliding_window`` W: a query at position p sees keys p - W + 1 .. p (None: all keys up to p)."""
         ...
 
 
@@ -34,11 +38,18 @@ class DenseCausalContext:
         self.batch = batch
         self.seq_len = seq_len
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
         b, s = self.batch, self.seq_len
         # [T, H, D] -> [B, H, S, D]
         qb, kb, vb = (t.view(b, s, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        if sliding_window is None or sliding_window >= s:
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        else:
+            i = torch.arange(s, device=q.device)
+            offset = i.unsqueeze(1) - i.unsqueeze(0)  # [S, S] query position - key position
+            visible = (offset >= 0) & (offset < sliding_window)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[2])
 
 
@@ -64,6 +75,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         d = config.head_dim
         self.layer = layer
+        self.sliding_window = config.layer_window(layer)  # None: full attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d
@@ -79,7 +91,7 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = ctx.attend(self.layer, q, k, v)  # [T, Hq, D]
+        out = ctx.attend(self.layer, q, k, v, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

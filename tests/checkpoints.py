@@ -22,8 +22,13 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen2_bias": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     # Llama with tied embeddings (Llama 3.2 style) and multi-query attention
     "llama_tied": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-    # Mistral (served with full attention)
+    # Mistral with sliding_window null (full attention)
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    # Mistral with a sliding window far shorter than the test prompts (every layer slides)
+    "mistral_swa": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    # Qwen2 with sliding windows on the layers from max_window_layers on: layer 0 full, layer 1 sliding
+    "qwen2_swa": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                      sliding_window=8, max_window_layers=1),
 }
 
 

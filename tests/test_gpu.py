@@ -125,9 +125,9 @@ def make_step(seq_lens, q_lens, hkv=2, g=4, d=64, dtype=torch.bfloat16, block_si
     return q, k_new, v_new, k_cache, v_cache, meta
 
 
-def dense_oracle(q, k_cache, v_cache, meta) -> torch.Tensor:
+def dense_oracle(q, k_cache, v_cache, meta, sliding_window=None) -> torch.Tensor:
     """The visibility rule evaluated densely in float32 (inputs upcast, output not rounded)."""
-    return dense_reference_attention(q.float(), k_cache.float(), v_cache.float(), meta)
+    return dense_reference_attention(q.float(), k_cache.float(), v_cache.float(), meta, sliding_window)
 
 
 def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -189,6 +189,45 @@ def test_flash_gathers_an_unaligned_sparse_view():
         assert err <= KERNEL_TOL[torch.bfloat16], f"sink {sink_len} window {windows}: max abs err {err}"
 
 
+# A layer's sliding window W (query p sees keys p - W + 1 .. p): flash's window_size=(W - 1, 0). Windows
+# shorter than a query block (1, 3), between block sizes (100, 300) and longer than every sequence.
+SLIDING_WINDOWS = [1, 3, 100, 300, 5000]
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("window", SLIDING_WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_sliding_window_matches_dense_oracle(case, window, dtype):
+    needs_flash()
+    q, k, v, kc, vc, meta = make_step(*KERNEL_CASES[case], dtype=dtype)
+    ref = dense_oracle(q, kc, vc, meta, window)
+    err = max_err(make_backend("flash", CUDA, FLASH_BLOCK).forward(q, k, v, kc, vc, meta, window), ref)
+    assert err <= KERNEL_TOL[dtype], f"flash {case} window {window} {dtype}: max abs err {err}"
+    torch_err = max_err(TorchAttentionBackend().forward(q, k, v, kc, vc, meta, window), ref)
+    assert torch_err <= KERNEL_TOL[dtype], f"torch {case} window {window} {dtype}: max abs err {torch_err}"
+    assert err <= torch_err + KERNEL_TOL[dtype] / 2, f"flash {err} vs torch {torch_err}"
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("window", SLIDING_WINDOWS)
+def test_torch_backend_on_cuda_with_sliding_window_matches_dense_oracle(case, window):
+    q, k, v, kc, vc, meta = make_step(*KERNEL_CASES[case], dtype=torch.float32, block_size=16)
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, window)
+    assert max_err(out, dense_oracle(q, kc, vc, meta, window)) <= KERNEL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("sink_len,windows", SPARSE_VIEWS)
+@pytest.mark.parametrize("window", [3, 300, 700, 1500])
+def test_flash_sparse_view_with_sliding_window_matches_dense_oracle(sink_len, windows, window):
+    """A draft's sink + window view on a sliding-window layer: the view intersected with the layer's
+    window, through flash's virtual block table where that is exact and the torch gather otherwise."""
+    needs_flash()
+    q, k, v, kc, vc, meta = make_step(*SPARSE_SEQS, dtype=torch.bfloat16, sink_len=sink_len, windows=windows)
+    ref = dense_oracle(q, kc, vc, meta, window)
+    err = max_err(make_backend("flash", CUDA, FLASH_BLOCK).forward(q, k, v, kc, vc, meta, window), ref)
+    assert err <= KERNEL_TOL[torch.bfloat16], f"sink {sink_len} views {windows} window {window}: max abs err {err}"
+
+
 # -- 1b. the model over the paged cache: flash vs torch on the tiny checkpoint ---------------------------
 
 def cuda_runner(directory: str, dtype: str, backend: str, block_size: int = FLASH_BLOCK, blocks: int = 16):
@@ -248,10 +287,21 @@ def test_flash_runner_matches_torch_runner_in_the_same_dtype(llama_dir, dtype):
     against the float32 torch run. Measured on the CPU with two different exact-math attention paths in
     bf16, the runs differ by at most 1 % of the logit scale and agree on > 99 % of argmaxes; flash also
     rounds its softmax probabilities to the half dtype, so the bounds here leave room for that."""
+    check_flash_runner_against_torch(llama_dir, dtype)
+
+
+@pytest.mark.parametrize("family", ["mistral_swa", "qwen2_swa"])
+def test_flash_runner_with_sliding_window_matches_torch_runner(checkpoint_dir, family):
+    """The same on checkpoints whose layers slide (window 8: Mistral on every layer, Qwen2 on layer 1),
+    the draft step's block-aligned view included."""
+    check_flash_runner_against_torch(checkpoint_dir(family), "bfloat16")
+
+
+def check_flash_runner_against_torch(directory: str, dtype: str) -> None:
     needs_flash()
-    ref = runner_scenario(cuda_runner(llama_dir, "float32", "torch"))
-    same = runner_scenario(cuda_runner(llama_dir, dtype, "torch"))
-    flash = runner_scenario(cuda_runner(llama_dir, dtype, "flash"))
+    ref = runner_scenario(cuda_runner(directory, "float32", "torch"))
+    same = runner_scenario(cuda_runner(directory, dtype, "torch"))
+    flash = runner_scenario(cuda_runner(directory, dtype, "flash"))
     rel_tol = 0.05 if dtype == "bfloat16" else 0.01
     for (kind, r), (_, t), (_, f) in zip(ref, same, flash):
         scale = r.abs().max().item()
@@ -299,6 +349,20 @@ def test_greedy_self_speculation_on_cuda_is_lossless(llama_dir, k_policy, k):
     assert worker.metrics.draft_tokens > 0 or k_policy == "adaptive"
 
 
+@pytest.mark.parametrize("family", ["mistral_swa", "qwen2_swa"])
+def test_greedy_self_speculation_on_cuda_is_lossless_with_sliding_window(checkpoint_dir, family):
+    """float32 torch backend on CUDA, layers with window 8 and prompts far longer: the draft's sink + recent
+    view (sink 2, 4 recent tokens) intersected with each layer's window; tokens equal the engine's."""
+    directory = checkpoint_dir(family)
+    prompts = prompts_of([40, 90, 300], seed=12)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.token_ids for c in cuda_engine(directory, token_budget=7).generate(prompts, params)]
+    worker = cuda_worker(directory, drafter="self_sparse", k_policy="fixed", k=3, budget=6, sink_tokens=2)
+    assert run_worker(worker, prompts, params) == expected
+    assert worker.metrics.draft_tokens > 0
+    assert worker.pool.num_free == worker.pool.num_blocks
+
+
 def test_greedy_draft_model_speculation_on_cuda_is_lossless(checkpoint_dir):
     target, draft = checkpoint_dir("llama_gqa"), checkpoint_dir("llama_tied")
     prompts = prompts_of([9, 100, 250], seed=5)
@@ -324,6 +388,23 @@ def test_flash_self_speculation_agrees_with_flash_decoding(llama_dir):
     plain = cuda_worker(llama_dir, "bfloat16", "flash", FLASH_BLOCK, drafter="none")
     expected = run_worker(plain, prompts, params)
     worker = cuda_worker(llama_dir, "bfloat16", "flash", FLASH_BLOCK, drafter="self_sparse", k_policy="fixed",
+                         k=3, budget=512, sink_tokens=16)
+    got = run_worker(worker, prompts, params)
+    assert agreement(got, expected) >= 0.75, (got, expected)
+    assert worker.metrics.draft_tokens > 0
+
+
+def test_flash_self_speculation_with_sliding_window_agrees_with_flash_decoding(checkpoint_dir):
+    """bf16 + flash on a Mistral with window 8 (every layer), long prompts, 16 sink tokens and window 496:
+    the layer window lies inside the view, so the draft passes run on flash with window_size (7, 0) over
+    the view's virtual table or, for unaligned views, through the torch gather."""
+    needs_flash()
+    directory = checkpoint_dir("mistral_swa")
+    prompts = prompts_of([600, 700, 300, 650], seed=8)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = cuda_worker(directory, "bfloat16", "flash", FLASH_BLOCK, drafter="none")
+    expected = run_worker(plain, prompts, params)
+    worker = cuda_worker(directory, "bfloat16", "flash", FLASH_BLOCK, drafter="self_sparse", k_policy="fixed",
                          k=3, budget=512, sink_tokens=16)
     got = run_worker(worker, prompts, params)
     assert agreement(got, expected) >= 0.75, (got, expected)

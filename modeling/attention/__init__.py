@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, behind one small backend interface.
 
-A backend implements ``forward(q, k, v, k_cache, v_cache, meta) -> out`` (shapes in
-:class:`TorchAttentionBackend`). :class:`PagedAttentionContext` adapts a backend to the model's
+A backend implements ``forward(q, k, v, k_cache, v_cache, meta, sliding_window=None) -> out`` (shapes in
+:class:`TorchAttentionBackend`); ``sliding_window`` is the layer's window (the visibility rule of
+:mod:`modeling.attention.metadata`). :class:`PagedAttentionContext` adapts a backend to the model's
 AttentionContext: for each layer it writes the new keys/values into the cache, then attends.
 """
 
@@ -33,6 +34,7 @@ class AttentionBackend(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -76,7 +78,8 @@ class PagedAttentionContext:
         self.meta = meta
         self.backend = backend
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer)
-        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta)
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, sliding_window)

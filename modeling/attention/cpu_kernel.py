@@ -150,14 +150,16 @@ def cpu_kernel_build_seconds() -> float | None:
     return _build_seconds
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
-    """Run the kernel on one step (any q_len; see CpuPagedAttentionBackend for the dispatch)."""
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Run the kernel on one step (any q_len; see CpuPagedAttentionBackend for the dispatch).
+    ``sliding_window``: the layer's window (None: full attention)."""
     t = meta.tensors(q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return load_cpu_kernel().paged_attention(
         q, k_cache, v_cache, t["block_tables"], t["seq_lens"], t["query_start"],
-        meta.sink_len, t["window_starts"], scale,
+        meta.sink_len, t["window_starts"], scale, sliding_window or 0,
     )
 
 
@@ -174,16 +176,18 @@ class CpuPagedAttentionBackend:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] (already in the cache, unused here);
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]. ``sliding_window``: the
+        layer's window (None: full attention), applied in the kernel."""
         qs = meta.query_start
         # Fast accept for pure decode / short verification steps: T <= max_q_len means no block can be
         # longer; otherwise check each sequence (O(B) Python, small next to the attention itself).
         if qs[-1] > self.max_q_len and any(e - s > self.max_q_len for s, e in zip(qs, qs[1:])):
-            return self._fallback.forward(q, k, v, k_cache, v_cache, meta)
+            return self._fallback.forward(q, k, v, k_cache, v_cache, meta, sliding_window)
         t = meta.tensors(q.device)
         return self._op(
             q, k_cache, v_cache, t["block_tables"], t["seq_lens"], t["query_start"],
-            meta.sink_len, t["window_starts"], 1.0 / math.sqrt(q.shape[-1]),
+            meta.sink_len, t["window_starts"], 1.0 / math.sqrt(q.shape[-1]), sliding_window or 0,
         )

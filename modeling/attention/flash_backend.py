@@ -6,6 +6,13 @@ the new tokens are the last ones of each sequence: exactly the visibility rule o
 :mod:`modeling.attention.metadata`. Paged KV in flash-attn needs a block size that is a multiple of 256.
 A sparse (sink + window) view is expressed as a virtual block table that skips the hidden blocks, so
 its boundaries must be block-aligned.
+
+A layer's sliding window ``W`` (a query at position ``p`` sees keys ``p - W + 1 .. p``) is flash-attn's
+``window_size=(W - 1, 0)``: key ``j`` is visible iff ``p - (W - 1) <= j <= p`` in the bottom-right
+aligned numbering. Over a virtual (sparse) block table that numbering counts only the view's keys; it
+still gives exactly the layer's window when the view hides no sink key, or when no query's window edge
+falls between the sink and the view's window start (the window then either covers the sink or holds only
+the view's recent keys). Other sparse steps go to the torch gather path (draft passes only).
 """
 
 from __future__ import annotations
@@ -48,12 +55,16 @@ class FlashAttentionBackend:
 
         self._gather = TorchAttentionBackend()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D]."""
-        if meta.window_starts is not None and not self._block_aligned(meta):
-            # a sink + window view that does not fall on block boundaries cannot be a block table: the
-            # torch backend gathers it (draft passes only; the target's passes stay on flash)
-            return self._gather.forward(q, k, v, k_cache, v_cache, meta)
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
+                sliding_window: int | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+        ``sliding_window``: the layer's window (None: full attention)."""
+        if meta.window_starts is not None and not (
+                self._block_aligned(meta) and self._window_exact_on_view(meta, sliding_window)):
+            # a sink + window view that does not fall on block boundaries cannot be a block table, and one
+            # whose sink the layer's window partly hides cannot be windowed by flash: the torch backend
+            # gathers it (draft passes only; the target's passes stay on flash)
+            return self._gather.forward(q, k, v, k_cache, v_cache, meta, sliding_window)
         t = meta.tensors(q.device)
         if meta.window_starts is None:
             tables, seq_lens = t["block_tables"], t["seq_lens"]
@@ -66,13 +77,28 @@ class FlashAttentionBackend:
             q, k_cache, v_cache,
             cu_seqlens_q=t["query_start"], cu_seqlens_k=cu_k,
             max_seqlen_q=max_q, max_seqlen_k=int(seq_lens.max().item()),
-            causal=True, block_table=tables,
+            causal=True, window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0),
+            block_table=tables,
         )
 
     @staticmethod
     def _block_aligned(meta: AttentionMetadata) -> bool:
         bs = meta.block_size
         return meta.sink_len % bs == 0 and all(max(w, meta.sink_len) % bs == 0 for w in meta.window_starts)
+
+    @staticmethod
+    def _window_exact_on_view(meta: AttentionMetadata, sliding_window: int | None) -> bool:
+        """True when ``window_size=(W - 1, 0)`` over the virtual block table gives exactly the layer's
+        window intersected with the view for every query row (see the module docstring)."""
+        if sliding_window is None or meta.sink_len == 0:
+            return True
+        for b in range(meta.num_seqs):
+            ws = max(meta.window_starts[b], meta.sink_len)
+            # rows' first visible positions run from ctx - W + 1 (first new token) to seq_len - W (last)
+            first, last = meta.context_len(b) - sliding_window + 1, meta.seq_lens[b] - sliding_window
+            if ws > meta.sink_len and last > 0 and first < ws:
+                return False
+        return True
 
     @staticmethod
     def _sparse_tables(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,10 @@ tokens and its new tokens are the last ``q_len(b)`` of them.
 
 Visibility rule (shared by every backend): query token ``i`` of sequence ``b`` sits at position
 ``p = seq_lens[b] - q_len(b) + i`` and sees cached token ``j`` iff ``j <= p`` and (full view, or
-``j < sink_len``, or ``j >= window_starts[b]``). The sparse sink + window view is what MagicDec drafts use.
+``j < sink_len``, or ``j >= window_starts[b]``) and, on a layer with sliding window ``W``, ``j > p - W``
+(keys ``p - W + 1 .. p``, as transformers' sliding-window mask). The sparse sink + window view is what
+MagicDec drafts use; the layer's window is passed to the backend per layer (it is a property of the model,
+the view one of the step), and the two combine as above.
 """
 
 from __future__ import annotations
@@ -68,6 +71,19 @@ class AttentionMetadata:
             ranges.append((win, ctx))
         return ranges
 
+    def shared_prefix_ranges(self, b: int, sliding_window: int | None) -> list[tuple[int, int]]:
+        """Prefix positions that every new token of ``b`` sees under ``sliding_window`` (no per-token mask
+        needed): the view's ranges from ``seq_lens[b] - sliding_window`` on (the last token's first key)."""
+        if sliding_window is None:
+            return self.prefix_ranges(b)
+        return _clip(self.prefix_ranges(b), self.seq_lens[b] - sliding_window, self.context_len(b))
+
+    def window_edge_ranges(self, b: int, sliding_window: int) -> list[tuple[int, int]]:
+        """Prefix positions that some but not all new tokens of ``b`` see: new token ``i`` (position ``p``)
+        sees those ``> p - sliding_window``. Empty for a single new token; at most ``q_len - 1`` positions."""
+        ctx = self.context_len(b)
+        return _clip(self.prefix_ranges(b), ctx - sliding_window + 1, self.seq_lens[b] - sliding_window)
+
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
         """int32 device tensors for kernels: block_tables [B, max_blocks] (padded with 0),
         seq_lens [B], query_start [B + 1], context_lens [B], window_starts [B]."""
@@ -87,6 +103,16 @@ class AttentionMetadata:
                 "window_starts": torch.tensor(win, dtype=torch.int32, device=device),
             }
         return self._device_tensors[key]
+
+
+def _clip(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [start, end) ``ranges`` inside [lo, hi), empty ones dropped."""
+    out = []
+    for start, end in ranges:
+        start, end = max(start, lo), min(end, hi)
+        if start < end:
+            out.append((start, end))
+    return out
 
 
 def physical_runs(block_table: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:

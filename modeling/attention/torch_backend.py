@@ -6,6 +6,12 @@ For each sequence, attention is split into partial results that are merged with 
   (no per-step rebuild of the cache), visible to every new token (no mask);
 * the self segment: the step's own new keys/values, causal among the new tokens.
 
+On a layer with a sliding window ``W`` (new token at position ``p`` sees keys ``p - W + 1 .. p``) the
+prefix segments keep only the keys every new token sees; the few prefix keys that only some new tokens
+see (at most ``q_len - 1``: the window's lower edge moves by one per new token) form one gathered
+segment with a per-token mask, and the self segment is also masked by the window when the step has more
+than ``W`` new tokens. A decode step (one new token) needs no mask at all.
+
 Each KV head is read once for all of its query heads and query tokens: the ``G`` query heads of a KV
 head and the ``Q`` new tokens are folded into one [G * Q] row block against that head's keys.
 """
@@ -45,9 +51,11 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] (already written to the cache);
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]. ``sliding_window``: the
+        layer's window (None: full attention)."""
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, hkv, d)
         v_flat = v_cache.view(-1, hkv, d)
@@ -56,10 +64,11 @@ class TorchAttentionBackend:
             s, e = meta.query_start[b], meta.query_start[b + 1]
             if s == e:
                 continue
-            out[s:e] = self._attend_sequence(q[s:e], k[s:e], v[s:e], k_flat, v_flat, meta, b)
+            out[s:e] = self._attend_sequence(q[s:e], k[s:e], v[s:e], k_flat, v_flat, meta, b, sliding_window)
         return out
 
-    def _attend_sequence(self, q, k_new, v_new, k_flat, v_flat, meta: AttentionMetadata, b: int) -> torch.Tensor:
+    def _attend_sequence(self, q, k_new, v_new, k_flat, v_flat, meta: AttentionMetadata, b: int,
+                         window: int | None) -> torch.Tensor:
         # q: [Q, Hq, D]; k_new, v_new: [Q, Hkv, D]; k_flat, v_flat: [slots, Hkv, D]
         n_q, hq, d = q.shape
         hkv = k_new.shape[1]
@@ -67,7 +76,8 @@ class TorchAttentionBackend:
         scale = 1.0 / math.sqrt(d)
         partials: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out [Q, Hq, D] f32, lse [Q, Hq] f32)
 
-        segments = self._prefix_segments(k_flat, v_flat, meta, b)
+        segments = self._prefix_segments(k_flat, v_flat, meta.block_tables[b], meta.block_size,
+                                         meta.shared_prefix_ranges(b, window))
         if segments:
             # fold: [Q, Hkv*G, D] -> [Hkv, G*Q, D]  (row index = g * Q + qi)
             q_fold = q.view(n_q, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n_q, d)
@@ -78,19 +88,36 @@ class TorchAttentionBackend:
                 lse = lse.view(hkv, g, n_q).permute(2, 0, 1).reshape(n_q, hq)
                 partials.append((o, lse))
 
+        q_h = q.transpose(0, 1)  # [Hq, Q, D]
+        if window is not None:
+            ctx = meta.context_len(b)
+            q_pos = torch.arange(ctx, ctx + n_q, device=q.device)
+            # window edge: prefix keys only some new tokens see, gathered, masked per token
+            edge = meta.window_edge_ranges(b, window)
+            if edge:
+                key_pos = torch.cat([torch.arange(start, end) for start, end in edge]).to(q.device)
+                slots = torch.tensor(_all_slots(meta.block_tables[b], meta.block_size, edge), device=q.device)
+                k_e = k_flat.index_select(0, slots).transpose(0, 1).repeat_interleave(g, dim=0)
+                v_e = v_flat.index_select(0, slots).transpose(0, 1).repeat_interleave(g, dim=0)
+                o, lse = _math_partial(q_h, k_e, v_e, scale, q_pos, key_pos, window)
+                partials.append((o.transpose(0, 1), lse.transpose(0, 1)))
+
         # self segment: new tokens among themselves, causal. [Hq, Q, D] with KV heads repeated.
-        q_h = q.transpose(0, 1)
         k_h = k_new.transpose(0, 1).repeat_interleave(g, dim=0)
         v_h = v_new.transpose(0, 1).repeat_interleave(g, dim=0)
-        o, lse = self._partial(q_h, k_h, v_h, scale, causal=True)
+        if window is not None and n_q > window:
+            o, lse = _math_partial(q_h, k_h, v_h, scale, q_pos, q_pos, window)
+        else:
+            o, lse = self._partial(q_h, k_h, v_h, scale, causal=True)
         partials.append((o.transpose(0, 1), lse.transpose(0, 1)))
         return _merge(partials).to(q.dtype)
 
-    def _prefix_segments(self, k_flat, v_flat, meta: AttentionMetadata, b: int):
-        """Visible prefix KV of sequence b as a list of ([n, Hkv, D] keys, values) slabs."""
+    @staticmethod
+    def _prefix_segments(k_flat, v_flat, table: list[int], block_size: int, ranges: list[tuple[int, int]]):
+        """The prefix KV at positions ``ranges`` as a list of ([n, Hkv, D] keys, values) slabs."""
         runs: list[tuple[int, int]] = []
-        for start, end in meta.prefix_ranges(b):
-            runs.extend(physical_runs(meta.block_tables[b], meta.block_size, start, end))
+        for start, end in ranges:
+            runs.extend(physical_runs(table, block_size, start, end))
         long_runs = [r for r in runs if r[1] >= _SHORT_RUN_TOKENS]
         short_runs = [r for r in runs if r[1] < _SHORT_RUN_TOKENS]
         segments = [(k_flat[s : s + n], v_flat[s : s + n]) for s, n in long_runs]
@@ -107,13 +134,19 @@ class TorchAttentionBackend:
         if self.use_fused_cpu_kernel and _cpu_flash is not None and q.device.type == "cpu":
             out, lse = _cpu_flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale)
             return out[0].float(), lse[0]
-        return _math_partial(q, k, v, scale, causal)
+        if not causal:
+            return _math_partial(q, k, v, scale)
+        pos = torch.arange(q.shape[1], device=q.device)
+        return _math_partial(q, k, v, scale, pos, pos)
 
 
-def _math_partial(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _math_partial(q, k, v, scale: float, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float32 attention with log-sum-exp, chunked over query rows to bound memory.
 
-    Causal means query row i sees key j iff j <= i (square self-attention block)."""
+    q: [H, M, D]; k, v: [H, N, D]. Without positions every row sees every key; with ``q_pos`` [M] and
+    ``k_pos`` [N], row i sees key j iff k_pos[j] <= q_pos[i] (and k_pos[j] > q_pos[i] - window when a
+    window is given). A row that sees no key gets output 0 and log-sum-exp -inf (weight 0 in a merge)."""
     h, m, _ = q.shape
     n = k.shape[1]
     kf, vf = k.float(), v.float()
@@ -122,12 +155,15 @@ def _math_partial(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, to
     for r0 in range(0, m, rows):
         qc = q[:, r0 : r0 + rows].float()
         scores = torch.matmul(qc, kf.transpose(1, 2)) * scale  # [H, rows, N]
-        if causal:
-            qi = torch.arange(r0, r0 + qc.shape[1], device=q.device).unsqueeze(1)
-            kj = torch.arange(n, device=q.device).unsqueeze(0)
-            scores = scores.masked_fill(kj > qi, float("-inf"))
+        if q_pos is not None:
+            offset = q_pos[r0 : r0 + qc.shape[1]].unsqueeze(1) - k_pos.unsqueeze(0)  # [rows, N]
+            hidden = offset < 0
+            if window is not None:
+                hidden |= offset >= window
+            scores = scores.masked_fill(hidden, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [H, rows]
-        outs.append(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vf))
+        safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows with no visible key: exp(-inf - 0) = 0
+        outs.append(torch.matmul(torch.exp(scores - safe.unsqueeze(-1)), vf))
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
@@ -144,7 +180,8 @@ def _merge(partials: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return out
 
 
-def dense_reference_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+def dense_reference_attention(q, k_cache, v_cache, meta: AttentionMetadata,
+                              sliding_window: int | None = None) -> torch.Tensor:
     """Slowest, simplest oracle for tests: gather each sequence's cache and mask by the visibility rule."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
@@ -152,7 +189,7 @@ def dense_reference_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> t
     for b in range(meta.num_seqs):
         s, e = meta.query_start[b], meta.query_start[b + 1]
         n = meta.seq_lens[b]
-        slots = torch.tensor(_all_slots(meta.block_tables[b], meta.block_size, n), device=q.device)
+        slots = torch.tensor(_all_slots(meta.block_tables[b], meta.block_size, [(0, n)]), device=q.device)
         kb = k_flat[slots].float().transpose(0, 1)  # [Hkv, n, D]
         vb = v_flat[slots].float().transpose(0, 1)
         qb = q[s:e].float().transpose(0, 1)  # [Hq, Q, D]
@@ -161,11 +198,14 @@ def dense_reference_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> t
         visible = j <= pos
         if meta.window_starts is not None:
             visible &= (j < meta.sink_len) | (j >= meta.window_starts[b])
+        if sliding_window is not None:
+            visible &= j > pos - sliding_window
         o = F.scaled_dot_product_attention(qb.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0),
                                            attn_mask=visible, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
-def _all_slots(table: list[int], block_size: int, n: int) -> list[int]:
-    return [table[p // block_size] * block_size + p % block_size for p in range(n)]
+def _all_slots(table: list[int], block_size: int, ranges: list[tuple[int, int]]) -> list[int]:
+    """Cache slots of the positions in [start, end) ``ranges``, in order."""
+    return [table[p // block_size] * block_size + p % block_size for s, e in ranges for p in range(s, e)]

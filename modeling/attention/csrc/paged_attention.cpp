@@ -5,9 +5,12 @@
 // one of modeling/attention/metadata.py:
 //
 //   query token i of sequence b sits at position p = seq_lens[b] - q_len(b) + i and sees cached token
-//   j iff j <= p and (j < sink_len or j >= window_starts[b]).
+//   j iff j <= p and (j < sink_len or j >= window_starts[b]) and (sliding_window == 0 or
+//   j > p - sliding_window).
 //
 // A full view is window_starts[b] == 0 (what AttentionMetadata.tensors() gives when there is no window).
+// sliding_window is the layer's window (0: full attention): query p sees keys p - W + 1 .. p, as
+// transformers' sliding-window mask.
 // The new tokens' keys/values are already in the cache, so everything is read from the cache.
 //
 // Shapes:
@@ -17,8 +20,10 @@
 //   window_starts int32 [B]
 //   out          [T, Hq, D]                         dtype of q
 //
-// Algorithm. Each sequence's visible keys form at most two position ranges (the sink [0, sink_end) and
-// the window [win, seq_len)); concatenated they are the sequence's "visible key list". The list is cut
+// Algorithm. Each sequence's visible keys form at most two position ranges (the sink [s0, sink_end) and
+// the window [win, seq_len)); concatenated they are the sequence's "visible key list". A sliding window
+// W drops the keys no query row sees (below ctx - W + 1, rounded down to a multiple of the 16-key tile
+// so that tiles stay aligned to absolute positions) and masks the rest per row. The list is cut
 // into chunks (multiples of a 16-key tile) and each (sequence, chunk) is one work item, which handles
 // all KV heads: for every tile of 16 keys and every KV head h, the key rows are loaded once and dotted
 // with all R = G * Q query rows of that head (G query heads per KV head, Q query tokens), followed by
@@ -45,7 +50,8 @@
 //
 // Every query row is computed on its own -- the same operations in the same order whatever the number of
 // rows beside it -- so a verification row equals the decode step at that position bit for bit when the
-// chunking agrees (always on one thread).
+// chunking agrees (always on one thread). With a sliding window this holds too: a row's tiles are the same
+// 16-aligned position groups either way, and a tile that holds none of a row's keys leaves the row as is.
 // Without AVX-512 or for other D, a portable scalar path with the same structure runs.
 // Accumulation is always fp32.
 
@@ -96,7 +102,9 @@ struct Seq {
   int64_t tok0;   // first query row of this sequence in q / out
   int q_len;      // Q: new tokens (query rows per query head)
   int ctx;        // seq_len - q_len: position of the first new token
-  int n0;         // visible range 0 = positions [0, n0) (the sink)
+  int floor0;     // row qi sees only positions > floor0 + qi (ctx - sliding_window; very negative without one)
+  int s0;         // visible range 0 = positions [s0, s0 + n0) (the sink, from the tile where the window
+  int n0;         //   starts when the window reaches into it)
   int s1;         // visible range 1 = positions [s1, s1 + n_vis - n0) (the window)
   int n_vis;      // visible keys in total
   int first_item; // this sequence's chunks are items [first_item, first_item + n_items)
@@ -136,7 +144,7 @@ struct Workspace {
 };
 
 // Position of visible-list index idx.
-inline int position_of(const Seq& s, int idx) { return idx < s.n0 ? idx : s.s1 + (idx - s.n0); }
+inline int position_of(const Seq& s, int idx) { return idx < s.n0 ? s.s0 + idx : s.s1 + (idx - s.n0); }
 
 // ---------------------------------------------------------------------------------------------------
 // AVX-512 helpers.
@@ -444,7 +452,8 @@ void run_item(const Problem<T>& P, const Item& it, Workspace& ws) {
             }
             for (int i = 0; i < rb; ++i) {
               const int r = r0 + i, qi = r % Q;
-              const __mmask16 vis = _mm512_cmple_epi32_mask(posv, _mm512_set1_epi32(s.ctx + qi));
+              const __mmask16 vis = _mm512_cmple_epi32_mask(posv, _mm512_set1_epi32(s.ctx + qi)) &
+                                    _mm512_cmpgt_epi32_mask(posv, _mm512_set1_epi32(s.floor0 + qi));
               const __m512 v = _mm512_mul_ps(sc[i], _mm512_set1_ps(P.qscale));
               _mm512_storeu_ps(probs + r * kTile, _mm512_mask_blend_ps(vis, _mm512_set1_ps(kNegInf), v));
             }
@@ -463,7 +472,8 @@ void run_item(const Problem<T>& P, const Item& it, Workspace& ws) {
               part[j] = a;
             }
             const __m512 sc = reduce16(part);
-            const __mmask16 vis = _mm512_cmple_epi32_mask(posv, _mm512_set1_epi32(s.ctx + r % Q));
+            const __mmask16 vis = _mm512_cmple_epi32_mask(posv, _mm512_set1_epi32(s.ctx + r % Q)) &
+                                  _mm512_cmpgt_epi32_mask(posv, _mm512_set1_epi32(s.floor0 + r % Q));
             _mm512_storeu_ps(probs + r * kTile, _mm512_mask_blend_ps(vis, _mm512_set1_ps(kNegInf), sc));
           }
         }
@@ -472,10 +482,10 @@ void run_item(const Problem<T>& P, const Item& it, Workspace& ws) {
       {
         for (int r = 0; r < R; ++r) {
           const float* qr = ws.qbuf.data() + (static_cast<size_t>(h) * R + r) * D;
-          const int limit = s.ctx + r % Q;
+          const int limit = s.ctx + r % Q, floor = s.floor0 + r % Q;
           for (int j = 0; j < kTile; ++j) {
             float sc = kNegInf;
-            if (pos[j] <= limit) {
+            if (pos[j] <= limit && pos[j] > floor) {
               const T* kr = kptr[j] + koff;
               float a = 0.f;
               for (int d = 0; d < D; ++d) a += qr[d] * to_f32(kr[d]);
@@ -687,7 +697,7 @@ void run(Problem<T>& P, T* out, int64_t o_s0, int64_t o_s1) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start, int64_t sink_len, const at::Tensor& window_starts,
-                           double scale) {
+                           double scale, int64_t sliding_window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
@@ -714,6 +724,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int32_t* wins = ws_t.data_ptr<int32_t>();
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = tables.size(1);
   TORCH_CHECK(qs[0] == 0 && qs[B] == q.size(0), "paged_attention: query_start must run from 0 to T");
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT_MAX / 2, "paged_attention: sliding_window out of range");
+  const int W = static_cast<int>(sliding_window);
 
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int64_t G = Hq / Hkv;
@@ -733,11 +745,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     s.tok0 = qs[b];
     s.q_len = q_len;
     s.ctx = n - q_len;
+    s.floor0 = W > 0 ? s.ctx - W : INT_MIN / 2;
+    // first position any row sees under the sliding window, rounded down to a tile (see the header)
+    const int lo = W > 0 ? std::max(s.ctx - W + 1, 0) / kTile * kTile : 0;
     const int sink_end = static_cast<int>(std::min<int64_t>(std::max<int64_t>(sink_len, 0), n));
-    const int win = std::max(std::max(wins[b], 0), sink_end);
-    s.n0 = sink_end;
+    const int win = std::max(std::max(std::max(wins[b], 0), sink_end), lo);
+    s.s0 = std::min(lo, sink_end);
+    s.n0 = sink_end - s.s0;
     s.s1 = win;
-    s.n_vis = q_len > 0 ? sink_end + (n - win) : 0;
+    s.n_vis = q_len > 0 ? s.n0 + (n - win) : 0;
     total_keys += s.n_vis;
   }
   const int threads = at::get_num_threads();
@@ -803,6 +819,7 @@ std::string build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start"), py::arg("sink_len"), py::arg("window_starts"), py::arg("scale"));
+        py::arg("query_start"), py::arg("sink_len"), py::arg("window_starts"), py::arg("scale"),
+        py::arg("sliding_window") = 0);
   m.def("build_info", &build_info);
 }
