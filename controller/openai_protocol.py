@@ -104,18 +104,18 @@ def _refuse_unless(body: dict, name: str, allowed, what: str) -> None:
         raise OpenAIError(400, f"{name}: {what}", param=name, code="unsupported_parameter")
 
 
+@dataclass(frozen=True)
 class OpenAIProtocol:
-    """Turns OpenAI request bodies into router inputs for one served model."""
+    """Turns OpenAI request bodies into router inputs for one served model (``chat_template`` None: the
+    model has none, and chat requests are refused)."""
 
-    def __init__(self, model_name: str, tokenizer: TextTokenizer, chat_template: ChatTemplate | None, vocab_size: int,
-                 max_prompt_tokens: int, max_tokens: int, max_model_len: int):
-        self.model_name = model_name
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
-        self.vocab_size = vocab_size
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_tokens = max_tokens
-        self.max_model_len = max_model_len
+    model_name: str
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate | None
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens: int
+    max_model_len: int
 
     # -- requests ---------------------------------------------------------------------------------
 
