@@ -101,8 +101,8 @@ def write_markdown(result: dict, path: str) -> None:
         f"Machine: {result['hardware']['cpus']} CPUs, {result['hardware']['platform']}.", "",
         "| path | TTFT p50 (ms) | TPOT p50 (ms) | end to end p50 (ms) |", "|---|---:|---:|---:|",
     ]
-    for path, name in (("grpc", "gRPC `Generate` stream"), ("openai", "HTTP `/v1/completions` (SSE)")):
-        lines.append(f"| {name} | {a[path]['ttft_p50_ms']:.1f} | {a[path]['tpot_p50_ms']:.2f} | {a[path]['e2e_p50_ms']:.0f} |")
+    for kind, name in (("grpc", "gRPC `Generate` stream"), ("openai", "HTTP `/v1/completions` (SSE)")):
+        lines.append(f"| {name} | {a[kind]['ttft_p50_ms']:.1f} | {a[kind]['tpot_p50_ms']:.2f} | {a[kind]['e2e_p50_ms']:.0f} |")
     lo, hi = p["ttft_added_ms_iqr"]
     rlo, rhi = p["tpot_ratio_iqr"]
     lines += ["", "Paired (HTTP minus gRPC, the same prompt back to back):", "",
@@ -123,8 +123,8 @@ def plot(result: dict, path: str) -> None:
     rows = result["requests"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, label in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tpot_ms", "TPOT (ms)")):
-        for path, name, marker in (("grpc", "gRPC", "o"), ("openai", "HTTP (OpenAI API)", "x")):
-            pts = [(r["pair"], r[key]) for r in rows if r["path"] == path]
+        for kind, name, marker in (("grpc", "gRPC", "o"), ("openai", "HTTP (OpenAI API)", "x")):
+            pts = [(r["pair"], r[key]) for r in rows if r["path"] == kind]
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker, label=name, alpha=0.8)
         ax.set_xlabel("pair (same prompt through both paths)")
         ax.set_ylabel(label)
