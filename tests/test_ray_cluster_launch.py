@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -38,7 +40,7 @@ def test_wait_ready_times_out_cleanly_when_no_server_listens():
 
 @pytest.mark.skipif(shutil.which("ray") is None, reason="ray CLI not on PATH")
 def test_ray_start_head_then_serve(llama_dir, tmp_path):
-    ray_port, grpc_port = free_port(), free_port()
+    ray_port, grpc_port, http_port = free_port(), free_port(), free_port()
     # a throwaway localhost cluster: no auth token (a parallel local Ray may rewrite ~/.ray/auth_token)
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     subprocess.run(["ray", "start", "--head", f"--port={ray_port}", "--num-cpus=4", "--include-dashboard=false",
@@ -49,7 +51,7 @@ def test_ray_start_head_then_serve(llama_dir, tmp_path):
         f"ray: {{address: '127.0.0.1:{ray_port}'}}\n"
         "prefill: {kv_cache_tokens: 4096, attention_backend: torch}\n"
         "decode: {kv_cache_tokens: 4096, attention_backend: torch}\n"
-        f"server: {{port: {grpc_port}}}\n")
+        f"server: {{port: {grpc_port}, http_port: {http_port}}}\n")
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen([sys.executable, "-m", "controller.cli", "serve", "--config", str(config)],
                              stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -69,6 +71,8 @@ def test_ray_start_head_then_serve(llama_dir, tmp_path):
         out = subprocess.run([sys.executable, "-m", "controller.cli", "status", "--address", f"127.0.0.1:{grpc_port}"],
                              capture_output=True, text=True, timeout=60)
         assert "prefill-0" in out.stdout and "decode-0" in out.stdout, out.stdout + out.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30) as r:  # the HTTP front too
+            assert json.load(r)["data"][0]["id"] == os.path.basename(llama_dir)
     finally:
         serve.terminate()  # SIGTERM: drain and shut down
         try:
