@@ -94,35 +94,30 @@ class OpenAIServer:
                 return denied
             req = parse(await self._json(request))
         except OpenAIError as err:
-            self.metrics.failed("INVALID_ARGUMENT" if err.status == 400 else
-                                "NOT_FOUND" if err.status == 404 else str(err.status))
+            self.metrics.failed("NOT_FOUND" if err.status == 404 else "INVALID_ARGUMENT")
             return _error(err)
         rid = self.protocol.new_id(req.kind)
         created = now()
         items = self.router.generate(rid, req.prompt_ids, req.params)
         try:
-            first = await items.__anext__()  # admission and prefill: errors here still get an HTTP status
+            # admission and prefill: errors here still get an HTTP status
+            first = await _unless_disconnected(request, items.__anext__())
         except RouterError as err:
             return _error(_router_error(err))
         except StopAsyncIteration:
             return _error(OpenAIError(503, "request ended without output", code="unavailable"))
+        except _ClientGone:
+            await items.aclose()  # cancels the request wherever it waits or runs
+            return Response(status_code=499)
         if req.stream:
             return StreamingResponse(self._sse(req, rid, created, first, items), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        collect = asyncio.ensure_future(_collect(first, items))
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not collect.done():  # the client left: cancel the request
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)
-            return Response(status_code=499)
-        try:
-            text, ids, final = collect.result()
+            text, ids, final = await _unless_disconnected(request, _collect(first, items))
         except RouterError as err:
             return _error(_router_error(err))
+        except _ClientGone:  # _collect closed the request's stream: cancelled everywhere
+            return Response(status_code=499)
         body = response(req, rid, created, text, final.finish_reason, final.prompt_tokens, final.completion_tokens, ids)
         return JSONResponse(body, headers={"X-Request-Id": rid})
 
@@ -201,6 +196,25 @@ async def _collect(first, items) -> tuple[str, list[int], object]:
             item = await items.__anext__()
     finally:
         await items.aclose()
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """``awaitable``'s result, or _ClientGone (with ``awaitable`` cancelled) if the client leaves first."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise _ClientGone()
+    return work.result()
 
 
 async def _disconnected(request: Request) -> None:

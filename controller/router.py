@@ -148,14 +148,14 @@ class Router:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta | Final]:
         """Serve one request: yields Delta messages, then one Final. Raises RouterError."""
-        if self._closing:
-            raise RouterError("UNAVAILABLE", "server is shutting down")
-        if request_id in self._active:
-            raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already running")
         arrival = time.perf_counter()  # before admission: the TTFT reported includes any wait for a slot
         try:
+            if self._closing:
+                raise RouterError("UNAVAILABLE", "server is shutting down")
+            if request_id in self._active:
+                raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already running")
             await self._admit()
-        except RouterError as err:
+        except RouterError as err:  # refused before it began: counted, nothing to release
             if self.metrics is not None:
                 self.metrics.failed(err.code)
             raise

@@ -262,6 +262,24 @@ def test_full_server_is_429_and_disconnects_free_kv(client, http):
     assert sample(m, "magicserve:request_errors_total", code="RESOURCE_EXHAUSTED") >= 1
 
 
+def test_a_client_that_leaves_before_the_response_cancels_its_request(http):
+    """A non-streamed request whose client times out is cancelled, not finished: no success is counted
+    and its KV comes back."""
+    before = scrape(http[0])
+    impatient = openai.OpenAI(base_url=http[0] + "/v1", api_key=TOKEN, max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=256, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = scrape(http[0])
+        if sample(m, "magicserve:num_requests_running") == 0 and sample(m, "magicserve:kv_cache_blocks_used") == 0:
+            break
+        time.sleep(0.2)
+    assert sample(m, "magicserve:num_requests_running") == 0 and sample(m, "magicserve:kv_cache_blocks_used") == 0
+    assert sample(m, "magicserve:request_success_total") == sample(before, "magicserve:request_success_total")
+
+
 def test_metrics_parse_and_count_what_was_served(client, http):
     before = scrape(http[0])
     n = 3
