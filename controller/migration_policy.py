@@ -52,6 +52,11 @@ class InstanceLoad:
     def used_blocks(self) -> int:
         return sum(r.blocks for r in self.running)
 
+    @property
+    def free_blocks(self) -> int:
+        """Blocks free for a newcomer: not held, and not needed by the waiting head-of-line request."""
+        return self.total_blocks - self.used_blocks - self.waiting_blocks
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -117,9 +122,9 @@ def freeness(inst: InstanceLoad, cfg: PolicyConfig) -> float:
 
 def pick_instance(instances: list[InstanceLoad], blocks: int, cfg: PolicyConfig, priority: int = 0) -> str | None:
     """Where a new request needing ``blocks`` goes: the freest instance that is not draining and has the
-    blocks physically free (None: none has). A high-priority request counts its own headroom too."""
+    blocks free (None: none has). A high-priority request counts its own headroom too."""
     need = blocks + (cfg.priority_headroom_blocks if priority > 0 else 0)
-    fits = [i for i in instances if not i.draining and i.total_blocks - i.used_blocks >= blocks]
+    fits = [i for i in instances if not i.draining and i.free_blocks >= blocks]
     if not fits:
         return None
     roomy = [i for i in fits if i.total_blocks - virtual_usage(i, cfg) >= need] or fits
@@ -151,7 +156,7 @@ def plan_migrations(instances: list[InstanceLoad], cfg: PolicyConfig, now: float
         for dst in dests:
             if dst.name in used_dests or dst.name == src.name:
                 continue
-            move = next((r for r in candidates if _fits(dst, r)
+            move = next((r for r in candidates if dst.free_blocks > r.blocks  # room, and a block to grow
                          and _after(dst, r, cfg, adding=True) > _after(src, r, cfg, adding=False)), None)
             if move is not None:
                 plans.append(Migration(move.request_id, src.name, dst.name, move.blocks))
@@ -159,7 +164,3 @@ def plan_migrations(instances: list[InstanceLoad], cfg: PolicyConfig, now: float
                 break
     return plans
 
-
-def _fits(dst: InstanceLoad, req: RequestLoad) -> bool:
-    """The destination has the request's blocks physically free (and a little to grow: one block)."""
-    return dst.total_blocks - dst.used_blocks - dst.waiting_blocks >= req.blocks + 1

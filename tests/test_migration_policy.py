@@ -33,6 +33,7 @@ def test_new_requests_go_to_the_freest_instance_with_room():
     assert pick_instance([busy, idle], 50, CFG) == "idle"
     assert pick_instance([busy, inst("idle", 1000, 100, draining=True)], 50, CFG) == "busy"  # never a draining one
     assert pick_instance([inst("x", 100, 90), inst("y", 100, 95)], 20, CFG) is None  # no instance has 20 free
+    assert pick_instance([inst("w", 1000, 100, waiting=850)], 100, CFG) is None  # the waiting prompt's blocks
     # a high-priority request prefers where its headroom fits, even when that instance is a little less free
     tight, roomy = inst("tight", 200, 60), inst("roomy", 1000, *[100] * 8)  # freeness 70 vs 22
     assert pick_instance([tight, roomy], 100, CFG, priority=1) == "roomy"
