@@ -3,7 +3,8 @@
 In: :class:`DecodeRequest`, sent once, before prefill: the decode worker reserves the prompt's KV blocks and
 holds the request in ``waiting_for_kv`` until the prefill worker's transfer (KV and first token) completes.
 Out, per step: :class:`TokenDelta` per request that produced something, and :class:`DecodeFailure` for a
-request the worker gave up on (its KV never arrived).
+request the worker gave up on (its KV never arrived). Migration (live, between decode instances):
+:class:`MigrationArrived` from the destination, :class:`MigrationFailed` from either end.
 """
 
 from __future__ import annotations
@@ -48,3 +49,22 @@ class DecodeFailure:
     request_id: str
     reason: str
     retryable: bool
+
+
+@dataclass(frozen=True)
+class MigrationArrived:
+    """A migrating request's KV and state are complete on its destination, which holds it until the router
+    commits (then it decodes there) or aborts (then it is freed there). ``num_output_tokens``: output tokens
+    the source produced before it stopped (the router streams all of them before any from here)."""
+
+    request_id: str
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class MigrationFailed:
+    """A migration that cannot complete, as one of its ends saw it (a broken or stalled channel, the
+    request preempted or ended on its source). The router aborts it: the request stays on its source."""
+
+    request_id: str
+    reason: str

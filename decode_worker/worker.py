@@ -3,13 +3,15 @@
 A plain class (the controller wraps it as a Ray actor). It owns every request it holds from reservation to
 finish, in one of three states: ``waiting_for_kv`` (``add_remote``: blocks reserved, the prompt's KV and first
 token in transfer from a prefill worker through this worker's ``KVReceiver``), ``running``, or ``waiting``
-(preempted, to be recomputed). Requests may also be prefilled here (``add_local``: tests, benchmarks).
+(preempted, to be recomputed), or ``migrating`` (live migration to or from another decode instance:
+stopped on its source, or arrived on its destination, until the router decides; see
+``decode_worker/migration.py``). Requests may also be prefilled here (``add_local``: tests, benchmarks).
 Each ``step``:
 
     admit arrived KV  ->  choose k  ->  reserve room for k  ->  draft k tokens  ->  verify all k + 1 in one
     target pass  ->  accept / recover / bonus per sequence  ->  roll back rejected KV  ->  emit deltas
 
-k = 0 is a plain decode step. Sequences join and leave at every step, each with its own sampling
+then rounds of outgoing migrations go out. k = 0 is a plain decode step. Sequences join and leave at every step, each with its own sampling
 parameters and stop conditions.
 """
 
@@ -23,16 +25,19 @@ from dataclasses import dataclass, field
 import torch
 
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
-from decode_worker.messages import DecodeFailure, DecodeRequest, TokenDelta
+from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
+from decode_worker.migration import MigrationState, OutgoingMigration, headroom_tokens, should_stop
 from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape, StepCorrection
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
+from kv_transfer.errors import TransferError
 from kv_transfer.heads import peer_ranks, rank_peer_id
 from kv_transfer.rank_sync import FollowerOutcomes, exchange_outcomes
 from kv_transfer.receiver import KVReceiver, ReceivedKV
+from kv_transfer.sender import KVSender, LegTarget
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel, load_model
 from modeling.errors import InvalidRequestError, OutOfBlocksError
@@ -106,6 +111,8 @@ class DecodeWorker:
         (the other ranks run :func:`follower`); ``model`` is then a path, loaded as this rank's shard. A
         draft model runs whole on this rank."""
         self.config = config
+        self.instance_id = instance_id
+        self.transfer = transfer
         spec_cfg = config.speculation
         self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
         mc = self.loaded.config
@@ -137,6 +144,12 @@ class DecodeWorker:
         # TP: transfers whose KV the other ranks are still receiving, and prompts complete here waiting on them
         self._rank_outcomes = None if self.tp is None else FollowerOutcomes(self.tp.size)
         self._arrived: dict[str, ReceivedKV] = {}
+        # live migration: the sender of outgoing requests' KV (formed on the first connect_migration), the
+        # requests leaving and arriving, and events raised outside a step's flow (emitted by the next step)
+        self.migration_sender: KVSender | None = None
+        self._outgoing: dict[str, OutgoingMigration] = {}
+        self._incoming: set[str] = set()
+        self._events: list = []
         if config.profile_on_start:
             self.profile()
 
@@ -156,16 +169,11 @@ class DecodeWorker:
         if self.receiver is None:
             raise InvalidRequestError("request_id", "this worker receives no KV (it was built without transfer)")
         rid = request.request_id
-        self._check_new(rid, list(request.prompt_ids), request.params)
-        seq = self._new_sequence(rid, list(request.prompt_ids), request.params, BlockTable(self.config.block_size))
-        seq.status = SequenceStatus.WAITING_FOR_KV
-        self._requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
-        blocks = self.receiver.reserve(rid, seq.num_prompt)  # -> self.reserve, which takes the blocks
-        if blocks is None:
-            del self._requests[rid]
-        elif self.tp is not None:  # every rank expects its heads in the same blocks before any may arrive
+        blocks = self._hold(request, len(request.prompt_ids))
+        if blocks is not None and self.tp is not None:  # every rank expects its heads in the same blocks first
             slot = self._rank_outcomes.track(rid)
-            self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=seq.num_prompt, blocks=blocks)
+            self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=len(request.prompt_ids),
+                             blocks=blocks)
             self.tp.barrier()
         return blocks
 
@@ -192,6 +200,8 @@ class DecodeWorker:
         first token's text but not its id (the router streamed the id when prefill sampled it)."""
         live = self._requests[kv.request_id]
         seq = live.seq
+        if kv.request_id in self._incoming:
+            return [self._arrive(live, kv)]
         if kv.first_token is None:
             raise InvalidRequestError("first_token", f"the transfer of {kv.request_id!r} carried none")
         if kv.sampler_state:
@@ -250,7 +260,206 @@ class DecodeWorker:
 
     @property
     def num_waiting_for_kv(self) -> int:
-        return sum(lv.seq.status is SequenceStatus.WAITING_FOR_KV for lv in self._requests.values())
+        return sum(lv.seq.status is SequenceStatus.WAITING_FOR_KV and lv.seq.request_id not in self._incoming
+                   for lv in self._requests.values())
+
+    # -- live migration ---------------------------------------------------------------------------
+
+    def connect_migration(self, destination: str, rendezvous: Rendezvous, generation: int = 0) -> None:
+        """Form the channel this instance migrates requests to ``destination`` over (blocks until the
+        destination joins with :meth:`connect`, giving this instance's id)."""
+        self._require_one_rank()
+        if self.transfer is None:
+            raise InvalidRequestError("destination", "this worker moves no KV (it was built without transfer)")
+        if self.migration_sender is None:
+            self.migration_sender = KVSender(
+                self.cache, self.instance_id,
+                KVFingerprint.of(self.loaded.config, self.config.block_size, self.loaded.dtype),
+                self.loaded.kv_heads, self.transfer, role="decode")
+        self.migration_sender.connect(destination, rendezvous, generation)
+
+    def migrate_in(self, request: DecodeRequest, num_tokens: int) -> tuple[int, list[int]] | None:
+        """Destination: hold ``request`` for a migration, with blocks for its ``num_tokens`` positions now
+        and headroom for the steps its source runs meanwhile. Returns (the positions reserved, their block
+        ids) for the source, or None when there is no room."""
+        self._require_one_rank()
+        capacity = num_tokens + headroom_tokens(self.config.speculation.max_k, self.config.block_size)
+        if capacity > self.max_model_len:
+            capacity = self.max_model_len
+        if num_tokens < len(request.prompt_ids) + 1 or num_tokens >= capacity:
+            raise InvalidRequestError("num_tokens", f"must be in ({len(request.prompt_ids)}, {capacity}), "
+                                      f"got {num_tokens}")
+        self._incoming.add(request.request_id)
+        try:
+            blocks = self._hold(request, capacity)
+        finally:
+            if request.request_id not in self._requests:
+                self._incoming.discard(request.request_id)
+        return None if blocks is None else (capacity, blocks)
+
+    def migrate_out(self, request_id: str, destination: str, capacity_tokens: int, block_ids: list[int]) -> str | None:
+        """Source: start migrating a running request to ``destination``, into the ``block_ids`` it reserved
+        for ``capacity_tokens`` positions; it keeps decoding here meanwhile. None when started, else why not."""
+        self._require_one_rank()
+        live = self._requests.get(request_id)
+        if live is None or live.seq.status is not SequenceStatus.RUNNING:
+            return f"{request_id!r} is not decoding on {self.instance_id}"
+        if request_id in self._outgoing:
+            return f"{request_id!r} is already migrating"
+        if self.migration_sender is None or not self.migration_sender.connected(destination):
+            return f"no migration channel from {self.instance_id} to {destination}"
+        if live.seq.num_tokens + self._step_tokens() >= capacity_tokens:
+            return f"{request_id!r} has outgrown the {capacity_tokens} positions reserved on {destination}"
+        target = LegTarget(destination, self.loaded.kv_heads, tuple(block_ids))
+        try:
+            self.migration_sender.begin(request_id, capacity_tokens, list(live.seq.block_table.blocks), [target],
+                                        live=True)
+        except (TransferError, ValueError) as err:
+            return str(err)
+        self._outgoing[request_id] = OutgoingMigration(request_id, destination, capacity_tokens)
+        return None
+
+    def commit_migration(self, request_id: str) -> bool:
+        """Destination: the router committed the migration; the request decodes here from the next step."""
+        live = self._requests.get(request_id)
+        if request_id not in self._incoming or live is None or live.seq.status is not SequenceStatus.MIGRATING:
+            return False
+        self._incoming.discard(request_id)
+        seq = live.seq
+        seq.block_table.truncate(self.pool, seq.num_tokens)
+        self.scheduler.start(seq)
+        self.drafter.admit(seq)
+        return True
+
+    def finish_migration(self, request_id: str) -> bool:
+        """Source: the request now lives on its destination; free its copy here."""
+        m = self._outgoing.get(request_id)
+        live = self._requests.get(request_id)
+        if m is None or not m.stopped or live is None:
+            return False
+        # the destination acknowledged every byte (DONE) before it reported the arrival that made the router
+        # commit: the sender counts the transfer when it reads that DONE
+        del self._outgoing[request_id]
+        del self._requests[request_id]
+        live.seq.block_table.release(self.pool)
+        live.seq.status = SequenceStatus.FINISHED
+        return True
+
+    def abort_migration(self, request_id: str) -> bool:
+        """Source: the router aborted the migration; the request goes on decoding here (resumed if it had
+        stopped for the last copy)."""
+        m = self._outgoing.get(request_id)
+        if m is None:
+            return False
+        self._cancel_outgoing(request_id)
+        live = self._requests.get(request_id)
+        if m.stopped and live is not None and live.seq.status is SequenceStatus.MIGRATING:
+            self.scheduler.start(live.seq)
+            self.drafter.admit(live.seq)
+            self._cached_choice = None
+        return True
+
+    def _hold(self, request: DecodeRequest, num_tokens: int) -> list[int] | None:
+        """A new request waiting for its KV, with blocks for ``num_tokens`` positions (None: no room)."""
+        rid = request.request_id
+        self._check_new(rid, list(request.prompt_ids), request.params)
+        seq = self._new_sequence(rid, list(request.prompt_ids), request.params, BlockTable(self.config.block_size))
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self._requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
+        blocks = self.receiver.reserve(rid, num_tokens)  # -> self.reserve, which takes the blocks
+        if blocks is None:
+            del self._requests[rid]
+        return blocks
+
+    def _arrive(self, live: _Live, kv: ReceivedKV) -> MigrationArrived:
+        """A migrating request's KV and state are here: hold it for the router's commit."""
+        seq = live.seq
+        try:
+            state = MigrationState.decode(kv.state)
+        except (ValueError, KeyError, TypeError) as err:
+            raise InvalidRequestError("state", f"malformed migration state: {err}") from None
+        tokens = list(seq.prompt_ids) + list(state.output_ids)
+        if not state.num_computed == kv.num_tokens == len(tokens) - 1:
+            raise InvalidRequestError("state", f"{kv.num_tokens} positions sent for {len(tokens)} tokens "
+                                      f"({state.num_computed} computed)")
+        if len(tokens) > kv.num_tokens + 1 or seq.block_table.capacity < len(tokens):
+            raise InvalidRequestError("state", f"{len(tokens)} tokens exceed the room reserved")
+        seq.tokens = tokens
+        seq.num_computed = state.num_computed
+        if state.sampler_state:
+            seq.sampler.generator.set_state(torch.frombuffer(bytearray.fromhex(state.sampler_state), dtype=torch.uint8))
+        seq.status = SequenceStatus.MIGRATING
+        live.stream = OutputStream.for_sequence(seq, self.tokenizer)
+        live.stream.push(seq.output_ids, None)  # the text state as the source had it ...
+        live.stream.sent = state.text_sent  # ... of which this much was streamed
+        return MigrationArrived(seq.request_id, len(state.output_ids))
+
+    def _poll_migrations(self) -> list:
+        """Failures of outgoing migrations' transfers (the request stays here until the router decides)."""
+        if self.migration_sender is None:
+            return []
+        out = []
+        for f in self.migration_sender.poll().failed:
+            m = self._outgoing.get(f.request_id)
+            if m is not None:
+                m.failed = True  # nothing more goes out; a stopped request waits for abort_migration
+                out.append(MigrationFailed(f.request_id, str(f.error)))
+        return out
+
+    def _advance_migrations(self) -> None:
+        """After a step: send each outgoing request's newly final blocks (a round), or stop it and send
+        the rest with its state (``decode_worker/migration.py``)."""
+        if not self._outgoing:
+            return
+        sender, bs = self.migration_sender, self.config.block_size
+        for m in [m for m in self._outgoing.values() if not m.stopped and not m.failed]:
+            live = self._requests[m.request_id]  # an outgoing request that ends or is preempted is cancelled
+            seq = live.seq
+            if should_stop(sender.caught_up(m.request_id), m.rounds, seq.num_tokens, self._step_tokens(),
+                           m.capacity_tokens):
+                self._stop_and_copy(m, live)
+                continue
+            full = seq.num_computed // bs  # blocks whose every position holds final KV
+            if full > m.blocks_sent:
+                sender.extend(m.request_id, list(seq.block_table.blocks), full)
+                m.blocks_sent = full
+            m.rounds += 1
+        sender.flush()
+
+    def _stop_and_copy(self, m: OutgoingMigration, live: _Live) -> None:
+        seq = live.seq
+        self.scheduler.running.pop(seq.request_id)
+        self.drafter.release(seq)
+        seq.status = SequenceStatus.MIGRATING
+        self._cached_choice = None
+        n = seq.num_computed  # every token but the last has its KV here
+        state = MigrationState(tuple(seq.output_ids), n, seq.sampler.generator.get_state().numpy().tobytes().hex(),
+                               live.stream.sent)
+        sender = self.migration_sender
+        sender.extend(seq.request_id, list(seq.block_table.blocks), -(-n // self.config.block_size))
+        sender.flush()
+        sender.finish_prompt(seq.request_id, None, num_tokens=n, state=state.encode())
+        m.stopped = True
+
+    def _cancel_outgoing(self, request_id: str) -> bool:
+        if self._outgoing.pop(request_id, None) is None:
+            return False
+        self.migration_sender.cancel(request_id)
+        return True
+
+    def _step_tokens(self) -> int:
+        """The most positions one step may add to a sequence."""
+        spec = self.config.speculation
+        return spec.max_k + 1 if spec.enabled else 1
+
+    def _take_events(self) -> list:
+        out, self._events = self._events, []
+        return out
+
+    def _require_one_rank(self) -> None:
+        if self.tp is not None:
+            raise InvalidRequestError("tensor_parallel", f"live migration moves requests between decode instances "
+                                      f"of one rank; {self.instance_id} has {self.tp.size}")
 
     def _receive(self) -> list:
         """Admit the prompts whose KV and first token arrived; report those whose transfer failed."""
@@ -267,11 +476,19 @@ class DecodeWorker:
             except InvalidRequestError as err:  # a transfer without a first token: nothing to decode from
                 live = self._requests.pop(kv.request_id)
                 live.seq.block_table.release(self.pool)
-                out.append(DecodeFailure(kv.request_id, str(err), False))
+                if kv.request_id in self._incoming:  # a migration whose state does not fit: it stays on its source
+                    self._incoming.discard(kv.request_id)
+                    out.append(MigrationFailed(kv.request_id, str(err)))
+                else:
+                    out.append(DecodeFailure(kv.request_id, str(err), False))
         for f in events.failed:  # the receiver has released the blocks (release_reservation)
             if self._rank_outcomes is not None:
                 self._forget_transfer(f.request_id)
-            out.append(DecodeFailure(f.request_id, str(f.error), f.error.retryable))
+            if f.request_id in self._incoming:
+                self._incoming.discard(f.request_id)
+                out.append(MigrationFailed(f.request_id, str(f.error)))
+            else:
+                out.append(DecodeFailure(f.request_id, str(f.error), f.error.retryable))
         return out
 
     def _complete_on_every_rank(self, completed: list[ReceivedKV], out: list) -> list[ReceivedKV]:
@@ -311,17 +528,17 @@ class DecodeWorker:
     def step(self, k: int | None = None) -> list[TokenDelta | DecodeFailure]:
         """One decode iteration over every running sequence, after admitting the prompts whose KV arrived.
         ``k`` overrides the policy."""
-        received = self._receive()
+        received = self._receive() + self._poll_migrations()
         self._resume_preempted()
         lives = [self._requests[rid] for rid in self.scheduler.running]
         if not lives:
-            return received
+            return received + self._take_events()
         start = time.perf_counter()
         planned, choice = self._choose_k(lives) if k is None else (k, None)
         batch = len(lives)
         k, lives = self._make_room(planned)
         if not lives:
-            return received
+            return received + self._take_events()
         seqs = [lv.seq for lv in lives]
         t_forward, draft_before = time.perf_counter(), self.metrics.draft_time_s
         if k == 0:
@@ -337,7 +554,8 @@ class DecodeWorker:
         seconds = time.perf_counter() - start
         self._record_step(k, seconds)
         self.pass_log.record("step", seconds, k=k, seqs=len(lives))
-        return received + deltas
+        self._advance_migrations()
+        return received + deltas + self._take_events()
 
     def _choose_k(self, lives: list[_Live]) -> tuple[int, KChoice | None]:
         """This step's k, and the adaptive policy's choice behind it (None for fixed / no speculation)."""
@@ -450,6 +668,8 @@ class DecodeWorker:
         for seq in preempted:
             self.drafter.release(seq)
             self.metrics.preemptions += 1
+            if self._cancel_outgoing(seq.request_id):  # its KV is gone: the rounds sent cannot be completed
+                self._events.append(MigrationFailed(seq.request_id, f"preempted on {self.instance_id}"))
         return k, [self._requests[seq.request_id] for seq in batch]
 
     def _resume_preempted(self) -> None:
@@ -495,6 +715,8 @@ class DecodeWorker:
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         seq = live.seq
         self._requests.pop(seq.request_id, None)
+        self._cancel_outgoing(seq.request_id)  # the router sees the finish and aborts the destination's copy
+        self._incoming.discard(seq.request_id)
         self.drafter.release(seq)
         self.scheduler.finish(seq)
         seq.status = SequenceStatus.FINISHED
@@ -601,6 +823,8 @@ class DecodeWorker:
         return {
             "running": len(self.scheduler.running),
             "waiting_for_kv": self.num_waiting_for_kv,
+            "migrating_out": len(self._outgoing),
+            "migrating_in": len(self._incoming),
             "preempted": len(self.scheduler.preempted),
             "free_blocks": self.pool.num_free,
             "total_blocks": self.pool.num_blocks,

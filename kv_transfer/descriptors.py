@@ -81,7 +81,10 @@ class TransferDescriptor:
 
     ``dst_block_ids``: the receiver blocks reserved for the prompt (first ``ceil(num_tokens /
     block_size)`` are written), or None to ask the receiver to reserve now (it answers BUSY when full).
-    ``heads``: the global KV heads this leg carries (a sub-range of the receiver's shard)."""
+    ``heads``: the global KV heads this leg carries (a sub-range of the receiver's shard).
+    ``live``: a running request's KV moving between decode instances while it keeps decoding (migration):
+    ``num_tokens`` is then the capacity reserved, blocks arrive in rounds as they fill, and the leg ends
+    with a :class:`PromptEnd` that states how many positions were sent."""
 
     request_id: str
     transfer_id: int
@@ -89,6 +92,7 @@ class TransferDescriptor:
     num_tokens: int
     heads: HeadRange
     dst_block_ids: tuple[int, ...] | None = None
+    live: bool = False
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -115,15 +119,19 @@ class Piece:
 
 @dataclass(frozen=True)
 class PromptEnd:
-    """Sender -> receiver, once per leg after the prompt's last chunk: the first token the prefill worker
-    sampled (None: none, e.g. a transfer without generation) and the request's generator state after it
-    (hex of ``torch.Generator.get_state()`` bytes), so the decode side continues the same random stream. The
-    receiver hands the prompt over only once its KV is complete and this has arrived."""
+    """Sender -> receiver, once per leg, ending it. After a prompt's last chunk: the first token the prefill
+    worker sampled (None: none, e.g. a transfer without generation) and the request's generator state after
+    it (hex of ``torch.Generator.get_state()`` bytes), so the decode side continues the same random stream.
+    After a live leg's last round: ``num_tokens``, the positions whose KV was sent, and ``state``, the
+    request's state as its owner encoded it (opaque here). The receiver hands the request over only once
+    its KV is complete and this has arrived."""
 
     request_id: str
     transfer_id: int
     first_token: int | None = None
     sampler_state: str = ""
+    num_tokens: int | None = None
+    state: str = ""
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,7 @@ def decode_descriptor(data: bytes) -> TransferDescriptor:
         request_id=str(raw["request_id"]), transfer_id=int(raw["transfer_id"]),
         fingerprint=KVFingerprint(**raw["fingerprint"]), num_tokens=int(raw["num_tokens"]),
         heads=HeadRange(**raw["heads"]), dst_block_ids=None if ids is None else tuple(int(b) for b in ids),
+        live=bool(raw.get("live", False)),
     )
 
 
@@ -179,7 +188,11 @@ def decode_prompt_end(data: bytes) -> PromptEnd:
     token = raw.get("first_token")
     state = str(raw.get("sampler_state", ""))
     bytes.fromhex(state)  # malformed hex fails the frame here, not the decode worker later
-    return PromptEnd(str(raw["request_id"]), int(raw["transfer_id"]), None if token is None else int(token), state)
+    num_tokens = raw.get("num_tokens")
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1):
+        raise ValueError(f"num_tokens: must be a positive integer or null, got {num_tokens!r}")
+    return PromptEnd(str(raw["request_id"]), int(raw["transfer_id"]), None if token is None else int(token), state,
+                     num_tokens, str(raw.get("state", "")))
 
 
 def decode_reply(data: bytes) -> Reply:

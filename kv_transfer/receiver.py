@@ -87,6 +87,7 @@ class ReceivedKV:
     num_tokens: int
     first_token: int | None = None
     sampler_state: bytes = b""
+    state: str = ""  # a live (migration) transfer: the request's state as the sender's owner encoded it
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,9 @@ class KVReceiver:
                 if res.state == "complete" and res.request_id in self._ends:
                     del self._reservations[res.request_id]
                     end, _ = self._ends.pop(res.request_id)
-                    out.completed.append(ReceivedKV(res.request_id, tuple(res.block_ids), res.num_tokens,
-                                                    end.first_token, bytes.fromhex(end.sampler_state)))
+                    num_tokens = res.num_tokens if end.num_tokens is None else end.num_tokens
+                    out.completed.append(ReceivedKV(res.request_id, tuple(res.block_ids), num_tokens,
+                                                    end.first_token, bytes.fromhex(end.sampler_state), end.state))
                 elif res.state == "failed":
                     del self._reservations[res.request_id]
                     self._ends.pop(res.request_id, None)
@@ -348,6 +350,9 @@ class KVReceiver:
                     end = decode_prompt_end(payload)
                     with self._lock:
                         self._ends[end.request_id] = (end, time.monotonic())
+                        leg = self._legs.get((channel, end.transfer_id))
+                    if leg is not None and leg.descriptor.live:
+                        self._end_live_leg(peer, channel, leg, end)
                 else:
                     raise TransferError(f"protocol error: unexpected frame kind {kind}", retryable=True)
         except TransferError as err:
@@ -381,8 +386,17 @@ class KVReceiver:
                     res.inflight -= 1
         for leg, p in zip(legs, pieces):
             leg.blocks_received += p.block_count
-            if leg.blocks_received == leg.descriptor.num_blocks:
+            if leg.blocks_received == leg.descriptor.num_blocks and not leg.descriptor.live:
                 self._finish_leg(peer, channel, leg)
+
+    def _end_live_leg(self, peer: str, channel: PairChannel, leg: _RLeg, end: PromptEnd) -> None:
+        """A live leg's end: every block holding its ``num_tokens`` positions came before it (frames and
+        their data arrive in order on the channel)."""
+        need = -(-(end.num_tokens or 0) // self.fingerprint.block_size)
+        if end.num_tokens is None or leg.blocks_received < need or end.num_tokens > leg.descriptor.num_tokens:
+            raise TransferError(f"protocol error: live transfer of {end.request_id!r} ended at "
+                                f"{end.num_tokens} positions with {leg.blocks_received} blocks received", True)
+        self._finish_leg(peer, channel, leg)
 
     def _receive_pieces(self, channel: PairChannel, legs: list[_RLeg], pieces: list[Piece],
                         targets: list[_Reservation | None]) -> None:

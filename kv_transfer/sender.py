@@ -9,6 +9,10 @@ Life of one transfer (one prompt; one *leg* per receiving decode rank):
     finish_prompt() -> FIRST_TOKEN frame to each receiver (the first token and the sampler's state)
     reply DONE     -> every byte is in the receiver's cache  (leg: done); all legs done -> blocks may go
 
+A *live* transfer (``begin(live=True)``: a running request migrating between decode instances) announces
+the capacity reserved at the receiver, then sends its blocks in rounds as the owner reports them final
+(``extend``), and ends with ``finish_prompt(num_tokens=..., state=...)`` after the last round.
+
 Threads: the owner (prefill loop) posts every send, in protocol order; per channel, a reply thread
 reads the receiver's frames and a completion thread waits for posted sends in FIFO order (gloo
 completes a send once the peer has posted its recv). Threads only record events; the owner applies
@@ -95,6 +99,8 @@ class _Transfer:
     legs: list[_Leg]
     ready_blocks: int = 0
     started: float = field(default_factory=time.monotonic)
+    live: bool = False  # blocks arrive in rounds (``extend``); a live leg idles between rounds
+    ended: bool = False  # finish_prompt was sent
 
 
 class _PeerLink:
@@ -148,10 +154,13 @@ class KVSender:
     """Sends prompts' KV from one cache (or TP shard holding ``heads``) to decode instances."""
 
     def __init__(self, cache: PagedKVCache, instance_id: str, fingerprint: KVFingerprint, heads: HeadRange,
-                 config: TransferConfig = TransferConfig()):
+                 config: TransferConfig = TransferConfig(), role: str = "prefill"):
+        """``role``: what this sender's instance is, as its peers' hellos name it (a decode instance sends
+        KV when it migrates requests)."""
         fingerprint.check_cache(cache.spec, heads)
         self.cache = cache
         self.instance_id = instance_id
+        self.role = role
         self.fingerprint = fingerprint
         self.heads = heads
         self.config = config
@@ -168,7 +177,7 @@ class KVSender:
         """Form the pair channel to decode instance ``decode_id`` (blocks until it joins; the decode
         side calls :meth:`KVReceiver.connect` with this instance's id). Returns the peer's hello."""
         store = rendezvous.connect(self.config.connect_timeout_s)
-        hello = PeerHello(self.instance_id, "prefill", self.fingerprint, self.heads)
+        hello = PeerHello(self.instance_id, self.role, self.fingerprint, self.heads)
         channel = PairChannel.open(store, self.instance_id, decode_id, PREFILL_RANK, hello, self.cache.device,
                                    self.config, generation)
         self._links[decode_id] = _PeerLink(channel, self._events)
@@ -180,15 +189,17 @@ class KVSender:
 
     # -- transfers --------------------------------------------------------------------------------
 
-    def begin(self, request_id: str, num_tokens: int, src_blocks: list[int], targets: list[LegTarget]) -> None:
-        """Announce a prompt's KV (``num_tokens`` positions in ``src_blocks``) to its receivers.
+    def begin(self, request_id: str, num_tokens: int, src_blocks: list[int], targets: list[LegTarget],
+              live: bool = False) -> None:
+        """Announce a prompt's KV (``num_tokens`` positions in ``src_blocks``) to its receivers; ``live``:
+        ``num_tokens`` is the capacity reserved at the receivers, and blocks follow through ``extend``.
         Raises TransferError (retryable) if a target has no working channel."""
         if request_id in self._transfers:
             raise ValueError(f"request_id: {request_id!r} is already transferring")
         if not targets:
             raise ValueError("targets: need at least one receiver")
         nblocks = -(-num_tokens // self.fingerprint.block_size)
-        if len(src_blocks) < nblocks:
+        if not live and len(src_blocks) < nblocks:
             raise ValueError(f"src_blocks: {num_tokens} tokens need {nblocks} blocks, got {len(src_blocks)}")
         legs = []
         for t in targets:
@@ -199,10 +210,10 @@ class KVSender:
                                  f"got {len(t.dst_block_ids)}")
             desc = TransferDescriptor(
                 request_id, next(self._ids), self.fingerprint, num_tokens, t.heads,
-                None if t.dst_block_ids is None else tuple(t.dst_block_ids[:nblocks]),
+                None if t.dst_block_ids is None else tuple(t.dst_block_ids[:nblocks]), live,
             )
             legs.append(_Leg(request_id, t.peer, desc, self.heads.local(t.heads)))
-        self._transfers[request_id] = _Transfer(request_id, num_tokens, list(src_blocks[:nblocks]), legs)
+        self._transfers[request_id] = _Transfer(request_id, num_tokens, list(src_blocks[:nblocks]), legs, live=live)
         for leg in legs:
             self._send_descriptor(leg)
 
@@ -217,16 +228,51 @@ class KVSender:
         self._await_handshakes([rid for rid, n in ready.items() if n > 0])
         return StreamGroup(self, self._collect_pieces(list(ready)))
 
-    def finish_prompt(self, request_id: str, first_token: int | None, sampler_state: bytes = b"") -> None:
+    def extend(self, request_id: str, src_blocks: list[int], ready_blocks: int) -> None:
+        """Live transfer: the request's blocks now (earlier ones unchanged) and how many of them hold final
+        KV; those not yet sent go out at the next ``flush`` / ``poll``."""
+        tr = self._transfers[request_id]
+        if not tr.live:
+            raise ValueError(f"request_id: {request_id!r} is not a live transfer")
+        if ready_blocks > len(src_blocks) or ready_blocks < tr.ready_blocks:
+            raise ValueError(f"ready_blocks: must be in [{tr.ready_blocks}, {len(src_blocks)}], got {ready_blocks}")
+        if ready_blocks > tr.legs[0].descriptor.num_blocks:
+            raise ValueError(f"ready_blocks: {ready_blocks} exceeds the {tr.legs[0].descriptor.num_blocks} reserved")
+        tr.src_blocks = list(src_blocks)
+        tr.ready_blocks = ready_blocks
+
+    def caught_up(self, request_id: str) -> bool:
+        """Every leg accepted, and every ready block sent and taken by its receiver (a live transfer
+        between rounds: what is left to send is only what was written since)."""
+        tr = self._transfers.get(request_id)
+        return tr is not None and all(leg.state == "accepted" and leg.sends_pending == 0 and
+                                      leg.blocks_sent == tr.ready_blocks for leg in tr.legs)
+
+    def cancel(self, request_id: str) -> bool:
+        """Forget a transfer here (its receivers are told by their owner, who drains what is in flight);
+        the caller must keep the source blocks unchanged until the channel is done with posted sends, or
+        accept that the receiver discards what they carry."""
+        return self._transfers.pop(request_id, None) is not None
+
+    def finish_prompt(self, request_id: str, first_token: int | None, sampler_state: bytes = b"",
+                      num_tokens: int | None = None, state: str = "") -> None:
         """The prompt's last chunk is computed: tell every receiver its first token (None: none) and the
         sampler's state after it. Each receiver hands the prompt to its owner only once this has arrived and
-        the KV is complete, so every transfer ends with this call. A transfer that already failed is ignored."""
+        the KV is complete, so every transfer ends with this call. A live transfer passes ``num_tokens``
+        (positions sent; their blocks must have gone out: ``extend`` then ``flush`` first) and the owner's
+        ``state``. A transfer that already failed is ignored."""
         tr = self._transfers.get(request_id)
         if tr is None:
             return
+        if tr.live:
+            if num_tokens is None or -(-num_tokens // self.fingerprint.block_size) > tr.ready_blocks:
+                raise ValueError(f"num_tokens: a live transfer ends with the positions sent "
+                                 f"(at most {tr.ready_blocks} blocks), got {num_tokens}")
+            tr.ended = True
         for leg in tr.legs:
             link = self._links[leg.peer]
-            end = PromptEnd(request_id, leg.descriptor.transfer_id, first_token, sampler_state.hex())
+            end = PromptEnd(request_id, leg.descriptor.transfer_id, first_token, sampler_state.hex(),
+                            num_tokens if tr.live else None, state)
             try:
                 link.post(link.channel.send_frame(FIRST_TOKEN, encode(end), wait=False), None)
             except TransferError as err:
@@ -346,8 +392,10 @@ class KVSender:
         now = time.monotonic()
         for tr in list(self._transfers.values()):
             for leg in tr.legs:
+                # a live leg between rounds waits on its owner, not on the peer
+                finished_sending = tr.ended if tr.live else leg.blocks_sent == len(tr.src_blocks)
                 waiting_on_peer = leg.state == "hello" or (
-                    leg.state == "accepted" and (leg.sends_pending > 0 or leg.blocks_sent == len(tr.src_blocks)))
+                    leg.state == "accepted" and (leg.sends_pending > 0 or finished_sending))
                 if waiting_on_peer and now - leg.last_progress > self.config.timeout_s:
                     channel = self._links[leg.peer].channel
                     channel.abort(f"no progress for {self.config.timeout_s}s")
@@ -372,7 +420,8 @@ class KVSender:
         per_block_head = kv.shape[3] * kv.shape[5] * kv.element_size() * 2 * kv.shape[0]  # K and V, every layer
         heads = sum(leg.heads_local.stop - leg.heads_local.start for leg in tr.legs)
         self.stats.completed += 1
-        self.stats.bytes += len(tr.src_blocks) * heads * per_block_head
+        self.stats.bytes += min(len(tr.src_blocks), tr.ready_blocks if tr.live else len(tr.src_blocks)) * \
+            heads * per_block_head
         self.stats.seconds += time.monotonic() - tr.started
 
     def _find_leg(self, peer: str, transfer_id: int) -> _Leg | None:

@@ -16,6 +16,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted (its KV dropped, to be recomputed)
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved on a decode worker; the prompt's KV is in transfer
     RUNNING = "running"
+    MIGRATING = "migrating"  # live migration: stopped on its source, or arrived on its destination, holding its KV
     FINISHED = "finished"
 
 
