@@ -215,6 +215,43 @@ class DecodeActor(_LoopActor):
         with self._gate.call():
             return self.worker.abort(request_id)
 
+    # live migration (``decode_worker/migration.py``; the router decides every outcome)
+
+    def connect_migration(self, destination: str, host: str, port: int, generation: int) -> None:
+        """Form the channel this instance migrates requests to ``destination`` over (blocks until the
+        destination's ``connect`` joins; not under the loop lock)."""
+        from kv_transfer.channel import Rendezvous
+
+        self.worker.connect_migration(destination, Rendezvous(host, port), generation)
+
+    def migrate_in(self, request, num_tokens: int):
+        """Destination: (positions reserved, block ids) for a request migrating here, or None (no room)."""
+        with self._gate.call():
+            return self.worker.migrate_in(request, num_tokens)
+
+    def migrate_out(self, request_id: str, destination: str, capacity_tokens: int, block_ids: list[int]) -> str | None:
+        """Source: start sending a decoding request to ``destination``; None when started, else why not."""
+        with self._gate.call():
+            return self.worker.migrate_out(request_id, destination, capacity_tokens, block_ids)
+
+    def commit_migration(self, request_id: str) -> bool:
+        with self._gate.call():
+            return self.worker.commit_migration(request_id)
+
+    def finish_migration(self, request_id: str) -> bool:
+        with self._gate.call():
+            return self.worker.finish_migration(request_id)
+
+    def abort_migration(self, request_id: str) -> bool:
+        with self._gate.call():
+            return self.worker.abort_migration(request_id)
+
+    def request_loads(self) -> dict:
+        """Load report for the global rescheduling policy: each running request's KV blocks and the blocks the
+        pool holds in all (``controller/migration_policy.py``)."""
+        with self._gate.call():
+            return self.worker.request_loads()
+
     def status(self) -> dict:
         with self._gate.call():
             w = self.worker

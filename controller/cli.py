@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     status = sub.add_parser("status", help="show a server's cluster status")
     _add_client_args(status)
+    drain = sub.add_parser("drain", help="migrate every request off a decode instance and place none there "
+                                         "(scale-down, maintenance)")
+    _add_client_args(drain)
+    drain.add_argument("instance", help="the decode instance's name (see `magicserve status`)")
+    drain.add_argument("--undo", action="store_true", help="take the instance back into service")
+    drain.add_argument("--timeout", type=float, default=0.0, help="seconds to wait for it to empty (0: the "
+                                                                  "server's default, 600)")
+    migrate = sub.add_parser("migrate", help="move a decoding request to another decode instance while it streams")
+    _add_client_args(migrate)
+    migrate.add_argument("request_id")
+    migrate.add_argument("--to", default="", help="destination decode instance (default: the freest other one)")
     demo = sub.add_parser("demo", help="start the embedded default cluster and stream a few prompts")
     demo.add_argument("--config", default=LOCAL_CONFIG)
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -221,6 +232,45 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _print_migration(m) -> None:
+    outcome = "moved" if m.committed else f"stayed ({m.reason})"
+    print(f"{m.request_id}: {m.source} -> {m.destination} {outcome} in {m.seconds * 1e3:.0f} ms")
+
+
+def cmd_drain(args) -> int:
+    import grpc
+
+    with _client(args) as client:
+        try:
+            res = client.drain(args.instance, undo=args.undo, timeout_s=args.timeout)
+        except grpc.RpcError as err:
+            print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if args.undo:
+        print(f"{res.instance}: back in service")
+        return 0
+    for m in res.migrations:
+        _print_migration(m)
+    moved = sum(m.committed for m in res.migrations)
+    state = "drained" if res.drained else "NOT drained (timed out; it still holds requests)"
+    print(f"{res.instance}: {state}; {moved} request(s) migrated, {res.finished_in_place} finished in place; "
+          f"no new requests go there until `magicserve drain {res.instance} --undo`")
+    return 0 if res.drained else 1
+
+
+def cmd_migrate(args) -> int:
+    import grpc
+
+    with _client(args) as client:
+        try:
+            res = client.migrate(args.request_id, args.to)
+        except grpc.RpcError as err:
+            print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    _print_migration(res)
+    return 0 if res.committed else 1
+
+
 def cmd_demo(args) -> int:
     """Bring up the embedded cluster in this process, stream the demo prompts over real gRPC."""
     import asyncio
@@ -292,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "demo": cmd_demo, "run": cmd_run,
-                "profile": cmd_profile, "plan": cmd_plan}
+                "profile": cmd_profile, "plan": cmd_plan, "drain": cmd_drain, "migrate": cmd_migrate}
     try:
         return commands[args.command](args)
     except (MagicServeError, ValueError, RuntimeError) as err:

@@ -134,6 +134,16 @@ class Client:
         """The workers' timed passes since the last drain (``pass_log_of``); the server must enable it."""
         return pass_log_of(list(self._stub.DrainPassLog(pb.PassLogRequest(), metadata=self._metadata)))
 
+    def migrate(self, request_id: str, destination: str = "") -> pb.MigrationResult:
+        """Move a decoding request to ``destination`` (default: the freest other decode instance)."""
+        return self._stub.MigrateRequest(pb.MigrateRequestRequest(request_id=request_id, destination=destination),
+                                         metadata=self._metadata)
+
+    def drain(self, instance: str, undo: bool = False, timeout_s: float = 0.0) -> pb.DrainResult:
+        """Migrate every request off decode ``instance`` and place none there (``undo``: back in service)."""
+        return self._stub.DrainInstance(pb.DrainRequest(instance=instance, undo=undo, timeout_s=timeout_s),
+                                        metadata=self._metadata)
+
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until the channel connects; ``TimeoutError`` (naming the address) after ``timeout_s``."""
         future = grpc.channel_ready_future(self._channel)
@@ -180,6 +190,14 @@ class AsyncClient:
 
     async def drain_pass_log(self) -> list[dict]:
         return pass_log_of([m async for m in self._stub.DrainPassLog(pb.PassLogRequest(), metadata=self._metadata)])
+
+    async def migrate(self, request_id: str, destination: str = "") -> pb.MigrationResult:
+        return await self._stub.MigrateRequest(
+            pb.MigrateRequestRequest(request_id=request_id, destination=destination), metadata=self._metadata)
+
+    async def drain(self, instance: str, undo: bool = False, timeout_s: float = 0.0) -> pb.DrainResult:
+        return await self._stub.DrainInstance(pb.DrainRequest(instance=instance, undo=undo, timeout_s=timeout_s),
+                                              metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

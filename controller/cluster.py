@@ -95,6 +95,7 @@ class Cluster:
         self._groups = []
         self._store = None
         self.rendezvous: Rendezvous | None = None
+        self._migration_pairs = 0  # migration channels formed (each under its own generation)
         self._started_ray = False
 
     # -- bring-up ---------------------------------------------------------------------------------
@@ -286,6 +287,19 @@ class Cluster:
                 p, d = (inst, peer) if inst.role == "prefill" else (peer, inst)
                 refs.extend(self._pair_calls(p, d))
         await asyncio.gather(*refs)
+
+    async def connect_migration_pair(self, source: Instance, destination: Instance) -> None:
+        """Form the channel live migration moves requests from decode ``source`` to ``destination`` over
+        (each formation under a fresh generation, so a broken channel re-forms cleanly)."""
+        if self.config.decode.tensor_parallel != 1:
+            raise ClusterError(f"live migration moves requests between decode instances of one rank; "
+                               f"decode.tensor_parallel is {self.config.decode.tensor_parallel}")
+        self._migration_pairs += 1
+        gen, host, port = self._migration_pairs, self.rendezvous.host, self.rendezvous.port
+        await asyncio.wait_for(asyncio.gather(
+            source.handle.connect_migration.remote(destination.name, host, port, gen),
+            destination.handle.connect.remote(source.name, host, port, gen, 1)),
+            self.config.kv_transfer.timeout_s * 4 + 60)
 
     # -- status and shutdown ----------------------------------------------------------------------
 

@@ -225,6 +225,40 @@ class LimitsSection:
 
 
 @dataclass(frozen=True)
+class MigrationSection:
+    """Live migration of decoding requests between decode instances and the global rescheduling policy
+    (``controller/migration_policy.py``). ``enabled``: every ``interval_s`` the router reads the decode
+    instances' loads and migrates requests to balance them, de-fragment and keep headroom for high-priority
+    requests; off, requests move only when asked (``MigrateRequest``, ``magicserve drain``)."""
+
+    enabled: bool = False
+    interval_s: float = 0.5
+    timeout_s: float = 60.0  # a migration not committed by then is aborted (the request stays put)
+    migrate_out_freeness: float = 8.0
+    migrate_in_freeness: float = 32.0
+    priority_headroom_blocks: int = 64
+    max_migrations_per_round: int = 4
+    cooldown_s: float = 30.0
+
+    def check(self) -> list[tuple[str, str]]:
+        errs = [(n, f"must be > 0, got {getattr(self, n)}") for n in ("interval_s", "timeout_s")
+                if not getattr(self, n) > 0]
+        try:
+            self.policy()
+        except ValueError as err:
+            name, _, why = str(err).partition(": ")
+            errs.append((name, why))
+        return errs
+
+    def policy(self):
+        """The policy's thresholds (``PolicyConfig``)."""
+        from controller.migration_policy import PolicyConfig
+
+        return PolicyConfig(self.migrate_out_freeness, self.migrate_in_freeness, self.priority_headroom_blocks,
+                            self.max_migrations_per_round, self.cooldown_s)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """The whole tree. ``source`` is the file it came from (relative paths resolve against it)."""
 
@@ -238,6 +272,7 @@ class ClusterConfig:
     slo: SLOSection = field(default_factory=SLOSection)
     server: ServerSection = field(default_factory=ServerSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
+    migration: MigrationSection = field(default_factory=MigrationSection)
     source: str = ""
 
     def check(self) -> list[tuple[str, str]]:

@@ -47,10 +47,11 @@ class InstanceLoad:
     running: tuple[RequestLoad, ...] = ()
     waiting_blocks: int = 0
     draining: bool = False
+    held_blocks: int = 0  # held by requests that cannot move now (KV arriving, migrating, preempted)
 
     @property
     def used_blocks(self) -> int:
-        return sum(r.blocks for r in self.running)
+        return sum(r.blocks for r in self.running) + self.held_blocks
 
     @property
     def free_blocks(self) -> int:
@@ -134,7 +135,8 @@ def pick_instance(instances: list[InstanceLoad], blocks: int, cfg: PolicyConfig,
 def _after(inst: InstanceLoad, delta: RequestLoad, cfg: PolicyConfig, adding: bool) -> float:
     """The instance's freeness once ``delta`` has moved in (``adding``) or out."""
     running = inst.running + (delta,) if adding else tuple(r for r in inst.running if r.request_id != delta.request_id)
-    return freeness(InstanceLoad(inst.name, inst.total_blocks, running, inst.waiting_blocks, inst.draining), cfg)
+    return freeness(InstanceLoad(inst.name, inst.total_blocks, running, inst.waiting_blocks, inst.draining,
+                                 inst.held_blocks), cfg)
 
 
 def plan_migrations(instances: list[InstanceLoad], cfg: PolicyConfig, now: float,

@@ -1,6 +1,9 @@
 """The request state machine owned by the router (no torch, no Ray: plain Python).
 
-    queued -> prefilling -> transferring -> decoding -> finished | failed | cancelled
+    queued -> prefilling -> transferring -> decoding [-> migrating -> decoding] -> finished | failed | cancelled
+
+(migrating: live migration to another decode instance; the request keeps decoding meanwhile and comes back
+to decoding whether the migration commits or aborts)
 
 A colocated request (prefill and decode on one instance, ``kv_transfer=False``) has no hand-off:
 
@@ -28,6 +31,7 @@ class RequestState(str, enum.Enum):
     PREFILLING = "prefilling"
     TRANSFERRING = "transferring"
     DECODING = "decoding"
+    MIGRATING = "migrating"
     FINISHED = "finished"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -41,7 +45,9 @@ _FORWARD = {
     RequestState.QUEUED: {RequestState.PREFILLING},
     RequestState.PREFILLING: {RequestState.TRANSFERRING, RequestState.QUEUED},  # QUEUED: retried elsewhere
     RequestState.TRANSFERRING: {RequestState.DECODING, RequestState.QUEUED, RequestState.FINISHED},
-    RequestState.DECODING: {RequestState.FINISHED, RequestState.QUEUED},  # QUEUED: re-run, nothing streamed
+    RequestState.DECODING: {RequestState.FINISHED, RequestState.QUEUED,  # QUEUED: re-run, nothing streamed
+                            RequestState.MIGRATING},
+    RequestState.MIGRATING: {RequestState.DECODING, RequestState.FINISHED},
 }
 _FORWARD_COLOCATED = {**_FORWARD, RequestState.PREFILLING: {RequestState.DECODING, RequestState.QUEUED}}
 _ENDINGS = {RequestState.FAILED, RequestState.CANCELLED}

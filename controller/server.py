@@ -36,6 +36,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._\-]{1,64}")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 PASS_LOG_BATCH = 2048  # passes per DrainPassLog message (well under the default 4 MiB message limit)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MagicServe"].full_name
+DRAIN_TIMEOUT_S = 600.0  # DrainInstance without a timeout waits this long for the instance to empty
 
 
 class RequestValidator:
@@ -115,7 +116,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
     async def Generate(self, request, context):
         rid, ids, params = await self._start(request, context)
         try:
-            async for item in self.router.generate(rid, ids, params):
+            async for item in self.router.generate(rid, ids, params, request.priority):
                 yield _to_response(rid, item)
         except RouterError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
@@ -124,7 +125,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
         rid, ids, params = await self._start(request, context)
         token_ids, text, final = [], [], None
         try:
-            async for item in self.router.generate(rid, ids, params):
+            async for item in self.router.generate(rid, ids, params, request.priority):
                 if isinstance(item, Delta):
                     token_ids.extend(item.token_ids)
                     text.append(item.text)
@@ -146,6 +147,29 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 acceptance_rate=s.get("acceptance_rate", 0.0), mean_accepted_length=s.get("mean_accepted_length", 0.0),
                 tokens_generated=s.get("tokens_generated", 0)) for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name)
+
+    async def MigrateRequest(self, request, context):
+        if not _REQUEST_ID.fullmatch(request.request_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request_id: required; letters, digits, '-', '_', '.' (at most 64)")
+        try:
+            outcome = await self.router.migrate(request.request_id, request.destination or None)
+        except RouterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        return _migration_result(outcome)
+
+    async def DrainInstance(self, request, context):
+        if not request.instance:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "instance: required (a decode instance's name)")
+        if request.timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
+        try:
+            outcome = await self.router.drain(request.instance, request.timeout_s or DRAIN_TIMEOUT_S, request.undo)
+        except RouterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        return pb.DrainResult(instance=outcome.instance, drained=outcome.drained,
+                              migrations=[_migration_result(m) for m in outcome.migrations],
+                              finished_in_place=outcome.finished_in_place)
 
     async def DrainPassLog(self, request, context):
         if self.pass_log_fn is None:
@@ -174,6 +198,11 @@ def _pass_log_messages(logs: list[dict]) -> list[pb.InstancePasses]:
                                      shape_json=json.dumps(r["shape"], separators=(",", ":")))
                         for r in records[start:start + PASS_LOG_BATCH]]))
     return out
+
+
+def _migration_result(m) -> pb.MigrationResult:
+    return pb.MigrationResult(request_id=m.request_id, source=m.source, destination=m.destination,
+                              committed=m.committed, reason=m.reason, seconds=m.seconds)
 
 
 def _usage(final: Final | None) -> pb.Usage:
@@ -279,8 +308,12 @@ def build_router(config: ClusterConfig, cluster, metrics=None) -> Router:
         return ColocatedRouter(cluster.colocated, lim.max_concurrent_requests, lim.max_queue_length,
                                lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks,
                                metrics=metrics)
-    return Router(cluster.prefill, cluster.decode, lim.max_concurrent_requests, lim.max_queue_length,
-                  lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks, metrics=metrics)
+    router = Router(cluster.prefill, cluster.decode, lim.max_concurrent_requests, lim.max_queue_length,
+                    lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks, metrics=metrics,
+                    connect_pair=cluster.connect_migration_pair)
+    mig = config.migration
+    router.configure_migration(mig.policy(), mig.timeout_s, mig.interval_s if mig.enabled else None)
+    return router
 
 
 @dataclass(frozen=True)

@@ -359,6 +359,22 @@ class DecodeWorker:
             self._cached_choice = None
         return True
 
+    def request_loads(self) -> dict:
+        """The load report the global rescheduling policy reads (``controller/migration_policy.py``): the
+        pool's blocks, each running request's blocks (those it could migrate), blocks held by requests that
+        cannot move now (KV arriving, migrating, preempted waiting), and what the head-of-line preempted
+        request needs and cannot get (0: nothing waits, or it fits)."""
+        running = {rid: len(seq.block_table.blocks) for rid, seq in self.scheduler.running.items()
+                   if rid not in self._outgoing}
+        used = self.pool.num_blocks - self.pool.num_free
+        waiting = 0
+        if self.scheduler.preempted:
+            head = self.scheduler.preempted[0]
+            need = self.pool.blocks_for_tokens(head.num_tokens + 1)
+            waiting = 0 if self.pool.can_allocate(need) else need
+        return {"total_blocks": self.pool.num_blocks, "running": running,
+                "held_blocks": max(0, used - sum(running.values())), "waiting_blocks": waiting}
+
     def _hold(self, request: DecodeRequest, num_tokens: int) -> list[int] | None:
         """A new request waiting for its KV, with blocks for ``num_tokens`` positions (None: no room)."""
         rid = request.request_id

@@ -26,11 +26,20 @@ def test_retry_and_endings():
     c.to(S.PREFILLING)
     c.to(S.FAILED, "boom")
     snap = counters.snapshot()
-    assert snap == {"queued": 1, "prefilling": 0, "transferring": 0, "decoding": 0, "finished": 0,
+    assert snap == {"queued": 1, "prefilling": 0, "transferring": 0, "decoding": 0, "migrating": 0, "finished": 0,
                     "failed": 1, "cancelled": 1}
 
 
-@pytest.mark.parametrize("path", [[S.DECODING], [S.PREFILLING, S.DECODING], [S.FINISHED]])
+def test_migration_round_trip_and_finish_while_migrating():
+    r = RequestRecord("m", StateCounters())
+    for s in (S.PREFILLING, S.TRANSFERRING, S.DECODING, S.MIGRATING, S.DECODING, S.MIGRATING, S.FINISHED):
+        r.to(s)
+    assert r.state is S.FINISHED
+
+
+@pytest.mark.parametrize("path", [[S.DECODING], [S.PREFILLING, S.DECODING], [S.FINISHED],
+                                  [S.PREFILLING, S.TRANSFERRING, S.MIGRATING],
+                                  [S.PREFILLING, S.TRANSFERRING, S.DECODING, S.MIGRATING, S.QUEUED]])
 def test_illegal_moves_refused(path):
     r = RequestRecord("x", StateCounters())
     with pytest.raises(InvalidTransition, match="is not allowed"):

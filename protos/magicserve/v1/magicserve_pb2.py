@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emagicserve/v1/magicserve.proto\x12\rmagicserve.v1\"\xc0\x01\n\x12SamplingParameters\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x9c\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.magicserve.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.magicserve.v1.SamplingParameters\x12\x1b\n\x0ettft_target_ms\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x1b\n\x0etpot_target_ms\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05inputB\x11\n\x0f_ttft_target_msB\x11\n\x0f_tpot_target_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x14\n\x0cmean_tpot_ms\x18\x04 \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\"h\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.magicserve.v1.Usage\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.magicserve.v1.TokenDeltaH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.magicserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\x9e\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.magicserve.v1.Usage\"\x16\n\x14\x43lusterStatusRequest\"\xf4\x01\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x14\n\x0cqueue_length\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x07 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\n \x01(\x02\x12\x18\n\x10tokens_generated\x18\x0b \x01(\x04\"\x83\x01\n\rClusterStatus\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.magicserve.v1.InstanceStatus\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\"\x10\n\x0ePassLogRequest\"R\n\tTimedPass\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nend_unix_s\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nshape_json\x18\x04 \x01(\t\"g\n\x0eInstancePasses\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12(\n\x06passes\x18\x03 \x03(\x0b\x32\x18.magicserve.v1.TimedPass\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd2\x02\n\nMagicServe\x12M\n\x08Generate\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1f.magicserve.v1.GenerateResponse0\x01\x12N\n\rGenerateUnary\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1d.magicserve.v1.GenerateResult\x12U\n\x10GetClusterStatus\x12#.magicserve.v1.ClusterStatusRequest\x1a\x1c.magicserve.v1.ClusterStatus\x12N\n\x0c\x44rainPassLog\x12\x1d.magicserve.v1.PassLogRequest\x1a\x1d.magicserve.v1.InstancePasses0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emagicserve/v1/magicserve.proto\x12\rmagicserve.v1\"@\n\x15MigrateRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"~\n\x0fMigrationResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x03 \x01(\t\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"A\n\x0c\x44rainRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0c\n\x04undo\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x02\"\x7f\n\x0b\x44rainResult\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\x32\n\nmigrations\x18\x03 \x03(\x0b\x32\x1e.magicserve.v1.MigrationResult\x12\x19\n\x11\x66inished_in_place\x18\x04 \x01(\r\"\xc0\x01\n\x12SamplingParameters\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x9c\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.magicserve.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.magicserve.v1.SamplingParameters\x12\x1b\n\x0ettft_target_ms\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x1b\n\x0etpot_target_ms\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05inputB\x11\n\x0f_ttft_target_msB\x11\n\x0f_tpot_target_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x14\n\x0cmean_tpot_ms\x18\x04 \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\"h\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.magicserve.v1.Usage\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.magicserve.v1.TokenDeltaH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.magicserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\x9e\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.magicserve.v1.Usage\"\x16\n\x14\x43lusterStatusRequest\"\xf4\x01\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x14\n\x0cqueue_length\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x07 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\n \x01(\x02\x12\x18\n\x10tokens_generated\x18\x0b \x01(\x04\"\x83\x01\n\rClusterStatus\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.magicserve.v1.InstanceStatus\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\"\x10\n\x0ePassLogRequest\"R\n\tTimedPass\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nend_unix_s\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nshape_json\x18\x04 \x01(\t\"g\n\x0eInstancePasses\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12(\n\x06passes\x18\x03 \x03(\x0b\x32\x18.magicserve.v1.TimedPass\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x03\n\nMagicServe\x12M\n\x08Generate\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1f.magicserve.v1.GenerateResponse0\x01\x12N\n\rGenerateUnary\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1d.magicserve.v1.GenerateResult\x12U\n\x10GetClusterStatus\x12#.magicserve.v1.ClusterStatusRequest\x1a\x1c.magicserve.v1.ClusterStatus\x12N\n\x0c\x44rainPassLog\x12\x1d.magicserve.v1.PassLogRequest\x1a\x1d.magicserve.v1.InstancePasses0\x01\x12V\n\x0eMigrateRequest\x12$.magicserve.v1.MigrateRequestRequest\x1a\x1e.magicserve.v1.MigrationResult\x12H\n\rDrainInstance\x12\x1b.magicserve.v1.DrainRequest\x1a\x1a.magicserve.v1.DrainResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'magicserve.v1.magicserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1774
-  _globals['_FINISHREASON']._serialized_end=1894
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=50
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=242
-  _globals['_GENERATEREQUEST']._serialized_start=245
-  _globals['_GENERATEREQUEST']._serialized_end=529
-  _globals['_TOKENIDS']._serialized_start=531
-  _globals['_TOKENIDS']._serialized_end=554
-  _globals['_TOKENDELTA']._serialized_start=556
-  _globals['_TOKENDELTA']._serialized_end=601
-  _globals['_USAGE']._serialized_start=604
-  _globals['_USAGE']._serialized_end=753
-  _globals['_GENERATEFINAL']._serialized_start=755
-  _globals['_GENERATEFINAL']._serialized_end=859
-  _globals['_GENERATERESPONSE']._serialized_start=862
-  _globals['_GENERATERESPONSE']._serialized_end=999
-  _globals['_GENERATERESULT']._serialized_start=1002
-  _globals['_GENERATERESULT']._serialized_end=1160
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1162
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1184
-  _globals['_INSTANCESTATUS']._serialized_start=1187
-  _globals['_INSTANCESTATUS']._serialized_end=1431
-  _globals['_CLUSTERSTATUS']._serialized_start=1434
-  _globals['_CLUSTERSTATUS']._serialized_end=1565
-  _globals['_PASSLOGREQUEST']._serialized_start=1567
-  _globals['_PASSLOGREQUEST']._serialized_end=1583
-  _globals['_TIMEDPASS']._serialized_start=1585
-  _globals['_TIMEDPASS']._serialized_end=1667
-  _globals['_INSTANCEPASSES']._serialized_start=1669
-  _globals['_INSTANCEPASSES']._serialized_end=1772
-  _globals['_MAGICSERVE']._serialized_start=1897
-  _globals['_MAGICSERVE']._serialized_end=2235
+  _globals['_FINISHREASON']._serialized_start=2164
+  _globals['_FINISHREASON']._serialized_end=2284
+  _globals['_MIGRATEREQUESTREQUEST']._serialized_start=49
+  _globals['_MIGRATEREQUESTREQUEST']._serialized_end=113
+  _globals['_MIGRATIONRESULT']._serialized_start=115
+  _globals['_MIGRATIONRESULT']._serialized_end=241
+  _globals['_DRAINREQUEST']._serialized_start=243
+  _globals['_DRAINREQUEST']._serialized_end=308
+  _globals['_DRAINRESULT']._serialized_start=310
+  _globals['_DRAINRESULT']._serialized_end=437
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=440
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=632
+  _globals['_GENERATEREQUEST']._serialized_start=635
+  _globals['_GENERATEREQUEST']._serialized_end=919
+  _globals['_TOKENIDS']._serialized_start=921
+  _globals['_TOKENIDS']._serialized_end=944
+  _globals['_TOKENDELTA']._serialized_start=946
+  _globals['_TOKENDELTA']._serialized_end=991
+  _globals['_USAGE']._serialized_start=994
+  _globals['_USAGE']._serialized_end=1143
+  _globals['_GENERATEFINAL']._serialized_start=1145
+  _globals['_GENERATEFINAL']._serialized_end=1249
+  _globals['_GENERATERESPONSE']._serialized_start=1252
+  _globals['_GENERATERESPONSE']._serialized_end=1389
+  _globals['_GENERATERESULT']._serialized_start=1392
+  _globals['_GENERATERESULT']._serialized_end=1550
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1552
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1574
+  _globals['_INSTANCESTATUS']._serialized_start=1577
+  _globals['_INSTANCESTATUS']._serialized_end=1821
+  _globals['_CLUSTERSTATUS']._serialized_start=1824
+  _globals['_CLUSTERSTATUS']._serialized_end=1955
+  _globals['_PASSLOGREQUEST']._serialized_start=1957
+  _globals['_PASSLOGREQUEST']._serialized_end=1973
+  _globals['_TIMEDPASS']._serialized_start=1975
+  _globals['_TIMEDPASS']._serialized_end=2057
+  _globals['_INSTANCEPASSES']._serialized_start=2059
+  _globals['_INSTANCEPASSES']._serialized_end=2162
+  _globals['_MAGICSERVE']._serialized_start=2287
+  _globals['_MAGICSERVE']._serialized_end=2787
 # @@protoc_insertion_point(module_scope)

@@ -18,6 +18,52 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class MigrateRequestRequest(_message.Message):
+    __slots__ = ("request_id", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    destination: str
+    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...
+
+class MigrationResult(_message.Message):
+    __slots__ = ("request_id", "source", "destination", "committed", "reason", "seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    source: str
+    destination: str
+    committed: bool
+    reason: str
+    seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., committed: _Optional[bool] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("instance", "undo", "timeout_s")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    undo: bool
+    timeout_s: float
+    def __init__(self, instance: _Optional[str] = ..., undo: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResult(_message.Message):
+    __slots__ = ("instance", "drained", "migrations", "finished_in_place")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    drained: bool
+    migrations: _containers.RepeatedCompositeFieldContainer[MigrationResult]
+    finished_in_place: int
+    def __init__(self, instance: _Optional[str] = ..., drained: _Optional[bool] = ..., migrations: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ..., finished_in_place: _Optional[int] = ...) -> None: ...
+
 class SamplingParameters(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,16 @@ class MagicServeStub:
                 request_serializer=magicserve_dot_v1_dot_magicserve__pb2.PassLogRequest.SerializeToString,
                 response_deserializer=magicserve_dot_v1_dot_magicserve__pb2.InstancePasses.FromString,
                 _registered_method=True)
+        self.MigrateRequest = channel.unary_unary(
+                '/magicserve.v1.MagicServe/MigrateRequest',
+                request_serializer=magicserve_dot_v1_dot_magicserve__pb2.MigrateRequestRequest.SerializeToString,
+                response_deserializer=magicserve_dot_v1_dot_magicserve__pb2.MigrationResult.FromString,
+                _registered_method=True)
+        self.DrainInstance = channel.unary_unary(
+                '/magicserve.v1.MagicServe/DrainInstance',
+                request_serializer=magicserve_dot_v1_dot_magicserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=magicserve_dot_v1_dot_magicserve__pb2.DrainResult.FromString,
+                _registered_method=True)
 
 
 class MagicServeServicer:
@@ -90,6 +100,24 @@ class MagicServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateRequest(self, request, context):
+        """Move a decoding request to another decode instance while it streams (live migration): its KV is
+        copied in rounds while it keeps decoding, then a short stop-and-copy; the stream goes on without a
+        repeated or skipped token. Returns once the move is committed or aborted (an aborted request goes on
+        where it was). NOT_FOUND: no such running request; FAILED_PRECONDITION: it is not decoding.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainInstance(self, request, context):
+        """Stop placing requests on a decode instance and migrate its requests away (scale-down, maintenance);
+        returns once it holds none or the timeout passes. undo: take it back into service.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MagicServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +140,16 @@ def add_MagicServeServicer_to_server(servicer, server):
                     servicer.DrainPassLog,
                     request_deserializer=magicserve_dot_v1_dot_magicserve__pb2.PassLogRequest.FromString,
                     response_serializer=magicserve_dot_v1_dot_magicserve__pb2.InstancePasses.SerializeToString,
+            ),
+            'MigrateRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateRequest,
+                    request_deserializer=magicserve_dot_v1_dot_magicserve__pb2.MigrateRequestRequest.FromString,
+                    response_serializer=magicserve_dot_v1_dot_magicserve__pb2.MigrationResult.SerializeToString,
+            ),
+            'DrainInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainInstance,
+                    request_deserializer=magicserve_dot_v1_dot_magicserve__pb2.DrainRequest.FromString,
+                    response_serializer=magicserve_dot_v1_dot_magicserve__pb2.DrainResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +260,60 @@ class MagicServe:
             '/magicserve.v1.MagicServe/DrainPassLog',
             magicserve_dot_v1_dot_magicserve__pb2.PassLogRequest.SerializeToString,
             magicserve_dot_v1_dot_magicserve__pb2.InstancePasses.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/magicserve.v1.MagicServe/MigrateRequest',
+            magicserve_dot_v1_dot_magicserve__pb2.MigrateRequestRequest.SerializeToString,
+            magicserve_dot_v1_dot_magicserve__pb2.MigrationResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/magicserve.v1.MagicServe/DrainInstance',
+            magicserve_dot_v1_dot_magicserve__pb2.DrainRequest.SerializeToString,
+            magicserve_dot_v1_dot_magicserve__pb2.DrainResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,151 @@
+"""Live migration end to end: a real local Ray cluster (1 prefill + 2 decode instances), real gRPC over
+localhost, KV between decode instances over gloo. A request migrated mid-stream (there and back) streams the
+same tokens as the reference engine; seeded sampling is unchanged; ``magicserve drain`` empties a busy
+instance with every request completed elsewhere; bad migrate and drain calls name the field."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from controller.cli import main as cli_main
+from controller.client import Client
+from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.sampling import SamplingParams
+from tests.serving import e2e_config, prompts_of, running_server, wait_all_free
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    cfg = e2e_config(
+        llama_dir,
+        ray={"num_cpus": 6, "num_gpus": 0},
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 128},
+        decode={"instances": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
+                "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
+        kv_transfer={"timeout_s": 5},
+    )
+    with running_server(cfg) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
+
+
+class Stream:
+    """A Generate stream consumed on a thread: its token ids as they arrive."""
+
+    def __init__(self, address, prompt, request_id, **kw):
+        self.tokens: list[int] = []
+        self.final = None
+        self.error = None
+        self._thread = threading.Thread(target=self._run, args=(address, prompt, request_id, kw), daemon=True)
+        self._thread.start()
+
+    def _run(self, address, prompt, request_id, kw):
+        try:
+            with Client(address) as c:
+                for chunk in c.generate_stream(prompt, request_id=request_id, **kw):
+                    self.tokens.extend(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        self.final = chunk
+        except Exception as err:  # noqa: BLE001 - reported by the test
+            self.error = err
+
+    def wait_tokens(self, n, timeout=60.0):
+        deadline = time.time() + timeout
+        while len(self.tokens) < n and self.final is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(self.tokens) >= n, f"only {len(self.tokens)} tokens after {timeout}s"
+
+    def join(self, timeout=120.0):
+        self._thread.join(timeout)
+        assert self.error is None, self.error
+        assert self.final is not None
+        return self.tokens
+
+
+def test_request_migrates_there_and_back_mid_stream_with_identical_output(server, reference):
+    prompt = prompts_of([150], seed=21)[0]
+    params = dict(max_tokens=160, ignore_eos=True)
+    want = reference.generate([prompt], SamplingParams(**params))[0].token_ids
+    stream = Stream(server, prompt, "mig-1", **params)
+    stream.wait_tokens(20)
+    with Client(server) as c:
+        there = c.migrate("mig-1")
+        assert there.committed, there.reason
+        assert there.source != there.destination and there.destination.startswith("decode")
+        mid = len(stream.tokens)
+        stream.wait_tokens(mid + 20)
+        back = c.migrate("mig-1", there.source)
+        assert back.committed, back.reason
+        assert (back.source, back.destination) == (there.destination, there.source)
+    assert stream.join() == want
+    assert stream.final.usage["completion_tokens"] == len(want)
+    blocks = wait_all_free(server)
+    assert all(free == total for free, total in blocks.values()), blocks
+
+
+def test_seeded_sampling_is_unchanged_by_migration(server):
+    prompt = prompts_of([80], seed=22)[0]
+    params = dict(max_tokens=120, ignore_eos=True, temperature=0.9, top_p=0.95, seed=5)
+    alone = Stream(server, prompt, "seeded-alone", **params).join()
+    stream = Stream(server, prompt, "seeded-moved", **params)
+    stream.wait_tokens(15)
+    with Client(server) as c:
+        assert c.migrate("seeded-moved").committed
+    assert stream.join() == alone
+
+
+def test_drain_empties_a_busy_instance_without_failing_a_request(server, reference):
+    prompts = prompts_of([60, 90, 120, 40], seed=23)
+    params = dict(max_tokens=150, ignore_eos=True)
+    want = [c.token_ids for c in reference.generate(prompts, SamplingParams(**params))]
+    streams = [Stream(server, p, f"drain-{i}", **params) for i, p in enumerate(prompts)]
+    for s in streams:
+        s.wait_tokens(5)
+    # the CLI, as an operator runs it: every request on decode-0 moves to decode-1
+    assert cli_main(["drain", "decode-0", "--address", server]) == 0
+    with Client(server) as c:
+        status = {i.name: i for i in c.status().instances}
+        assert status["decode-0"].running == 0
+        # drained: a new request is placed on decode-1 only (decode-0 stays out of placement)
+        extra = Stream(server, prompts[0], "after-drain", **params)
+        extra.wait_tokens(3)
+        status = {i.name: i for i in c.status().instances}
+        assert status["decode-0"].running == 0 and status["decode-0"].queue_length == 0
+        assert extra.join() == want[0]
+        assert [s.join() for s in streams] == want
+        undo = c.drain("decode-0", undo=True)
+        assert undo.instance == "decode-0" and not undo.drained
+    blocks = wait_all_free(server)
+    assert all(free == total for free, total in blocks.values()), blocks
+
+
+@pytest.mark.parametrize("request_id, destination, code, field", [
+    ("", "", grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    ("nobody", "", grpc.StatusCode.NOT_FOUND, "request_id"),
+])
+def test_bad_migrate_calls_name_the_field(server, request_id, destination, code, field):
+    with Client(server) as c, pytest.raises(grpc.RpcError) as err:
+        c.migrate(request_id, destination)
+    assert err.value.code() == code and err.value.details().startswith(field)
+
+
+def test_bad_destination_and_instance_name_the_field(server):
+    stream = Stream(server, prompts_of([40], seed=24)[0], "bad-dest", max_tokens=200, ignore_eos=True)
+    stream.wait_tokens(3)
+    with Client(server) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.migrate("bad-dest", "decode-9")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("destination: no decode instance 'decode-9'")
+        with pytest.raises(grpc.RpcError) as err:
+            c.drain("prefill-0")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("instance")
+    stream.join()
