@@ -262,7 +262,7 @@ class DecodeActor(_LoopActor):
                     "acceptance_rate": m["acceptance_rate"], "mean_accepted_length": m["mean_accepted_length"],
                     "tokens_generated": m["tokens"], "draft_tokens": m["draft_tokens"],
                     "accepted_tokens": m["accepted_tokens"], "spec_steps": m["seq_spec_steps"],
-                    "k_counts": m["k_counts"], "last_k": m["last_k"]}
+                    "k_counts": m["k_counts"], "last_k": m["last_k"], "preemptions": m["preemptions"]}
 
     def _step(self) -> list:
         return self.worker.step()  # polls the KV receiver even when idle: handshakes wait on it

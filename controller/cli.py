@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(migrate)
     migrate.add_argument("request_id")
     migrate.add_argument("--to", default="", help="destination decode instance (default: the freest other one)")
+    migrate.add_argument("--timeout", type=float, default=0.0,
+                         help="abort if not committed within this many seconds (0: migration.timeout_s)")
     demo = sub.add_parser("demo", help="start the embedded default cluster and stream a few prompts")
     demo.add_argument("--config", default=LOCAL_CONFIG)
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -263,7 +265,7 @@ def cmd_migrate(args) -> int:
 
     with _client(args) as client:
         try:
-            res = client.migrate(args.request_id, args.to)
+            res = client.migrate(args.request_id, args.to, args.timeout)
         except grpc.RpcError as err:
             print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

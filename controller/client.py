@@ -134,10 +134,11 @@ class Client:
         """The workers' timed passes since the last drain (``pass_log_of``); the server must enable it."""
         return pass_log_of(list(self._stub.DrainPassLog(pb.PassLogRequest(), metadata=self._metadata)))
 
-    def migrate(self, request_id: str, destination: str = "") -> pb.MigrationResult:
-        """Move a decoding request to ``destination`` (default: the freest other decode instance)."""
-        return self._stub.MigrateRequest(pb.MigrateRequestRequest(request_id=request_id, destination=destination),
-                                         metadata=self._metadata)
+    def migrate(self, request_id: str, destination: str = "", timeout_s: float = 0.0) -> pb.MigrationResult:
+        """Move a decoding request to ``destination`` (default: the freest other decode instance), aborting
+        if not committed within ``timeout_s`` (0: the server's ``migration.timeout_s``)."""
+        return self._stub.MigrateRequest(pb.MigrateRequestRequest(request_id=request_id, destination=destination,
+                                                                  timeout_s=timeout_s), metadata=self._metadata)
 
     def drain(self, instance: str, undo: bool = False, timeout_s: float = 0.0) -> pb.DrainResult:
         """Migrate every request off decode ``instance`` and place none there (``undo``: back in service)."""
@@ -191,9 +192,10 @@ class AsyncClient:
     async def drain_pass_log(self) -> list[dict]:
         return pass_log_of([m async for m in self._stub.DrainPassLog(pb.PassLogRequest(), metadata=self._metadata)])
 
-    async def migrate(self, request_id: str, destination: str = "") -> pb.MigrationResult:
+    async def migrate(self, request_id: str, destination: str = "", timeout_s: float = 0.0) -> pb.MigrationResult:
         return await self._stub.MigrateRequest(
-            pb.MigrateRequestRequest(request_id=request_id, destination=destination), metadata=self._metadata)
+            pb.MigrateRequestRequest(request_id=request_id, destination=destination, timeout_s=timeout_s),
+            metadata=self._metadata)
 
     async def drain(self, instance: str, undo: bool = False, timeout_s: float = 0.0) -> pb.DrainResult:
         return await self._stub.DrainInstance(pb.DrainRequest(instance=instance, undo=undo, timeout_s=timeout_s),

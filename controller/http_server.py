@@ -98,7 +98,7 @@ class OpenAIServer:
             return _error(err)
         rid = self.protocol.new_id(req.kind)
         created = now()
-        items = self.router.generate(rid, req.prompt_ids, req.params)
+        items = self.router.generate(rid, req.prompt_ids, req.params, req.priority)
         try:
             # admission and prefill: errors here still get an HTTP status
             first = await _unless_disconnected(request, items.__anext__())

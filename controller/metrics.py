@@ -79,6 +79,7 @@ _INSTANCE_COUNTERS = {
     "kv_transfers_failed": ("kv_transfer_failures", "KV transfers that failed (the request was retried or failed)."),
     "kv_transfer_bytes": ("kv_transfer_bytes", "Bytes of KV cache sent by prefill instances (K and V, every layer)."),
     "kv_transfer_seconds": ("kv_transfer_seconds", "Seconds from a KV transfer's start to its last acknowledgement."),
+    "preemptions": ("num_preemptions", "Sequences a decode instance preempted (KV dropped, recomputed later)."),
 }
 
 
@@ -181,6 +182,9 @@ class ServingMetrics:
                               m, registry=reg).labels(model_name)
         self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for admission.", m,
                               registry=reg).labels(model_name)
+        self._migrations = Counter(PREFIX + "migrations", "Live migrations of decoding requests between decode "
+                                   "instances, by outcome (committed: the request moved; aborted: it stayed).",
+                                   m + ["outcome"], registry=reg)
         reg.register(_InstanceCollector(self))
 
     # -- the router's hooks (event loop thread) ----------------------------------------------------
@@ -205,6 +209,9 @@ class ServingMetrics:
     def failed(self, code: str) -> None:
         """A request ended in error ``code`` (a gRPC status name such as UNAVAILABLE)."""
         self._errors.labels(self.model_name, code).inc()
+
+    def migration(self, committed: bool) -> None:
+        self._migrations.labels(self.model_name, "committed" if committed else "aborted").inc()
 
     def queue(self, running: int, waiting: int) -> None:
         self._running.set(running)

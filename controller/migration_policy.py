@@ -18,7 +18,8 @@ the least free instances (below ``migrate_out_freeness``, or draining) with the 
 ``migrate_in_freeness``) and moves one request per pair: the cheapest to move (fewest blocks) of the
 lowest priority. Migrations are rate-limited (one out of and one into an instance per round, at most
 ``max_migrations_per_round``) and never ping-pong: a request moved within ``cooldown_s`` stays put, and a
-move happens only when the destination stays freer after it than the source will be.
+move happens only when the destination stays at least as free after it as the source will be (moving it back
+could then only make the less free side worse).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def plan_migrations(instances: list[InstanceLoad], cfg: PolicyConfig, now: float
             if dst.name in used_dests or dst.name == src.name:
                 continue
             move = next((r for r in candidates if dst.free_blocks > r.blocks  # room, and a block to grow
-                         and _after(dst, r, cfg, adding=True) > _after(src, r, cfg, adding=False)), None)
+                         and _after(dst, r, cfg, adding=True) >= _after(src, r, cfg, adding=False)), None)
             if move is not None:
                 plans.append(Migration(move.request_id, src.name, dst.name, move.blocks))
                 used_dests.add(dst.name)

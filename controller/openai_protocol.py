@@ -25,7 +25,8 @@ MAX_STOP_SEQUENCES = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_k", "ignore_eos", "return_token_ids"}
+           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_k", "ignore_eos", "return_token_ids",
+           "priority"}
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "response_format", "add_generation_prompt"}
@@ -66,6 +67,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
+    priority: int = 0  # the router's priority (higher first); the API's ``priority`` is vLLM's (lower first)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
@@ -252,7 +254,11 @@ class OpenAIProtocol:
             params = params.validate(self.vocab_size)
         except InvalidRequestError as err:
             raise invalid(err.field, err.reason) from None
-        return ParsedRequest(kind, body["model"], ids, params, stream, include_usage, _flag(body, "return_token_ids"))
+        priority = _integer(body, "priority") or 0
+        if not -(1 << 31) <= priority < 1 << 31:
+            raise invalid("priority", f"must be a 32-bit integer, got {priority}")
+        return ParsedRequest(kind, body["model"], ids, params, stream, include_usage, _flag(body, "return_token_ids"),
+                             -priority)
 
     # -- responses --------------------------------------------------------------------------------
 

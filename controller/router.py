@@ -102,6 +102,7 @@ class MigrationOutcome:
     committed: bool
     reason: str = ""
     seconds: float = 0.0
+    source_tokens: int = 0  # committed: output tokens the source generated (the destination continues after)
 
 
 @dataclass(frozen=True)
@@ -740,7 +741,10 @@ class Router:
         loop.create_task(self._call(dst, "commit_migration", rid))
         loop.create_task(self._call(src, "finish_migration", rid))
         self.migrations["committed"] += 1
-        m.done.set_result(MigrationOutcome(rid, src.name, dst.name, True, seconds=time.perf_counter() - m.started))
+        if self.metrics is not None:
+            self.metrics.migration(True)
+        m.done.set_result(MigrationOutcome(rid, src.name, dst.name, True, seconds=time.perf_counter() - m.started,
+                                           source_tokens=arrived.num_output_tokens))
         active.events.put_nowait(("migration_ended", None, None))
 
     def _abort_migration(self, active: _Active, reason: str, m: _Migration | None = None) -> None:
@@ -757,6 +761,8 @@ class Router:
         if m.source.alive:
             loop.create_task(self._call(m.source, "abort_migration", rid))
         self.migrations["aborted"] += 1
+        if self.metrics is not None:
+            self.metrics.migration(False)
         log.info("migration of %s from %s to %s aborted: %s", rid, m.source.name, m.destination.name, reason)
         m.done.set_result(MigrationOutcome(rid, m.source.name, m.destination.name, False, reason,
                                            time.perf_counter() - m.started))

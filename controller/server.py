@@ -145,15 +145,21 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 queue_length=s.get("queue_length", 0), running=s.get("running", 0),
                 free_kv_blocks=s.get("free_kv_blocks", 0), total_kv_blocks=s.get("total_kv_blocks", 0),
                 acceptance_rate=s.get("acceptance_rate", 0.0), mean_accepted_length=s.get("mean_accepted_length", 0.0),
-                tokens_generated=s.get("tokens_generated", 0)) for s in statuses],
-            queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name)
+                tokens_generated=s.get("tokens_generated", 0), preemptions=s.get("preemptions", 0))
+                for s in statuses],
+            queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name,
+            migrations_committed=self.router.migrations["committed"],
+            migrations_aborted=self.router.migrations["aborted"])
 
     async def MigrateRequest(self, request, context):
         if not _REQUEST_ID.fullmatch(request.request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "request_id: required; letters, digits, '-', '_', '.' (at most 64)")
+        if request.timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
         try:
-            outcome = await self.router.migrate(request.request_id, request.destination or None)
+            outcome = await self.router.migrate(request.request_id, request.destination or None,
+                                                request.timeout_s or None)
         except RouterError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
         return _migration_result(outcome)
@@ -202,7 +208,8 @@ def _pass_log_messages(logs: list[dict]) -> list[pb.InstancePasses]:
 
 def _migration_result(m) -> pb.MigrationResult:
     return pb.MigrationResult(request_id=m.request_id, source=m.source, destination=m.destination,
-                              committed=m.committed, reason=m.reason, seconds=m.seconds)
+                              committed=m.committed, reason=m.reason, seconds=m.seconds,
+                              source_tokens=m.source_tokens)
 
 
 def _usage(final: Final | None) -> pb.Usage:

@@ -85,6 +85,7 @@ def test_request_migrates_there_and_back_mid_stream_with_identical_output(server
         back = c.migrate("mig-1", there.source)
         assert back.committed, back.reason
         assert (back.source, back.destination) == (there.destination, there.source)
+        assert c.status().migrations_committed >= 2
     assert stream.join() == want
     assert stream.final.usage["completion_tokens"] == len(want)
     blocks = wait_all_free(server)
@@ -149,3 +150,24 @@ def test_bad_destination_and_instance_name_the_field(server):
             c.drain("prefill-0")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("instance")
     stream.join()
+
+
+def test_a_migration_aborted_mid_rounds_leaves_the_request_on_its_source(server, reference):
+    """A migration not committed in time is aborted (here: a deadline shorter than any copy): the source
+    goes on, the destination frees what it had received, nothing is lost or repeated."""
+    prompt = prompts_of([500], seed=26)[0]
+    params = dict(max_tokens=120, ignore_eos=True)
+    want = reference.generate([prompt], SamplingParams(**params))[0].token_ids
+    stream = Stream(server, prompt, "aborted", **params)
+    stream.wait_tokens(10)
+    with Client(server) as c:
+        before = c.status().migrations_aborted
+        res = c.migrate("aborted", timeout_s=0.001)
+        assert not res.committed and "not committed within" in res.reason
+        assert c.status().migrations_aborted == before + 1
+        with pytest.raises(grpc.RpcError) as err:
+            c.migrate("aborted", timeout_s=-1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("timeout_s")
+    assert stream.join() == want
+    blocks = wait_all_free(server)
+    assert all(free == total for free, total in blocks.values()), blocks

@@ -104,6 +104,9 @@ def test_completion_parsing(protocol):
     assert protocol.completion({"model": "m", "prompt": [5, 6]}).params.max_tokens == 16  # OpenAI's default
     assert protocol.completion({"model": "m", "prompt": [[5, 6]]}).prompt_ids == [5, 6]
     assert protocol.completion({"model": "m", "prompt": ["ab"]}).prompt_ids == protocol.tokenizer.encode("ab")
+    # vLLM's priority (lower first) becomes the router's (higher first)
+    assert protocol.completion({"model": "m", "prompt": "x", "priority": -3}).priority == 3
+    assert protocol.completion({"model": "m", "prompt": "x"}).priority == 0
 
 
 def test_chat_parsing_defaults_to_the_room_left(protocol):
@@ -135,6 +138,7 @@ def test_chat_parsing_defaults_to_the_room_left(protocol):
     ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": "m", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "m", "prompt": "x", "priority": 1.5}, 400, "priority"),
     ({"model": "m", "prompt": "x", "best_of": 2}, 400, "best_of"),
     ({"model": "m", "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),

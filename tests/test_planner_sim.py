@@ -309,3 +309,33 @@ def test_search_never_proposes_pipeline_parallelism():
         SearchSpace(devices=4, pipeline_parallel=(1, 2))
     with pytest.raises(PlanError, match="pipeline_parallel"):
         SearchSpace(devices=4, shapes=((1, 2, 1),))
+
+def _skewed_two_decode(migration):
+    from controller.planner.sim_migration import SimMigration
+
+    # A (long) -> decode-0, B (short) -> decode-1, C (long) -> decode-0 (the fewest assigned, first by name):
+    # two long requests outgrow decode-0's 50 blocks while decode-1 idles once B is done
+    trace = [RequestSpec(0.0, 100, 400), RequestSpec(0.001, 100, 5), RequestSpec(0.002, 100, 400)]
+    cfg = dataclasses.replace(disagg(nd=2, decode_capacity=800),
+                              migration=SimMigration(interval_s=0.05) if migration else None)
+    return simulate(make_profile(transfer_per_token=1e-6), cfg, trace)
+
+
+def test_migration_moves_a_long_request_off_a_crowded_decode_instance():
+    without, with_ = _skewed_two_decode(False), _skewed_two_decode(True)
+    assert without.migrations is None and sum(r.preemptions for r in without.records) > 0
+    assert with_.migrations.committed >= 1 and sum(r.preemptions for r in with_.records) == 0
+    assert [r.completion_tokens for r in with_.records] == [400, 5, 400] and all(r.finished for r in with_.records)
+    # no preemption and recompute: the long requests finish sooner; each move paused its request for the
+    # copy of its last two blocks and the commit
+    assert max(r.finish_s for r in with_.records) < max(r.finish_s for r in without.records)
+    assert with_.migrations.pauses_s == pytest.approx([32 * 1e-6 + 0.01] * with_.migrations.committed)
+
+
+def test_migration_needs_disaggregated_mode_and_valid_settings():
+    from controller.planner.sim_migration import SimMigration
+
+    with pytest.raises(SimConfigError, match="migration"):
+        SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 16), migration=SimMigration())
+    with pytest.raises(ValueError, match="migration.interval_s"):
+        SimMigration(interval_s=0)

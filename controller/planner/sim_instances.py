@@ -145,6 +145,7 @@ class _Instance:
         self.step_s = 0.0  # duration of the step in progress (or of the last one)
         self.step_end_s = 0.0  # when the step in progress (or the last one) ends
         self.step_outputs = 1  # sequences the step in progress gives an output to
+        self._calls: list = []  # run when the step in progress ends, before the next is planned
 
     def kick(self) -> None:
         if self.busy:
@@ -163,6 +164,9 @@ class _Instance:
         def finish() -> None:
             self.busy = False
             done()
+            calls, self._calls = self._calls, []
+            for call in calls:
+                call()
             self.kick()
 
         self.sim.at(self.step_end_s, finish)
@@ -170,6 +174,14 @@ class _Instance:
     def after_step(self, fn) -> None:
         """Run ``fn`` when the step in progress ends (a call into a busy worker is answered between steps)."""
         self.sim.at(self.step_end_s, fn)
+
+    def between_steps(self, fn) -> None:
+        """Run ``fn`` now if idle, else once the step in progress has ended and before the next one is planned
+        (the worker's step gate: a call waiting when a step ends goes before the next step)."""
+        if self.busy:
+            self._calls.append(fn)
+        else:
+            fn()
 
     def _plan_step(self):
         raise NotImplementedError

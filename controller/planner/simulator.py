@@ -12,6 +12,8 @@ What it models (and mirrors from the real router, ``controller/router.py``):
             -> colocated: the instance with the fewest assigned requests runs chunked prefill and decode
                in the same steps (the reference engine)
             -> finish: the request's slot and memory free, the next queued request is admitted
+            -> with ``SimConfig.migration``: the global rescheduling policy's rounds live-migrate decoding
+               requests between decode instances (``sim_migration``)
 
 Instance behaviour lives in ``sim_instances`` (the real schedulers, run on plain objects). A step's time is
 its profiled cost times the mode's calibration (``sim_instances.StepCosts``): the serving path's own costs
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from controller.planner.profile import Profile, calibration_threads
 from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
+from controller.planner.sim_migration import MigrationSim, MigrationStats, SimMigration
 from controller.planner.slo import RequestOutcome
 from controller.planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
@@ -87,6 +90,7 @@ class SimConfig:
     block_size: int = 16
     max_concurrent: int = 64
     overhead_s: float = 0.0  # added to every TTFT (request path latency outside the workers)
+    migration: SimMigration | None = None  # the global rescheduling policy (disaggregated); None: off
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,6 +103,9 @@ class SimConfig:
             pool.validate(name)
         if self.max_concurrent < 1:
             raise SimConfigError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
+        if self.migration is not None and self.mode != "disaggregated":
+            raise SimConfigError("migration: live migration moves requests between decode instances "
+                                 "(disaggregated mode only)")
 
     @property
     def devices(self) -> int:
@@ -127,13 +134,15 @@ class SimConfig:
                             budget, seqs)
 
         common = dict(block_size=cfg.decode.block_size, max_concurrent=cfg.limits.max_concurrent_requests)
+        mig = getattr(cfg, "migration", None)
         if getattr(cfg, "mode", "disaggregated") == "colocated":
             c = cfg.colocated
             return SimConfig("colocated", colocated=pool(c, c.chunk_tokens, c.max_num_seqs), **common)
         prefill = pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts)
         decode = pool(cfg.decode, 1, cfg.decode.max_num_seqs)
+        migration = SimMigration(mig.policy(), mig.interval_s) if mig is not None and mig.enabled else None
         return SimConfig("disaggregated", prefill=prefill, decode=decode, speculation=cfg.decode.speculation,
-                         **common)
+                         migration=migration, **common)
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,7 @@ class SimResult:
     duration_s: float
     instance_utilisation: dict[str, float]  # busy share of the simulated time
     k_counts: dict[int, int]  # decode steps by k (all decode instances)
+    migrations: MigrationStats | None = None  # with SimConfig.migration
 
     def outcomes(self) -> list[RequestOutcome]:
         return [r.outcome() for r in self.records]
@@ -220,6 +230,9 @@ class Simulation:
             self.decode = [DecodeSim(self, f"decode-{i}", profile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
                                      c.speculation, random.Random(rng.random())) for i in range(d.instances)]
         self.instances = self.prefill + self.decode + self.colocated
+        self.open_requests = 0  # arrived or to arrive, not finished
+        self.migration = None if c.migration is None else MigrationSim(
+            self, c.migration, profile.kv_transfer, c.speculation.max_k if c.speculation.enabled else 0)
 
     def step_factor(self, inst, duration: float) -> float:
         """The plug-in's factor on a step of ``inst`` (``duration`` at its calibrated time): 1 without one."""
@@ -238,6 +251,9 @@ class Simulation:
         reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
         for req in reqs:
             self.at(req.arrival_s, lambda req=req: self._arrive(req))
+        self.open_requests = len(reqs)
+        if self.migration is not None:
+            self.migration.start()
         end = (max(r.arrival_s for r in reqs) + time_limit_s) if (reqs and time_limit_s is not None) else math.inf
         while self._events and self._events[0][0] <= end:
             t, _, fn = heapq.heappop(self._events)
@@ -256,7 +272,8 @@ class Simulation:
             [SimRecord(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.generated,
                        r.first_token_s + delay, r.finish_s + delay, r.draft_tokens, r.accepted_tokens, r.preemptions)
              for r in reqs],
-            duration, {i.name: (i.busy_s / duration if duration > 0 else 0.0) for i in instances}, k_counts)
+            duration, {i.name: (i.busy_s / duration if duration > 0 else 0.0) for i in instances}, k_counts,
+            None if self.migration is None else self.migration.stats)
 
     # -- the router ------------------------------------------------------------------------------------
 
@@ -323,6 +340,7 @@ class Simulation:
 
     def on_finish(self, req: SimRequest, t: float) -> None:
         req.finish_s = t
+        self.open_requests -= 1
         for inst in req.placed:
             inst.assigned.discard(req.index)
         self._in_flight -= 1

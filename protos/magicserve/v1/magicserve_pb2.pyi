@@ -19,28 +19,32 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class MigrateRequestRequest(_message.Message):
-    __slots__ = ("request_id", "destination")
+    __slots__ = ("request_id", "destination", "timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     destination: str
-    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("request_id", "source", "destination", "committed", "reason", "seconds")
+    __slots__ = ("request_id", "source", "destination", "committed", "reason", "seconds", "source_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     source: str
     destination: str
     committed: bool
     reason: str
     seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., committed: _Optional[bool] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    source_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., committed: _Optional[bool] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., source_tokens: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("instance", "undo", "timeout_s")
@@ -169,7 +173,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated")
+    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated", "preemptions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +185,7 @@ class InstanceStatus(_message.Message):
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     device: str
@@ -192,19 +197,24 @@ class InstanceStatus(_message.Message):
     acceptance_rate: float
     mean_accepted_length: float
     tokens_generated: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("instances", "queued_requests", "running_requests", "model")
+    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     queued_requests: int
     running_requests: int
     model: str
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    migrations_committed: int
+    migrations_aborted: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ...) -> None: ...
 
 class PassLogRequest(_message.Message):
     __slots__ = ()
