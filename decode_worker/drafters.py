@@ -131,6 +131,16 @@ class SelfSparseDrafter:
         return self.config.sink_tokens + (pos - start)  # index within the compressed view
 
 
+@dataclass(frozen=True)
+class DraftLayout:
+    """Where a sequence's draft-cache blocks sit in its table (``DraftModelDrafter.export_state``): the
+    tokens whose draft KV is cached, the table's length, and the entries already evicted."""
+
+    computed: int
+    entries: int
+    evicted: tuple[int, ...]
+
+
 @dataclass
 class _DraftState:
     table: BlockTable
@@ -171,6 +181,34 @@ class DraftModelDrafter:
         if state is not None:
             self._free(state, range(len(state.table.blocks)))
             state.table.blocks = []
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether the sequence's draft cache is here (admitted, or imported)."""
+        return seq.request_id in self._states
+
+    def export_state(self, seq: Sequence) -> tuple[torch.Tensor, "DraftLayout"]:
+        """The sequence's draft cache as it is (live migration): the KV of its blocks still in the window,
+        [layers, 2, n, block_size, kv_heads, head_dim], and where they sit in its table."""
+        state = self._states[seq.request_id]
+        live = [i for i in range(len(state.table.blocks)) if i not in state.evicted]
+        ids = torch.tensor([state.table.blocks[i] for i in live], dtype=torch.int64, device=self.runner.cache.kv.device)
+        kv = self.runner.cache.kv.index_select(2, ids).contiguous()
+        return kv, DraftLayout(state.computed, len(state.table.blocks), tuple(sorted(state.evicted)))
+
+    def import_state(self, seq: Sequence, kv: torch.Tensor, layout: "DraftLayout") -> None:
+        """Continue from a draft cache another instance exported (the same draft model and block size): the
+        sequence drafts exactly as it would have there."""
+        live = [i for i in range(layout.entries) if i not in set(layout.evicted)]
+        expect = (*self.runner.cache.kv.shape[:2], len(live), *self.runner.cache.kv.shape[3:])
+        if tuple(kv.shape) != expect:
+            raise ValueError(f"draft cache: expected a tensor of shape {expect}, got {tuple(kv.shape)}")
+        blocks = self.pool.allocate(len(live))
+        state = _DraftState(BlockTable(self.pool.block_size), layout.computed, set(layout.evicted))
+        state.table.blocks = [self._EVICTED] * layout.entries
+        for i, b in zip(live, blocks):
+            state.table.blocks[i] = b
+        self.runner.cache.kv.index_copy_(2, torch.tensor(blocks, dtype=torch.int64, device=kv.device), kv)
+        self._states[seq.request_id] = state
 
     def on_verified(self, seq: Sequence, num_valid: int) -> None:
         state = self._states[seq.request_id]

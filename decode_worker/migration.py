@@ -5,8 +5,9 @@ The source keeps decoding the request while its KV goes to the destination in ro
 blocks filled since the previous one: only positions whose KV is final, so a sent block never changes).
 Once the destination has taken every block sent so far, or the request is about to outgrow the room
 reserved for it there, the source stops the request and sends what is left: the last, partly filled
-blocks and the :class:`MigrationState`. The pause the client sees is that stop-and-copy, which does not
-grow with the sequence length. The router decides the outcome (see ``controller/router.py``): the source
+blocks, the :class:`MigrationState` and, with a draft model, that model's own cache (its window's blocks,
+``DraftModelDrafter.export_state``). The pause the client sees is that stop-and-copy, which does not grow
+with the sequence length. The router decides the outcome (see ``controller/router.py``): the source
 frees its copy only once the router has committed the request to the destination.
 """
 
@@ -23,15 +24,26 @@ class MigrationState:
     ``output_ids``: tokens generated so far (the prompt comes with the request); ``num_computed``: positions
     whose KV was sent (every token but the last); ``sampler_state``: hex of the generator's state, so seeded
     sampling continues the same random stream; ``text_sent``: characters of the output text already streamed
-    (text held back for a possible stop string is streamed by the destination)."""
+    (text held back for a possible stop string is streamed by the destination). With a draft model, where
+    its cache's blocks sit (``draft``: tokens cached, table entries, evicted entries; the KV itself follows
+    the state on the channel), so the destination drafts exactly as the source would have."""
 
     output_ids: tuple[int, ...]
     num_computed: int
     sampler_state: str
     text_sent: int
+    draft: tuple[int, int, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output_ids", tuple(self.output_ids))
+        if self.draft is not None:
+            computed, entries, evicted = self.draft
+            evicted = tuple(evicted)
+            ints = [computed, entries, *evicted]
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints) or \
+                    any(e >= entries for e in evicted):
+                raise ValueError(f"draft: expected (computed, entries, evicted entries < entries), got {self.draft!r}")
+            object.__setattr__(self, "draft", (computed, entries, evicted))
         if not self.output_ids:
             raise ValueError("output_ids: a migrating request has generated at least one token")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.output_ids):
@@ -50,8 +62,11 @@ class MigrationState:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("migration state: expected a JSON object")
+        draft = raw.get("draft")
+        if draft is not None and (not isinstance(draft, list) or len(draft) != 3 or not isinstance(draft[2], list)):
+            raise ValueError(f"draft: expected [computed, entries, [evicted...]], got {draft!r}")
         return MigrationState(tuple(raw["output_ids"]), raw["num_computed"], str(raw["sampler_state"]),
-                              raw["text_sent"])
+                              raw["text_sent"], None if draft is None else (draft[0], draft[1], tuple(draft[2])))
 
 
 @dataclass

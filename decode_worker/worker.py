@@ -27,7 +27,7 @@ import torch
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
 from decode_worker.migration import MigrationState, OutgoingMigration, headroom_tokens, should_stop
-from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
+from decode_worker.drafters import DraftLayout, DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape, StepCorrection
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
@@ -149,6 +149,7 @@ class DecodeWorker:
         self.migration_sender: KVSender | None = None
         self._outgoing: dict[str, OutgoingMigration] = {}
         self._incoming: set[str] = set()
+        self._draft_imports: dict[str, tuple] = {}  # arrived requests' draft caches, imported on commit
         self._events: list = []
         if config.profile_on_start:
             self.profile()
@@ -328,7 +329,14 @@ class DecodeWorker:
         seq = live.seq
         seq.block_table.truncate(self.pool, seq.num_tokens)
         self.scheduler.start(seq)
-        self.drafter.admit(seq)
+        draft = self._draft_imports.pop(request_id, None)
+        try:
+            if draft is None or not isinstance(self.drafter, DraftModelDrafter):
+                raise ValueError("no draft cache to import")
+            kv, (computed, entries, evicted) = draft
+            self.drafter.import_state(seq, kv, DraftLayout(computed, entries, evicted))
+        except (ValueError, OutOfBlocksError):  # none sent, another draft model, or no room: rebuild it here
+            self.drafter.admit(seq)
         return True
 
     def finish_migration(self, request_id: str) -> bool:
@@ -341,6 +349,7 @@ class DecodeWorker:
         # commit: the sender counts the transfer when it reads that DONE
         del self._outgoing[request_id]
         del self._requests[request_id]
+        self.drafter.release(live.seq)
         live.seq.block_table.release(self.pool)
         live.seq.status = SequenceStatus.FINISHED
         return True
@@ -355,7 +364,8 @@ class DecodeWorker:
         live = self._requests.get(request_id)
         if m.stopped and live is not None and live.seq.status is SequenceStatus.MIGRATING:
             self.scheduler.start(live.seq)
-            self.drafter.admit(live.seq)
+            if isinstance(self.drafter, DraftModelDrafter) and not self.drafter.holds(live.seq):
+                self.drafter.admit(live.seq)  # the drafter was rebuilt meanwhile (set_speculation)
             self._cached_choice = None
         return True
 
@@ -405,6 +415,8 @@ class DecodeWorker:
         if state.sampler_state:
             seq.sampler.generator.set_state(torch.frombuffer(bytearray.fromhex(state.sampler_state), dtype=torch.uint8))
         seq.status = SequenceStatus.MIGRATING
+        if state.draft is not None and kv.extra is not None:
+            self._draft_imports[seq.request_id] = (kv.extra, state.draft)
         live.stream = OutputStream.for_sequence(seq, self.tokenizer)
         live.stream.push(seq.output_ids, None)  # the text state as the source had it ...
         live.stream.sent = state.text_sent  # ... of which this much was streamed
@@ -444,17 +456,20 @@ class DecodeWorker:
 
     def _stop_and_copy(self, m: OutgoingMigration, live: _Live) -> None:
         seq = live.seq
-        self.scheduler.running.pop(seq.request_id)
-        self.drafter.release(seq)
+        self.scheduler.running.pop(seq.request_id)  # its draft state stays until the router decides
         seq.status = SequenceStatus.MIGRATING
         self._cached_choice = None
         n = seq.num_computed  # every token but the last has its KV here
+        draft_kv, draft = None, None
+        if isinstance(self.drafter, DraftModelDrafter) and self.drafter.holds(seq):
+            draft_kv, layout = self.drafter.export_state(seq)  # its own cache moves too (a window's worth)
+            draft = (layout.computed, layout.entries, layout.evicted)
         state = MigrationState(tuple(seq.output_ids), n, seq.sampler.generator.get_state().numpy().tobytes().hex(),
-                               live.stream.sent)
+                               live.stream.sent, draft)
         sender = self.migration_sender
         sender.extend(seq.request_id, list(seq.block_table.blocks), -(-n // self.config.block_size))
         sender.flush()
-        sender.finish_prompt(seq.request_id, None, num_tokens=n, state=state.encode())
+        sender.finish_prompt(seq.request_id, None, num_tokens=n, state=state.encode(), extra=draft_kv)
         m.stopped = True
 
     def _cancel_outgoing(self, request_id: str) -> bool:
@@ -733,6 +748,7 @@ class DecodeWorker:
         self._requests.pop(seq.request_id, None)
         self._cancel_outgoing(seq.request_id)  # the router sees the finish and aborts the destination's copy
         self._incoming.discard(seq.request_id)
+        self._draft_imports.pop(seq.request_id, None)
         self.drafter.release(seq)
         self.scheduler.finish(seq)
         seq.status = SequenceStatus.FINISHED

@@ -132,6 +132,8 @@ class PromptEnd:
     sampler_state: str = ""
     num_tokens: int | None = None
     state: str = ""
+    extra_shape: tuple[int, ...] = ()  # a tensor the owner sends right after this frame (its shape; () none)
+    extra_dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,15 @@ def decode_prompt_end(data: bytes) -> PromptEnd:
     num_tokens = raw.get("num_tokens")
     if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1):
         raise ValueError(f"num_tokens: must be a positive integer or null, got {num_tokens!r}")
+    shape = raw.get("extra_shape", [])
+    dtype = str(raw.get("extra_dtype", ""))
+    if not isinstance(shape, list) or len(shape) > 8 or \
+            any(isinstance(d, bool) or not isinstance(d, int) or not 0 < d < 1 << 31 for d in shape):
+        raise ValueError(f"extra_shape: expected up to 8 positive dimensions, got {shape!r}")
+    if shape and dtype not in _DTYPE_NAMES.values():
+        raise ValueError(f"extra_dtype: must be one of {', '.join(_DTYPE_NAMES.values())}, got {dtype!r}")
     return PromptEnd(str(raw["request_id"]), int(raw["transfer_id"]), None if token is None else int(token), state,
-                     num_tokens, str(raw.get("state", "")))
+                     num_tokens, str(raw.get("state", "")), tuple(shape), dtype if shape else "")
 
 
 def decode_reply(data: bytes) -> Reply:

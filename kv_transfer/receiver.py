@@ -29,6 +29,8 @@ from kv_transfer.channel import (DECODE_RANK, DESCRIPTOR, FIRST_TOKEN, PIECES, R
 from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, PromptEnd, Reply, TransferDescriptor,
                                      decode_descriptor, decode_pieces, decode_prompt_end, encode)
 from kv_transfer.errors import TransferError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 from kv_transfer.heads import HeadRange
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.kv_cache import PagedKVCache
@@ -88,6 +90,7 @@ class ReceivedKV:
     first_token: int | None = None
     sampler_state: bytes = b""
     state: str = ""  # a live (migration) transfer: the request's state as the sender's owner encoded it
+    extra: object = None  # the tensor the sender's owner sent with the end (``KVSender.finish_prompt``), or None
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class KVReceiver:
         self._channels: dict[str, PairChannel] = {}
         self._handshakes: "queue.Queue[tuple[str, TransferDescriptor]]" = queue.Queue()
         self._ends: dict[str, tuple[PromptEnd, float]] = {}  # request id -> its PromptEnd, when it arrived
+        self._extras: dict[str, torch.Tensor] = {}  # request id -> the tensor sent with its PromptEnd
         self.num_busy = 0  # handshakes answered BUSY (back-pressure applied)
 
     # -- owner API --------------------------------------------------------------------------------
@@ -187,6 +191,7 @@ class KVReceiver:
     def release(self, request_id: str) -> None:
         with self._lock:
             self._ends.pop(request_id, None)
+            self._extras.pop(request_id, None)
             res = self._reservations.get(request_id)
             if res is None:
                 return
@@ -231,15 +236,18 @@ class KVReceiver:
                     end, _ = self._ends.pop(res.request_id)
                     num_tokens = res.num_tokens if end.num_tokens is None else end.num_tokens
                     out.completed.append(ReceivedKV(res.request_id, tuple(res.block_ids), num_tokens,
-                                                    end.first_token, bytes.fromhex(end.sampler_state), end.state))
+                                                    end.first_token, bytes.fromhex(end.sampler_state), end.state,
+                                                    self._extras.pop(res.request_id, None)))
                 elif res.state == "failed":
                     del self._reservations[res.request_id]
                     self._ends.pop(res.request_id, None)
+                    self._extras.pop(res.request_id, None)
                     out.failed.append(ReceiveFailure(res.request_id, res.error))
             # ends of transfers that never got (or lost) a reservation here
             for rid in [r for r, (_, t) in self._ends.items()
                         if r not in self._reservations and now - t > self.config.timeout_s]:
                 del self._ends[rid]
+                self._extras.pop(rid, None)
         for rid in cancelled + [f.request_id for f in out.failed]:
             self.reserver.release_reservation(rid)
         return out
@@ -348,7 +356,13 @@ class KVReceiver:
                     self._receive_group(peer, channel, decode_pieces(payload))
                 elif kind == FIRST_TOKEN:
                     end = decode_prompt_end(payload)
+                    extra = None
+                    if end.extra_shape:  # the tensor follows the frame on the data path
+                        extra = torch.empty(end.extra_shape, dtype=_DTYPES[end.extra_dtype], device=channel.device)
+                        channel.recv_data(extra)
                     with self._lock:
+                        if extra is not None:
+                            self._extras[end.request_id] = extra
                         self._ends[end.request_id] = (end, time.monotonic())
                         leg = self._legs.get((channel, end.transfer_id))
                     if leg is not None and leg.descriptor.live:

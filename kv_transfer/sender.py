@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from kv_transfer.blocks import send_region
 from kv_transfer.channel import (DESCRIPTOR, FIRST_TOKEN, PIECES, PREFILL_RANK, REPLY, PairChannel, PendingSend,
                                   Rendezvous, TransferConfig)
-from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, PromptEnd, Reply, TransferDescriptor,
-                                     decode_reply, encode)
+from kv_transfer.descriptors import (_DTYPE_NAMES, KVFingerprint, PeerHello, Piece, PromptEnd, Reply,
+                                     TransferDescriptor, decode_reply, encode)
 from kv_transfer.errors import TransferError
 from kv_transfer.heads import HeadRange
 from modeling.kv_cache import PagedKVCache
@@ -255,12 +255,13 @@ class KVSender:
         return self._transfers.pop(request_id, None) is not None
 
     def finish_prompt(self, request_id: str, first_token: int | None, sampler_state: bytes = b"",
-                      num_tokens: int | None = None, state: str = "") -> None:
+                      num_tokens: int | None = None, state: str = "", extra=None) -> None:
         """The prompt's last chunk is computed: tell every receiver its first token (None: none) and the
         sampler's state after it. Each receiver hands the prompt to its owner only once this has arrived and
         the KV is complete, so every transfer ends with this call. A live transfer passes ``num_tokens``
         (positions sent; their blocks must have gone out: ``extend`` then ``flush`` first) and the owner's
-        ``state``. A transfer that already failed is ignored."""
+        ``state``, and may send ``extra``, one more tensor (on the cache's device) the receiver hands over with
+        the request. A transfer that already failed is ignored."""
         tr = self._transfers.get(request_id)
         if tr is None:
             return
@@ -272,9 +273,13 @@ class KVSender:
         for leg in tr.legs:
             link = self._links[leg.peer]
             end = PromptEnd(request_id, leg.descriptor.transfer_id, first_token, sampler_state.hex(),
-                            num_tokens if tr.live else None, state)
+                            num_tokens if tr.live else None, state,
+                            () if extra is None else tuple(extra.shape),
+                            "" if extra is None else _DTYPE_NAMES[extra.dtype])
             try:
                 link.post(link.channel.send_frame(FIRST_TOKEN, encode(end), wait=False), None)
+                if extra is not None:
+                    link.post(link.channel.send_data(extra.contiguous()), leg)
             except TransferError as err:
                 self._events.put(("broken", leg.peer, err, link.channel))
 

@@ -168,15 +168,20 @@ def test_seeded_sampling_migration_is_identical(llama_dir):
     assert run.tokens == want_tokens and run.text == want_text
 
 
-def test_draft_model_migration_is_greedy_identical(checkpoint_dir, llama_dir):
-    """The draft model's cache is rebuilt on the destination (its window only); greedy output is unchanged."""
+@pytest.mark.parametrize("seeded", [False, True])
+def test_draft_model_migration_is_identical(checkpoint_dir, llama_dir, seeded):
+    """The draft model's own cache moves with the request (its window's blocks, after the state): greedy and
+    seeded output are unchanged, and the source frees its draft blocks."""
     draft = checkpoint_dir("llama_tied")
     spec = dict(drafter="draft_model", draft_model=draft, k_policy="fixed", k=2)
     prompts = prompts_of([60, 30])
-    params = [SamplingParams(max_tokens=50, ignore_eos=True)] * 2
-    _, run = migrate_midway(llama_dir, prompts, params, victim="r0", **spec)
+    sampling = dict(temperature=0.8, top_p=0.9) if seeded else {}
+    params = [SamplingParams(max_tokens=60, ignore_eos=True, seed=i, **sampling) for i in range(2)]
+    pair, run = migrate_midway(llama_dir, prompts, params, victim="r0", **spec)
     want_tokens, want_text = solo_outputs(llama_dir, prompts, params, **spec)
     assert run.tokens == want_tokens and run.text == want_text
+    for w in (pair.a, pair.b):
+        assert w.drafter.pool.num_free == w.drafter.pool.num_blocks
 
 
 def test_stop_strings_and_held_back_text_move(llama_dir):
