@@ -171,3 +171,23 @@ def test_a_migration_aborted_mid_rounds_leaves_the_request_on_its_source(server,
     assert stream.join() == want
     blocks = wait_all_free(server)
     assert all(free == total for free, total in blocks.values()), blocks
+
+
+def test_source_dying_after_the_commit_does_not_touch_the_request(server, reference):
+    """After the commit the request belongs to its destination: killing the source's process right then
+    fails nothing, and the stream completes with the reference's tokens while the source restarts."""
+    import ray
+
+    from tests.serving import wait_all_alive
+
+    prompt = prompts_of([120], seed=27)[0]
+    params = dict(max_tokens=150, ignore_eos=True)
+    want = reference.generate([prompt], SamplingParams(**params))[0].token_ids
+    stream = Stream(server, prompt, "orphaned-source", **params)
+    stream.wait_tokens(10)
+    with Client(server) as c:
+        res = c.migrate("orphaned-source")
+    assert res.committed, res.reason
+    ray.kill(ray.get_actor(f"magicserve-{res.source}", namespace="magicserve"), no_restart=False)
+    assert stream.join() == want
+    assert wait_all_alive(server)
