@@ -161,7 +161,6 @@ class Router:
         self.counters = StateCounters()
         self._active: dict[str, _Active] = {}
         self._slots = PriorityGate(max_concurrent)
-        self._waiting = 0
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         # async callables(instance): ``restart`` replaces a dead instance as a whole (every rank, its
@@ -259,17 +258,11 @@ class Router:
     # -- admission and placement ------------------------------------------------------------------
 
     async def _admit(self, priority: int) -> None:
-        if self._slots.locked():
-            if self._waiting >= self.max_queue:
-                raise RouterError("RESOURCE_EXHAUSTED",
-                                  f"{self.max_concurrent} requests running and {self._waiting} queued (limit {self.max_queue})")
-            self._waiting += 1
-            try:
-                await self._slots.acquire(priority)
-            finally:
-                self._waiting -= 1
-        else:
-            await self._slots.acquire(priority)
+        waiting = self._slots.waiting
+        if self._slots.locked() and waiting >= self.max_queue:
+            raise RouterError("RESOURCE_EXHAUSTED",
+                              f"{self.max_concurrent} requests running and {waiting} queued (limit {self.max_queue})")
+        await self._slots.acquire(priority)
 
     async def _place(self, active: _Active) -> None:
         """Hand the request to a decode instance (which reserves its KV), then the prompt to a prefill instance."""
@@ -432,10 +425,14 @@ class Router:
         active.prefill = active.decode = None
 
     async def _abort_on(self, inst: Instance, rid: str) -> None:
+        await self._call(inst, "abort", rid)
+
+    async def _call(self, inst: Instance, method: str, rid: str) -> None:
+        """``inst.method(rid)``; an instance that died meanwhile is left to its own failure handling."""
         try:
-            await inst.handle.abort.remote(rid)
+            await getattr(inst.handle, method).remote(rid)
         except Exception as err:
-            log.debug("abort of %s on %s failed: %s", rid, inst.name, err)
+            log.debug("%s of %s on %s failed: %s", method, rid, inst.name, err)
 
     def _end(self, active: _Active, state: RequestState, reason: str = "") -> None:
         if not active.record.state.terminal:
@@ -567,7 +564,9 @@ class Router:
                                                      "not decoding")
         if dst is src:
             raise RouterError("INVALID_ARGUMENT", f"destination: {request_id!r} already decodes on {destination}")
-        if not (src.alive and dst.alive) or dst.draining:
+        if not src.alive:
+            raise RouterError("FAILED_PRECONDITION", f"request_id: {request_id!r} is on {src.name}, which is not alive")
+        if not dst.alive or dst.draining:
             raise RouterError("FAILED_PRECONDITION", f"destination: {destination} is "
                                                      f"{'draining' if dst.draining else 'not alive'}")
         if self._connect_pair is None:
@@ -609,16 +608,18 @@ class Router:
             raise _Refused(why)
 
     async def _pick_destination(self, active: _Active) -> str:
-        src = active.decode
-        loads = {ld.name: ld for ld in await self.instance_loads()}
-        blocks = next((r.blocks for ld in loads.values() for r in ld.running
-                       if r.request_id == active.record.request_id), 1)
-        others = [ld for name, ld in loads.items() if src is None or name != src.name]
-        name = pick_instance(others, blocks, self.policy, active.priority)
+        name = self._destination_for(active, await self.instance_loads(), active.decode)
         if name is None:
             raise RouterError("FAILED_PRECONDITION", "destination: no other decode instance has room for "
                                                      f"{active.record.request_id!r}")
         return name
+
+    def _destination_for(self, active: _Active, loads: list[InstanceLoad], source: Instance | None) -> str | None:
+        """The policy's pick for the request among the instances other than ``source`` (None: none has room)."""
+        rid = active.record.request_id
+        blocks = next((r.blocks for ld in loads for r in ld.running if r.request_id == rid), 1)
+        others = [ld for ld in loads if source is None or ld.name != source.name]
+        return pick_instance(others, blocks, self.policy, active.priority)
 
     async def instance_loads(self) -> list[InstanceLoad]:
         """The live decode instances' load reports as the policy reads them: each decoding request placed
@@ -695,10 +696,8 @@ class Router:
                        and self._active[rid].migration is None]
             started = []
             loads = await self.instance_loads() if movable else []
-            others = [ld for ld in loads if ld.name != name]
             for rid in movable[: max(1, self.policy.max_migrations_per_round)]:
-                blocks = next((r.blocks for ld in loads for r in ld.running if r.request_id == rid), 1)
-                dst = pick_instance(others, blocks, self.policy, self._active[rid].priority)
+                dst = self._destination_for(self._active[rid], loads, inst)
                 if dst is not None:
                     started.append(self.migrate(rid, dst))
             results = await asyncio.gather(*started, return_exceptions=True)
@@ -768,17 +767,11 @@ class Router:
                                            time.perf_counter() - m.started))
         active.events.put_nowait(("migration_ended", None, None))
 
-    async def _call(self, inst: Instance, method: str, rid: str) -> None:
-        try:
-            await getattr(inst.handle, method).remote(rid)
-        except Exception as err:  # the instance died: its own failure handling takes over
-            log.debug("%s of %s on %s failed: %s", method, rid, inst.name, err)
-
     # -- status -----------------------------------------------------------------------------------
 
     def queue_stats(self) -> dict:
         snap = self.counters.snapshot()
-        return {"waiting": self._waiting, "active": len(self._active), "states": snap}
+        return {"waiting": self._slots.waiting, "active": len(self._active), "states": snap}
 
 
 class _Refused(Exception):

@@ -75,7 +75,6 @@ class OutgoingMigration:
     the router decides)."""
 
     request_id: str
-    destination: str
     capacity_tokens: int  # positions reserved at the destination
     rounds: int = 0  # rounds of blocks sent
     blocks_sent: int = 0

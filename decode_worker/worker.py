@@ -11,8 +11,8 @@ Each ``step``:
     admit arrived KV  ->  choose k  ->  reserve room for k  ->  draft k tokens  ->  verify all k + 1 in one
     target pass  ->  accept / recover / bonus per sequence  ->  roll back rejected KV  ->  emit deltas
 
-then rounds of outgoing migrations go out. k = 0 is a plain decode step. Sequences join and leave at every step, each with its own sampling
-parameters and stop conditions.
+then rounds of outgoing migrations go out. k = 0 is a plain decode step. Sequences join and leave at
+every step, each with its own sampling parameters and stop conditions.
 """
 
 from __future__ import annotations
@@ -284,9 +284,8 @@ class DecodeWorker:
         and headroom for the steps its source runs meanwhile. Returns (the positions reserved, their block
         ids) for the source, or None when there is no room."""
         self._require_one_rank()
-        capacity = num_tokens + headroom_tokens(self.config.speculation.max_k, self.config.block_size)
-        if capacity > self.max_model_len:
-            capacity = self.max_model_len
+        capacity = min(self.max_model_len,
+                       num_tokens + headroom_tokens(self.config.speculation.max_k, self.config.block_size))
         if num_tokens < len(request.prompt_ids) + 1 or num_tokens >= capacity:
             raise InvalidRequestError("num_tokens", f"must be in ({len(request.prompt_ids)}, {capacity}), "
                                       f"got {num_tokens}")
@@ -317,7 +316,7 @@ class DecodeWorker:
                                         live=True)
         except (TransferError, ValueError) as err:
             return str(err)
-        self._outgoing[request_id] = OutgoingMigration(request_id, destination, capacity_tokens)
+        self._outgoing[request_id] = OutgoingMigration(request_id, capacity_tokens)
         return None
 
     def commit_migration(self, request_id: str) -> bool:
@@ -408,7 +407,7 @@ class DecodeWorker:
         if not state.num_computed == kv.num_tokens == len(tokens) - 1:
             raise InvalidRequestError("state", f"{kv.num_tokens} positions sent for {len(tokens)} tokens "
                                       f"({state.num_computed} computed)")
-        if len(tokens) > kv.num_tokens + 1 or seq.block_table.capacity < len(tokens):
+        if seq.block_table.capacity < len(tokens):
             raise InvalidRequestError("state", f"{len(tokens)} tokens exceed the room reserved")
         seq.tokens = tokens
         seq.num_computed = state.num_computed

@@ -425,8 +425,8 @@ class KVSender:
         per_block_head = kv.shape[3] * kv.shape[5] * kv.element_size() * 2 * kv.shape[0]  # K and V, every layer
         heads = sum(leg.heads_local.stop - leg.heads_local.start for leg in tr.legs)
         self.stats.completed += 1
-        self.stats.bytes += min(len(tr.src_blocks), tr.ready_blocks if tr.live else len(tr.src_blocks)) * \
-            heads * per_block_head
+        blocks = tr.ready_blocks if tr.live else len(tr.src_blocks)  # a live transfer sent only its ready blocks
+        self.stats.bytes += blocks * heads * per_block_head
         self.stats.seconds += time.monotonic() - tr.started
 
     def _find_leg(self, peer: str, transfer_id: int) -> _Leg | None:

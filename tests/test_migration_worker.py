@@ -222,7 +222,7 @@ def test_abort_before_commit_keeps_the_request_on_its_source(llama_dir):
         assert w.pool.num_free == w.pool.num_blocks and not w.has_work()
 
 
-def test_destination_without_room_refuses_and_capacity_is_bounded(llama_dir):
+def test_destination_without_room_and_a_request_not_decoding_are_refused(llama_dir):
     a = make_worker(llama_dir, "dec-a", drafter="none")
     b = make_worker(llama_dir, "dec-b", kv_cache_tokens=128, drafter="none")
     prompt = prompts_of([100])[0]
