@@ -108,6 +108,14 @@ class _LoopActor:
     def _pass_log(self):
         return self.worker.pass_log
 
+    def connect_migration(self, destination: str, host: str, port: int, generation: int,
+                          destination_tp: int = 1) -> None:
+        """A decode rank's channels to the ranks of ``destination`` it sends its heads to when a request
+        migrates there."""
+        from kv_transfer.channel import Rendezvous
+
+        self.follower.connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
+
     def ping(self) -> str:
         if self._crashed:
             raise RuntimeError(f"worker loop crashed: {self._crashed}")
@@ -217,12 +225,13 @@ class DecodeActor(_LoopActor):
 
     # live migration (``decode_worker/migration.py``; the router decides every outcome)
 
-    def connect_migration(self, destination: str, host: str, port: int, generation: int) -> None:
-        """Form the channel this instance migrates requests to ``destination`` over (blocks until the
+    def connect_migration(self, destination: str, host: str, port: int, generation: int,
+                          destination_tp: int = 1) -> None:
+        """Form the channels this instance migrates requests to ``destination`` over (blocks until the
         destination's ``connect`` joins; not under the loop lock)."""
         from kv_transfer.channel import Rendezvous
 
-        self.worker.connect_migration(destination, Rendezvous(host, port), generation)
+        self.worker.connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
 
     def migrate_in(self, request, num_tokens: int):
         """Destination: (positions reserved, block ids) for a request migrating here, or None (no room)."""
@@ -356,6 +365,14 @@ class RankFollowerActor:
         from kv_transfer.channel import Rendezvous
 
         self.follower.connect(peer_id, Rendezvous(host, port), generation, peer_tp)
+
+    def connect_migration(self, destination: str, host: str, port: int, generation: int,
+                          destination_tp: int = 1) -> None:
+        """A decode rank's channels to the ranks of ``destination`` it sends its heads to when a request
+        migrates there."""
+        from kv_transfer.channel import Rendezvous
+
+        self.follower.connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
 
     def ping(self) -> str:
         if self._crashed:

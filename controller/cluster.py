@@ -289,16 +289,15 @@ class Cluster:
         await asyncio.gather(*refs)
 
     async def connect_migration_pair(self, source: Instance, destination: Instance) -> None:
-        """Form the channel live migration moves requests from decode ``source`` to ``destination`` over
-        (each formation under a fresh generation, so a broken channel re-forms cleanly)."""
-        if self.config.decode.tensor_parallel != 1:
-            raise ClusterError(f"live migration moves requests between decode instances of one rank; "
-                               f"decode.tensor_parallel is {self.config.decode.tensor_parallel}")
+        """Form the channels live migration moves requests from decode ``source`` to ``destination`` over:
+        each source rank to the destination ranks holding its heads (each formation under a fresh
+        generation, so a broken channel re-forms cleanly)."""
         self._migration_pairs += 1
         gen, host, port = self._migration_pairs, self.rendezvous.host, self.rendezvous.port
+        tp = self.config.decode.tensor_parallel
         await asyncio.wait_for(asyncio.gather(
-            source.handle.connect_migration.remote(destination.name, host, port, gen),
-            destination.handle.connect.remote(source.name, host, port, gen, 1)),
+            *(h.connect_migration.remote(destination.name, host, port, gen, tp) for h in self._ranks(source)),
+            *(h.connect.remote(source.name, host, port, gen, tp) for h in self._ranks(destination))),
             self.config.kv_transfer.timeout_s * 4 + 60)
 
     # -- status and shutdown ----------------------------------------------------------------------

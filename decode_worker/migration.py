@@ -80,6 +80,8 @@ class OutgoingMigration:
     blocks_sent: int = 0
     stopped: bool = False  # no longer decoding here; the last blocks and the state are on their way
     failed: bool = False  # the transfer failed: nothing more is sent, the router aborts the migration
+    slot: int = 0  # tensor parallel: its number in the ranks' reports (``kv_transfer/rank_sync.py``)
+    ranks_caught_up: bool = True  # tensor parallel: every other rank's destination took all it was sent
 
 
 def should_stop(caught_up: bool, rounds: int, num_tokens: int, step_tokens: int, capacity_tokens: int) -> bool:

@@ -5,12 +5,20 @@ reservations. The driver tells it each reservation (``kv_reserve``: the same blo
 the transfer's slot), each release, and when to report: on ``kv_sync`` the rank polls its receiver and
 all ranks exchange outcomes (:mod:`kv_transfer.rank_sync`). Between those calls it runs the driver's
 forward passes like any follower.
+
+Live migration: the rank sends its own heads of a request migrating away to the destination ranks that
+hold them (:class:`MigrationLegs`). The driver announces each migration (``mig_begin``, with its slot), the
+blocks of each round and each stop-and-copy (``mig_advance``), and forgets them (``mig_cancel``); on
+``mig_sync`` the rank applies its destinations' replies and reports which migrations it has caught up and
+which failed.
 """
 
 from __future__ import annotations
 
+from decode_worker.migration_sender import MigrationLegs
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
+from kv_transfer.errors import TransferError
 from kv_transfer.heads import peer_ranks, rank_peer_id
 from kv_transfer.rank_sync import exchange_outcomes
 from kv_transfer.receiver import KVReceiver
@@ -48,6 +56,12 @@ class DecodeRankFollower(TPFollower):
         self._done: list[int] = []
         self._failed: list[int] = []
         self.actions.update(kv_reserve=self._reserve, kv_release=self._release, kv_sync=self._sync)
+        self.migration = MigrationLegs(runner.cache, instance_id, group.rank, group.size, self.config,
+                                       runner.block_size, heads, transfer)
+        self._outgoing: dict[str, int] = {}  # request id -> slot of a migration leaving from this rank
+        self._outgoing_failed: list[int] = []
+        self.actions.update(mig_begin=self._mig_begin, mig_advance=self._mig_advance, mig_sync=self._mig_sync,
+                            mig_cancel=self._mig_cancel)
 
     def connect(self, prefill_id: str, rendezvous: Rendezvous, generation: int = 0, prefill_tp: int = 1) -> None:
         """Form this rank's channels with the prefill ranks holding its heads (called by the controller
@@ -55,6 +69,12 @@ class DecodeRankFollower(TPFollower):
         for r in peer_ranks(self.config.num_key_value_heads, prefill_tp, self.group.size, self.group.rank,
                             sending=False):
             self.receiver.connect(rank_peer_id(prefill_id, r, prefill_tp), rendezvous, generation)
+
+    def connect_migration(self, destination: str, rendezvous: Rendezvous, generation: int = 0,
+                          destination_tp: int = 1) -> None:
+        """Form this rank's channels to the ranks of ``destination`` it sends heads to when a request
+        migrates there (called by the controller beside the serving loop, as the driver's is)."""
+        self.migration.connect(destination, destination_tp, rendezvous, generation)
 
     def _reserve(self, request_id: str, slot: int, num_tokens: int, blocks: list[int]) -> None:
         self._blocks.given[request_id] = list(blocks)
@@ -71,3 +91,33 @@ class DecodeRankFollower(TPFollower):
         self._done += [self._slots.pop(kv.request_id) for kv in events.completed if kv.request_id in self._slots]
         self._failed += [self._slots.pop(f.request_id) for f in events.failed if f.request_id in self._slots]
         exchange_outcomes(self.group, self._done, self._failed)
+
+    # -- live migration (the driver's decisions, on this rank's heads) -----------------------------
+
+    def _mig_begin(self, request_id: str, slot: int, capacity_tokens: int, src_blocks: list[int], destination: str,
+                   dst_blocks: list[int]) -> None:
+        try:
+            self.migration.begin(request_id, capacity_tokens, src_blocks, destination, dst_blocks)
+        except (TransferError, ValueError):
+            self._outgoing_failed.append(slot)
+            return
+        self._outgoing[request_id] = slot
+
+    def _mig_advance(self, rounds: list[list], ends: list[list]) -> None:
+        for request_id, blocks, ready in rounds:
+            self.migration.send_round(request_id, blocks, ready)
+        self.migration.flush()
+        for request_id, blocks, num_tokens in ends:
+            self.migration.end(request_id, blocks, num_tokens)
+
+    def _mig_cancel(self, request_id: str) -> None:
+        if self._outgoing.pop(request_id, None) is not None:
+            self.migration.cancel(request_id)
+
+    def _mig_sync(self) -> None:
+        for f in self.migration.poll():
+            slot = self._outgoing.pop(f.request_id, None)
+            if slot is not None:
+                self._outgoing_failed.append(slot)
+        caught_up = [slot for rid, slot in self._outgoing.items() if self.migration.caught_up(rid)]
+        exchange_outcomes(self.group, caught_up, self._outgoing_failed)

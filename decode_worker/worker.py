@@ -18,6 +18,7 @@ every step, each with its own sampling parameters and stop conditions.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
 from decode_worker.migration import MigrationState, OutgoingMigration, headroom_tokens, should_stop
+from decode_worker.migration_sender import MigrationLegs
 from decode_worker.drafters import DraftLayout, DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape, StepCorrection
@@ -37,7 +39,6 @@ from kv_transfer.errors import TransferError
 from kv_transfer.heads import peer_ranks, rank_peer_id
 from kv_transfer.rank_sync import FollowerOutcomes, exchange_outcomes
 from kv_transfer.receiver import KVReceiver, ReceivedKV
-from kv_transfer.sender import KVSender, LegTarget
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel, load_model
 from modeling.errors import InvalidRequestError, OutOfBlocksError
@@ -144,9 +145,10 @@ class DecodeWorker:
         # TP: transfers whose KV the other ranks are still receiving, and prompts complete here waiting on them
         self._rank_outcomes = None if self.tp is None else FollowerOutcomes(self.tp.size)
         self._arrived: dict[str, ReceivedKV] = {}
-        # live migration: the sender of outgoing requests' KV (formed on the first connect_migration), the
-        # requests leaving and arriving, and events raised outside a step's flow (emitted by the next step)
-        self.migration_sender: KVSender | None = None
+        # live migration: this rank's sender of outgoing requests' KV (formed on the first connect_migration),
+        # the requests leaving and arriving, and events raised outside a step's flow (emitted by the next step)
+        self.migration_legs: MigrationLegs | None = None
+        self._migration_slots = itertools.count(1)  # TP: numbers outgoing migrations for the rank reports
         self._outgoing: dict[str, OutgoingMigration] = {}
         self._incoming: set[str] = set()
         self._draft_imports: dict[str, tuple] = {}  # arrived requests' draft caches, imported on commit
@@ -169,14 +171,7 @@ class DecodeWorker:
         (back-pressure: the caller waits or goes elsewhere). Raises InvalidRequestError naming the field."""
         if self.receiver is None:
             raise InvalidRequestError("request_id", "this worker receives no KV (it was built without transfer)")
-        rid = request.request_id
-        blocks = self._hold(request, len(request.prompt_ids))
-        if blocks is not None and self.tp is not None:  # every rank expects its heads in the same blocks first
-            slot = self._rank_outcomes.track(rid)
-            self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=len(request.prompt_ids),
-                             blocks=blocks)
-            self.tp.barrier()
-        return blocks
+        return self._hold(request, len(request.prompt_ids))
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """``BlockReserver`` for this worker's receiver: blocks for a request waiting for its KV (prompt and
@@ -266,24 +261,23 @@ class DecodeWorker:
 
     # -- live migration ---------------------------------------------------------------------------
 
-    def connect_migration(self, destination: str, rendezvous: Rendezvous, generation: int = 0) -> None:
-        """Form the channel this instance migrates requests to ``destination`` over (blocks until the
-        destination joins with :meth:`connect`, giving this instance's id)."""
-        self._require_one_rank()
+    def connect_migration(self, destination: str, rendezvous: Rendezvous, generation: int = 0,
+                          destination_tp: int = 1) -> None:
+        """Form this rank's channels to the ranks of ``destination`` (an instance of ``destination_tp``
+        ranks) this instance migrates requests over (blocks until they join with :meth:`connect`, giving
+        this instance's id and degree; the other ranks connect on their own, ``DecodeRankFollower``)."""
         if self.transfer is None:
             raise InvalidRequestError("destination", "this worker moves no KV (it was built without transfer)")
-        if self.migration_sender is None:
-            self.migration_sender = KVSender(
-                self.cache, self.instance_id,
-                KVFingerprint.of(self.loaded.config, self.config.block_size, self.loaded.dtype),
-                self.loaded.kv_heads, self.transfer, role="decode")
-        self.migration_sender.connect(destination, rendezvous, generation)
+        if self.migration_legs is None:
+            size = 1 if self.tp is None else self.tp.size
+            self.migration_legs = MigrationLegs(self.cache, self.instance_id, 0, size, self.loaded.config,
+                                                self.config.block_size, self.loaded.kv_heads, self.transfer)
+        self.migration_legs.connect(destination, destination_tp, rendezvous, generation)
 
     def migrate_in(self, request: DecodeRequest, num_tokens: int) -> tuple[int, list[int]] | None:
         """Destination: hold ``request`` for a migration, with blocks for its ``num_tokens`` positions now
         and headroom for the steps its source runs meanwhile. Returns (the positions reserved, their block
         ids) for the source, or None when there is no room."""
-        self._require_one_rank()
         capacity = min(self.max_model_len,
                        num_tokens + headroom_tokens(self.config.speculation.max_k, self.config.block_size))
         if num_tokens < len(request.prompt_ids) + 1 or num_tokens >= capacity:
@@ -300,23 +294,26 @@ class DecodeWorker:
     def migrate_out(self, request_id: str, destination: str, capacity_tokens: int, block_ids: list[int]) -> str | None:
         """Source: start migrating a running request to ``destination``, into the ``block_ids`` it reserved
         for ``capacity_tokens`` positions; it keeps decoding here meanwhile. None when started, else why not."""
-        self._require_one_rank()
         live = self._requests.get(request_id)
         if live is None or live.seq.status is not SequenceStatus.RUNNING:
             return f"{request_id!r} is not decoding on {self.instance_id}"
         if request_id in self._outgoing:
             return f"{request_id!r} is already migrating"
-        if self.migration_sender is None or not self.migration_sender.connected(destination):
+        if self.migration_legs is None or not self.migration_legs.connected(destination):
             return f"no migration channel from {self.instance_id} to {destination}"
         if live.seq.num_tokens + self._step_tokens() >= capacity_tokens:
             return f"{request_id!r} has outgrown the {capacity_tokens} positions reserved on {destination}"
-        target = LegTarget(destination, self.loaded.kv_heads, tuple(block_ids))
+        src_blocks = list(live.seq.block_table.blocks)
         try:
-            self.migration_sender.begin(request_id, capacity_tokens, list(live.seq.block_table.blocks), [target],
-                                        live=True)
+            self.migration_legs.begin(request_id, capacity_tokens, src_blocks, destination, list(block_ids))
         except (TransferError, ValueError) as err:
             return str(err)
-        self._outgoing[request_id] = OutgoingMigration(request_id, capacity_tokens)
+        m = OutgoingMigration(request_id, capacity_tokens, slot=next(self._migration_slots),
+                              ranks_caught_up=self.tp is None)
+        self._outgoing[request_id] = m
+        if self.tp is not None:  # every rank sends its own heads (a rank that cannot fails its slot)
+            self.runner.call("mig_begin", request_id=request_id, slot=m.slot, capacity_tokens=capacity_tokens,
+                             src_blocks=src_blocks, destination=destination, dst_blocks=list(block_ids))
         return None
 
     def commit_migration(self, request_id: str) -> bool:
@@ -345,8 +342,10 @@ class DecodeWorker:
         if m is None or not m.stopped or live is None:
             return False
         # the destination acknowledged every byte (DONE) before it reported the arrival that made the router
-        # commit: the sender counts the transfer when it reads that DONE
+        # commit: this rank's sender counts the transfer when it reads that DONE; the other ranks forget theirs
         del self._outgoing[request_id]
+        if self.tp is not None:
+            self.runner.call("mig_cancel", request_id=request_id)
         del self._requests[request_id]
         self.drafter.release(live.seq)
         live.seq.block_table.release(self.pool)
@@ -385,7 +384,8 @@ class DecodeWorker:
                 "held_blocks": max(0, used - sum(running.values())), "waiting_blocks": waiting}
 
     def _hold(self, request: DecodeRequest, num_tokens: int) -> list[int] | None:
-        """A new request waiting for its KV, with blocks for ``num_tokens`` positions (None: no room)."""
+        """A new request waiting for its KV, with blocks for ``num_tokens`` positions (None: no room); on a
+        tensor-parallel instance every rank expects its heads in the same blocks."""
         rid = request.request_id
         self._check_new(rid, list(request.prompt_ids), request.params)
         seq = self._new_sequence(rid, list(request.prompt_ids), request.params, BlockTable(self.config.block_size))
@@ -394,6 +394,10 @@ class DecodeWorker:
         blocks = self.receiver.reserve(rid, num_tokens)  # -> self.reserve, which takes the blocks
         if blocks is None:
             del self._requests[rid]
+        elif self.tp is not None:
+            slot = self._rank_outcomes.track(rid)
+            self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=num_tokens, blocks=blocks)
+            self.tp.barrier()
         return blocks
 
     def _arrive(self, live: _Live, kv: ReceivedKV) -> MigrationArrived:
@@ -422,15 +426,25 @@ class DecodeWorker:
         return MigrationArrived(seq.request_id, len(state.output_ids))
 
     def _poll_migrations(self) -> list:
-        """Failures of outgoing migrations' transfers (the request stays here until the router decides)."""
-        if self.migration_sender is None:
+        """Failures of outgoing migrations' transfers on any rank (the request stays here until the router
+        decides); on a tensor-parallel instance, also which migrations every other rank has caught up."""
+        if self.migration_legs is None:
             return []
+        failed = [(f.request_id, str(f.error)) for f in self.migration_legs.poll()]
+        if self.tp is not None and self._outgoing:
+            self.runner.call("mig_sync")
+            reports = exchange_outcomes(self.tp, [], [])[1:]
+            by_slot = {m.slot: m for m in self._outgoing.values()}
+            for m in self._outgoing.values():
+                m.ranks_caught_up = all(m.slot in caught for caught, _ in reports)
+            for rank, (_, bad) in enumerate(reports, start=1):
+                failed += [(by_slot[s].request_id, f"rank {rank}'s KV transfer failed") for s in bad if s in by_slot]
         out = []
-        for f in self.migration_sender.poll().failed:
-            m = self._outgoing.get(f.request_id)
-            if m is not None:
+        for rid, why in failed:
+            m = self._outgoing.get(rid)
+            if m is not None and not m.failed:
                 m.failed = True  # nothing more goes out; a stopped request waits for abort_migration
-                out.append(MigrationFailed(f.request_id, str(f.error)))
+                out.append(MigrationFailed(rid, why))
         return out
 
     def _advance_migrations(self) -> None:
@@ -438,22 +452,28 @@ class DecodeWorker:
         the rest with its state (``decode_worker/migration.py``)."""
         if not self._outgoing:
             return
-        sender, bs = self.migration_sender, self.config.block_size
+        legs, bs = self.migration_legs, self.config.block_size
+        rounds, ends = [], []  # what the other ranks do on their legs, in the same order
         for m in [m for m in self._outgoing.values() if not m.stopped and not m.failed]:
             live = self._requests[m.request_id]  # an outgoing request that ends or is preempted is cancelled
             seq = live.seq
-            if should_stop(sender.caught_up(m.request_id), m.rounds, seq.num_tokens, self._step_tokens(),
-                           m.capacity_tokens):
-                self._stop_and_copy(m, live)
+            caught_up = legs.caught_up(m.request_id) and m.ranks_caught_up
+            if should_stop(caught_up, m.rounds, seq.num_tokens, self._step_tokens(), m.capacity_tokens):
+                ends.append(self._stop_and_copy(m, live))
                 continue
             full = seq.num_computed // bs  # blocks whose every position holds final KV
             if full > m.blocks_sent:
-                sender.extend(m.request_id, list(seq.block_table.blocks), full)
+                legs.send_round(m.request_id, list(seq.block_table.blocks), full)
+                rounds.append([m.request_id, list(seq.block_table.blocks), full])
                 m.blocks_sent = full
             m.rounds += 1
-        sender.flush()
+        legs.flush()
+        if self.tp is not None and (rounds or ends):
+            self.runner.call("mig_advance", rounds=rounds, ends=ends)
 
-    def _stop_and_copy(self, m: OutgoingMigration, live: _Live) -> None:
+    def _stop_and_copy(self, m: OutgoingMigration, live: _Live) -> list:
+        """Stop the request here and send the rest of its KV and its state; returns the end for the other
+        ranks' legs ``[request id, blocks, positions]``."""
         seq = live.seq
         self.scheduler.running.pop(seq.request_id)  # its draft state stays until the router decides
         seq.status = SequenceStatus.MIGRATING
@@ -465,16 +485,16 @@ class DecodeWorker:
             draft = (layout.computed, layout.entries, layout.evicted)
         state = MigrationState(tuple(seq.output_ids), n, seq.sampler.generator.get_state().numpy().tobytes().hex(),
                                live.stream.sent, draft)
-        sender = self.migration_sender
-        sender.extend(seq.request_id, list(seq.block_table.blocks), -(-n // self.config.block_size))
-        sender.flush()
-        sender.finish_prompt(seq.request_id, None, num_tokens=n, state=state.encode(), extra=draft_kv)
+        self.migration_legs.end(seq.request_id, list(seq.block_table.blocks), n, state.encode(), draft_kv)
         m.stopped = True
+        return [seq.request_id, list(seq.block_table.blocks), n]
 
     def _cancel_outgoing(self, request_id: str) -> bool:
         if self._outgoing.pop(request_id, None) is None:
             return False
-        self.migration_sender.cancel(request_id)
+        self.migration_legs.cancel(request_id)
+        if self.tp is not None:
+            self.runner.call("mig_cancel", request_id=request_id)
         return True
 
     def _step_tokens(self) -> int:
@@ -485,11 +505,6 @@ class DecodeWorker:
     def _take_events(self) -> list:
         out, self._events = self._events, []
         return out
-
-    def _require_one_rank(self) -> None:
-        if self.tp is not None:
-            raise InvalidRequestError("tensor_parallel", f"live migration moves requests between decode instances "
-                                      f"of one rank; {self.instance_id} has {self.tp.size}")
 
     def _receive(self) -> list:
         """Admit the prompts whose KV and first token arrived; report those whose transfer failed."""

@@ -241,6 +241,10 @@ class KVSender:
         tr.src_blocks = list(src_blocks)
         tr.ready_blocks = ready_blocks
 
+    def transferring(self, request_id: str) -> bool:
+        """A transfer of ``request_id`` is under way here (not yet done, failed or cancelled)."""
+        return request_id in self._transfers
+
     def caught_up(self, request_id: str) -> bool:
         """Every leg accepted, and every ready block sent and taken by its receiver (a live transfer
         between rounds: what is left to send is only what was written since)."""

@@ -1,8 +1,9 @@
 """Helpers for end-to-end tests: a real server (``serve_forever`` on a local Ray cluster) in a thread,
-random prompts, and small gRPC client calls."""
+random prompts, small gRPC client calls, and a stream consumed on a thread."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from controller.client import Client
@@ -65,3 +66,36 @@ def wait_all_free(address, timeout=20.0):
             return blocks
         time.sleep(0.2)
     return free_blocks(address)
+
+
+class Stream:
+    """A Generate stream consumed on a thread: its token ids as they arrive."""
+
+    def __init__(self, address, prompt, request_id, **kw):
+        self.tokens: list[int] = []
+        self.final = None
+        self.error = None
+        self._thread = threading.Thread(target=self._run, args=(address, prompt, request_id, kw), daemon=True)
+        self._thread.start()
+
+    def _run(self, address, prompt, request_id, kw):
+        try:
+            with Client(address) as c:
+                for chunk in c.generate_stream(prompt, request_id=request_id, **kw):
+                    self.tokens.extend(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        self.final = chunk
+        except Exception as err:  # noqa: BLE001 - reported by the test
+            self.error = err
+
+    def wait_tokens(self, n, timeout=60.0):
+        deadline = time.time() + timeout
+        while len(self.tokens) < n and self.final is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(self.tokens) >= n, f"only {len(self.tokens)} tokens after {timeout}s"
+
+    def join(self, timeout=120.0):
+        self._thread.join(timeout)
+        assert self.error is None, self.error
+        assert self.final is not None
+        return self.tokens

@@ -5,9 +5,6 @@ instance with every request completed elsewhere; bad migrate and drain calls nam
 
 from __future__ import annotations
 
-import threading
-import time
-
 import grpc
 import pytest
 
@@ -15,7 +12,7 @@ from controller.cli import main as cli_main
 from controller.client import Client
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
-from tests.serving import e2e_config, prompts_of, running_server, wait_all_free
+from tests.serving import Stream, e2e_config, prompts_of, running_server, wait_all_free
 
 
 @pytest.fixture(scope="module")
@@ -35,39 +32,6 @@ def server(llama_dir):
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
-
-
-class Stream:
-    """A Generate stream consumed on a thread: its token ids as they arrive."""
-
-    def __init__(self, address, prompt, request_id, **kw):
-        self.tokens: list[int] = []
-        self.final = None
-        self.error = None
-        self._thread = threading.Thread(target=self._run, args=(address, prompt, request_id, kw), daemon=True)
-        self._thread.start()
-
-    def _run(self, address, prompt, request_id, kw):
-        try:
-            with Client(address) as c:
-                for chunk in c.generate_stream(prompt, request_id=request_id, **kw):
-                    self.tokens.extend(chunk.token_ids)
-                    if chunk.finish_reason is not None:
-                        self.final = chunk
-        except Exception as err:  # noqa: BLE001 - reported by the test
-            self.error = err
-
-    def wait_tokens(self, n, timeout=60.0):
-        deadline = time.time() + timeout
-        while len(self.tokens) < n and self.final is None and time.time() < deadline:
-            time.sleep(0.01)
-        assert len(self.tokens) >= n, f"only {len(self.tokens)} tokens after {timeout}s"
-
-    def join(self, timeout=120.0):
-        self._thread.join(timeout)
-        assert self.error is None, self.error
-        assert self.final is not None
-        return self.tokens
 
 
 def test_request_migrates_there_and_back_mid_stream_with_identical_output(server, reference):

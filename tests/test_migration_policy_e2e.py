@@ -8,8 +8,7 @@ import pytest
 from controller.client import Client
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
-from tests.serving import e2e_config, prompts_of, running_server
-from tests.test_migration_e2e import Stream
+from tests.serving import Stream, e2e_config, prompts_of, running_server
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,7 @@ def test_greedy_migration_is_token_and_text_identical(llama_dir, spec):
     assert all(s == ["a"] * len(s) for r, s in run.sources.items() if r != "r1")
     for w in (pair.a, pair.b):
         assert w.pool.num_free == w.pool.num_blocks and not w.has_work()
-    assert pair.a.migration_sender.stats.completed == 1
+    assert pair.a.migration_legs.sender.stats.completed == 1
 
 
 def test_seeded_sampling_migration_is_identical(llama_dir):
