@@ -3,6 +3,7 @@ latency on a skewed long-output workload with and without the global reschedulin
 
     python benchmarks/migration.py --part downtime --out benchmarks/results/migration_downtime
     python benchmarks/migration.py --part skewed --out benchmarks/results/migration_skewed
+    python benchmarks/migration.py --part simulated --out benchmarks/results/migration_simulated
 
 Both parts start ``magicserve serve`` (a separate process, as a user runs it) on a generated config: the
 bundled model in float32, 1 prefill + 2 decode instances of one thread each.
@@ -18,6 +19,10 @@ request keeps decoding).
 lengths unknown at placement, as in Llumnix's evaluation), on decode instances with little KV room, run
 twice on the same trace: ``migration.enabled`` false, then true. Per run: TTFT and TPOT P50/P99,
 preemptions, migrations, goodput at the SLOs.
+
+``simulated``: the policy at a scale this machine cannot run, in the planner's simulator (see
+``benchmarks/migration_sim.py``): P99 TPOT with and without it over a grid of decode instances, KV per
+instance and arrival rates.
 
 Writes OUT.json, OUT.md and OUT.png.
 """
@@ -42,6 +47,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_launch import free_port, magicserve_server  # noqa: E402
+from benchmarks.migration_sim import plot_simulated, run_simulated, write_simulated_md  # noqa: E402
 from benchmarks.slo_sweep import heldout_corpus  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "stdlib-llama-15m")
@@ -400,7 +406,7 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["downtime", "skewed"], help="what to measure (required unless --render)")
+    ap.add_argument("--part", choices=["downtime", "skewed", "simulated"], help="what to measure (required unless --render)")
     ap.add_argument("--out", required=True, help="output path without extension")
     ap.add_argument("--lengths", default="1024,2048,4096,8192,15872", help="downtime: prompt lengths")
     ap.add_argument("--repeats", type=int, default=3, help="downtime: requests per length; skewed: runs of each")
@@ -418,6 +424,10 @@ def main() -> int:
     ap.add_argument("--profile", default=os.path.join(ROOT, "benchmarks", "results", "profile_local_cpu_f32_shapes.json"),
                     help="skewed: replay the trace through the simulator with this profile ('' : skip)")
     ap.add_argument("--sim-seeds", type=int, default=5)
+    ap.add_argument("--sim-instances", default="4,8", help="simulated: decode instances")
+    ap.add_argument("--sim-kv-tokens", default="16384,24576", help="simulated: KV tokens per decode instance")
+    ap.add_argument("--sim-rates", default="1,1.5,2,3", help="simulated: arrivals per second per decode instance")
+    ap.add_argument("--sim-requests", type=int, default=400, help="simulated: requests per trace")
     ap.add_argument("--render", action="store_true", help="rewrite OUT.md and OUT.png from OUT.json (no run)")
     args = ap.parse_args()
     if args.render:
@@ -429,13 +439,26 @@ def main() -> int:
             result["summary"] = summarise_downtime(result["rows"])
             record(result, args.out, write_downtime_md)
             plot_downtime(result, args.out + ".png")
+        elif result["part"] == "simulated":
+            record(result, args.out, write_simulated_md)
+            plot_simulated(result, args.out + ".png")
         else:
             record(result, args.out, write_skewed_md)
             plot_skewed(result, args.out + ".png")
         return 0
     if args.part is None:
-        ap.error("--part: required (downtime or skewed)")
+        ap.error("--part: required (downtime, skewed or simulated)")
     command = "python benchmarks/migration.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.part == "simulated":
+        result = {"command": command, "part": "simulated", "num_requests": args.sim_requests, "seeds": args.sim_seeds,
+                  "target": TAIL_TARGET,
+                  "rows": run_simulated([int(x) for x in args.sim_instances.split(",")],
+                                        [int(x) for x in args.sim_kv_tokens.split(",")],
+                                        [float(x) for x in args.sim_rates.split(",")], args.sim_requests,
+                                        args.sim_seeds)}
+        record(result, args.out, write_simulated_md)
+        plot_simulated(result, args.out + ".png")
+        return 0
     lengths = [int(x) for x in args.lengths.split(",")]
     corpus = heldout_corpus(MODEL, max(lengths) + 4096)
     base = {"command": command, "machine": machine(), "model": os.path.basename(MODEL)}
