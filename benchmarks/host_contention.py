@@ -145,8 +145,9 @@ def burst_lengths(config, requests: int, seed: int, workload: str | None) -> tup
     if workload is None:
         return calibration_lengths(max_calibration_prompt(config), requests, seed + 1), OUTPUT_TOKENS
     shape, rng = workload_shape(workload), random.Random(seed + 1)
-    prompts = [min(shape.prompt.sample(rng), config.limits.max_prompt_tokens) for _ in range(requests)]
-    outputs = tuple(max(2, min(shape.output.sample(rng), config.limits.max_tokens)) for _ in range(requests))
+    lengths = [shape.sample(rng) for _ in range(requests)]
+    prompts = [min(p, config.limits.max_prompt_tokens) for p, _ in lengths]
+    outputs = tuple(max(2, min(o, config.limits.max_tokens)) for _, o in lengths)
     return prompts, outputs
 
 

@@ -35,6 +35,36 @@ class ClusterError(RuntimeError):
     pass
 
 
+def pool_bundle(pool) -> dict:
+    """One rank's placement bundle: its share of the instance's CPUs and GPUs and, for a pool bound to a
+    GPU type, a sliver of that type's ``accelerator_type:<name>`` resource (Ray's convention), so the rank
+    lands only on nodes with that GPU."""
+    t = pool.tensor_parallel
+    bundle = {"CPU": pool.cpus_per_instance / t}
+    if pool.devices_per_instance:
+        bundle["GPU"] = pool.devices_per_instance // t
+    if pool.accelerator_type:
+        bundle[f"accelerator_type:{pool.accelerator_type}"] = 0.001
+    return bundle
+
+
+def place_pool(role: str, pool, timeout_s: float | None = None):
+    """Reserve the pool's bundles (one per rank, PACK) in a placement group; raises ClusterError naming the
+    pool and what it asked for when the cluster cannot hold them within ``timeout_s``."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle = pool_bundle(pool)
+    group = placement_group([dict(bundle) for _ in range(pool.instances * pool.tensor_parallel)], strategy="PACK",
+                            name=f"magicserve-{role}")
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise ClusterError(f"{role}: cannot place {pool.instances} instances of {pool.tensor_parallel} x {bundle} "
+                           f"(cluster resources: {ray.cluster_resources()})")
+    return group
+
+
 @dataclass(frozen=True)
 class _Launch:
     """How one instance's ranks start: its pool, actor class and arguments, and its first bundle in the
@@ -166,6 +196,7 @@ class Cluster:
             need_gpus = sum(p.instances * p.devices_per_instance for p in pools)
             ray.init(num_cpus=rc.num_cpus if rc.num_cpus is not None else max(need_cpus, os.cpu_count() or 1),
                      num_gpus=rc.num_gpus if rc.num_gpus is not None else need_gpus,
+                     resources=dict(rc.resources) or None,
                      namespace=rc.namespace, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
 
@@ -174,20 +205,9 @@ class Cluster:
         """Place the pool (one bundle per rank: an instance of tensor_parallel t takes t consecutive bundles,
         each with 1/t of its CPUs and devices) and start each instance's rank 0 (``actor_cls``, with
         ``model, worker_config, *args(name)``) and its followers."""
-        import ray
-        from ray.util.placement_group import placement_group
-
         t = pool.tensor_parallel
-        bundle = {"CPU": pool.cpus_per_instance / t}
-        if pool.devices_per_instance:
-            bundle["GPU"] = pool.devices_per_instance // t
-        group = placement_group([dict(bundle) for _ in range(pool.instances * t)], strategy="PACK",
-                                name=f"magicserve-{role}")
-        ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            ray.util.remove_placement_group(group)
-            raise ClusterError(f"{role}: cannot place {pool.instances} instances of {t} x {bundle} "
-                               f"(cluster resources: {ray.cluster_resources()})")
+        bundle = pool_bundle(pool)
+        group = place_pool(role, pool)
         self._groups.append(group)
         instances = []
         for i in range(pool.instances):

@@ -59,6 +59,8 @@ class RaySection:
     address: str = ""  # "" = start a local Ray; "auto" / "host:port" = existing cluster; "ray://host:10001" = client
     num_cpus: int | None = None  # local Ray only
     num_gpus: int | None = None  # local Ray only: logical GPUs to declare (placement tests on CPU)
+    # local Ray only: custom logical resources to declare, e.g. {"accelerator_type:H100": 1} (placement tests)
+    resources: dict[str, float] = field(default_factory=dict)
     namespace: str = "magicserve"
 
     def check(self) -> list[tuple[str, str]]:
@@ -67,6 +69,9 @@ class RaySection:
             v = getattr(self, name)
             if v is not None and v < 0:
                 errs.append((name, f"must be >= 0, got {v}"))
+        for name, amount in self.resources.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory") or amount < 0:
+                errs.append((f"resources.{name}", f"must be a custom resource name with an amount >= 0, got {amount!r}"))
         if self.address and not re.fullmatch(r"auto|(ray://)?[\w.\-]+:\d+", self.address):
             errs.append(("address", f"must be empty, 'auto', 'host:port' or 'ray://host:port', got {self.address!r}"))
         return errs
@@ -84,6 +89,9 @@ class PoolSection:
     kv_cache_tokens: int = 65536
     block_size: int = 16
     attention_backend: str = "auto"
+    # the GPU type every instance of the pool runs on, as Ray names it (the ``accelerator_type:<name>`` resource
+    # Ray sets on nodes with that GPU, e.g. H100, A100-80G, L40S); empty: any GPU
+    accelerator_type: str = ""
     # tensor parallel: the longest a rank waits in one all-reduce, and the longest a rank may go without
     # answering the controller's health check; a hung rank fails and restarts its instance after this long
     collective_timeout_s: float = 60.0
@@ -102,6 +110,11 @@ class PoolSection:
             errs.append(("attention_backend", f"must be one of auto, torch, cpu, flash, got {self.attention_backend!r}"))
         if self.kv_cache_tokens < self.block_size:
             errs.append(("kv_cache_tokens", f"must be >= block_size ({self.block_size})"))
+        if self.accelerator_type and not re.fullmatch(r"[\w.\-]+", self.accelerator_type):
+            errs.append(("accelerator_type", f"must be a Ray accelerator type name (letters, digits, '.', '-', '_'), "
+                                             f"got {self.accelerator_type!r}"))
+        if self.accelerator_type and not self.devices_per_instance:
+            errs.append(("accelerator_type", "needs devices_per_instance > 0 (a GPU pool)"))
         return errs
 
 
@@ -371,6 +384,12 @@ def _convert(hint, value, path: str):
         return _convert(args[0], value, path)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
+    if origin is dict:
+        key_t, value_t = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {_convert(key_t, k, f"{path} key {k!r}"): _convert(value_t, v, _join(path, str(k)))
+                for k, v in value.items()}
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: must be true or false, got {value!r}")

@@ -306,7 +306,7 @@ def test_analytical_errors_and_explicit_acceptance():
     for bad in ("self_sparse:256", "other:256:0.5", "self_sparse:x:0.5", "self_sparse:256:1.5"):
         with pytest.raises(ProfileError, match="acceptance"):
             analytical.parse_acceptance([bad])
-    with pytest.raises(ProfileError, match="unknown type"):
+    with pytest.raises(ProfileError, match="unknown GPU type .B200.; known: "):
         analytical.analytical_profile("B200", "llama-3.1-8b")
     with pytest.raises(ProfileError, match="built-in shape"):
         analytical.analytical_profile("L40S", "no-such-model")

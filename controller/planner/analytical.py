@@ -51,6 +51,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from controller.planner.gpu_catalog import CatalogError, GPUSpec, default_catalog
 from controller.planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
     ProfileError)
@@ -60,30 +61,8 @@ from modeling.config import ModelConfig
 GiB = 2**30
 
 
-@dataclass(frozen=True)
-class GPUSpec:
-    """Public peak figures of one GPU (dense, no sparsity)."""
-
-    name: str
-    hbm_bandwidth: float  # bytes/s
-    bf16_flops: float  # dense bf16 tensor-core FLOP/s
-    memory_bytes: float  # usable device memory (what nvidia-smi reports)
-    link_bandwidth: float  # GPU-to-GPU bytes/s per direction (NVLink, or PCIe where there is none)
-    link: str
-    collective_latency_s: float  # one small all-reduce across the node's GPUs
-    source: str
-
-
-GPUS: dict[str, GPUSpec] = {g.name: g for g in (
-    GPUSpec("A100-80GB-SXM", 2.039e12, 312e12, 81920 * 2**20, 300e9, "NVLink 3: 12 links, 600 GB/s total", 10e-6,
-            "NVIDIA A100 datasheet (SXM4 80GB: HBM2e 2,039 GB/s, BF16 312 TFLOPS dense, NVLink 600 GB/s)"),
-    GPUSpec("H100-80GB-SXM", 3.35e12, 989e12, 81559 * 2**20, 450e9, "NVLink 4: 18 links, 900 GB/s total", 10e-6,
-            "NVIDIA H100 datasheet (SXM5: HBM3 3.35 TB/s, BF16 989 TFLOPS dense / 1,979 sparse, NVLink 900 GB/s)"),
-    GPUSpec("H200-141GB", 4.8e12, 989e12, 143771 * 2**20, 450e9, "NVLink 4: 18 links, 900 GB/s total", 10e-6,
-            "NVIDIA H200 datasheet (SXM: HBM3e 141 GB at 4.8 TB/s, BF16 989 TFLOPS dense, NVLink 900 GB/s)"),
-    GPUSpec("L40S", 0.864e12, 362e12, 46068 * 2**20, 32e9, "no NVLink: PCIe 4.0 x16, 64 GB/s total", 25e-6,
-            "NVIDIA L40S datasheet (48 GB GDDR6 at 864 GB/s, BF16 362 TFLOPS dense / 733 sparse, PCIe Gen4 x16)"),
-)}
+# the GPU types' specs: the default catalogue (``gpu_catalog.yaml``; prices and availability live there too)
+GPUS: dict[str, GPUSpec] = default_catalog().specs()
 
 
 @dataclass(frozen=True)
@@ -245,12 +224,12 @@ def kv_capacity(s: Shape, gpu: GPUSpec, tp: int, pp: int, utilization: float) ->
 
 # -- the profile -----------------------------------------------------------------------------------
 
-def analytical_profile(gpu_name: str, model: str, opts: AnalyticalOptions = AnalyticalOptions(),
+def analytical_profile(gpu_name: str | GPUSpec, model: str, opts: AnalyticalOptions = AnalyticalOptions(),
                        acceptance: tuple[AcceptanceEntry, ...] = (), acceptance_note: str = "",
                        draft_model: str | None = None) -> Profile:
-    """Profile of ``model`` (built-in name or HF dir) on GPUs of type ``gpu_name``, one InstanceCosts per
-    TP degree that fits (pipeline_parallel 2 where 1 does not)."""
-    gpu = gpu_spec(gpu_name)
+    """Profile of ``model`` (built-in name or HF dir) on GPUs of type ``gpu_name`` (a catalogue name or alias,
+    or a spec), one InstanceCosts per TP degree that fits (pipeline_parallel 2 where 1 does not)."""
+    gpu = gpu_name if isinstance(gpu_name, GPUSpec) else gpu_spec(gpu_name)
     name, mc = model_shape(model)
     shape = Shape.of(mc, opts.dtype_bytes)
     draft = Shape.of(model_shape(draft_model)[1], opts.dtype_bytes) if draft_model else None
@@ -293,9 +272,11 @@ def _instance(shape: Shape, draft: Shape | None, gpu: GPUSpec, tp: int, pp: int,
 
 
 def gpu_spec(name: str) -> GPUSpec:
-    if name not in GPUS:
-        raise ProfileError(f"gpu: unknown type {name!r}; known: {', '.join(GPUS)}")
-    return GPUS[name]
+    """The default catalogue's spec of GPU type ``name`` (full name or alias)."""
+    try:
+        return default_catalog().get(name).spec
+    except CatalogError as err:
+        raise ProfileError(str(err)) from None
 
 
 # -- acceptance sources ----------------------------------------------------------------------------

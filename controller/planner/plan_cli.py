@@ -25,7 +25,22 @@ def _int_list(flag: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, help="profile JSON from `magicserve profile` (measured or --analytical)")
+    p.add_argument("--objective", choices=("goodput", "cost"), default="goodput",
+                   help="goodput: the most goodput per device of one profile's hardware (needs --profile); cost: the "
+                        "cheapest GPU types, counts and settings per pool serving --rate (needs --rate and --model)")
+    p.add_argument("--profile", help="profile JSON from `magicserve profile` (measured or --analytical); "
+                                     "--objective goodput")
+    cost = p.add_argument_group("--objective cost")
+    cost.add_argument("--rate", type=float, help="target request rate (req/s) the plan must serve within the SLOs")
+    cost.add_argument("--model", help="model shape: llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir")
+    cost.add_argument("--gpu-catalog", help="GPU catalogue YAML overriding the default one field by field "
+                                            "(controller/planner/gpu_catalog.yaml)")
+    cost.add_argument("--gpu-types", help="GPU types to consider, NAME[:PRICE_PER_GPU_HOUR[:MAX_GPUS]] comma-separated, "
+                                          "e.g. H100:4.0,A100:1.8:16,L4 (default: every catalogue type at its price)")
+    cost.add_argument("--acceptance-from", help="measured profile whose acceptance rates let the search try "
+                                                "speculative decoding (default: no speculation)")
+    cost.add_argument("--slices", default="2x2", help="request-size slices, PROMPTxOUTPUT buckets (default 2x2)")
+    cost.add_argument("--workers", type=int, default=2, help="processes screening options in parallel")
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster")
     p.add_argument("--devices-per-node", type=int, default=None,
                    help="GPUs per node (CPU profile: worker cores); default: the profile's devices_per_node")
@@ -55,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.objective == "cost":
+        return run_cost(args)
+    if not args.profile:
+        raise SystemExit("magicserve plan: --profile is required with --objective goodput")
     from controller.planner.plan_output import plan_config, write_plan
     from controller.planner.profile import Profile, describe_shape
     from controller.planner.search import Planner, SearchSpace, SLOTarget, Workload, describe_spec, speculation_space
@@ -68,10 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cv <= 0:
         raise SystemExit(f"magicserve plan: --cv must be > 0, got {args.cv}")
     slo = SLOTarget(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
-    if args.trace:
-        workload = Workload(trace=tuple(load_trace(args.trace)), cv=args.cv, seed=args.seed)
-    else:
-        workload = Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
+    workload = _workload(args, Workload)
     specs = speculation_space(profile) if not args.no_speculation else speculation_space(profile)[:1]
     shapes: tuple = ()
     if profile.device_type == "cpu":  # the instance shapes the profile measured (ranks x threads per rank)
@@ -95,5 +111,63 @@ def run(args: argparse.Namespace) -> int:
     command = "magicserve plan " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     write_plan(result, raw, args.out, report, profile, slo, workload, command)
     print(f"plan: {result.best.describe()}: {result.best.goodput:.3f} req/s ({result.best.per_device:.3f} per device)")
+    print(f"wrote {args.out} and {report}")
+    return 0
+
+
+def _workload(args, Workload):
+    if args.trace:
+        return Workload(trace=tuple(load_trace(args.trace)), cv=args.cv, seed=args.seed)
+    return Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
+
+
+def run_cost(args: argparse.Namespace) -> int:
+    """``--objective cost``: the cheapest plan for ``--rate`` (``controller/planner/cost_search.py``)."""
+    from controller.planner.analytical import acceptance_from_profile
+    from controller.planner.cost_output import cost_plan_config, write_cost_plan
+    from controller.planner.cost_search import CostPlanner, CostSpace
+    from controller.planner.gpu_catalog import CatalogError, load_catalog
+    from controller.planner.profile import ProfileError
+    from controller.planner.search import (NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec,
+                                           speculation_settings)
+
+    def fail(msg: str) -> SystemExit:
+        return SystemExit(f"magicserve plan: {msg}")
+
+    if args.rate is None or not (args.rate > 0 and math.isfinite(args.rate)):
+        raise fail(f"--rate: required with --objective cost, must be > 0 req/s, got {args.rate}")
+    if not args.model:
+        raise fail("--model: required with --objective cost (llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir)")
+    try:
+        p_buckets, o_buckets = (int(x) for x in args.slices.lower().split("x"))
+    except ValueError:
+        raise fail(f"--slices: expected PROMPTxOUTPUT bucket counts such as 2x2, got {args.slices!r}") from None
+    try:
+        catalog = load_catalog(args.gpu_catalog)
+        if args.gpu_types:
+            catalog = catalog.select(args.gpu_types)
+        acceptance, note = acceptance_from_profile(args.acceptance_from) if args.acceptance_from else ((), "")
+        specs = speculation_settings(acceptance, max_ks=(4,), fixed_ks=()) if acceptance else (NO_SPECULATION,)
+        space = CostSpace(catalog, args.model, tensor_parallel=args.tensor_parallel, speculation=specs,
+                          acceptance=acceptance, acceptance_note=note, include_colocated=not args.no_colocated,
+                          prompt_buckets=p_buckets, output_buckets=o_buckets, max_concurrent=args.max_concurrent,
+                          workers=args.workers)
+        slo = SLOTarget(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
+        workload = _workload(args, Workload)
+        print(f"planning the cheapest cluster for {args.rate:g} req/s of {workload.describe()}: GPU types "
+              + ", ".join(f"{t.name} ${t.price_per_gpu_hour:g}/h" for t in catalog.types)
+              + f"; decode speculation: {'; '.join(describe_spec(s) for s in space.speculation)}", file=sys.stderr)
+        planner = CostPlanner(space, slo, workload, args.rate)
+        result = planner.run()
+        base = args.base_config or os.path.join(CONFIG_DIR, "gpu-8xa100-llama3.1-8b.yaml")
+        raw = cost_plan_config(result.best, space, base, args.out, slo)
+    except (CatalogError, ProfileError, PlanError) as err:
+        raise fail(str(err)) from None
+    report = args.report or os.path.splitext(args.out)[0] + ".md"
+    command = "magicserve plan " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    write_cost_plan(result, raw, args.out, report, space, slo, workload, command)
+    best = result.best
+    print(f"plan: {best.describe()}: ${best.cost_per_hour:.2f}/h on {best.gpus} GPUs "
+          f"(simulated attainment {best.attainment:.1%} at {args.rate:g} req/s)")
     print(f"wrote {args.out} and {report}")
     return 0

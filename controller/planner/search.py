@@ -297,8 +297,14 @@ class Planner:
 def speculation_space(profile: Profile, max_ks: tuple[int, ...] = (4,), fixed_ks: tuple[int, ...] = (1, 2, 3),
                       sink_tokens: int = 16) -> tuple[SpeculationConfig, ...]:
     """No speculation, plus every measured (drafter, budget) of the profile with adaptive k and fixed k."""
+    return speculation_settings(profile.acceptance, max_ks, fixed_ks, sink_tokens)
+
+
+def speculation_settings(acceptance, max_ks: tuple[int, ...] = (4,), fixed_ks: tuple[int, ...] = (1, 2, 3),
+                         sink_tokens: int = 16) -> tuple[SpeculationConfig, ...]:
+    """No speculation, plus every (drafter, budget) with acceptance entries, with adaptive k and fixed k."""
     out = [NO_SPECULATION]
-    for drafter, budget in sorted({(e.drafter, e.budget) for e in profile.acceptance}):
+    for drafter, budget in sorted({(e.drafter, e.budget) for e in acceptance}):
         if drafter == "draft_model":
             continue  # needs a draft checkpoint path in the config; plan it explicitly
         base = SpeculationConfig(drafter=drafter, budget=budget, sink_tokens=min(sink_tokens, budget // 2))

@@ -193,10 +193,11 @@ class SimResult:
 
 
 class Simulation:
-    """One run of one configuration over one trace. ``run`` may be called once."""
+    """One run of one configuration over one trace. ``run`` may be called once. ``decode_profile``: the decode
+    pool's hardware where it differs from the prefill pool's (``profile``; a heterogeneous plan)."""
 
     def __init__(self, profile: Profile, config: SimConfig, seed: int = 0,
-                 host_contention: HostContention | None = None):
+                 host_contention: HostContention | None = None, decode_profile: Profile | None = None):
         self.profile = profile
         self.config = config
         self.host_contention = host_contention  # the optional plug-in (None: every step at its calibrated time)
@@ -224,10 +225,11 @@ class Simulation:
             pcosts = StepCosts(profile, cal, p.shape)
             profile.prefill_model(*p.shape)  # fail now if the profile lacks it
             drafter = c.speculation.drafter if c.speculation.enabled else None
-            dcosts = StepCosts(profile, cal, d.shape, drafter)
+            dprofile = decode_profile or profile
+            dcosts = StepCosts(dprofile, cal, d.shape, drafter)
             self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs,
                                        p.token_budget, p.max_num_seqs) for i in range(p.instances)]
-            self.decode = [DecodeSim(self, f"decode-{i}", profile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
+            self.decode = [DecodeSim(self, f"decode-{i}", dprofile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
                                      c.speculation, random.Random(rng.random())) for i in range(d.instances)]
         self.instances = self.prefill + self.decode + self.colocated
         self.open_requests = 0  # arrived or to arrive, not finished
@@ -352,7 +354,9 @@ class Simulation:
 
 
 def simulate(profile: Profile, config: SimConfig, trace: list[RequestSpec], seed: int = 0,
-             time_limit_s: float | None = None, host_contention: HostContention | None = None) -> SimResult:
-    """Convenience: one fresh :class:`Simulation` over ``trace`` (``host_contention``: the optional plug-in)."""
-    return Simulation(profile, config, seed, host_contention).run(trace, time_limit_s)
+             time_limit_s: float | None = None, host_contention: HostContention | None = None,
+             decode_profile: Profile | None = None) -> SimResult:
+    """Convenience: one fresh :class:`Simulation` over ``trace`` (``host_contention``: the optional plug-in;
+    ``decode_profile``: the decode pool's hardware where it differs from the prefill pool's)."""
+    return Simulation(profile, config, seed, host_contention, decode_profile).run(trace, time_limit_s)
 

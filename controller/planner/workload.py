@@ -9,7 +9,9 @@ Built-in shapes (``WORKLOADS``), scaled to what the bundled 15M model and a 2-co
 shapes follow the public datasets DistServe evaluates on:
 
 * ``chat``: ShareGPT-like, short prompts and medium answers, both log-normal with long tails;
-* ``long_doc``: LongBench-like summarisation, long prompts (1K-4K tokens) and short outputs.
+* ``long_doc``: LongBench-like summarisation, long prompts (1K-4K tokens) and short outputs;
+* ``mixed``: half ``chat``, half ``long_doc`` (request sizes spread widely, as in Mélange's mixed dataset);
+* ``long_gen``: MagicDec's regime, 16K-32K-token prompts and 256-1024-token outputs (GPU-scale plans).
 """
 
 from __future__ import annotations
@@ -45,17 +47,45 @@ class LengthDist:
 
 @dataclass(frozen=True)
 class WorkloadShape:
+    """Prompt and output length distributions, or a mixture of shapes (``mix``: (weight, shape) pairs, one
+    component drawn per request)."""
+
     name: str
-    prompt: LengthDist
-    output: LengthDist
+    prompt: LengthDist | None = None
+    output: LengthDist | None = None
+    mix: tuple[tuple[float, "WorkloadShape"], ...] = ()
+
+    def validate(self) -> None:
+        if self.mix:
+            if any(not w > 0 for w, _ in self.mix):
+                raise WorkloadError(f"{self.name}.mix: weights must be > 0")
+            for _, comp in self.mix:
+                comp.validate()
+            return
+        if self.prompt is None or self.output is None:
+            raise WorkloadError(f"{self.name}: needs prompt and output distributions, or a mix")
+        self.prompt.validate(f"{self.name}.prompt")
+        self.output.validate(f"{self.name}.output")
+
+    def sample(self, rng: random.Random) -> tuple[int, int]:
+        """One request's (prompt, output) lengths."""
+        if self.mix:
+            comp = rng.choices([c for _, c in self.mix], weights=[w for w, _ in self.mix])[0]
+            return comp.sample(rng)
+        return self.prompt.sample(rng), self.output.sample(rng)
 
 
+_CHAT = WorkloadShape("chat", LengthDist(median=256, sigma=0.8, lo=16, hi=2048),
+                      LengthDist(median=96, sigma=0.7, lo=8, hi=384))
+# prompts up to the bundled model's trained context (4K)
+_LONG_DOC = WorkloadShape("long_doc", LengthDist(median=2048, sigma=0.4, lo=1024, hi=4096),
+                          LengthDist(median=48, sigma=0.4, lo=16, hi=128))
 WORKLOADS: dict[str, WorkloadShape] = {
-    "chat": WorkloadShape("chat", LengthDist(median=256, sigma=0.8, lo=16, hi=2048),
-                          LengthDist(median=96, sigma=0.7, lo=8, hi=384)),
-    # prompts up to the bundled model's trained context (4K)
-    "long_doc": WorkloadShape("long_doc", LengthDist(median=2048, sigma=0.4, lo=1024, hi=4096),
-                              LengthDist(median=48, sigma=0.4, lo=16, hi=128)),
+    "chat": _CHAT,
+    "long_doc": _LONG_DOC,
+    "mixed": WorkloadShape("mixed", mix=((0.5, _CHAT), (0.5, _LONG_DOC))),
+    "long_gen": WorkloadShape("long_gen", LengthDist(median=22000, sigma=0.2, lo=16384, hi=32768),
+                              LengthDist(median=512, sigma=0.4, lo=256, hi=1024)),
 }
 
 
@@ -93,12 +123,11 @@ def arrival_times(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float
 def make_trace(shape: WorkloadShape, rate: float, n: int, seed: int = 0, cv: float = 1.0) -> list[RequestSpec]:
     """``n`` requests of ``shape`` arriving at ``rate`` req/s. The lengths depend only on (shape, seed),
     not on the rate, so sweeps over rates send the same requests at different speeds."""
-    shape.prompt.validate(f"{shape.name}.prompt")
-    shape.output.validate(f"{shape.name}.output")
+    shape.validate()
     if n < 1:
         raise WorkloadError(f"num_requests: must be >= 1, got {n}")
     rng = random.Random(seed)
-    lengths = [(shape.prompt.sample(rng), shape.output.sample(rng)) for _ in range(n)]
+    lengths = [shape.sample(rng) for _ in range(n)]
     return [RequestSpec(t, p, o) for t, (p, o) in zip(arrival_times(rate, n, seed + 1, cv), lengths)]
 
 

@@ -1,0 +1,449 @@
+"""Cost-aware heterogeneous planning (``magicserve plan --objective cost``): for a workload at a target rate,
+the cheapest GPU types, parallelism, instance counts and decode speculation per pool that meet the SLOs.
+
+Mélange's method on a disaggregated cluster (Splitwise: prefill and decode may run on different GPU types):
+
+1. **Profiles**: one analytical profile per GPU type of the catalogue (``controller/planner/analytical.py``
+   from ``gpu_catalog.yaml``'s specs); shapes whose weights leave too little memory are left out.
+2. **Slices**: the workload's requests cut by request size into prompt x output length buckets (quantile
+   edges), each with its share of the target rate.
+3. **Capacities by simulation**: for every option (pool, GPU type, tensor-parallel degree, and for decode a
+   speculation setting) and slice, the highest rate one instance sustains for that slice's requests within
+   the SLO attainment target (the other pool made non-binding, as in ``search.Planner``'s screening):
+   prefill on TTFT alone, decode and colocated on both SLOs.
+4. **Integer program** (``cost_milp``): the cheapest instance counts and slice shares, under the mixing rule
+   the serving side supports: one option per pool (``one_per_pool``, servable today), one GPU type overall
+   (the single-type baseline), a colocated single type (the vLLM-like baseline), and any mix within a pool
+   (``mixed``: an estimate of what a capacity-weighted router would save; not servable).
+5. **Verification**: each servable plan is simulated whole, on the workload at the rate; while it misses
+   the attainment target, an instance is added to the pool of the binding SLO (TTFT: prefill, TPOT: decode).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from controller.planner.analytical import AnalyticalOptions, analytical_profile
+from controller.planner.cost_milp import InstanceOption, Packing, PackingProblem, Slice, solve_packing
+from controller.planner.gpu_catalog import GPUCatalog, GPUType
+from controller.planner.profile import AcceptanceEntry, Profile, ProfileError
+from controller.planner.search import NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec
+from controller.planner.simulator import PoolPlan, SimConfig, simulate
+from controller.planner.slo import attainment
+from controller.planner.workload import RequestSpec, arrival_times
+from decode_worker.config import SpeculationConfig
+
+POOLS = ("prefill", "decode")
+NON_BINDING = 64  # instances of the other pool while one option is screened
+
+
+@dataclass(frozen=True)
+class CostSpace:
+    """What the cost search may choose, and how finely it looks."""
+
+    catalog: GPUCatalog
+    model: str  # a built-in shape (llama-3.1-8b, llama-3.1-70b) or an HF checkpoint dir
+    tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    speculation: tuple[SpeculationConfig, ...] = (NO_SPECULATION,)
+    acceptance: tuple[AcceptanceEntry, ...] = ()
+    acceptance_note: str = ""
+    include_colocated: bool = True
+    prompt_buckets: int = 2
+    output_buckets: int = 2
+    prefill_token_budget: int = 2048
+    prefill_max_prompts: int = 16
+    decode_max_num_seqs: int = 128
+    max_concurrent: int = 1024
+    transfer_gbps: float = 25.0
+    screen_duration_s: float = 10.0  # arrivals per screening simulation span at least this long
+    screen_max_requests: int = 1500
+    bisect_steps: int = 7
+    workers: int = 2  # processes screening in parallel
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_buckets", "output_buckets", "bisect_steps", "workers", "screen_max_requests"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RequestSlice:
+    """Requests whose prompt and output lengths fall in one bucket; ``share``: of all requests."""
+
+    name: str
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    share: float
+    lengths: tuple[tuple[int, int], ...]
+
+
+def make_slices(lengths: list[tuple[int, int]], prompt_buckets: int, output_buckets: int) -> list[RequestSlice]:
+    """Cut (prompt, output) lengths into buckets at quantile edges (prompt first, then output within each
+    prompt bucket); empty buckets are dropped."""
+    def cut(values: list[int], parts: int) -> list[int]:
+        s = sorted(values)
+        return sorted({s[min(len(s) - 1, (len(s) * i) // parts)] for i in range(1, parts)})
+
+    out: list[RequestSlice] = []
+    p_edges = cut([p for p, _ in lengths], prompt_buckets)
+    for i, p_group in enumerate(_split(lengths, p_edges, key=lambda r: r[0])):
+        if not p_group:
+            continue
+        o_edges = cut([o for _, o in p_group], output_buckets)
+        for j, group in enumerate(_split(p_group, o_edges, key=lambda r: r[1])):
+            if group:
+                ps, os_ = [p for p, _ in group], [o for _, o in group]
+                out.append(RequestSlice(f"p{i}o{j}", (min(ps), max(ps)), (min(os_), max(os_)),
+                                        len(group) / len(lengths), tuple(group)))
+    return out
+
+
+def _split(items, edges: list[int], key) -> list[list]:
+    groups: list[list] = [[] for _ in range(len(edges) + 1)]
+    for it in items:
+        groups[sum(key(it) >= e for e in edges)].append(it)
+    return groups
+
+
+class SliceWorkload:
+    """A slice's requests as ``search.Planner`` asks for them: at each rate, Poisson arrivals spanning at
+    least ``duration_s`` (at most ``max_requests``), lengths drawn from the slice (seeded)."""
+
+    def __init__(self, lengths: tuple[tuple[int, int], ...], seed: int, duration_s: float, max_requests: int,
+                 min_requests: int = 60):
+        self.lengths, self.seed = lengths, seed
+        self.duration_s, self.max_requests, self.min_requests = duration_s, max_requests, min_requests
+
+    def at_rate(self, rate: float) -> list[RequestSpec]:
+        n = int(min(self.max_requests, max(self.min_requests, math.ceil(rate * self.duration_s))))
+        rng = random.Random(self.seed)
+        drawn = [self.lengths[rng.randrange(len(self.lengths))] for _ in range(n)]
+        return [RequestSpec(t, p, o) for t, (p, o) in zip(arrival_times(rate, n, self.seed + 1), drawn)]
+
+
+@dataclass(frozen=True)
+class ScreenTask:
+    """One option's capacity for one group of requests (run in a worker process)."""
+
+    gpu: str
+    pool: str  # prefill | decode | colocated
+    tp: int
+    spec: SpeculationConfig | None
+    lengths: tuple[tuple[int, int], ...]
+    kv_tokens: int
+
+
+@dataclass
+class PoolChoice:
+    """One pool of a plan: its option and instance count."""
+
+    option: str
+    gpu: GPUType
+    tp: int
+    instances: int
+    kv_tokens: int
+    spec: SpeculationConfig | None = None
+    role: str = "decode"  # prefill | decode | colocated
+
+    @property
+    def gpus(self) -> int:
+        return self.instances * self.tp
+
+    @property
+    def cost_per_hour(self) -> float:
+        return self.gpus * self.gpu.price_per_gpu_hour
+
+    def describe(self) -> str:
+        spec = f", {describe_spec(self.spec)}" if self.spec is not None else ""
+        return f"{self.instances} x {self.gpu.name} tp{self.tp}{spec}"
+
+
+@dataclass
+class CostPlan:
+    """A plan the search compared: its pools, cost, and what the full simulation at the rate showed."""
+
+    name: str  # heterogeneous | single_type | colocated | mixed
+    mode: str  # disaggregated | colocated
+    pools: dict[str, PoolChoice]
+    milp_cost_per_hour: float
+    verified: bool = False  # simulated whole (mixed plans are not: the router cannot serve them)
+    meets_slo: bool = False  # the simulation met the attainment target
+    attainment: float = math.nan
+    ttft_attainment: float = math.nan
+    tpot_attainment: float = math.nan
+    added: int = 0  # instances verification added beyond the integer program's
+    goodput: float = math.nan  # req/s: the highest rate the plan serves within the target (simulated)
+    binding: str = "-"  # the SLO that fails first above the goodput: TTFT or TPOT
+    note: str = ""
+
+    @property
+    def cost_per_hour(self) -> float:
+        return sum(p.cost_per_hour for p in self.pools.values())
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in self.pools.values())
+
+    def describe(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated {self.pools['colocated'].describe()}"
+        return " + ".join(f"{'P' if p.role == 'prefill' else 'D'} {p.describe()}" for p in self.pools.values())
+
+
+@dataclass
+class CostPlanResult:
+    rate: float
+    slices: list[RequestSlice]
+    options: list[InstanceOption]
+    option_info: dict[str, ScreenTask]
+    plans: list[CostPlan]
+    skipped: dict[str, str] = field(default_factory=dict)  # GPU type -> why it was left out
+
+    @property
+    def best(self) -> CostPlan:
+        """The cheapest verified plan that serves with today's router (heterogeneous or single-type)."""
+        ok = [p for p in self.plans if p.meets_slo and p.name in ("heterogeneous", "single_type", "colocated")]
+        if not ok:
+            raise PlanError("no plan met the SLO attainment target in simulation at this rate (see the report)")
+        return min(ok, key=lambda p: (p.cost_per_hour, p.name != "heterogeneous"))
+
+
+_PROFILES: dict = {}  # a worker process's analytical profiles, built once per GPU type
+
+
+def _worker_profile(gpu: GPUType, model: str, tps: tuple[int, ...], transfer_gbps: float,
+                    acceptance: tuple[AcceptanceEntry, ...]) -> Profile:
+    key = (gpu.spec, model, tps, transfer_gbps, acceptance)
+    if key not in _PROFILES:
+        _PROFILES[key] = analytical_profile(gpu.spec, model, AnalyticalOptions(tensor_parallel=tps,
+                                                                               transfer_bandwidth=transfer_gbps * 1e9),
+                                            acceptance)
+    return _PROFILES[key]
+
+
+def _screen(args: tuple) -> float:
+    """Capacity (req/s) of one instance of the task's option on its requests (a worker process's job): the
+    highest Poisson rate whose simulation meets the attainment target, found by geometric bisection below
+    the instance's saturated throughput (one simulation of a burst), which bounds it from above."""
+    task, gpu, space, slo, seed = args
+    profile = _worker_profile(gpu, space.model, space.tensor_parallel, space.transfer_gbps, space.acceptance)
+    workload = SliceWorkload(task.lengths, seed, space.screen_duration_s, space.screen_max_requests)
+    cap = profile.costs(task.tp).kv_capacity_tokens
+    if task.pool == "colocated":
+        cfg = SimConfig("colocated", colocated=PoolPlan(1, task.tp, 1, cap, space.prefill_token_budget,
+                                                        space.decode_max_num_seqs),
+                        max_concurrent=space.max_concurrent)
+    else:
+        prefill = PoolPlan(1 if task.pool == "prefill" else NON_BINDING, task.tp, 1, cap, space.prefill_token_budget,
+                           space.prefill_max_prompts)
+        decode = PoolPlan(NON_BINDING if task.pool == "prefill" else 1, task.tp, 1, cap, 1, space.decode_max_num_seqs)
+        cfg = SimConfig("disaggregated", prefill=prefill, decode=decode,
+                        speculation=task.spec if task.spec is not None else NO_SPECULATION,
+                        max_concurrent=space.max_concurrent)
+    metric = "ttft_only" if task.pool == "prefill" else "both"
+
+    def ok(rate: float) -> bool:
+        res = simulate(profile, cfg, workload.at_rate(rate), seed=seed)
+        return getattr(attainment(res.outcomes(), slo.ttft_s, slo.tpot_s), metric) >= slo.attainment
+
+    burst = [RequestSpec(0.0, r.prompt_tokens, r.output_tokens)
+             for r in SliceWorkload(task.lengths, seed, 0.0, 400, 400).at_rate(1.0)]
+    res = simulate(profile, cfg, burst, seed=seed)
+    if not any(r.finished for r in res.records):
+        return 0.0
+    throughput = sum(r.finished for r in res.records) / max(r.finish_s for r in res.records if r.finished)
+    return geometric_bisection(ok, throughput, space.bisect_steps)
+
+
+def geometric_bisection(ok, upper: float, steps: int, span: float = 64.0) -> float:
+    """The highest ``x`` in (0, ``upper``] with ``ok(x)`` (``ok`` monotone: true below some threshold), to a
+    factor of ``span ** (1 / 2 ** steps)``; 0 when even ``upper / span ** 2`` fails."""
+    if ok(upper):
+        return upper
+    lo, hi = upper / span, upper
+    if not ok(lo):
+        lo, hi = upper / span ** 2, lo
+        if not ok(lo):
+            return 0.0
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+class CostPlanner:
+    """Searches ``space`` for the cheapest plans serving ``workload`` at ``rate`` req/s within ``slo``."""
+
+    def __init__(self, space: CostSpace, slo: SLOTarget, workload: Workload, rate: float, progress: bool = True,
+                 verify_rounds: int = 12):
+        if not (rate > 0 and math.isfinite(rate)):
+            raise PlanError(f"rate: must be > 0 requests/s, got {rate}")
+        self.space, self.slo, self.workload, self.rate = space, slo, workload, rate
+        self.progress = progress
+        self.verify_rounds = verify_rounds
+        self.trace = workload.at_rate(rate)
+        self.profiles: dict[str, Profile] = {}
+        self.skipped: dict[str, str] = {}
+        longest = max(r.prompt_tokens + r.output_tokens for r in self.trace)
+        for t in space.catalog.types:
+            try:
+                prof = analytical_profile(t.spec, space.model, AnalyticalOptions(
+                    tensor_parallel=space.tensor_parallel, transfer_bandwidth=space.transfer_gbps * 1e9,
+                    min_kv_tokens=max(16384, longest + 1)), space.acceptance, space.acceptance_note)
+            except ProfileError as err:
+                self.skipped[t.name] = str(err)
+                continue
+            fitting = [c for c in prof.instances if c.pipeline_parallel == 1]
+            if not fitting:
+                self.skipped[t.name] = "needs pipeline parallelism, which magicserve does not execute"
+                continue
+            self.profiles[t.name] = prof
+        if not self.profiles:
+            raise PlanError("no GPU type of the selection holds the model with room for the longest request: "
+                            + "; ".join(f"{k}: {v}" for k, v in self.skipped.items()))
+
+    def _tps(self, gpu: str) -> list[int]:
+        return sorted(c.tensor_parallel for c in self.profiles[gpu].instances if c.pipeline_parallel == 1)
+
+    def _tasks(self, slices: list[RequestSlice]) -> list[tuple[str, ScreenTask, list[int]]]:
+        """(option key, task, indices of the slices its capacity stands for)."""
+        tasks = []
+        for gpu in self.profiles:
+            for tp in self._tps(gpu):
+                kv = self.profiles[gpu].costs(tp).kv_capacity_tokens
+                # prefill capacity depends on the prompts only: one task per prompt bucket
+                by_prompt: dict[str, list[int]] = {}
+                for i, s in enumerate(slices):
+                    by_prompt.setdefault(s.name.split("o")[0], []).append(i)
+                for idx in by_prompt.values():
+                    lengths = tuple(x for i in idx for x in slices[i].lengths)
+                    tasks.append((f"prefill {gpu} tp{tp}", ScreenTask(gpu, "prefill", tp, None, lengths, kv), idx))
+                for spec in self.space.speculation:
+                    for i, s in enumerate(slices):
+                        tasks.append((f"decode {gpu} tp{tp} {describe_spec(spec)}",
+                                      ScreenTask(gpu, "decode", tp, spec, s.lengths, kv), [i]))
+                if self.space.include_colocated:
+                    for i, s in enumerate(slices):
+                        tasks.append((f"colocated {gpu} tp{tp}", ScreenTask(gpu, "colocated", tp, None, s.lengths, kv),
+                                      [i]))
+        return tasks
+
+    def run(self) -> CostPlanResult:
+        slices = make_slices([(r.prompt_tokens, r.output_tokens) for r in self.trace], self.space.prompt_buckets,
+                             self.space.output_buckets)
+        tasks = self._tasks(slices)
+        gpus = {t.name: t for t in self.space.catalog.types}
+        jobs = [(task, gpus[task.gpu], self.space, self.slo, self.workload.seed) for _, task, _ in tasks]
+        if self.space.workers > 1:
+            with ProcessPoolExecutor(self.space.workers) as pool:
+                caps = list(tqdm(pool.map(_screen, jobs), total=len(jobs), desc="plan: screening options",
+                                 disable=not self.progress, dynamic_ncols=True))
+        else:
+            caps = [_screen(j) for j in tqdm(jobs, desc="plan: screening options", disable=not self.progress,
+                                              dynamic_ncols=True)]
+        capacity: dict[str, list[float]] = {}
+        info: dict[str, ScreenTask] = {}
+        for (key, task, idx), cap in zip(tasks, caps):
+            capacity.setdefault(key, [0.0] * len(slices))
+            info.setdefault(key, task)
+            for i in idx:
+                capacity[key][i] = cap
+        options = [InstanceOption(key, info[key].pool, info[key].gpu, info[key].tp,
+                                  info[key].tp * gpus[info[key].gpu].price_per_gpu_hour, tuple(cap))
+                   for key, cap in capacity.items()]
+        rated = tuple(Slice(s.name, s.share * self.rate) for s in slices)
+        limits = {t.name: t.max_gpus for t in self.space.catalog.types if t.max_gpus is not None}
+        disagg = tuple(o for o in options if o.pool in POOLS)
+        plans: list[CostPlan] = []
+        for name, opts, pools, mixing in (("heterogeneous", disagg, POOLS, "one_per_pool"),
+                                          ("single_type", disagg, POOLS, "one_type"),
+                                          ("colocated", tuple(o for o in options if o.pool == "colocated"),
+                                           ("colocated",), "one_type"),
+                                          ("mixed", disagg, POOLS, "mixed")):
+            if not opts:
+                continue
+            packing = solve_packing(PackingProblem(rated, opts, pools, limits, mixing))
+            if packing is None:
+                plans.append(CostPlan(name, "colocated" if name == "colocated" else "disaggregated", {}, math.nan,
+                                      note="infeasible: no allocation serves every slice within the GPU limits"))
+                continue
+            plans.append(self._plan(name, packing, info, gpus))
+        for plan in tqdm([p for p in plans if p.pools and p.name != "mixed"], desc="plan: verifying",
+                         disable=not self.progress, dynamic_ncols=True):
+            self._verify(plan, limits)
+        return CostPlanResult(self.rate, slices, options, info, plans, dict(self.skipped))
+
+    def _plan(self, name: str, packing: Packing, info: dict[str, ScreenTask], gpus: dict[str, GPUType]) -> CostPlan:
+        pools: dict[str, PoolChoice] = {}
+        for key, n in packing.counts.items():
+            t = info[key]
+            pool_name = t.pool if name != "mixed" else f"{t.pool} {t.gpu} tp{t.tp}"
+            pools[pool_name] = PoolChoice(key, gpus[t.gpu], t.tp, n, t.kv_tokens, t.spec, t.pool)
+        note = ("estimate only: any mix within a pool, which needs a router that weighs instances by capacity"
+                if name == "mixed" else "")
+        mode = "colocated" if name == "colocated" else "disaggregated"
+        return CostPlan(name, mode, dict(sorted(pools.items(), key=lambda kv: kv[1].role != "prefill")),
+                        packing.cost_per_hour, note=note)
+
+    def simulate_plan(self, plan: CostPlan, rate: float | None = None):
+        """The whole plan on the workload at ``rate`` (default: the target): its attainment."""
+        trace = self.trace if rate is None else self.workload.at_rate(rate)
+        s = self.space
+        if plan.mode == "colocated":
+            c = plan.pools["colocated"]
+            cfg = SimConfig("colocated", colocated=PoolPlan(c.instances, c.tp, 1, c.kv_tokens, s.prefill_token_budget,
+                                                            s.decode_max_num_seqs), max_concurrent=s.max_concurrent)
+            res = simulate(self.profiles[c.gpu.name], cfg, trace, seed=self.workload.seed)
+        else:
+            p, d = plan.pools["prefill"], plan.pools["decode"]
+            cfg = SimConfig("disaggregated",
+                            prefill=PoolPlan(p.instances, p.tp, 1, p.kv_tokens, s.prefill_token_budget,
+                                             s.prefill_max_prompts),
+                            decode=PoolPlan(d.instances, d.tp, 1, d.kv_tokens, 1, s.decode_max_num_seqs),
+                            speculation=d.spec or NO_SPECULATION, max_concurrent=s.max_concurrent)
+            res = simulate(self.profiles[p.gpu.name], cfg, trace, seed=self.workload.seed,
+                           decode_profile=self.profiles[d.gpu.name])
+        return attainment(res.outcomes(), self.slo.ttft_s, self.slo.tpot_s)
+
+    def _goodput(self, plan: CostPlan, steps: int = 4, span: float = 4.0) -> None:
+        """The plan's goodput above the target rate (geometric bisection up to ``span`` x the rate), and the
+        SLO whose attainment falls below the target first."""
+        failing: list = []
+
+        def ok(rate: float) -> bool:
+            a = self.simulate_plan(plan, rate)
+            if a.both < self.slo.attainment:
+                failing.append((rate, a))
+            return a.both >= self.slo.attainment
+
+        plan.goodput = geometric_bisection(ok, self.rate * span, steps, span)
+        if failing:
+            a = min(failing, key=lambda f: f[0])[1]  # just above the goodput
+            plan.binding = "TTFT" if a.ttft_only < a.tpot_only else "TPOT"
+
+    def _verify(self, plan: CostPlan, limits: dict[str, int]) -> None:
+        """Simulate the plan whole; while it misses the target, add an instance to the binding pool."""
+        for _ in range(self.verify_rounds + 1):
+            a = self.simulate_plan(plan)
+            plan.attainment, plan.ttft_attainment, plan.tpot_attainment = a.both, a.ttft_only, a.tpot_only
+            if a.both >= self.slo.attainment:
+                plan.verified = plan.meets_slo = True
+                self._goodput(plan)
+                return
+            if plan.mode == "colocated":
+                grow = plan.pools["colocated"]
+            else:
+                grow = plan.pools["prefill" if a.ttft_only < a.tpot_only else "decode"]
+            used = sum(p.gpus for p in plan.pools.values() if p.gpu.name == grow.gpu.name)
+            if grow.gpu.name in limits and used + grow.tp > limits[grow.gpu.name]:
+                break
+            grow.instances += 1
+            plan.added += 1
+        plan.verified = True
+        plan.note = (f"misses the {self.slo.attainment:.0%} target in simulation ({plan.attainment:.1%}) after "
+                     f"{plan.added} added instances")
