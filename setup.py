@@ -21,7 +21,7 @@ setup(
     description="Disaggregated prefill/decode LLM serving with sparse-KV speculative decoding",
     python_requires=">=3.10",
     packages=PACKAGES,
-    package_data={"protos": ["magicserve/v1/*.proto", "magicserve/v1/*.pyi"]},
+    package_data={"protos": ["magicserve/v1/*.proto", "magicserve/v1/*.pyi"], "controller.planner": ["*.yaml"]},
     install_requires=[
         "torch>=2.3",
         "ray>=2.9",
@@ -35,6 +35,8 @@ setup(
         "tokenizers>=0.15",
         "tqdm>=4.60",
         "numpy>=1.24",
+        # the cost-aware planner's integer program (scipy.optimize.milp: HiGHS)
+        "scipy>=1.9",
         # the OpenAI-compatible HTTP front, its chat templates and Prometheus metrics
         "starlette>=0.37",
         "uvicorn>=0.30",

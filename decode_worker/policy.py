@@ -308,6 +308,13 @@ class StepCorrection:
         ratios[key] = ratio if old is None else old + self.smoothing * (ratio - old)
 
 
+# Deciding k costs ~0.1 ms of Python, a few per cent of a batch-1 step on CPU. While the batch holds the same
+# sequences, a decision is reused for this many steps (by the decode worker, and so by its simulation):
+# contexts grow by a few tokens per step and the acceptance estimate moves slowly, so the best k rarely
+# changes within that span.
+CHOICE_REUSE_STEPS = 4
+
+
 class AdaptiveK:
     """Maximises expected tokens/s under the cost models, the acceptance estimate and the SLO."""
 

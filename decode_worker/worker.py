@@ -31,7 +31,8 @@ from decode_worker.migration import MigrationState, OutgoingMigration, headroom_
 from decode_worker.migration_sender import MigrationLegs
 from decode_worker.drafters import DraftLayout, DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
 from decode_worker.scheduler import DecodeScheduler
-from decode_worker.policy import AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape, StepCorrection
+from decode_worker.policy import (CHOICE_REUSE_STEPS, AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel,
+                                  PassShape, StepCorrection)
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
@@ -100,10 +101,7 @@ class _Live:
 class DecodeWorker:
     """Owns a paged KV cache, a drafter and the speculation policy for one decode instance."""
 
-    # Deciding k costs ~0.1 ms of Python, a few per cent of a batch-1 step on CPU. While the batch holds
-    # the same sequences, a decision is reused for this many steps: contexts grow by a few tokens per
-    # step and the acceptance estimate moves slowly, so the best k rarely changes within that span.
-    CHOICE_REUSE_STEPS = 4
+    CHOICE_REUSE_STEPS = CHOICE_REUSE_STEPS  # decode_worker/policy.py: a k decision lasts this many steps
 
     def __init__(self, model: LoadedModel | str, config: DecodeWorkerConfig = DecodeWorkerConfig(),
                  instance_id: str = "decode-0", transfer: TransferConfig | None = None, tp: TPGroup | None = None):

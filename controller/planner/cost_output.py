@@ -93,8 +93,9 @@ def report_markdown(result: CostPlanResult, space: CostSpace, slo: SLOTarget, wo
         lines.append(f"\n{name} left out: {why}")
     lines += ["", "## Plans", "",
               "Cost from the integer program, then the whole plan simulated at the rate; while it missed the target, "
-              "an instance was added to the pool of the SLO it missed most. Goodput: the highest rate the plan serves "
-              f"within the target (simulated, up to 4x the rate); binding SLO: the one that fails first above it.", "",
+              "an instance was added where it raised attainment most (decode for a TPOT miss; prefill or decode for a TTFT "
+              "miss). Goodput: the highest rate the plan serves "
+              f"within the target (simulated, up to 2x the rate); binding SLO: the one that fails first above it.", "",
               "| plan | pools | GPUs | $/h | program's $/h | attainment at the rate | goodput (req/s) | binding SLO "
               "| note |",
               "|---|---|---:|---:|---:|---:|---:|---|---|"]
@@ -102,7 +103,7 @@ def report_markdown(result: CostPlanResult, space: CostSpace, slo: SLOTarget, wo
         att = (lambda x: "-" if math.isnan(x) else f"{x:.1%}")
         lines.append(f"| {PLAN_LABELS[p.name]} | {p.describe() if p.pools else '-'} | {p.gpus} | "
                      f"{_fmt(p.cost_per_hour)} | {_fmt(p.milp_cost_per_hour)} | {att(p.attainment)} | "
-                     f"{_fmt(p.goodput)} | {p.binding} | {p.note} |")
+                     f"{'>= ' if p.goodput_capped else ''}{_fmt(p.goodput)} | {p.binding} | {p.note} |")
     s = savings(result)
     for base in ("single_type", "colocated"):
         if f"vs_{base}" in s:
@@ -132,7 +133,8 @@ def report_json(result: CostPlanResult, slo: SLOTarget, workload: Workload, comm
                 "attainment": None if math.isnan(p.attainment) else p.attainment,
                 "ttft_attainment": None if math.isnan(p.ttft_attainment) else p.ttft_attainment,
                 "tpot_attainment": None if math.isnan(p.tpot_attainment) else p.tpot_attainment,
-                "goodput_rps": None if math.isnan(p.goodput) else p.goodput, "binding_slo": p.binding,
+                "goodput_rps": None if math.isnan(p.goodput) else p.goodput, "goodput_capped": p.goodput_capped,
+                "binding_slo": p.binding,
                 "added_instances": p.added, "note": p.note,
                 "pools": {k: {"option": v.option, "gpu": v.gpu.name, "tp": v.tp, "instances": v.instances}
                           for k, v in p.pools.items()}}

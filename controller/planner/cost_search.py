@@ -21,6 +21,7 @@ Mélange's method on a disaggregated cluster (Splitwise: prefill and decode may 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +41,8 @@ from decode_worker.config import SpeculationConfig
 
 POOLS = ("prefill", "decode")
 NON_BINDING = 64  # instances of the other pool while one option is screened
+BURST = 64  # requests of the burst whose throughput (x BURST_MARGIN) bounds an option's capacity from above
+BURST_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class CostSpace:
     transfer_gbps: float = 25.0
     screen_duration_s: float = 10.0  # arrivals per screening simulation span at least this long
     screen_max_requests: int = 1500
-    bisect_steps: int = 7
+    bisect_steps: int = 6
     workers: int = 2  # processes screening in parallel
 
     def __post_init__(self) -> None:
@@ -178,7 +181,8 @@ class CostPlan:
     tpot_attainment: float = math.nan
     added: int = 0  # instances verification added beyond the integer program's
     goodput: float = math.nan  # req/s: the highest rate the plan serves within the target (simulated)
-    binding: str = "-"  # the SLO that fails first above the goodput: TTFT or TPOT
+    binding: str = "-"  # the SLO that fails first above the goodput: TTFT or TPOT ("-": none failed)
+    goodput_capped: bool = False  # the plan met the target at the highest rate tried (goodput is at least that)
     note: str = ""
 
     @property
@@ -232,7 +236,9 @@ def _screen(args: tuple) -> float:
     the instance's saturated throughput (one simulation of a burst), which bounds it from above."""
     task, gpu, space, slo, seed = args
     profile = _worker_profile(gpu, space.model, space.tensor_parallel, space.transfer_gbps, space.acceptance)
-    workload = SliceWorkload(task.lengths, seed, space.screen_duration_s, space.screen_max_requests)
+    # prefill is screened on TTFT alone: one output token each, so the (idle) decode pool simulates no steps
+    lengths = tuple((p, 1) for p, _ in task.lengths) if task.pool == "prefill" else task.lengths
+    workload = SliceWorkload(lengths, seed, space.screen_duration_s, space.screen_max_requests)
     cap = profile.costs(task.tp).kv_capacity_tokens
     if task.pool == "colocated":
         cfg = SimConfig("colocated", colocated=PoolPlan(1, task.tp, 1, cap, space.prefill_token_budget,
@@ -252,12 +258,12 @@ def _screen(args: tuple) -> float:
         return getattr(attainment(res.outcomes(), slo.ttft_s, slo.tpot_s), metric) >= slo.attainment
 
     burst = [RequestSpec(0.0, r.prompt_tokens, r.output_tokens)
-             for r in SliceWorkload(task.lengths, seed, 0.0, 400, 400).at_rate(1.0)]
+             for r in SliceWorkload(lengths, seed, 0.0, BURST, BURST).at_rate(1.0)]
     res = simulate(profile, cfg, burst, seed=seed)
     if not any(r.finished for r in res.records):
         return 0.0
     throughput = sum(r.finished for r in res.records) / max(r.finish_s for r in res.records if r.finished)
-    return geometric_bisection(ok, throughput, space.bisect_steps)
+    return geometric_bisection(ok, throughput * BURST_MARGIN, space.bisect_steps, span=16.0)
 
 
 def geometric_bisection(ok, upper: float, steps: int, span: float = 64.0) -> float:
@@ -276,20 +282,48 @@ def geometric_bisection(ok, upper: float, steps: int, span: float = 64.0) -> flo
     return lo
 
 
-class CostPlanner:
-    """Searches ``space`` for the cheapest plans serving ``workload`` at ``rate`` req/s within ``slo``."""
+def _reconcile(plans: list[CostPlan]) -> None:
+    """Verification adds instances, so verified costs need not keep the programs' order. The single-type plans
+    are among the per-pool ones: where the verified per-pool plan runs one GPU type and is cheaper, it is also
+    the best single-type plan; where the verified single-type plan is cheaper, it is also the best per-pool one."""
+    by = {p.name: p for p in plans}
+    hetero, single = by.get("heterogeneous"), by.get("single_type")
+    if hetero is None or single is None or not hetero.meets_slo and not single.meets_slo:
+        return
 
-    def __init__(self, space: CostSpace, slo: SLOTarget, workload: Workload, rate: float, progress: bool = True,
+    def cheaper(a: CostPlan, b: CostPlan) -> bool:
+        return a.meets_slo and (not b.meets_slo or a.cost_per_hour < b.cost_per_hour)
+
+    one_type = len({p.gpu.name for p in hetero.pools.values()}) == 1
+    if one_type and cheaper(hetero, single):
+        plans[plans.index(single)] = dataclasses.replace(hetero, name="single_type", pools=_copy(hetero.pools),
+                                                         note="the per-pool search's plan (one GPU type)")
+    elif cheaper(single, hetero):
+        plans[plans.index(hetero)] = dataclasses.replace(single, name="heterogeneous", pools=_copy(single.pools),
+                                                         note="the single-type plan (cheaper once verified)")
+
+
+def _copy(pools: dict[str, PoolChoice]) -> dict[str, PoolChoice]:
+    return {k: dataclasses.replace(v) for k, v in pools.items()}
+
+
+class CostPlanner:
+    """Searches ``space`` for the cheapest plans serving ``workload`` within ``slo``: ``screen`` once (the
+    options' capacities do not depend on the rate), then ``plan`` for each target rate."""
+
+    def __init__(self, space: CostSpace, slo: SLOTarget, workload: Workload, progress: bool = True,
                  verify_rounds: int = 12):
-        if not (rate > 0 and math.isfinite(rate)):
-            raise PlanError(f"rate: must be > 0 requests/s, got {rate}")
-        self.space, self.slo, self.workload, self.rate = space, slo, workload, rate
+        self.space, self.slo, self.workload = space, slo, workload
         self.progress = progress
         self.verify_rounds = verify_rounds
-        self.trace = workload.at_rate(rate)
+        self.sample = workload.at_rate(1.0)  # the request sizes the slices and the screening draw from
         self.profiles: dict[str, Profile] = {}
         self.skipped: dict[str, str] = {}
-        longest = max(r.prompt_tokens + r.output_tokens for r in self.trace)
+        self.slices = make_slices([(r.prompt_tokens, r.output_tokens) for r in self.sample], space.prompt_buckets,
+                                  space.output_buckets)
+        self._screened: tuple[list[InstanceOption], dict[str, ScreenTask]] | None = None
+        longest = workload.shape.longest() if workload.shape is not None else \
+            max(r.prompt_tokens + r.output_tokens for r in self.sample)
         for t in space.catalog.types:
             try:
                 prof = analytical_profile(t.spec, space.model, AnalyticalOptions(
@@ -333,9 +367,15 @@ class CostPlanner:
                                       [i]))
         return tasks
 
-    def run(self) -> CostPlanResult:
-        slices = make_slices([(r.prompt_tokens, r.output_tokens) for r in self.trace], self.space.prompt_buckets,
-                             self.space.output_buckets)
+    def run(self, rate: float) -> CostPlanResult:
+        """Screen (once) and plan for ``rate``."""
+        return self.plan(rate)
+
+    def screen(self) -> tuple[list[InstanceOption], dict[str, ScreenTask]]:
+        """Every option's capacity per slice, by simulation (computed once)."""
+        if self._screened is not None:
+            return self._screened
+        slices = self.slices
         tasks = self._tasks(slices)
         gpus = {t.name: t for t in self.space.catalog.types}
         jobs = [(task, gpus[task.gpu], self.space, self.slo, self.workload.seed) for _, task, _ in tasks]
@@ -356,7 +396,17 @@ class CostPlanner:
         options = [InstanceOption(key, info[key].pool, info[key].gpu, info[key].tp,
                                   info[key].tp * gpus[info[key].gpu].price_per_gpu_hour, tuple(cap))
                    for key, cap in capacity.items()]
-        rated = tuple(Slice(s.name, s.share * self.rate) for s in slices)
+        self._screened = options, info
+        return self._screened
+
+    def plan(self, rate: float) -> CostPlanResult:
+        """The cheapest plans for ``rate`` req/s under each mixing rule, each verified by simulation."""
+        if not (rate > 0 and math.isfinite(rate)):
+            raise PlanError(f"rate: must be > 0 requests/s, got {rate}")
+        options, info = self.screen()
+        gpus = {t.name: t for t in self.space.catalog.types}
+        slices = self.slices
+        rated = tuple(Slice(s.name, s.share * rate) for s in slices)
         limits = {t.name: t.max_gpus for t in self.space.catalog.types if t.max_gpus is not None}
         disagg = tuple(o for o in options if o.pool in POOLS)
         plans: list[CostPlan] = []
@@ -375,8 +425,9 @@ class CostPlanner:
             plans.append(self._plan(name, packing, info, gpus))
         for plan in tqdm([p for p in plans if p.pools and p.name != "mixed"], desc="plan: verifying",
                          disable=not self.progress, dynamic_ncols=True):
-            self._verify(plan, limits)
-        return CostPlanResult(self.rate, slices, options, info, plans, dict(self.skipped))
+            self._verify(plan, limits, rate)
+        _reconcile(plans)
+        return CostPlanResult(rate, slices, options, info, plans, dict(self.skipped))
 
     def _plan(self, name: str, packing: Packing, info: dict[str, ScreenTask], gpus: dict[str, GPUType]) -> CostPlan:
         pools: dict[str, PoolChoice] = {}
@@ -390,9 +441,9 @@ class CostPlanner:
         return CostPlan(name, mode, dict(sorted(pools.items(), key=lambda kv: kv[1].role != "prefill")),
                         packing.cost_per_hour, note=note)
 
-    def simulate_plan(self, plan: CostPlan, rate: float | None = None):
-        """The whole plan on the workload at ``rate`` (default: the target): its attainment."""
-        trace = self.trace if rate is None else self.workload.at_rate(rate)
+    def simulate_plan(self, plan: CostPlan, rate: float):
+        """The whole plan on the workload at ``rate`` req/s: its attainment."""
+        trace = self.workload.at_rate(rate)
         s = self.space
         if plan.mode == "colocated":
             c = plan.pools["colocated"]
@@ -410,40 +461,54 @@ class CostPlanner:
                            decode_profile=self.profiles[d.gpu.name])
         return attainment(res.outcomes(), self.slo.ttft_s, self.slo.tpot_s)
 
-    def _goodput(self, plan: CostPlan, steps: int = 4, span: float = 4.0) -> None:
+    def _goodput(self, plan: CostPlan, rate: float, steps: int = 3, span: float = 2.0) -> None:
         """The plan's goodput above the target rate (geometric bisection up to ``span`` x the rate), and the
         SLO whose attainment falls below the target first."""
         failing: list = []
 
-        def ok(rate: float) -> bool:
-            a = self.simulate_plan(plan, rate)
+        def ok(r: float) -> bool:
+            a = self.simulate_plan(plan, r)
             if a.both < self.slo.attainment:
-                failing.append((rate, a))
+                failing.append((r, a))
             return a.both >= self.slo.attainment
 
-        plan.goodput = geometric_bisection(ok, self.rate * span, steps, span)
+        plan.goodput = geometric_bisection(ok, rate * span, steps, span)
+        plan.goodput_capped = not failing
         if failing:
             a = min(failing, key=lambda f: f[0])[1]  # just above the goodput
             plan.binding = "TTFT" if a.ttft_only < a.tpot_only else "TPOT"
 
-    def _verify(self, plan: CostPlan, limits: dict[str, int]) -> None:
-        """Simulate the plan whole; while it misses the target, add an instance to the binding pool."""
-        for _ in range(self.verify_rounds + 1):
-            a = self.simulate_plan(plan)
-            plan.attainment, plan.ttft_attainment, plan.tpot_attainment = a.both, a.ttft_only, a.tpot_only
+    def _verify(self, plan: CostPlan, limits: dict[str, int], rate: float) -> None:
+        """Simulate the plan whole; while it misses the target, add an instance where it helps most: a TPOT
+        miss is decode's; a TTFT miss is prefill's or, when requests wait for decode KV room, decode's (both
+        are tried, the better attainment kept)."""
+        a = self.simulate_plan(plan, rate)
+        for _ in range(self.verify_rounds):
             if a.both >= self.slo.attainment:
-                plan.verified = plan.meets_slo = True
-                self._goodput(plan)
-                return
-            if plan.mode == "colocated":
-                grow = plan.pools["colocated"]
-            else:
-                grow = plan.pools["prefill" if a.ttft_only < a.tpot_only else "decode"]
-            used = sum(p.gpus for p in plan.pools.values() if p.gpu.name == grow.gpu.name)
-            if grow.gpu.name in limits and used + grow.tp > limits[grow.gpu.name]:
                 break
-            grow.instances += 1
+            if plan.mode == "colocated":
+                roles = ["colocated"]
+            else:
+                roles = ["prefill", "decode"] if a.ttft_only < a.tpot_only else ["decode"]
+            tried = []
+            for role in roles:
+                grow = plan.pools[role]
+                used = sum(p.gpus for p in plan.pools.values() if p.gpu.name == grow.gpu.name)
+                if grow.gpu.name in limits and used + grow.tp > limits[grow.gpu.name]:
+                    continue
+                grow.instances += 1
+                tried.append((self.simulate_plan(plan, rate), -grow.cost_per_hour, role))
+                grow.instances -= 1
+            if not tried:
+                break
+            a, _, role = max(tried, key=lambda t: (t[0].both, t[1]))
+            plan.pools[role].instances += 1
             plan.added += 1
+        plan.attainment, plan.ttft_attainment, plan.tpot_attainment = a.both, a.ttft_only, a.tpot_only
+        if a.both >= self.slo.attainment:
+            plan.verified = plan.meets_slo = True
+            self._goodput(plan, rate)
+            return
         plan.verified = True
         plan.note = (f"misses the {self.slo.attainment:.0%} target in simulation ({plan.attainment:.1%}) after "
                      f"{plan.added} added instances")

@@ -188,8 +188,9 @@ def _entries(raw, source: str) -> dict[str, dict]:
 def parse_catalog(raw, base: dict[str, dict] | None = None, source: str = "the catalogue") -> GPUCatalog:
     """A catalogue from its YAML mapping; ``base``: entries it overrides field by field (and adds to)."""
     merged = {name: dict(fields) for name, fields in (base or {}).items()}
-    for name, fields in _entries(raw, source).items():
-        key = next((k for k in merged if k.lower() == name.lower()), name)
+    for name, fields in _entries(raw, source).items():  # an entry overrides the type it names (or aliases)
+        key = next((k for k, f in merged.items()
+                    if name.lower() in (k.lower(), *(str(a).lower() for a in f.get("aliases") or []))), name)
         merged[key] = {**merged.get(key, {}), **fields}
     types = tuple(_gpu_type(name, fields, f"gpus.{name}") for name, fields in merged.items())
     seen: dict[str, str] = {}

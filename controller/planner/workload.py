@@ -67,6 +67,12 @@ class WorkloadShape:
         self.prompt.validate(f"{self.name}.prompt")
         self.output.validate(f"{self.name}.output")
 
+    def longest(self) -> int:
+        """The most tokens (prompt + output) one request can have."""
+        if self.mix:
+            return max(c.longest() for _, c in self.mix)
+        return self.prompt.hi + self.output.hi
+
     def sample(self, rng: random.Random) -> tuple[int, int]:
         """One request's (prompt, output) lengths."""
         if self.mix:
