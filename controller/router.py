@@ -142,6 +142,10 @@ class _Active:
     migration: _Migration | None = None  # in progress, undecided
     handover: int = 0  # after a committed migration: output tokens the source streams before the destination's
     handover_from: Instance | None = None  # that destination
+    handover_source: Instance | None = None  # and that source
+    handover_ids: tuple[int, ...] = ()  # the source's output ids and streamed text, as the destination got them
+    handover_text: str = ""
+    text_streamed: int = 0  # characters of output text sent to the client
 
 
 class Router:
@@ -330,9 +334,17 @@ class Router:
                     kind, payload, source = await asyncio.wait_for(active.events.get(), timeout)
                 except asyncio.TimeoutError:
                     continue
+            if kind == "delta" and source is not None and source is active.handover_source and \
+                    self._handed_over(active):
+                continue  # the source's share was filled in from the destination's copy (the source died)
             if kind == "delta" and (self.kv_transfer and active.record.state is RequestState.PREFILLING or
                                     source is active.handover_from and not self._handed_over(active)):
                 early.append(payload)  # a migration's destination overtook its source's last tokens
+                continue
+            if kind == "source_lost":
+                delta = self._fill_handover(active)
+                if delta is not None:
+                    yield delta
                 continue
             if kind == "migration_ended":
                 if active.record.state is RequestState.MIGRATING:
@@ -366,6 +378,15 @@ class Router:
     def _handed_over(active: _Active) -> bool:
         return active.handover_from is None or active.tokens_streamed >= active.handover
 
+    def _fill_handover(self, active: _Active) -> Delta | None:
+        """A migration's source died before the router read its last tokens: stream them from the copy the
+        destination reported (``MigrationArrived``), so the destination's tokens follow without a gap."""
+        if self._handed_over(active) or active.handover_source is None:
+            return None
+        ids = list(active.handover_ids[active.tokens_streamed:active.handover])
+        text = active.handover_text[active.text_streamed:]
+        return self._on_delta(active, TokenDelta(active.record.request_id, ids, text, False))
+
     def _on_first_token(self, active: _Active, first: FirstToken) -> Delta:
         active.record.to(RequestState.TRANSFERRING)
         active.first_token_at = active.last_token_at = time.perf_counter()
@@ -379,6 +400,7 @@ class Router:
             active.record.to(RequestState.DECODING)
         ids = list(delta.token_ids)
         active.tokens_streamed += len(ids)
+        active.text_streamed += len(delta.text)
         active.draft_tokens += delta.draft_tokens
         active.accepted_tokens += delta.accepted_tokens
         if ids:
@@ -515,6 +537,9 @@ class Router:
             for rid in list(inst.assigned):
                 self._send(rid, "failed", (reason, True))
             inst.assigned.clear()
+            for rid, active in self._active.items():  # committed away, its last tokens maybe not yet read
+                if active.handover_source is inst and not self._handed_over(active):
+                    self._send(rid, "source_lost", None)
             for rid in list(inst.migrating_in):  # migrations into it abort: their requests stay where they are
                 active = self._active.get(rid)
                 if active is not None and active.migration is not None:
@@ -732,7 +757,8 @@ class Router:
         src, dst = m.source, m.destination
         active.migration = None
         active.decode = dst
-        active.handover, active.handover_from = arrived.num_output_tokens, dst
+        active.handover, active.handover_from, active.handover_source = arrived.num_output_tokens, dst, src
+        active.handover_ids, active.handover_text = arrived.output_ids, arrived.text
         src.assigned.discard(rid)
         dst.migrating_in.discard(rid)
         dst.assigned.add(rid)

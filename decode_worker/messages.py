@@ -59,6 +59,10 @@ class MigrationArrived:
 
     request_id: str
     num_output_tokens: int
+    # what the source streamed before it stopped: every output id and the text sent (the router fills in
+    # from these what it had not read from the source, should the source die before it is read)
+    output_ids: tuple[int, ...] = ()
+    text: str = ""
 
 
 @dataclass(frozen=True)

@@ -421,7 +421,8 @@ class DecodeWorker:
         live.stream = OutputStream.for_sequence(seq, self.tokenizer)
         live.stream.push(seq.output_ids, None)  # the text state as the source had it ...
         live.stream.sent = state.text_sent  # ... of which this much was streamed
-        return MigrationArrived(seq.request_id, len(state.output_ids))
+        return MigrationArrived(seq.request_id, len(state.output_ids), tuple(state.output_ids),
+                                live.stream.text[:state.text_sent])
 
     def _poll_migrations(self) -> list:
         """Failures of outgoing migrations' transfers on any rank (the request stays here until the router

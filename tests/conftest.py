@@ -47,3 +47,11 @@ def llama_dir(checkpoint_dir):
 
 def pytest_report_header(config):
     return f"torch {torch.__version__}, threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}, cpus {os.cpu_count()}"
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """The single-process reference engine over the tiny llama checkpoint (the oracle of e2e tests)."""
+    from modeling.engine import EngineConfig, ReferenceEngine
+
+    return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))

@@ -29,6 +29,19 @@ def e2e_config(model_dir: str, **sections) -> ClusterConfig:
     return parse_config({**raw, **sections})
 
 
+def migration_config(model_dir: str, decode_tp: int = 1, **sections) -> ClusterConfig:
+    """1 prefill + 2 decode instances (of ``decode_tp`` ranks) with room to migrate between them."""
+    return e2e_config(
+        model_dir,
+        ray={"num_cpus": 6, "num_gpus": 0},
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 128},
+        decode={"instances": 2, "tensor_parallel": decode_tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
+                "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
+        kv_transfer={"timeout_s": 5},
+        **sections,
+    )
+
+
 def running_server(cfg, start_timeout_s: float = 180.0):
     """Serve ``cfg`` (use ``server.port: 0``) on a background thread; yields ``127.0.0.1:PORT``."""
     return serve_in_thread(cfg, start_timeout_s)

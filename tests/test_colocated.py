@@ -83,11 +83,6 @@ def server(llama_dir):
         yield address
 
 
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
-
-
 def test_status_shows_colocated_instances(server):
     with Client(server) as c:
         st = c.status()

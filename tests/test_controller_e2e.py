@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from controller.client import AsyncClient, Client
-from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
 from tests.checkpoints import VOCAB
 from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_alive, wait_all_free
@@ -33,11 +32,6 @@ def server(llama_dir):
     )
     with running_server(cfg) as address:
         yield address
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
 
 
 def test_concurrent_streams_equal_reference_greedy(server, reference):

@@ -106,3 +106,43 @@ def test_cost_plan_cli_writes_a_heterogeneous_config_that_ray_places_by_gpu_type
     finally:
         ray.shutdown()
         nodes.shutdown()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--rate: required with --objective cost"),
+    (["--rate", "-1", "--model", "llama-3.1-8b"], "--rate: required with --objective cost, must be > 0"),
+    (["--rate", "1"], "--model: required with --objective cost"),
+    (["--rate", "1", "--model", "llama-3.1-8b", "--slices", "2by2"], "--slices: expected PROMPTxOUTPUT"),
+    (["--rate", "1", "--model", "llama-3.1-8b", "--gpu-types", "B200"], "--gpu-types: unknown GPU type 'B200'"),
+    (["--rate", "1", "--model", "no-such-model"], "no GPU type of the selection holds the model"),
+])
+def test_cost_plan_cli_errors_name_the_flag(tmp_path, extra, message):
+    with pytest.raises(SystemExit) as err:
+        cli_main(["plan", "--objective", "cost", "--ttft-ms", "1000", "--tpot-ms", "50",
+                  "--out", str(tmp_path / "p.yaml"), *extra])
+    assert str(err.value).startswith(f"magicserve plan: {message}"), str(err.value)
+
+
+def test_verified_costs_are_reconciled_across_plan_kinds():
+    from controller.planner.cost_search import CostPlan, PoolChoice, _reconcile
+    from controller.planner.gpu_catalog import default_catalog
+
+    a100, l40s = default_catalog().get("A100"), default_catalog().get("L40S")
+
+    def plan(name, p_gpu, d_gpu, n, meets=True):
+        return CostPlan(name, "disaggregated", {"prefill": PoolChoice("p", p_gpu, 1, n, 1 << 16, role="prefill"),
+                                                "decode": PoolChoice("d", d_gpu, 1, n, 1 << 16)}, 0.0, meets_slo=meets)
+
+    # the per-pool plan ran one type and is cheaper once verified: it is the best single-type plan too
+    plans = [plan("heterogeneous", a100, a100, 1), plan("single_type", l40s, l40s, 4)]
+    _reconcile(plans)
+    assert plans[1].name == "single_type" and plans[1].pools["decode"].gpu is a100
+    assert plans[1].pools["decode"] is not plans[0].pools["decode"]  # a copy: growing one does not grow the other
+    # the single-type plan is cheaper once verified: it is the best per-pool plan too
+    plans = [plan("heterogeneous", l40s, a100, 3), plan("single_type", l40s, l40s, 1)]
+    _reconcile(plans)
+    assert plans[0].name == "heterogeneous" and plans[0].cost_per_hour == plans[1].cost_per_hour
+    # a per-pool plan that mixes types and is cheaper stays as it is
+    plans = [plan("heterogeneous", l40s, a100, 1), plan("single_type", a100, a100, 2)]
+    _reconcile(plans)
+    assert plans[1].pools["prefill"].gpu is a100 and plans[0].pools["prefill"].gpu is l40s

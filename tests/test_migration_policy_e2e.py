@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 
 from controller.client import Client
-from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
 from tests.serving import Stream, e2e_config, prompts_of, running_server
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
 
 
 def test_rescheduling_policy_moves_load_off_a_crowded_instance(llama_dir, reference):

@@ -9,28 +9,15 @@ from __future__ import annotations
 import pytest
 
 from controller.client import Client
-from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
-from tests.serving import Stream, e2e_config, prompts_of, running_server, wait_all_free
+from tests.serving import Stream, migration_config, prompts_of, running_server, wait_all_free
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    cfg = e2e_config(
-        llama_dir,
-        ray={"num_cpus": 6, "num_gpus": 0},
-        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 128},
-        decode={"instances": 2, "tensor_parallel": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
-                "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
-        kv_transfer={"timeout_s": 5},
-    )
+    cfg = migration_config(llama_dir, decode_tp=2)
     with running_server(cfg) as address:
         yield address
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    return ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
 
 
 def _all_free(address):

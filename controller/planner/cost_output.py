@@ -5,14 +5,12 @@ binding SLO."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
-import yaml
-
 from controller.config import load_config, parse_config, to_dict
 from controller.planner.cost_search import CostPlan, CostPlanResult, CostSpace, PoolChoice
+from controller.planner.plan_output import write_plan_files
 from controller.planner.search import SLOTarget, Workload, spec_to_dict
 
 PLAN_LABELS = {"heterogeneous": "heterogeneous (a GPU type per pool)", "single_type": "best single type",
@@ -160,10 +158,5 @@ def write_cost_plan(result: CostPlanResult, raw_config: dict, out_path: str, rep
               f"{workload.describe()}.\n"
               f"# Each pool runs on its GPU type (accelerator_type: Ray's accelerator_type:<name> node resource). "
               f"Report: {os.path.basename(report_path)}\n")
-    with open(out_path, "w", encoding="utf-8") as f:
-        f.write(header)
-        yaml.safe_dump(raw_config, f, sort_keys=False)
-    with open(report_path, "w", encoding="utf-8") as f:
-        f.write(report_markdown(result, space, slo, workload, command))
-    with open(os.path.splitext(report_path)[0] + ".json", "w", encoding="utf-8") as f:
-        json.dump(report_json(result, slo, workload, command), f, indent=1)
+    write_plan_files(out_path, header, raw_config, report_path, report_markdown(result, space, slo, workload, command),
+                     report_json(result, slo, workload, command))

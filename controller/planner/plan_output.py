@@ -58,13 +58,20 @@ def write_plan(result: PlanResult, raw_config: dict, out_path: str, report_path:
               f"({result.best.per_device:.3f} per device) at {slo.attainment:.0%} attainment of\n"
               f"# TTFT <= {slo.ttft_s * 1e3:.0f} ms and TPOT <= {slo.tpot_s * 1e3:.0f} ms, workload {workload.describe()}.\n"
               f"# Profile: {profile.hardware} ({profile.source}). Report: {os.path.basename(report_path)}\n")
+    write_plan_files(out_path, header, raw_config, report_path, report_markdown(result, profile, slo, workload, command),
+                     report_json(result, slo, workload, command))
+
+
+def write_plan_files(out_path: str, header: str, raw_config: dict, report_path: str, markdown: str,
+                     report: dict) -> None:
+    """The plan's YAML (``header`` comment lines first), its markdown report and, beside it, the JSON one."""
     with open(out_path, "w", encoding="utf-8") as f:
         f.write(header)
         yaml.safe_dump(raw_config, f, sort_keys=False)
     with open(report_path, "w", encoding="utf-8") as f:
-        f.write(report_markdown(result, profile, slo, workload, command))
+        f.write(markdown)
     with open(os.path.splitext(report_path)[0] + ".json", "w", encoding="utf-8") as f:
-        json.dump(report_json(result, slo, workload, command), f, indent=1)
+        json.dump(report, f, indent=1)
 
 
 def _fmt(x: float, digits: int = 3) -> str:
