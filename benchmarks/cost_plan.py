@@ -112,6 +112,21 @@ def write_md(result: dict, path: str) -> None:
         worst = min(saved_col, key=lambda x: x[0])
         lines.append(f"- Against the best single type colocated: from {worst[0]:+.0%} to {best[0]:+.0%} "
                      f"(median {sorted(x[0] for x in saved_col)[len(saved_col) // 2]:+.0%}).")
+    cheapest = {"heterogeneous": 0, "colocated": 0, "tie": 0}
+    low_col = high_het = 0
+    for g in result["groups"]:
+        for i, row in enumerate(g["rows"]):
+            h, c = cost_of(row, "heterogeneous"), cost_of(row, "colocated")
+            if h and c:
+                key = "tie" if abs(h - c) < 0.01 else ("heterogeneous" if h < c else "colocated")
+                cheapest[key] += 1
+                low_col += i == 0 and key == "colocated"
+                high_het += i == len(g["rows"]) - 1 and key == "heterogeneous"
+    lines.append(f"- Disaggregated (a GPU type per pool) vs colocated, per point: disaggregated cheaper at "
+                 f"{cheapest['heterogeneous']}, colocated cheaper at {cheapest['colocated']}, equal at {cheapest['tie']}. "
+                 f"Colocated wins the lowest rate of {low_col} of {len(result['groups'])} (model, workload, SLO) groups: "
+                 "a disaggregated plan rents at least one instance per pool, which a light load does not fill; "
+                 f"disaggregation wins the highest rate of {high_het} of them.")
     lines += ["", "## Search time", "",
               "| model | workload | SLO | options screened | screening (s) | first plan (s) | total for one rate (s) |",
               "|---|---|---|---:|---:|---:|---:|"]
@@ -130,6 +145,7 @@ def plot(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     models = list(dict.fromkeys(g["model"] for g in result["groups"]))
     workloads = list(dict.fromkeys(g["workload"] for g in result["groups"]))
@@ -150,6 +166,10 @@ def plot(result: dict, path: str) -> None:
                     label=f"{LABELS[kind]}" if g["tightness"] == "tight" else None)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks([row["rate"] for row in g["rows"]])
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            axis.set_minor_formatter(ticker.NullFormatter())
         ax.set_title(f"{g['model']}, {g['workload']}", fontsize=8)
         ax.set_xlabel("req/s", fontsize=7)
         ax.set_ylabel("$/h", fontsize=7)
