@@ -24,7 +24,10 @@ instance, and loads add up. ``mixing`` restricts the solution to what the servin
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,8 +161,9 @@ def solve_packing(problem: PackingProblem, time_limit_s: float = 30.0) -> Packin
     integrality[n_o + n_x:] = 1
     lower = np.zeros(n_var)
     upper_b = np.concatenate([np.array(upper, dtype=float), np.ones(n_x), np.ones(len(selectors))])
-    res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
-               bounds=Bounds(lower, upper_b), options={"time_limit": time_limit_s})
+    with _native_stdout_silenced():
+        res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
+                   bounds=Bounds(lower, upper_b), options={"time_limit": time_limit_s})
     if res.x is None or res.status not in (0, 1):  # 0: optimal; 1: time limit with a feasible point
         return None
     counts = {options[o].key: int(round(res.x[o])) for o in range(n_o) if round(res.x[o]) > 0}
@@ -167,3 +171,18 @@ def solve_packing(problem: PackingProblem, time_limit_s: float = 30.0) -> Packin
               if res.x[x_at[(o, s)]] > 1e-9}
     return Packing(counts, shares, sum(options[o].price_per_hour * n for o, n in
                                        ((i, counts.get(opt.key, 0)) for i, opt in enumerate(options))))
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """HiGHS (C++) may print solver diagnostics straight to file descriptor 1, past ``disp=False``: keep
+    them out of the planner's output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

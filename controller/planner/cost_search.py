@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -380,7 +381,8 @@ class CostPlanner:
         gpus = {t.name: t for t in self.space.catalog.types}
         jobs = [(task, gpus[task.gpu], self.space, self.slo, self.workload.seed) for _, task, _ in tasks]
         if self.space.workers > 1:
-            with ProcessPoolExecutor(self.space.workers) as pool:
+            # spawned, not forked: the caller may hold threads (Ray, gRPC) a forked child would inherit mid-lock
+            with ProcessPoolExecutor(self.space.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
                 caps = list(tqdm(pool.map(_screen, jobs), total=len(jobs), desc="plan: screening options",
                                  disable=not self.progress, dynamic_ncols=True))
         else:

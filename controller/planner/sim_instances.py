@@ -162,8 +162,8 @@ class _Instance:
         self.busy_s += duration
 
         def finish() -> None:
+            done()  # still busy: what the step's outputs set off (a request placed here) waits for the next step
             self.busy = False
-            done()
             calls, self._calls = self._calls, []
             for call in calls:
                 call()
