@@ -108,14 +108,6 @@ class _LoopActor:
     def _pass_log(self):
         return self.worker.pass_log
 
-    def connect_migration(self, destination: str, host: str, port: int, generation: int,
-                          destination_tp: int = 1) -> None:
-        """A decode rank's channels to the ranks of ``destination`` it sends its heads to when a request
-        migrates there."""
-        from kv_transfer.channel import Rendezvous
-
-        self.follower.connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
-
     def ping(self) -> str:
         if self._crashed:
             raise RuntimeError(f"worker loop crashed: {self._crashed}")
