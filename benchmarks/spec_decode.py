@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--min-run-ms", type=float, default=250.0,
                     help="cells with short steps run more steps per run (up to 8x --steps) to last this long")
-    # a policy decision lasts DecodeWorker.CHOICE_REUSE_STEPS (4) steps, and a new cell first tries each
+    # a policy decision lasts CHOICE_REUSE_STEPS (4, decode_worker/policy.py) steps, and a new cell first tries each
     # k whose cost it has not measured there (up to max_k decisions): 64 steps cover that
     ap.add_argument("--adaptive-warmup", type=int, default=64,
                     help="steps the adaptive policy decodes on a cell before it is measured")

@@ -101,8 +101,6 @@ class _Live:
 class DecodeWorker:
     """Owns a paged KV cache, a drafter and the speculation policy for one decode instance."""
 
-    CHOICE_REUSE_STEPS = CHOICE_REUSE_STEPS  # decode_worker/policy.py: a k decision lasts this many steps
-
     def __init__(self, model: LoadedModel | str, config: DecodeWorkerConfig = DecodeWorkerConfig(),
                  instance_id: str = "decode-0", transfer: TransferConfig | None = None, tp: TPGroup | None = None):
         """``transfer``: receive prompts' KV from prefill workers (a ``KVReceiver`` under ``instance_id``);
@@ -462,8 +460,9 @@ class DecodeWorker:
                 continue
             full = seq.num_computed // bs  # blocks whose every position holds final KV
             if full > m.blocks_sent:
-                legs.send_round(m.request_id, list(seq.block_table.blocks), full)
-                rounds.append([m.request_id, list(seq.block_table.blocks), full])
+                blocks = list(seq.block_table.blocks)
+                legs.send_round(m.request_id, blocks, full)
+                rounds.append([m.request_id, blocks, full])
                 m.blocks_sent = full
             m.rounds += 1
         legs.flush()
@@ -484,9 +483,10 @@ class DecodeWorker:
             draft = (layout.computed, layout.entries, layout.evicted)
         state = MigrationState(tuple(seq.output_ids), n, seq.sampler.generator.get_state().numpy().tobytes().hex(),
                                live.stream.sent, draft)
-        self.migration_legs.end(seq.request_id, list(seq.block_table.blocks), n, state.encode(), draft_kv)
+        blocks = list(seq.block_table.blocks)
+        self.migration_legs.end(seq.request_id, blocks, n, state.encode(), draft_kv)
         m.stopped = True
-        return [seq.request_id, list(seq.block_table.blocks), n]
+        return [seq.request_id, blocks, n]
 
     def _cancel_outgoing(self, request_id: str) -> bool:
         if self._outgoing.pop(request_id, None) is None:
@@ -614,7 +614,7 @@ class DecodeWorker:
             self._cached_choice = (key, cached[1] - 1, cached[2])
             return cached[2].k, cached[2]
         choice = self._adaptive_choice([lv.seq for lv in lives])
-        self._cached_choice = (key, self.CHOICE_REUSE_STEPS - 1, choice)
+        self._cached_choice = (key, CHOICE_REUSE_STEPS - 1, choice)
         return choice.k, choice
 
     def _adaptive_choice(self, seqs: list[Sequence]) -> KChoice:

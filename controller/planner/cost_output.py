@@ -97,8 +97,10 @@ def report_markdown(result: CostPlanResult, space: CostSpace, slo: SLOTarget, wo
               "| plan | pools | GPUs | $/h | program's $/h | attainment at the rate | goodput (req/s) | binding SLO "
               "| note |",
               "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    def att(x: float) -> str:
+        return "-" if math.isnan(x) else f"{x:.1%}"
+
     for p in result.plans:
-        att = (lambda x: "-" if math.isnan(x) else f"{x:.1%}")
         lines.append(f"| {PLAN_LABELS[p.name]} | {p.describe() if p.pools else '-'} | {p.gpus} | "
                      f"{_fmt(p.cost_per_hour)} | {_fmt(p.milp_cost_per_hour)} | {att(p.attainment)} | "
                      f"{'>= ' if p.goodput_capped else ''}{_fmt(p.goodput)} | {p.binding} | {p.note} |")
@@ -127,7 +129,7 @@ def report_json(result: CostPlanResult, slo: SLOTarget, workload: Workload, comm
         return {"name": p.name, "describe": p.describe() if p.pools else None, "mode": p.mode, "gpus": p.gpus,
                 "cost_per_hour": p.cost_per_hour if p.pools else None,
                 "program_cost_per_hour": None if math.isnan(p.milp_cost_per_hour) else p.milp_cost_per_hour,
-                "meets_slo": p.meets_slo, "verified": p.verified,
+                "meets_slo": p.meets_slo, "verified": p.name != "mixed" and bool(p.pools),
                 "attainment": None if math.isnan(p.attainment) else p.attainment,
                 "ttft_attainment": None if math.isnan(p.ttft_attainment) else p.ttft_attainment,
                 "tpot_attainment": None if math.isnan(p.tpot_attainment) else p.tpot_attainment,

@@ -80,6 +80,7 @@ class RequestSlice:
     """Requests whose prompt and output lengths fall in one bucket; ``share``: of all requests."""
 
     name: str
+    prompt_bucket: int  # slices of one prompt bucket share a prefill capacity (it depends on prompts only)
     prompt_range: tuple[int, int]
     output_range: tuple[int, int]
     share: float
@@ -102,7 +103,7 @@ def make_slices(lengths: list[tuple[int, int]], prompt_buckets: int, output_buck
         for j, group in enumerate(_split(p_group, o_edges, key=lambda r: r[1])):
             if group:
                 ps, os_ = [p for p, _ in group], [o for _, o in group]
-                out.append(RequestSlice(f"p{i}o{j}", (min(ps), max(ps)), (min(os_), max(os_)),
+                out.append(RequestSlice(f"p{i}o{j}", i, (min(ps), max(ps)), (min(os_), max(os_)),
                                         len(group) / len(lengths), tuple(group)))
     return out
 
@@ -115,8 +116,8 @@ def _split(items, edges: list[int], key) -> list[list]:
 
 
 class SliceWorkload:
-    """A slice's requests as ``search.Planner`` asks for them: at each rate, Poisson arrivals spanning at
-    least ``duration_s`` (at most ``max_requests``), lengths drawn from the slice (seeded)."""
+    """A slice's requests at a rate: Poisson arrivals spanning at least ``duration_s`` (at most
+    ``max_requests``), lengths drawn from the slice (seeded)."""
 
     def __init__(self, lengths: tuple[tuple[int, int], ...], seed: int, duration_s: float, max_requests: int,
                  min_requests: int = 60):
@@ -175,7 +176,6 @@ class CostPlan:
     mode: str  # disaggregated | colocated
     pools: dict[str, PoolChoice]
     milp_cost_per_hour: float
-    verified: bool = False  # simulated whole (mixed plans are not: the router cannot serve them)
     meets_slo: bool = False  # the simulation met the attainment target
     attainment: float = math.nan
     ttft_attainment: float = math.nan
@@ -205,13 +205,13 @@ class CostPlanResult:
     rate: float
     slices: list[RequestSlice]
     options: list[InstanceOption]
-    option_info: dict[str, ScreenTask]
     plans: list[CostPlan]
     skipped: dict[str, str] = field(default_factory=dict)  # GPU type -> why it was left out
 
     @property
     def best(self) -> CostPlan:
-        """The cheapest verified plan that serves with today's router (heterogeneous or single-type)."""
+        """The cheapest plan that met the target in simulation and that today's router serves (a GPU type per
+        pool, one type, or colocated)."""
         ok = [p for p in self.plans if p.meets_slo and p.name in ("heterogeneous", "single_type", "colocated")]
         if not ok:
             raise PlanError("no plan met the SLO attainment target in simulation at this rate (see the report)")
@@ -240,7 +240,7 @@ def _screen(args: tuple) -> float:
     # prefill is screened on TTFT alone: one output token each, so the (idle) decode pool simulates no steps
     lengths = tuple((p, 1) for p, _ in task.lengths) if task.pool == "prefill" else task.lengths
     workload = SliceWorkload(lengths, seed, space.screen_duration_s, space.screen_max_requests)
-    cap = profile.costs(task.tp).kv_capacity_tokens
+    cap = task.kv_tokens
     if task.pool == "colocated":
         cfg = SimConfig("colocated", colocated=PoolPlan(1, task.tp, 1, cap, space.prefill_token_budget,
                                                         space.decode_max_num_seqs),
@@ -352,9 +352,9 @@ class CostPlanner:
             for tp in self._tps(gpu):
                 kv = self.profiles[gpu].costs(tp).kv_capacity_tokens
                 # prefill capacity depends on the prompts only: one task per prompt bucket
-                by_prompt: dict[str, list[int]] = {}
+                by_prompt: dict[int, list[int]] = {}
                 for i, s in enumerate(slices):
-                    by_prompt.setdefault(s.name.split("o")[0], []).append(i)
+                    by_prompt.setdefault(s.prompt_bucket, []).append(i)
                 for idx in by_prompt.values():
                     lengths = tuple(x for i in idx for x in slices[i].lengths)
                     tasks.append((f"prefill {gpu} tp{tp}", ScreenTask(gpu, "prefill", tp, None, lengths, kv), idx))
@@ -367,10 +367,6 @@ class CostPlanner:
                         tasks.append((f"colocated {gpu} tp{tp}", ScreenTask(gpu, "colocated", tp, None, s.lengths, kv),
                                       [i]))
         return tasks
-
-    def run(self, rate: float) -> CostPlanResult:
-        """Screen (once) and plan for ``rate``."""
-        return self.plan(rate)
 
     def screen(self) -> tuple[list[InstanceOption], dict[str, ScreenTask]]:
         """Every option's capacity per slice, by simulation (computed once)."""
@@ -429,7 +425,7 @@ class CostPlanner:
                          disable=not self.progress, dynamic_ncols=True):
             self._verify(plan, limits, rate)
         _reconcile(plans)
-        return CostPlanResult(rate, slices, options, info, plans, dict(self.skipped))
+        return CostPlanResult(rate, slices, options, plans, dict(self.skipped))
 
     def _plan(self, name: str, packing: Packing, info: dict[str, ScreenTask], gpus: dict[str, GPUType]) -> CostPlan:
         pools: dict[str, PoolChoice] = {}
@@ -508,9 +504,8 @@ class CostPlanner:
             plan.added += 1
         plan.attainment, plan.ttft_attainment, plan.tpot_attainment = a.both, a.ttft_only, a.tpot_only
         if a.both >= self.slo.attainment:
-            plan.verified = plan.meets_slo = True
+            plan.meets_slo = True
             self._goodput(plan, rate)
             return
-        plan.verified = True
         plan.note = (f"misses the {self.slo.attainment:.0%} target in simulation ({plan.attainment:.1%}) after "
                      f"{plan.added} added instances")

@@ -13,6 +13,7 @@ Every error names its field path (``gpus.L4.price_per_gpu_hour: must be > 0, got
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -212,7 +213,9 @@ def _read(path: str):
         raise CatalogError(f"--gpu-catalog: {path} is not valid YAML: {err}") from None
 
 
+@functools.cache
 def default_catalog() -> GPUCatalog:
+    """The default table (read once: a catalogue is immutable)."""
     return parse_catalog(_read(DEFAULT_CATALOG), source=DEFAULT_CATALOG)
 
 

@@ -157,7 +157,7 @@ def run_cost(args: argparse.Namespace) -> int:
         print(f"planning the cheapest cluster for {args.rate:g} req/s of {workload.describe()}: GPU types "
               + ", ".join(f"{t.name} ${t.price_per_gpu_hour:g}/h" for t in catalog.types)
               + f"; decode speculation: {'; '.join(describe_spec(s) for s in space.speculation)}", file=sys.stderr)
-        result = CostPlanner(space, slo, workload).run(args.rate)
+        result = CostPlanner(space, slo, workload).plan(args.rate)
         base = args.base_config or os.path.join(CONFIG_DIR, "gpu-8xa100-llama3.1-8b.yaml")
         raw = cost_plan_config(result.best, space, base, args.out, slo)
     except (CatalogError, ProfileError, PlanError) as err:
