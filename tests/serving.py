@@ -81,6 +81,12 @@ def wait_all_free(address, timeout=20.0):
     return free_blocks(address)
 
 
+def assert_all_free(address) -> None:
+    """Every instance's KV blocks are free again (nothing leaked)."""
+    blocks = wait_all_free(address)
+    assert all(free == total for free, total in blocks.values()), blocks
+
+
 class Stream:
     """A Generate stream consumed on a thread: its token ids as they arrive."""
 

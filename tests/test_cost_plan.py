@@ -52,7 +52,7 @@ def test_search_splits_pools_across_types_and_verifies_every_plan(catalog_file):
     space = CostSpace(catalog, "llama-3.1-8b", tensor_parallel=(1,), workers=2)
     workload = Workload(shape=workload_shape("long_doc"), num_requests=200, seed=0)
     planner = CostPlanner(space, SLO, workload, progress=False)
-    result = planner.run(RATE)
+    result = planner.plan(RATE)
     plans = {p.name: p for p in result.plans}
     hetero, single, mixed = plans["heterogeneous"], plans["single_type"], plans["mixed"]
     # prefill on the compute type, decode on the bandwidth type: cheaper than either type alone

@@ -11,7 +11,7 @@ import pytest
 from controller.cli import main as cli_main
 from controller.client import Client
 from modeling.sampling import SamplingParams
-from tests.serving import Stream, migration_config, prompts_of, running_server, wait_all_free
+from tests.serving import Stream, assert_all_free, migration_config, prompts_of, running_server
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,7 @@ def test_request_migrates_there_and_back_mid_stream_with_identical_output(server
         assert c.status().migrations_committed >= 2
     assert stream.join() == want
     assert stream.final.usage["completion_tokens"] == len(want)
-    blocks = wait_all_free(server)
-    assert all(free == total for free, total in blocks.values()), blocks
+    assert_all_free(server)
 
 
 def test_seeded_sampling_is_unchanged_by_migration(server):
@@ -75,8 +74,7 @@ def test_drain_empties_a_busy_instance_without_failing_a_request(server, referen
         assert [s.join() for s in streams] == want
         undo = c.drain("decode-0", undo=True)
         assert undo.instance == "decode-0" and not undo.drained
-    blocks = wait_all_free(server)
-    assert all(free == total for free, total in blocks.values()), blocks
+    assert_all_free(server)
 
 
 @pytest.mark.parametrize("request_id, destination, code, field", [
@@ -120,8 +118,7 @@ def test_a_migration_aborted_mid_rounds_leaves_the_request_on_its_source(server,
             c.migrate("aborted", timeout_s=-1)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("timeout_s")
     assert stream.join() == want
-    blocks = wait_all_free(server)
-    assert all(free == total for free, total in blocks.values()), blocks
+    assert_all_free(server)
 
 
 def test_source_dying_after_the_commit_does_not_touch_the_request(server, reference):

@@ -10,7 +10,7 @@ import pytest
 
 from controller.client import Client
 from modeling.sampling import SamplingParams
-from tests.serving import Stream, migration_config, prompts_of, running_server, wait_all_free
+from tests.serving import Stream, assert_all_free, migration_config, prompts_of, running_server
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +18,6 @@ def server(llama_dir):
     cfg = migration_config(llama_dir, decode_tp=2)
     with running_server(cfg) as address:
         yield address
-
-
-def _all_free(address):
-    blocks = wait_all_free(address)
-    assert all(free == total for free, total in blocks.values()), blocks
 
 
 def test_tp_request_migrates_there_and_back_with_identical_output(server, reference):
@@ -39,7 +34,7 @@ def test_tp_request_migrates_there_and_back_with_identical_output(server, refere
         assert back.committed, back.reason
         assert (back.source, back.destination) == (there.destination, there.source)
     assert stream.join() == want
-    _all_free(server)
+    assert_all_free(server)
 
 
 def test_tp_migration_aborted_mid_rounds_stays_on_its_source(server, reference):
@@ -55,7 +50,7 @@ def test_tp_migration_aborted_mid_rounds_stays_on_its_source(server, reference):
         res = c.migrate("tp-aborted")  # the channels of every rank still work after the abort
         assert res.committed, res.reason
     assert stream.join() == want
-    _all_free(server)
+    assert_all_free(server)
 
 
 def test_tp_drain_empties_a_busy_instance(server, reference):
@@ -71,4 +66,4 @@ def test_tp_drain_empties_a_busy_instance(server, reference):
         assert {i.name: i for i in c.status().instances}["decode-0"].running == 0
         assert [s.join() for s in streams] == want
         c.drain("decode-0", undo=True)
-    _all_free(server)
+    assert_all_free(server)
