@@ -190,11 +190,17 @@ class AcceptanceEstimator:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per sequence from one step with k drafts: 1 + sum_i prod_{j <= i} rate_at(j)."""
+        return self.expected_tokens_upto(k)[k]
+
+    def expected_tokens_upto(self, max_k: int) -> list[float]:
+        """``expected_tokens(k)`` for k = 0 .. max_k, in one pass."""
+        out = [1.0]
         total, chain = 1.0, 1.0
-        for depth in range(1, k + 1):
+        for depth in range(1, max_k + 1):
             chain *= min(max(self.rate_at(depth), 0.0), 1.0)
             total += chain
-        return total
+            out.append(total)
+        return out
 
     def observe(self, proposed: int, accepted: int) -> None:
         """One sequence's verification: ``accepted`` of ``proposed`` drafts (a prefix) were accepted."""
@@ -384,6 +390,7 @@ class AdaptiveK:
         plain = target_pass(0)
         cell = StepCorrection.cell(plain.seqs, plain.kv_tokens)
         draft_factor = self.correction.draft_factor(cell)
+        expected = self.acceptance.expected_tokens_upto(self.max_k)
         for k in range(self.max_k + 1):
             if k > 0:
                 draft_time += self.draft_cost.predict(draft_pass(k - 1))
@@ -391,7 +398,7 @@ class AdaptiveK:
             step = draft_time * draft_factor + verify_time * self.correction.factor(k, cell)
             if self.tpot_slo_s is not None and step > self.tpot_slo_s and k > 0:
                 break  # larger k only costs more
-            rate = plain.seqs * self.acceptance.expected_tokens(k) / step
+            rate = plain.seqs * expected[k] / step
             candidates[k] = KChoice(k, rate, step, draft_time, verify_time, cell)
             if best is None or rate > best.expected_tokens_per_s:
                 best = candidates[k]

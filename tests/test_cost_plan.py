@@ -14,7 +14,7 @@ import yaml
 
 from controller.cli import main as cli_main
 from controller.config import load_config
-from controller.planner.cost_search import (CostPlanner, CostSpace, geometric_bisection, make_slices)
+from controller.planner.cost_search import (CostPlanner, CostSpace, geometric_bisection, make_slices, steady_span_s)
 from controller.planner.gpu_catalog import load_catalog
 from controller.planner.search import SLOTarget, Workload
 from controller.planner.workload import workload_shape
@@ -45,6 +45,12 @@ def test_slices_cut_at_quantiles_and_bisection_finds_the_threshold():
     x = geometric_bisection(lambda r: r <= 7.3, 100.0, 10)
     assert 7.0 < x <= 7.3
     assert geometric_bisection(lambda r: True, 5.0, 3) == 5.0 and geometric_bisection(lambda r: False, 5.0, 3) == 0.0
+    # a guess below the threshold is no cap: the bracket grows upwards, in factors of the span
+    x = geometric_bisection(lambda r: r <= 37.0, 5.0, 8, span=4.0, grow=4)
+    assert 36.0 < x <= 37.0
+    assert geometric_bisection(lambda r: True, 5.0, 8, span=4.0, grow=2) == 80.0  # grown twice, then capped
+    # arrivals span two lifetimes of a request that just meets the SLOs: TTFT + (mean output - 1) x TPOT
+    assert steady_span_s(SLOTarget(15.0, 0.1, 0.9), 513) == pytest.approx(2 * (15.0 + 51.2))
 
 
 def test_search_splits_pools_across_types_and_verifies_every_plan(catalog_file):

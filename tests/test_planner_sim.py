@@ -18,7 +18,7 @@ from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, Acc
 from controller.planner.search import (NO_SPECULATION, Planner, PlanError, SearchSpace, SLOTarget, Workload,
                                        speculation_space)
 from controller.planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
-from controller.planner.slo import RequestOutcome, attainment, goodput
+from controller.planner.slo import AttainmentWatch, RequestOutcome, attainment, goodput
 from controller.planner.workload import RequestSpec, make_trace, workload_shape
 from decode_worker.config import SpeculationConfig
 
@@ -30,13 +30,13 @@ def fitted(features, coefs) -> FittedModel:
 
 
 def make_profile(prefill_per_token=1e-4, step_s=0.01, rate=0.7, tps=(1,), transfer_per_token=0.0,
-                 capacity=1 << 20, draft_step_s=0.002) -> Profile:
-    """prefill: 5 ms + per-token cost; decode pass: ``step_s`` flat; draft pass: ``draft_step_s`` flat;
-    TP t divides every cost by t."""
+                 capacity=1 << 20, draft_step_s=0.002, per_seq_s=0.0) -> Profile:
+    """prefill: 5 ms + per-token cost; decode pass: ``step_s`` + ``per_seq_s`` per sequence; draft pass:
+    ``draft_step_s`` flat; TP t divides every cost by t."""
     costs = tuple(InstanceCosts(
         t, 1,
         fitted(PREFILL_FEATURES, (5e-3 / t, 0.0, prefill_per_token / t, 0.0, 0.0)),
-        fitted(PASS, (step_s / t, 0.0, 0.0, 0.0)),
+        fitted(PASS, (step_s / t, per_seq_s / t, 0.0, 0.0)),
         {"self_sparse": fitted(PASS, (draft_step_s / t, 0.0, 0.0, 0.0))},
         capacity * t) for t in tps)
     return Profile("test hardware", "gpu-test", 8, "test-model", 1000, 64, "analytical", costs,
@@ -134,6 +134,64 @@ def test_attainment_falls_with_rate_and_unfinished_requests_miss():
     res = simulate(prof, disagg(), make_trace(shape, 50.0, 100, seed=3), time_limit_s=0.5)
     assert any(not r.finished for r in res.records)
     assert all(not o.ok for r, o in zip(res.records, res.outcomes()) if not r.finished)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+@pytest.mark.parametrize("slo", ["both", "ttft_only", "tpot_only"])
+def test_a_watched_simulation_stops_early_with_the_full_runs_verdict(mode, slo):
+    prof = make_profile(prefill_per_token=1e-5, step_s=0.01, per_seq_s=0.002)
+    cfg = disagg(SpeculationConfig(k=2), decode_capacity=400_000) if mode == "disaggregated" else SimConfig(
+        "colocated", colocated=PoolPlan(1, 1, 1, 40_000, 512, 64))
+    shape = workload_shape("long_doc")
+    verdicts, stopped = [], 0
+    for rate in (4.0, 8.0, 16.0, 32.0, 64.0):
+        trace = make_trace(shape, rate, 80, seed=5)
+        full = getattr(attainment(simulate(prof, cfg, trace, seed=1).outcomes(), 1.0, 0.03), slo)
+        for target in (0.5, 0.9):
+            watch = AttainmentWatch(len(trace), 1.0, 0.03, target, slo)
+            res = simulate(prof, cfg, trace, seed=1, watch=watch)
+            assert res.verdict == (full >= target), (rate, target, full)
+            verdicts.append(res.verdict)
+            stopped += sum(not r.finished for r in res.records) > 0
+    assert True in verdicts and False in verdicts  # the rates span both answers
+    assert stopped >= 4  # decided runs stop before every request finishes
+
+
+def test_attainment_watch_decides_once_the_settled_requests_do():
+    w = AttainmentWatch(10, 1.0, 0.1, 0.8)
+    for i in range(7):
+        w.finished(i, 0.5, 0.05)
+    assert w.verdict is None and w.binding == "-"
+    w.finished(7, 2.0, 0.05)  # late first token
+    w.finished(7, 0.5, 0.05)  # settled already: not a hit
+    assert w.verdict is None and (w.hits, w.misses) == (7, 1)
+    w.miss(8, tpot=True)
+    w.miss(9, ttft=True)
+    assert w.verdict is False and w.binding == "TTFT"
+    w = AttainmentWatch(10, 1.0, 0.1, 0.8, "ttft_only")
+    for i in range(8):
+        w.finished(i, 0.5, 9.0)  # TPOT is not watched
+    assert w.verdict is True
+    with pytest.raises(ValueError, match="slo: must be one of both, ttft_only, tpot_only"):
+        AttainmentWatch(10, 1.0, 0.1, 0.8, "p99")
+
+
+def test_the_simulators_block_pool_counts_blocks_as_the_real_one_does():
+    from controller.planner.sim_instances import CountingBlockPool
+    from modeling.block_pool import BlockTable
+    from modeling.errors import OutOfBlocksError
+    pool = CountingBlockPool(10, 16)
+    table = BlockTable(16)
+    assert table.ensure_capacity(pool, 100) and pool.num_free == 3 and len(table.blocks) == 7
+    with pytest.raises(OutOfBlocksError, match="need 4 KV blocks, 3 free of 10"):
+        pool.allocate(4)
+    assert pool.num_free == 3  # a refused allocation takes nothing
+    table.truncate(pool, 40)
+    assert pool.num_free == 7
+    table.release(pool)
+    assert pool.num_free == 10
+    with pytest.raises(ValueError, match="freed more often"):
+        pool.free([0])
 
 
 def test_slo_goodput_interpolates():

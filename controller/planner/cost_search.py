@@ -36,14 +36,23 @@ from controller.planner.gpu_catalog import GPUCatalog, GPUType
 from controller.planner.profile import AcceptanceEntry, Profile, ProfileError
 from controller.planner.search import NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec
 from controller.planner.simulator import PoolPlan, SimConfig, simulate
-from controller.planner.slo import attainment
+from controller.planner.slo import AttainmentWatch, attainment
 from controller.planner.workload import RequestSpec, arrival_times
 from decode_worker.config import SpeculationConfig
 
 POOLS = ("prefill", "decode")
 NON_BINDING = 64  # instances of the other pool while one option is screened
-BURST = 64  # requests of the burst whose throughput (x BURST_MARGIN) bounds an option's capacity from above
-BURST_MARGIN = 1.5
+BURST = 64  # requests of the burst whose throughput is the first guess of an option's capacity
+BRACKET_SPAN = 4.0  # capacity is bracketed in factors of this, then bisected CostSpace.bisect_steps times
+# Arrivals of a simulation at a rate span at least this many lifetimes of a request that just meets the SLOs
+# (TTFT + mean output x TPOT): a shorter span is a transient, whose batch never grows to the rate's steady
+# state and whose queue never waits longer than the TTFT SLO allows, so an overload would pass.
+STEADY_LIFETIMES = 2.0
+
+
+def steady_span_s(slo: SLOTarget, mean_output_tokens: float) -> float:
+    """How long arrivals at a rate must span to measure that rate sustained (``STEADY_LIFETIMES``)."""
+    return STEADY_LIFETIMES * (slo.ttft_s + max(0.0, mean_output_tokens - 1) * slo.tpot_s)
 
 
 @dataclass(frozen=True)
@@ -64,9 +73,10 @@ class CostSpace:
     decode_max_num_seqs: int = 128
     max_concurrent: int = 1024
     transfer_gbps: float = 25.0
-    screen_duration_s: float = 10.0  # arrivals per screening simulation span at least this long
+    screen_duration_s: float = 10.0  # arrivals per screening simulation span at least this long (and
+    # at least steady_span_s)
     screen_max_requests: int = 1500
-    bisect_steps: int = 6
+    bisect_steps: int = 5  # capacities to a factor of BRACKET_SPAN ** (1 / 2 ** bisect_steps): 4.4 %
     workers: int = 2  # processes screening in parallel
 
     def __post_init__(self) -> None:
@@ -233,13 +243,15 @@ def _worker_profile(gpu: GPUType, model: str, tps: tuple[int, ...], transfer_gbp
 
 def _screen(args: tuple) -> float:
     """Capacity (req/s) of one instance of the task's option on its requests (a worker process's job): the
-    highest Poisson rate whose simulation meets the attainment target, found by geometric bisection below
-    the instance's saturated throughput (one simulation of a burst), which bounds it from above."""
+    highest Poisson rate whose simulation meets the attainment target, bracketed from the throughput of one
+    simulated burst and found by geometric bisection. Each simulation stops once its verdict is decided
+    (``AttainmentWatch``)."""
     task, gpu, space, slo, seed = args
     profile = _worker_profile(gpu, space.model, space.tensor_parallel, space.transfer_gbps, space.acceptance)
     # prefill is screened on TTFT alone: one output token each, so the (idle) decode pool simulates no steps
     lengths = tuple((p, 1) for p, _ in task.lengths) if task.pool == "prefill" else task.lengths
-    workload = SliceWorkload(lengths, seed, space.screen_duration_s, space.screen_max_requests)
+    span = max(space.screen_duration_s, steady_span_s(slo, sum(o for _, o in lengths) / len(lengths)))
+    workload = SliceWorkload(lengths, seed, span, space.screen_max_requests)
     cap = task.kv_tokens
     if task.pool == "colocated":
         cfg = SimConfig("colocated", colocated=PoolPlan(1, task.tp, 1, cap, space.prefill_token_budget,
@@ -255,28 +267,45 @@ def _screen(args: tuple) -> float:
     metric = "ttft_only" if task.pool == "prefill" else "both"
 
     def ok(rate: float) -> bool:
-        res = simulate(profile, cfg, workload.at_rate(rate), seed=seed)
-        return getattr(attainment(res.outcomes(), slo.ttft_s, slo.tpot_s), metric) >= slo.attainment
+        trace = workload.at_rate(rate)
+        watch = AttainmentWatch(len(trace), slo.ttft_s, slo.tpot_s, slo.attainment, metric)
+        return simulate(profile, cfg, trace, seed=seed, watch=watch).verdict
 
     burst = [RequestSpec(0.0, r.prompt_tokens, r.output_tokens)
              for r in SliceWorkload(lengths, seed, 0.0, BURST, BURST).at_rate(1.0)]
     res = simulate(profile, cfg, burst, seed=seed)
     if not any(r.finished for r in res.records):
         return 0.0
+    # the burst's throughput guesses the capacity; it is no bound (the burst's longest requests finish at a
+    # small batch), so the bisection brackets the capacity above the guess as well as below it
     throughput = sum(r.finished for r in res.records) / max(r.finish_s for r in res.records if r.finished)
-    return geometric_bisection(ok, throughput * BURST_MARGIN, space.bisect_steps, span=16.0)
+    return geometric_bisection(ok, throughput, space.bisect_steps, span=BRACKET_SPAN, grow=4, shrink=4)
 
 
-def geometric_bisection(ok, upper: float, steps: int, span: float = 64.0) -> float:
-    """The highest ``x`` in (0, ``upper``] with ``ok(x)`` (``ok`` monotone: true below some threshold), to a
-    factor of ``span ** (1 / 2 ** steps)``; 0 when even ``upper / span ** 2`` fails."""
-    if ok(upper):
-        return upper
-    lo, hi = upper / span, upper
-    if not ok(lo):
-        lo, hi = upper / span ** 2, lo
-        if not ok(lo):
+def geometric_bisection(ok, guess: float, steps: int, span: float = 64.0, grow: int = 0,
+                        shrink: int = 2) -> float:
+    """The highest ``x`` > 0 with ``ok(x)`` (``ok`` monotone: true below some threshold), to a factor of
+    ``span ** (1 / 2 ** steps)``. The threshold is first bracketed from ``guess`` in factors of ``span``:
+    upwards at most ``grow`` times (past that, the highest passing rate tried is returned: the threshold is at
+    least that), downwards at most ``shrink`` times (0 when even ``guess / span ** shrink`` fails)."""
+    if ok(guess):
+        lo = guess
+        for _ in range(grow):
+            if not ok(lo * span):
+                break
+            lo *= span
+        else:
+            return lo
+        hi = lo * span
+    else:
+        hi = guess
+        for _ in range(shrink):
+            if ok(hi / span):
+                break
+            hi /= span
+        else:
             return 0.0
+        lo = hi / span
     for _ in range(steps):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
@@ -314,6 +343,10 @@ class CostPlanner:
 
     def __init__(self, space: CostSpace, slo: SLOTarget, workload: Workload, progress: bool = True,
                  verify_rounds: int = 12):
+        if workload.shape is not None:  # a verification at a rate measures that rate sustained
+            sample = workload.at_rate(1.0)
+            workload = dataclasses.replace(workload, min_duration_s=max(
+                workload.min_duration_s, steady_span_s(slo, sum(r.output_tokens for r in sample) / len(sample))))
         self.space, self.slo, self.workload = space, slo, workload
         self.progress = progress
         self.verify_rounds = verify_rounds
@@ -376,14 +409,22 @@ class CostPlanner:
         tasks = self._tasks(slices)
         gpus = {t.name: t for t in self.space.catalog.types}
         jobs = [(task, gpus[task.gpu], self.space, self.slo, self.workload.seed) for _, task, _ in tasks]
+        # the longest jobs first, so that no worker is left with one at the end: decoding on the slowest, cheapest
+        # instances simulates the most steps (prefill jobs simulate no decode steps)
+        order = sorted(range(len(jobs)), key=lambda i: (tasks[i][1].pool == "prefill",
+                                                        gpus[tasks[i][1].gpu].price_per_gpu_hour * tasks[i][1].tp))
+        ordered = [jobs[i] for i in order]
         if self.space.workers > 1:
             # spawned, not forked: the caller may hold threads (Ray, gRPC) a forked child would inherit mid-lock
             with ProcessPoolExecutor(self.space.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                caps = list(tqdm(pool.map(_screen, jobs), total=len(jobs), desc="plan: screening options",
+                done = list(tqdm(pool.map(_screen, ordered), total=len(jobs), desc="plan: screening options",
                                  disable=not self.progress, dynamic_ncols=True))
         else:
-            caps = [_screen(j) for j in tqdm(jobs, desc="plan: screening options", disable=not self.progress,
+            done = [_screen(j) for j in tqdm(ordered, desc="plan: screening options", disable=not self.progress,
                                               dynamic_ncols=True)]
+        caps = [0.0] * len(jobs)
+        for i, cap in zip(order, done):
+            caps[i] = cap
         capacity: dict[str, list[float]] = {}
         info: dict[str, ScreenTask] = {}
         for (key, task, idx), cap in zip(tasks, caps):
@@ -441,13 +482,17 @@ class CostPlanner:
 
     def simulate_plan(self, plan: CostPlan, rate: float):
         """The whole plan on the workload at ``rate`` req/s: its attainment."""
-        trace = self.workload.at_rate(rate)
+        res = self._run_plan(plan, self.workload.at_rate(rate))
+        return attainment(res.outcomes(), self.slo.ttft_s, self.slo.tpot_s)
+
+    def _run_plan(self, plan: CostPlan, trace: list[RequestSpec], watch: AttainmentWatch | None = None):
+        """The whole plan on ``trace``: the simulation's result."""
         s = self.space
         if plan.mode == "colocated":
             c = plan.pools["colocated"]
             cfg = SimConfig("colocated", colocated=PoolPlan(c.instances, c.tp, 1, c.kv_tokens, s.prefill_token_budget,
                                                             s.decode_max_num_seqs), max_concurrent=s.max_concurrent)
-            res = simulate(self.profiles[c.gpu.name], cfg, trace, seed=self.workload.seed)
+            return simulate(self.profiles[c.gpu.name], cfg, trace, seed=self.workload.seed, watch=watch)
         else:
             p, d = plan.pools["prefill"], plan.pools["decode"]
             cfg = SimConfig("disaggregated",
@@ -455,26 +500,27 @@ class CostPlanner:
                                              s.prefill_max_prompts),
                             decode=PoolPlan(d.instances, d.tp, 1, d.kv_tokens, 1, s.decode_max_num_seqs),
                             speculation=d.spec or NO_SPECULATION, max_concurrent=s.max_concurrent)
-            res = simulate(self.profiles[p.gpu.name], cfg, trace, seed=self.workload.seed,
-                           decode_profile=self.profiles[d.gpu.name])
-        return attainment(res.outcomes(), self.slo.ttft_s, self.slo.tpot_s)
+            return simulate(self.profiles[p.gpu.name], cfg, trace, seed=self.workload.seed,
+                            decode_profile=self.profiles[d.gpu.name], watch=watch)
 
     def _goodput(self, plan: CostPlan, rate: float, steps: int = 3, span: float = 2.0) -> None:
         """The plan's goodput above the target rate (geometric bisection up to ``span`` x the rate), and the
-        SLO whose attainment falls below the target first."""
+        SLO that more requests missed at the lowest failing rate tried (each simulation stops once its verdict
+        is decided)."""
         failing: list = []
 
         def ok(r: float) -> bool:
-            a = self.simulate_plan(plan, r)
-            if a.both < self.slo.attainment:
-                failing.append((r, a))
-            return a.both >= self.slo.attainment
+            trace = self.workload.at_rate(r)
+            watch = AttainmentWatch(len(trace), self.slo.ttft_s, self.slo.tpot_s, self.slo.attainment)
+            if not self._run_plan(plan, trace, watch).verdict:
+                failing.append((r, watch.binding))
+                return False
+            return True
 
         plan.goodput = geometric_bisection(ok, rate * span, steps, span)
         plan.goodput_capped = not failing
         if failing:
-            a = min(failing, key=lambda f: f[0])[1]  # just above the goodput
-            plan.binding = "TTFT" if a.ttft_only < a.tpot_only else "TPOT"
+            plan.binding = min(failing)[1]  # just above the goodput
 
     def _verify(self, plan: CostPlan, limits: dict[str, int], rate: float) -> None:
         """Simulate the plan whole; while it misses the target, add an instance where it helps most: a TPOT

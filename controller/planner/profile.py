@@ -65,7 +65,21 @@ class FittedModel:
         return max(1e-7, sum(c * values[f] for f, c in zip(self.features, self.coefficients)))
 
     def predict_pass(self, shape: PassShape) -> float:
-        return self.predict(dict(zip(PASS_FEATURES, shape.features())))
+        """``predict`` of a pass's features (summed in the model's feature order, as ``predict`` does)."""
+        index = self._pass_index()
+        values = shape.features()
+        return max(1e-7, sum(c * values[i] for c, i in zip(self.coefficients, index)))
+
+    def _pass_index(self) -> tuple[int, ...]:
+        """Where each of the model's features sits in ``PassShape.features()`` (computed once per model)."""
+        index = self.__dict__.get("_pass_index_cache")
+        if index is None:
+            missing = [f for f in self.features if f not in PASS_FEATURES]
+            if missing:
+                raise ProfileError(f"cost model needs features {missing}")
+            index = tuple(PASS_FEATURES.index(f) for f in self.features)
+            object.__setattr__(self, "_pass_index_cache", index)
+        return index
 
     @staticmethod
     def fit(features: tuple[str, ...], rows: list[dict[str, float]], seconds: list[float]) -> "FittedModel":

@@ -2,7 +2,7 @@
 step, and how long the step takes.
 
 Scheduling decisions come from the real schedulers, run on plain objects (``SimSequence`` stands where a
-``modeling.sequence.Sequence`` does, over a real ``BlockPool``):
+``modeling.sequence.Sequence`` does, over a ``CountingBlockPool``, the real pool counting blocks without naming them):
 
 * prefill: ``prefill_worker.scheduler.PrefillScheduler`` (a token budget per step, prompts mid-prefill first,
   a prompt holds its blocks until its KV transfer is acknowledged). KV streams chunk by chunk over a
@@ -33,6 +33,7 @@ from decode_worker.config import SpeculationConfig
 from decode_worker.policy import CHOICE_REUSE_STEPS, AcceptanceEstimator, AdaptiveK, PassShape
 from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
+from modeling.errors import OutOfBlocksError
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
 from modeling.sequence import FinishReason, SequenceStatus
 from prefill_worker.scheduler import PrefillScheduler
@@ -63,6 +64,39 @@ class SimRequest:
     @property
     def remaining(self) -> int:
         return self.output_tokens - self.generated
+
+
+class CountingBlockPool(BlockPool):
+    """The real schedulers' block pool as the simulator runs it: blocks are counted, not named. The schedulers'
+    decisions depend on how many blocks are free, never on which, so every block id is 0 and a free returns
+    its count (no block is shared in simulation). A sequence's blocks cost O(1) to take and to return, not the
+    real pool's lowest-id-first bookkeeping per block (which dominated long-context simulations)."""
+
+    def __init__(self, num_blocks: int, block_size: int):  # no per-block state
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self.num_blocks, self.block_size, self._num_free = num_blocks, block_size, num_blocks
+
+    def refcount(self, block: int) -> int:
+        raise NotImplementedError("the simulator names no blocks")
+
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks: must be >= 0, got {num_blocks}")
+        if num_blocks > self._num_free:
+            raise OutOfBlocksError(f"need {num_blocks} KV blocks, {self._num_free} free of {self.num_blocks}")
+        self._num_free -= num_blocks
+        return [0] * num_blocks
+
+    def free(self, blocks: list[int]) -> None:
+        if self._num_free + len(blocks) > self.num_blocks:
+            raise ValueError("blocks freed more often than allocated")
+        self._num_free += len(blocks)
+
+    def incref(self, blocks: list[int]) -> None:
+        raise NotImplementedError("the simulator shares no blocks")
 
 
 class SimSequence:
@@ -110,9 +144,9 @@ class StepCosts:
         b, total = len(lens), sum(lens)
         seconds = self.target.predict_pass(PassShape(b, total + b * k, b * (k + 1))) * (
             self.cal.verify_pass_scale if k else 1.0)
+        viewed = sum(min(n, budget) for n in lens) if k else 0  # draft step s reads viewed + b * (s + 1)
         for step in range(k):
-            seconds += self.cal.draft_pass_scale * self.draft.predict_pass(
-                PassShape(b, sum(min(n, budget) + step + 1 for n in lens), b))
+            seconds += self.cal.draft_pass_scale * self.draft.predict_pass(PassShape(b, viewed + b * (step + 1), b))
         return seconds * self.cal.decode_scale
 
     def recompute(self, context: int) -> float:
@@ -198,7 +232,7 @@ class PrefillSim(_Instance):
         self.costs = costs
         self.transfer = transfer
         self.block_size = block_size
-        self.pool = BlockPool(capacity_tokens // block_size, block_size)
+        self.pool = CountingBlockPool(capacity_tokens // block_size, block_size)
         self.scheduler = PrefillScheduler(SchedulerConfig(token_budget, max_num_seqs), self.pool)
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
 
@@ -272,7 +306,7 @@ class DecodeSim(_Instance):
         self.profile = profile
         self.costs = costs
         self.block_size = block_size
-        self.scheduler = DecodeScheduler(BlockPool(capacity_tokens // block_size, block_size), max_num_seqs)
+        self.scheduler = DecodeScheduler(CountingBlockPool(capacity_tokens // block_size, block_size), max_num_seqs)
         self.spec = spec
         self.rng = rng
         self._rates: dict[int, float] = {}  # context bucket (64 tokens) -> acceptance rate
@@ -337,10 +371,11 @@ class DecodeSim(_Instance):
             return cached[2]
         lens = [seq.num_tokens for seq in self.scheduler.running.values()]
         self.acceptance.rate = sum(self._rate(n) for n in lens) / len(lens)
-        b = len(lens)
+        b, total = len(lens), sum(lens)
+        viewed = sum(min(n, self.spec.budget) for n in lens)
         choice = self.policy.choose(
-            lambda k: PassShape(b, sum(lens) + b * k, b * (k + 1)),
-            lambda step: PassShape(b, sum(min(n, self.spec.budget) + step + 1 for n in lens), b))
+            lambda k: PassShape(b, total + b * k, b * (k + 1)),
+            lambda step: PassShape(b, viewed + b * (step + 1), b))
         self._cached_k = (key, CHOICE_REUSE_STEPS - 1, choice.k)
         return choice.k
 
@@ -377,7 +412,7 @@ class ColocatedSim(_Instance):
         super().__init__(sim, name)
         self.costs = costs
         self.block_size = block_size
-        self.pool = BlockPool(capacity_tokens // block_size, block_size)
+        self.pool = CountingBlockPool(capacity_tokens // block_size, block_size)
         self.scheduler = ChunkedPrefillScheduler(SchedulerConfig(token_budget, max_num_seqs), self.pool)
         preempt = self.scheduler.preempt
 

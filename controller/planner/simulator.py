@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from controller.planner.profile import Profile, calibration_threads
 from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
 from controller.planner.sim_migration import MigrationSim, MigrationStats, SimMigration
-from controller.planner.slo import RequestOutcome
+from controller.planner.slo import AttainmentWatch, RequestOutcome
 from controller.planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
 
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from controller.planner.host_contention import HostContention
 
 MODES = ("disaggregated", "colocated")
+# a watched request misses once it is this much later than its SLO allows: far above float rounding of the
+# times (~1e-13 s), far below any latency
+DEADLINE_MARGIN_S = 1e-9
 
 
 class SimConfigError(ValueError):
@@ -187,6 +190,9 @@ class SimResult:
     instance_utilisation: dict[str, float]  # busy share of the simulated time
     k_counts: dict[int, int]  # decode steps by k (all decode instances)
     migrations: MigrationStats | None = None  # with SimConfig.migration
+    # with a watch: whether the trace attains its target; the run stops once that is decided, so requests
+    # still in flight then are recorded unfinished
+    verdict: bool | None = None
 
     def outcomes(self) -> list[RequestOutcome]:
         return [r.outcome() for r in self.records]
@@ -233,6 +239,10 @@ class Simulation:
                                      c.speculation, random.Random(rng.random())) for i in range(d.instances)]
         self.instances = self.prefill + self.decode + self.colocated
         self.open_requests = 0  # arrived or to arrive, not finished
+        self.watch: AttainmentWatch | None = None
+        # what the client sees: every token later by the request path's latency (routing before prefill,
+        # delivery after each step), which moves TTFT but not the gaps between tokens
+        self.client_delay_s = config.overhead_s + self.calibration.ttft_overhead_s
         self.migration = None if c.migration is None else MigrationSim(
             self, c.migration, profile.kv_transfer, c.speculation.max_k if c.speculation.enabled else 0)
 
@@ -247,17 +257,26 @@ class Simulation:
     def at(self, t: float, fn) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn))
 
-    def run(self, trace: list[RequestSpec], time_limit_s: float | None = None) -> SimResult:
+    def run(self, trace: list[RequestSpec], time_limit_s: float | None = None,
+            watch: AttainmentWatch | None = None) -> SimResult:
         """Simulate ``trace``; requests unfinished at ``time_limit_s`` after the last arrival count as
-        unfinished (they never attain the SLO)."""
+        unfinished (they never attain the SLO). With ``watch`` (for the trace's length), the run stops as soon
+        as the requests settled so far decide whether the trace attains the watch's target (a request settles
+        when it finishes, or misses once its first token or its last is later than its SLO allows)."""
         reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
+        if watch is not None and watch.requests != len(reqs):
+            raise ValueError(f"watch: made for {watch.requests} requests, the trace has {len(reqs)}")
+        self.watch = watch
         for req in reqs:
             self.at(req.arrival_s, lambda req=req: self._arrive(req))
+            if watch is not None and watch.checks_ttft:
+                self.at(req.arrival_s + watch.ttft_slo_s - self.client_delay_s + DEADLINE_MARGIN_S,
+                        lambda req=req: math.isnan(req.first_token_s) and watch.miss(req.index, ttft=True))
         self.open_requests = len(reqs)
         if self.migration is not None:
             self.migration.start()
         end = (max(r.arrival_s for r in reqs) + time_limit_s) if (reqs and time_limit_s is not None) else math.inf
-        while self._events and self._events[0][0] <= end:
+        while self._events and self._events[0][0] <= end and (watch is None or watch.verdict is None):
             t, _, fn = heapq.heappop(self._events)
             self.now = t
             fn()
@@ -267,15 +286,16 @@ class Simulation:
         for d in self.decode:
             for k, n in d.k_counts.items():
                 k_counts[k] = k_counts.get(k, 0) + n
-        # what the client sees: every token later by the request path's latency (routing before prefill,
-        # delivery after each step), which moves TTFT but not the gaps between tokens
-        delay = self.config.overhead_s + self.calibration.ttft_overhead_s
+        delay = self.client_delay_s
+        verdict = None
+        if watch is not None:
+            verdict = watch.verdict if watch.verdict is not None else watch.hits / watch.requests >= watch.target
         return SimResult(
             [SimRecord(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.generated,
                        r.first_token_s + delay, r.finish_s + delay, r.draft_tokens, r.accepted_tokens, r.preemptions)
              for r in reqs],
             duration, {i.name: (i.busy_s / duration if duration > 0 else 0.0) for i in instances}, k_counts,
-            None if self.migration is None else self.migration.stats)
+            None if self.migration is None else self.migration.stats, verdict)
 
     # -- the router ------------------------------------------------------------------------------------
 
@@ -325,6 +345,10 @@ class Simulation:
 
     def on_first_token(self, req: SimRequest, t: float) -> None:
         req.first_token_s = t
+        watch = self.watch
+        if watch is not None and watch.checks_tpot and req.output_tokens > 1:
+            self.at(t + watch.tpot_slo_s * (req.output_tokens - 1) + DEADLINE_MARGIN_S,
+                    lambda: math.isnan(req.finish_s) and watch.miss(req.index, tpot=True))
         if self.config.mode == "disaggregated":
             req.generated = 1
             if req.remaining <= 0:  # single-token request: done at prefill, its reservation freed
@@ -342,6 +366,10 @@ class Simulation:
 
     def on_finish(self, req: SimRequest, t: float) -> None:
         req.finish_s = t
+        if self.watch is not None:  # as SimRecord.ttft_s / tpot_s
+            tpot = (t - req.first_token_s) / (req.generated - 1) if req.generated > 1 else 0.0
+            ttft = req.first_token_s + self.client_delay_s - req.arrival_s
+            self.watch.finished(req.index, ttft, tpot)
         self.open_requests -= 1
         for inst in req.placed:
             inst.assigned.discard(req.index)
@@ -355,8 +383,9 @@ class Simulation:
 
 def simulate(profile: Profile, config: SimConfig, trace: list[RequestSpec], seed: int = 0,
              time_limit_s: float | None = None, host_contention: HostContention | None = None,
-             decode_profile: Profile | None = None) -> SimResult:
+             decode_profile: Profile | None = None, watch: AttainmentWatch | None = None) -> SimResult:
     """Convenience: one fresh :class:`Simulation` over ``trace`` (``host_contention``: the optional plug-in;
-    ``decode_profile``: the decode pool's hardware where it differs from the prefill pool's)."""
-    return Simulation(profile, config, seed, host_contention, decode_profile).run(trace, time_limit_s)
+    ``decode_profile``: the decode pool's hardware where it differs from the prefill pool's; ``watch``: stop
+    once the trace's attainment of its target is decided, see ``Simulation.run``)."""
+    return Simulation(profile, config, seed, host_contention, decode_profile).run(trace, time_limit_s, watch)
 
