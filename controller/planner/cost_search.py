@@ -42,7 +42,8 @@ from decode_worker.config import SpeculationConfig
 
 POOLS = ("prefill", "decode")
 NON_BINDING = 64  # instances of the other pool while one option is screened
-BURST = 64  # requests of the burst whose throughput is the first guess of an option's capacity
+BURST = 64  # requests arriving at once, whose throughput is the first guess of an option's capacity ...
+BURST_FINISHED = 16  # ... until this many of them finish
 BRACKET_SPAN = 4.0  # capacity is bracketed in factors of this, then bisected CostSpace.bisect_steps times
 # Arrivals of a simulation at a rate span at least this many lifetimes of a request that just meets the SLOs
 # (TTFT + mean output x TPOT): a shorter span is a transient, whose batch never grows to the rate's steady
@@ -273,11 +274,13 @@ def _screen(args: tuple) -> float:
 
     burst = [RequestSpec(0.0, r.prompt_tokens, r.output_tokens)
              for r in SliceWorkload(lengths, seed, 0.0, BURST, BURST).at_rate(1.0)]
-    res = simulate(profile, cfg, burst, seed=seed)
+    # the burst runs until BURST_FINISHED of its requests finish (a watch with no SLO and that target)
+    res = simulate(profile, cfg, burst, seed=seed,
+                   watch=AttainmentWatch(len(burst), math.inf, math.inf, BURST_FINISHED / len(burst)))
     if not any(r.finished for r in res.records):
         return 0.0
-    # the burst's throughput guesses the capacity; it is no bound (the burst's longest requests finish at a
-    # small batch), so the bisection brackets the capacity above the guess as well as below it
+    # the throughput until then guesses the capacity. It is no bound: the bisection brackets the capacity
+    # above the guess as well as below it. A guess too high costs a failing simulation, which stops early.
     throughput = sum(r.finished for r in res.records) / max(r.finish_s for r in res.records if r.finished)
     return geometric_bisection(ok, throughput, space.bisect_steps, span=BRACKET_SPAN, grow=4, shrink=4)
 
