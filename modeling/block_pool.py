@@ -23,10 +23,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
-        if block_size <= 0:
-            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self._check_size(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._refcount = [0] * num_blocks
@@ -35,6 +32,13 @@ class BlockPool:
         self._fresh = 0
         self._heap: list[int] = []
         self._num_free = num_blocks
+
+    @staticmethod
+    def _check_size(num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {block_size}")
 
     @property
     def num_free(self) -> int:

@@ -346,14 +346,14 @@ class CostPlanner:
 
     def __init__(self, space: CostSpace, slo: SLOTarget, workload: Workload, progress: bool = True,
                  verify_rounds: int = 12):
+        self.sample = workload.at_rate(1.0)  # the request sizes the slices and the screening draw from
         if workload.shape is not None:  # a verification at a rate measures that rate sustained
-            sample = workload.at_rate(1.0)
-            workload = dataclasses.replace(workload, min_duration_s=max(
-                workload.min_duration_s, steady_span_s(slo, sum(r.output_tokens for r in sample) / len(sample))))
+            mean_output = sum(r.output_tokens for r in self.sample) / len(self.sample)
+            workload = dataclasses.replace(workload, min_duration_s=max(workload.min_duration_s,
+                                                                        steady_span_s(slo, mean_output)))
         self.space, self.slo, self.workload = space, slo, workload
         self.progress = progress
         self.verify_rounds = verify_rounds
-        self.sample = workload.at_rate(1.0)  # the request sizes the slices and the screening draw from
         self.profiles: dict[str, Profile] = {}
         self.skipped: dict[str, str] = {}
         self.slices = make_slices([(r.prompt_tokens, r.output_tokens) for r in self.sample], space.prompt_buckets,
@@ -412,8 +412,9 @@ class CostPlanner:
         tasks = self._tasks(slices)
         gpus = {t.name: t for t in self.space.catalog.types}
         jobs = [(task, gpus[task.gpu], self.space, self.slo, self.workload.seed) for _, task, _ in tasks]
-        # the longest jobs first, so that no worker is left with one at the end: decoding on the slowest, cheapest
-        # instances simulates the most steps (prefill jobs simulate no decode steps)
+        # roughly the longest jobs first, so that no worker is left with a long one at the end: decode and
+        # colocated jobs before prefill ones (which simulate no decode steps), cheaper instances first (slower
+        # ones tend to hold fewer requests at once, so their simulations step through more batches)
         order = sorted(range(len(jobs)), key=lambda i: (tasks[i][1].pool == "prefill",
                                                         gpus[tasks[i][1].gpu].price_per_gpu_hour * tasks[i][1].tp))
         ordered = [jobs[i] for i in order]

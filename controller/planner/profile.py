@@ -28,6 +28,7 @@ Missing data is an error naming what is missing (``ProfileError``), never a sile
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -66,20 +67,16 @@ class FittedModel:
 
     def predict_pass(self, shape: PassShape) -> float:
         """``predict`` of a pass's features (summed in the model's feature order, as ``predict`` does)."""
-        index = self._pass_index()
         values = shape.features()
-        return max(1e-7, sum(c * values[i] for c, i in zip(self.coefficients, index)))
+        return max(1e-7, sum(c * values[i] for c, i in zip(self.coefficients, self._pass_index)))
 
+    @functools.cached_property
     def _pass_index(self) -> tuple[int, ...]:
         """Where each of the model's features sits in ``PassShape.features()`` (computed once per model)."""
-        index = self.__dict__.get("_pass_index_cache")
-        if index is None:
-            missing = [f for f in self.features if f not in PASS_FEATURES]
-            if missing:
-                raise ProfileError(f"cost model needs features {missing}")
-            index = tuple(PASS_FEATURES.index(f) for f in self.features)
-            object.__setattr__(self, "_pass_index_cache", index)
-        return index
+        missing = [f for f in self.features if f not in PASS_FEATURES]
+        if missing:
+            raise ProfileError(f"cost model needs features {missing}")
+        return tuple(PASS_FEATURES.index(f) for f in self.features)
 
     @staticmethod
     def fit(features: tuple[str, ...], rows: list[dict[str, float]], seconds: list[float]) -> "FittedModel":

@@ -73,10 +73,7 @@ class CountingBlockPool(BlockPool):
     real pool's lowest-id-first bookkeeping per block (which dominated long-context simulations)."""
 
     def __init__(self, num_blocks: int, block_size: int):  # no per-block state
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
-        if block_size <= 0:
-            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self._check_size(num_blocks, block_size)
         self.num_blocks, self.block_size, self._num_free = num_blocks, block_size, num_blocks
 
     def refcount(self, block: int) -> int:
