@@ -128,7 +128,7 @@ class GrpcTarget:
             async for chunk in self._client.generate_stream(prompt, max_tokens=max_tokens, ignore_eos=True,
                                                             request_id=request_id, **sampling):
                 now = clock()
-                if chunk.finish_reason is None:
+                if not chunk.final:
                     record.add_tokens(len(chunk.token_ids), now)
                     continue
                 u = chunk.usage

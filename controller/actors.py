@@ -303,6 +303,7 @@ class ColocatedActor(_LoopActor):
 
     def _step(self) -> list:
         from decode_worker.messages import TokenDelta
+        from modeling.forks import split_sequence_id
 
         if not self.engine.has_unfinished():
             return []
@@ -312,7 +313,11 @@ class ColocatedActor(_LoopActor):
                 self.engine.release(out.request_id)
             self._tokens_generated += len(out.new_token_ids)
             reason = out.finish_reason.value if out.finish_reason is not None else None
-            deltas.append(TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, reason))
+            rid, index = split_sequence_id(out.request_id)
+            deltas.append(TokenDelta(rid, out.new_token_ids, out.new_text, out.finished, reason,
+                                     logprobs=tuple(out.logprobs or ()),
+                                     prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
+                                     index=index))
         return deltas
 
 

@@ -10,6 +10,9 @@ Subcommands:
   run       generate locally with the single-process reference engine (no server, no Ray)
   profile   measure a config's costs on this machine, or model a GPU type analytically, for the planner
   plan      search parallelism, instance counts and speculation settings for SLOs; write the cluster YAML
+  build     compile the CPU attention kernel now (once per machine) into the cache the workers load it
+            from, so the first request does not wait for it; a failed build says so in one line and
+            exits 0 (attention then falls back to the torch backend)
 """
 
 from __future__ import annotations
@@ -39,9 +42,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
-def _add_client_args(p: argparse.ArgumentParser) -> None:
+def _add_client_args(p: argparse.ArgumentParser, operator: bool = False) -> None:
     p.add_argument("--address", default="127.0.0.1:50051", help="host:port of a magicserve server")
-    p.add_argument("--token-env", default="MAGICSERVE_TOKEN", help="environment variable holding the bearer token")
+    if operator:  # drain, migrate: the server's admin token when it has one (server.admin_token_env)
+        p.add_argument("--token-env", default="MAGICSERVE_ADMIN_TOKEN",
+                       help="environment variable holding the operator's bearer token (unset: MAGICSERVE_TOKEN's)")
+    else:
+        p.add_argument("--token-env", default="MAGICSERVE_TOKEN", help="environment variable holding the bearer token")
     p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to connect with TLS")
 
 
@@ -65,13 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(status)
     drain = sub.add_parser("drain", help="migrate every request off a decode instance and place none there "
                                          "(scale-down, maintenance)")
-    _add_client_args(drain)
+    _add_client_args(drain, operator=True)
     drain.add_argument("instance", help="the decode instance's name (see `magicserve status`)")
     drain.add_argument("--undo", action="store_true", help="take the instance back into service")
     drain.add_argument("--timeout", type=float, default=0.0, help="seconds to wait for it to empty (0: the "
                                                                   "server's default, 600)")
     migrate = sub.add_parser("migrate", help="move a decoding request to another decode instance while it streams")
-    _add_client_args(migrate)
+    _add_client_args(migrate, operator=True)
     migrate.add_argument("request_id")
     migrate.add_argument("--to", default="", help="destination decode instance (default: the freest other one)")
     migrate.add_argument("--timeout", type=float, default=0.0,
@@ -89,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(sub.add_parser("plan", help="choose a cluster config that maximises goodput under SLOs",
                                       description="Simulate candidate configurations on a profile and write the "
                                                   "best as a cluster YAML plus a report of every candidate."))
+    sub.add_parser("build", help="compile the CPU attention kernel now (once per machine)")
     return parser
 
 
@@ -192,7 +200,8 @@ def _client(args):
 
     from controller.client import Client
 
-    return Client(args.address, token=os.environ.get(args.token_env) or None, tls_ca=args.tls_ca)
+    token = os.environ.get(args.token_env) or os.environ.get("MAGICSERVE_TOKEN") or None
+    return Client(args.address, token=token, tls_ca=args.tls_ca)
 
 
 def cmd_generate(args) -> int:
@@ -203,7 +212,7 @@ def cmd_generate(args) -> int:
             for chunk in client.generate_stream(
                     args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop):
-                if chunk.finish_reason is None:
+                if not chunk.final:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                 else:
@@ -310,7 +319,7 @@ def cmd_demo(args) -> int:
                 print(f"--- prompt ---\n{prompt}", end="")
                 sys.stdout.write("\033[1m")
                 for chunk in client.generate_stream(prompt, max_tokens=args.max_tokens, **DEMO_SAMPLING):
-                    if chunk.finish_reason is None:
+                    if not chunk.final:
                         sys.stdout.write(chunk.text)
                         sys.stdout.flush()
                     else:
@@ -323,6 +332,29 @@ def cmd_demo(args) -> int:
         state["loop"].call_soon_threadsafe(state["stop"].set)
         thread.join(timeout=60)
     print(f"demo done in {time.perf_counter() - start:.1f}s; cluster shut down")
+    return 0
+
+
+def cmd_build(args) -> int:
+    """Build the CPU attention kernel into the extension cache the workers load from. A failed build prints
+    one line naming the fallback and still exits 0: it must not fail an install command."""
+    import os
+
+    from modeling.attention import cpu_kernel as kernel
+
+    if os.environ.get(kernel.DISABLE_ENV):
+        print(f"magicserve: CPU attention kernel disabled by {kernel.DISABLE_ENV}; attention uses the torch backend")
+        return 0
+    cached = os.path.exists(kernel.cpu_kernel_library())
+    print("magicserve: checking the cached CPU attention kernel ..." if cached else
+          "magicserve: building the CPU attention kernel (once per machine, tens of seconds) ...", flush=True)
+    try:
+        compiled = kernel.build_cpu_kernel()
+    except RuntimeError as err:
+        print(f"magicserve: CPU attention kernel build failed ({err}); {kernel.FALLBACK_NOTE}")
+        return 0
+    state = f"built in {kernel.cpu_kernel_build_seconds():.1f}s" if compiled else "up to date"
+    print(f"magicserve: CPU attention kernel {state} ({kernel.cpu_kernel_library()})")
     return 0
 
 
@@ -344,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "demo": cmd_demo, "run": cmd_run,
-                "profile": cmd_profile, "plan": cmd_plan, "drain": cmd_drain, "migrate": cmd_migrate}
+                "profile": cmd_profile, "plan": cmd_plan, "drain": cmd_drain, "migrate": cmd_migrate,
+                "build": cmd_build}
     try:
         return commands[args.command](args)
     except (MagicServeError, ValueError, RuntimeError) as err:

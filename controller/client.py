@@ -24,34 +24,58 @@ FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"
 
 @dataclass
 class Chunk:
-    """One streamed message: new token ids and text, or the final one (finish_reason set)."""
+    """One streamed message: new token ids and text of sequence ``index`` (with their log-probabilities
+    when asked for), or the final one (finish_reason set, usage). With n > 1 a sequence's last delta carries
+    its own finish_reason."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     usage: dict | None = None
+    index: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    final: bool = False
 
 
 @dataclass
 class Result:
+    """A whole completion: the first (with best_of, the best) sequence's tokens and text, and every sequence
+    returned in ``sequences`` (dicts: index, token_ids, text, finish_reason, logprobs, cumulative_logprob)."""
+
     request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str
     usage: dict = field(default_factory=dict)
+    logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] = field(default_factory=list)
+    sequences: list[dict] = field(default_factory=list)
 
 
-def build_request(prompt: str | list[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float | None = None,
-                  top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False, request_id: str = "",
-                  ttft_target_ms: float | None = None, tpot_target_ms: float | None = None,
-                  priority: int = 0) -> pb.GenerateRequest:
+# SamplingParameters fields that are set only when given (proto3 ``optional``)
+_OPTIONAL = ("top_p", "seed", "repetition_penalty", "logprobs", "prompt_logprobs", "skip_special_tokens",
+             "spaces_between_special_tokens", "best_of")
+
+
+def build_request(prompt: str | list[int], max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                  stop: list[str] | None = None, stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+                  request_id: str = "", ttft_target_ms: float | None = None, tpot_target_ms: float | None = None,
+                  priority: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  min_p: float = 0.0, min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
+                  include_stop_str_in_output: bool = False, n: int = 1, **optional) -> pb.GenerateRequest:
+    """A GenerateRequest; ``optional`` takes the fields unset unless given: top_p, seed, repetition_penalty,
+    logprobs, prompt_logprobs, skip_special_tokens, spaces_between_special_tokens, best_of."""
+    unknown = set(optional) - set(_OPTIONAL)
+    if unknown:
+        raise TypeError(f"build_request: unknown argument {sorted(unknown)[0]!r}")
     sampling = pb.SamplingParameters(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                     stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos)
-    if top_p is not None:
-        sampling.top_p = top_p
-    if seed is not None:
-        sampling.seed = seed
+                                     stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,
+                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                     min_p=min_p, min_tokens=min_tokens, logit_bias=logit_bias or {},
+                                     include_stop_str_in_output=include_stop_str_in_output, n=n)
+    for name, value in optional.items():
+        if value is not None:
+            setattr(sampling, name, value)
     req = pb.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority)
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -70,15 +94,27 @@ def usage_dict(u: pb.Usage) -> dict:
             "accepted_draft_tokens": u.accepted_draft_tokens}
 
 
+def logprobs_of(entries) -> list[dict]:
+    """TokenLogprob messages as dicts: token_id, logprob, rank, top [(token id, logprob), ...]."""
+    return [{"token_id": e.token_id, "logprob": e.logprob, "rank": e.rank,
+             "top": [(t.token_id, t.logprob) for t in e.top]} for e in entries]
+
+
 def to_chunk(resp: pb.GenerateResponse) -> Chunk:
     if resp.WhichOneof("kind") == "delta":
-        return Chunk(list(resp.delta.token_ids), resp.delta.text)
-    return Chunk([], "", FINISH_NAMES.get(resp.final.finish_reason, "unspecified"), usage_dict(resp.final.usage))
+        d = resp.delta
+        return Chunk(list(d.token_ids), d.text, FINISH_NAMES.get(d.finish_reason), index=d.index,
+                     logprobs=logprobs_of(d.logprobs))
+    return Chunk([], "", FINISH_NAMES.get(resp.final.finish_reason, "unspecified"), usage_dict(resp.final.usage),
+                 final=True)
 
 
 def to_result(res: pb.GenerateResult) -> Result:
+    sequences = [{"index": q.index, "token_ids": list(q.token_ids), "text": q.text,
+                  "finish_reason": FINISH_NAMES.get(q.finish_reason, "unspecified"), "logprobs": logprobs_of(q.logprobs),
+                  "cumulative_logprob": q.cumulative_logprob} for q in res.sequences]
     return Result(res.request_id, list(res.token_ids), res.text, FINISH_NAMES.get(res.finish_reason, "unspecified"),
-                  usage_dict(res.usage))
+                  usage_dict(res.usage), logprobs_of(res.logprobs), logprobs_of(res.prompt_logprobs), sequences)
 
 
 def pass_log_of(messages: list[pb.InstancePasses]) -> list[dict]:

@@ -185,6 +185,9 @@ class ServerSection:
     tls_cert: str = ""  # PEM files; both or neither
     tls_key: str = ""
     auth_token_env: str = ""  # name of an environment variable holding a bearer token ("" = no auth)
+    # the operator calls (MigrateRequest, DrainInstance, DrainPassLog) then need this token instead of the
+    # clients' ("" = the clients' token, if any, admits them too)
+    admin_token_env: str = ""
     max_message_bytes: int = 4 * 1024 * 1024
     workers: int = 16  # gRPC server threads
     # DrainPassLog: hand out (and forget) the workers' timed passes, for measuring the cluster in place
@@ -212,12 +215,20 @@ class ServerSection:
 
     def token(self) -> str | None:
         """The bearer token both fronts require (read from ``auth_token_env``; None: no auth)."""
-        if not self.auth_token_env:
-            return None
-        token = os.environ.get(self.auth_token_env, "")
-        if not token:
-            raise ValueError(f"server.auth_token_env: environment variable {self.auth_token_env} is empty or unset")
-        return token
+        return _token_from("auth_token_env", self.auth_token_env)
+
+    def admin_token(self) -> str | None:
+        """The bearer token the operator calls require (read from ``admin_token_env``; None: the clients')."""
+        return _token_from("admin_token_env", self.admin_token_env)
+
+
+def _token_from(field_name: str, env: str) -> str | None:
+    if not env:
+        return None
+    token = os.environ.get(env, "")
+    if not token:
+        raise ValueError(f"server.{field_name}: environment variable {env} is empty or unset")
+    return token
 
 
 @dataclass(frozen=True)

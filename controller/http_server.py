@@ -32,8 +32,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from controller.metrics import CONTENT_TYPE, ServingMetrics
-from controller.openai_protocol import (ROUTER_STATUS, OpenAIError, OpenAIProtocol, ParsedRequest, chunk, model_list,
-                                        now, response, usage_chunk)
+from controller.openai_output import ChoiceResult, ResponseBuilder, best_choices, model_list, now, usage
+from controller.openai_protocol import ROUTER_STATUS, OpenAIError, OpenAIProtocol, ParsedRequest
 from controller.router import Delta, Router, RouterError
 
 log = logging.getLogger("magicserve.http")
@@ -92,12 +92,14 @@ class OpenAIServer:
         try:
             if (denied := self._denied(request)) is not None:
                 return denied
-            req = parse(await self._json(request))
+            raw = await self._body(request)
+            # JSON parsing and tokenization of a large body run off the event loop: other streams go on
+            req = await asyncio.to_thread(lambda: parse(_parse_json(raw)))
         except OpenAIError as err:
             self.metrics.failed("NOT_FOUND" if err.status == 404 else "INVALID_ARGUMENT")
             return _error(err)
         rid = self.protocol.new_id(req.kind)
-        created = now()
+        out = ResponseBuilder(req, self.protocol.tokenizer, rid, now())
         items = self.router.generate(rid, req.prompt_ids, req.params, req.priority)
         try:
             # admission and prefill: errors here still get an HTTP status
@@ -110,34 +112,48 @@ class OpenAIServer:
             await items.aclose()  # cancels the request wherever it waits or runs
             return Response(status_code=499)
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, created, first, items), media_type="text/event-stream",
+            return StreamingResponse(self._sse(req, out, first, items), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         try:
-            text, ids, final = await _unless_disconnected(request, _collect(first, items))
+            choices, prompt_logprobs, final = await _unless_disconnected(request, _collect(first, items, req.n))
         except RouterError as err:
             return _error(_router_error(err))
         except _ClientGone:  # _collect closed the request's stream: cancelled everywhere
             return Response(status_code=499)
-        body = response(req, rid, created, text, final.finish_reason, final.prompt_tokens, final.completion_tokens, ids)
+        if req.params.num_sequences > req.n:
+            choices = best_choices(choices, req.n)
+        body = out.response(choices, final.prompt_tokens, final.completion_tokens, prompt_logprobs)
         return JSONResponse(body, headers={"X-Request-Id": rid})
 
-    async def _sse(self, req: ParsedRequest, rid: str, created: int, first, items):
-        """The event stream of one request (the first item already taken). A delta goes out when it has
-        text (or token ids the client asked for); the chat stream's first chunk carries the role."""
-        sent_first = False
+    async def _sse(self, req: ParsedRequest, out: ResponseBuilder, first, items):
+        """The event stream of one request (the first item already taken). A delta goes out when it has text,
+        token ids, or (echo) the prompt to carry; the chat stream's first chunk of a choice carries the role;
+        each choice ends with a chunk carrying its finish reason."""
+        started: set[int] = set()  # choices whose first chunk went out
+        prompt_logprobs = None
+        completion_tokens = 0
         try:
             item = first
             while True:
                 if isinstance(item, Delta):
-                    if item.text or (req.return_token_ids and item.token_ids) or (not sent_first and req.kind == "chat"):
-                        yield _event(chunk(req, rid, created, item.text, first=not sent_first, token_ids=item.token_ids))
-                        sent_first = True
+                    prompt_logprobs = item.prompt_logprobs if item.prompt_logprobs is not None else prompt_logprobs
+                    completion_tokens += len(item.token_ids)
+                    fresh = item.index not in started
+                    if item.text or item.token_ids or (fresh and (req.kind == "chat" or req.echo)):
+                        started.add(item.index)
+                        yield _event(out.chunk(item.index, item.text, item.token_ids, item.logprobs, first=fresh,
+                                               prompt_logprobs=prompt_logprobs,
+                                               usage_so_far=self._usage_so_far(req, completion_tokens)))
+                    if item.finish_reason is not None:
+                        yield _event(self._last_chunk(req, out, item.index, item.finish_reason, started,
+                                                      prompt_logprobs, completion_tokens))
                 else:
-                    if not sent_first and req.kind == "chat":
-                        yield _event(chunk(req, rid, created, "", first=True))
-                    yield _event(chunk(req, rid, created, None if req.kind == "chat" else "", item.finish_reason))
+                    for index in range(req.n):  # choices that ended without a delta of their own
+                        if index not in item.finished_choices:
+                            yield _event(self._last_chunk(req, out, index, item.finish_reason, started,
+                                                          prompt_logprobs, completion_tokens))
                     if req.include_usage:
-                        yield _event(usage_chunk(req, rid, created, item.prompt_tokens, item.completion_tokens))
+                        yield _event(out.usage_chunk(item.prompt_tokens, item.completion_tokens))
                     break
                 item = await items.__anext__()
         except RouterError as err:
@@ -147,6 +163,21 @@ class OpenAIServer:
         finally:
             await items.aclose()  # a disconnected client cancels the request
         yield b"data: [DONE]\n\n"
+
+    def _last_chunk(self, req: ParsedRequest, out: ResponseBuilder, index: int, reason: str, started: set[int],
+                    prompt_logprobs, completion_tokens: int) -> dict:
+        """A choice's closing chunk (its finish reason); a choice that never sent a chunk sends its role
+        (chat) or its echoed prompt (completions) in it."""
+        fresh = index not in started
+        started.add(index)
+        text = None if req.kind == "chat" and not fresh else ""
+        return out.chunk(index, text, reason=reason, first=fresh, prompt_logprobs=prompt_logprobs,
+                         usage_so_far=self._usage_so_far(req, completion_tokens))
+
+    @staticmethod
+    def _usage_so_far(req: ParsedRequest, completion_tokens: int) -> dict | None:
+        """stream_options.continuous_usage_stats: the usage up to this chunk, in every chunk."""
+        return usage(len(req.prompt_ids), completion_tokens) if req.continuous_usage else None
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -160,7 +191,7 @@ class OpenAIServer:
         return _error(OpenAIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                                   code="invalid_api_key"))
 
-    async def _json(self, request: Request):
+    async def _body(self, request: Request) -> bytes:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise OpenAIError(400, f"request body: larger than {self.max_body_bytes} bytes", code="body_too_large")
@@ -169,10 +200,7 @@ class OpenAIServer:
             raw += part
             if len(raw) > self.max_body_bytes:
                 raise OpenAIError(400, f"request body: larger than {self.max_body_bytes} bytes", code="body_too_large")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise OpenAIError(400, f"request body: not valid JSON ({err})", code="invalid_json") from None
+        return bytes(raw)
 
     async def _not_found(self, request: Request, exc) -> Response:
         return _error(OpenAIError(404, f"{request.url.path}: no such route; routes: /v1/completions, "
@@ -183,16 +211,32 @@ class OpenAIServer:
                             status_code=405)
 
 
-async def _collect(first, items) -> tuple[str, list[int], object]:
-    """(text, token ids, the Final) of a whole request."""
-    text, ids, item = [], [], first
+def _parse_json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise OpenAIError(400, f"request body: not valid JSON ({err})", code="invalid_json") from None
+
+
+async def _collect(first, items, n: int) -> tuple[list[ChoiceResult], list | None, object]:
+    """(each sequence's result, the prompt's log-probabilities, the Final) of a whole request."""
+    choices: dict[int, ChoiceResult] = {}
+    prompt_logprobs, item = None, first
     try:
         while True:
             if isinstance(item, Delta):
-                text.append(item.text)
-                ids.extend(item.token_ids)
+                c = choices.setdefault(item.index, ChoiceResult(item.index))
+                c.text += item.text
+                c.token_ids.extend(item.token_ids)
+                c.logprobs.extend(item.logprobs)
+                c.finish_reason = item.finish_reason or c.finish_reason
+                if item.prompt_logprobs is not None:
+                    prompt_logprobs = list(item.prompt_logprobs)
             else:
-                return "".join(text), ids, item
+                for index in range(max(n, len(choices))):
+                    c = choices.setdefault(index, ChoiceResult(index))
+                    c.finish_reason = c.finish_reason or item.finish_reason
+                return list(choices.values()), prompt_logprobs, item
             item = await items.__anext__()
     finally:
         await items.aclose()

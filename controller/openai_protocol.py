@@ -1,11 +1,12 @@
-"""The OpenAI API's request and response shapes: JSON bodies in, (prompt ids, SamplingParams) out,
-and the response / stream-chunk objects back.
+"""The OpenAI API's request shapes: JSON bodies in, (prompt ids, SamplingParams) out. Response and
+stream-chunk objects are built by ``controller/openai_output.py``.
 
 Validation is complete and names the parameter: a request the router sees has a known model, a
 non-empty prompt within the limits, and sampling parameters that ``SamplingParams.validate`` accepts.
-What magicserve does not implement is refused by name (``n`` > 1, ``logprobs``, ``echo``, penalties,
-tools, ...), never ignored. Unknown parameters are refused as the OpenAI API refuses them. No torch, no
-HTTP here (``controller/http_server.py`` serves it).
+vLLM's sampling surface is served (penalties, min_p, min_tokens, logit_bias, stop_token_ids, n, best_of,
+logprobs, echo, prompt_logprobs, ...). Parameters vLLM accepts that magicserve does not implement are
+refused by name (``UNSUPPORTED``), never ignored; unknown parameters are refused as the OpenAI API refuses
+them. No torch, no HTTP here (``controller/http_server.py`` serves it).
 """
 
 from __future__ import annotations
@@ -17,19 +18,36 @@ from dataclasses import dataclass
 
 from controller.chat_template import ChatTemplate, ChatTemplateError
 from modeling.errors import InvalidRequestError
-from modeling.params import SamplingParams
+from modeling.params import MAX_LOGPROBS, SamplingParams
 from modeling.tokenizer import TextTokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 MAX_STOP_SEQUENCES = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
+# parameters both routes serve
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_k", "ignore_eos", "return_token_ids",
-           "priority"}
-COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_k", "min_p",
+           "min_tokens", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+           "spaces_between_special_tokens", "prompt_logprobs", "add_special_tokens", "return_token_ids",
+           "return_tokens_as_token_ids", "priority"}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "response_format"}
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "response_format", "add_generation_prompt"}
+# vLLM's parameters magicserve does not implement: refused by name when given a value other than the default
+UNSUPPORTED = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "truncate_prompt_tokens": None, "truncation_side": None, "logprob_token_ids": None, "prompt_embeds": None,
+    "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "watermarking": None, "request_id": None, "session_id": None, "return_token_offsets": False,
+    "routed_experts_prompt_start": None, "mm_payload": None, "return_mm_kwargs": False, "cache_salt": None,
+    "kv_transfer_params": None, "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
+    "thinking_token_budget": None, "stream_interval": None, "echo": False, "continue_final_message": False,
+    "documents": None, "chat_template": None, "chat_template_kwargs": None, "media_io_kwargs": None,
+    "mm_processor_kwargs": None, "return_prompt_text": False, "reasoning_effort": None, "include_reasoning": None,
+    "functions": None, "function_call": None, "logits_processors": None,
+}
 
 
 class OpenAIError(Exception):
@@ -56,9 +74,14 @@ def invalid(param: str, reason: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {reason}", param=param, code="invalid_value")
 
 
+def unsupported(param: str, reason: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {reason}", param=param, code="unsupported_parameter")
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A validated completion or chat request."""
+    """A validated completion or chat request: what the router runs (``prompt_ids``, ``params``) and how
+    the response is shaped."""
 
     kind: str  # "completion" | "chat"
     model: str
@@ -68,6 +91,16 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
     priority: int = 0  # the router's priority (higher first); the API's ``priority`` is vLLM's (lower first)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    echo: bool = False  # completions: the prompt comes back before the output (its log-probabilities too)
+    prompt_text: str = ""  # the prompt as text (echo)
+    logprobs: int | None = None  # top log-probabilities per output position (chat: top_logprobs); None: off
+    return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs extension, returned as asked
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: log-probability tokens as "token_id:N"
+
+    @property
+    def n(self) -> int:
+        return self.params.n
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
@@ -81,12 +114,14 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open
     return float(v)
 
 
-def _integer(body: dict, name: str) -> int | None:
+def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise invalid(name, f"must be an integer, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise invalid(name, f"must be in [{lo}, {hi}], got {v}" if hi is not None else f"must be >= {lo}, got {v}")
     return v
 
 
@@ -103,7 +138,7 @@ def _refuse_unless(body: dict, name: str, allowed, what: str) -> None:
     """Refuse ``name`` unless absent or one of ``allowed`` (the values magicserve implements)."""
     v = body.get(name)
     if v is not None and v not in allowed:
-        raise OpenAIError(400, f"{name}: {what}", param=name, code="unsupported_parameter")
+        raise unsupported(name, what)
 
 
 @dataclass(frozen=True)
@@ -123,20 +158,30 @@ class OpenAIProtocol:
 
     def completion(self, body) -> ParsedRequest:
         body = self._check_body(body, COMPLETION_PARAMS)
-        _refuse_unless(body, "echo", (False,), "echo is not supported")
-        _refuse_unless(body, "best_of", (1,), "only best_of 1 is supported")
         _refuse_unless(body, "suffix", ("",), "suffix (insertion) is not supported")
-        _refuse_unless(body, "logprobs", (), "logprobs are not supported; leave it out or null")
-        ids = self._completion_prompt(body.get("prompt"))
-        return self._parsed("completion", body, ids, body.get("max_tokens"), "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+        _refuse_unless(body, "response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} "
+                                                                     "is supported")
+        echo = _flag(body, "echo")
+        ids, text = self._completion_prompt(body.get("prompt"), _flag(body, "add_special_tokens", True))
+        logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS)
+        max_tokens = _integer(body, "max_tokens")
+        if max_tokens == 0 and not echo:
+            raise invalid("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
+        extras = {"logprobs": logprobs, "echo": echo, "prompt_text": text if echo else ""}
+        return self._parsed("completion", body, ids, max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, extras)
 
     def chat(self, body) -> ParsedRequest:
         body = self._check_body(body, CHAT_PARAMS)
-        _refuse_unless(body, "logprobs", (False,), "logprobs are not supported; leave it out or false")
-        _refuse_unless(body, "top_logprobs", (), "logprobs are not supported; leave top_logprobs out")
         _refuse_unless(body, "tools", ([],), "tool calling is not supported")
         _refuse_unless(body, "tool_choice", ("none",), "tool calling is not supported")
-        _refuse_unless(body, "response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} is supported")
+        _refuse_unless(body, "response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} "
+                                                                     "is supported")
+        if body.get("parallel_tool_calls") is not None:
+            _flag(body, "parallel_tool_calls")
+        logprobs = _flag(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and not logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
         messages = self._messages(body.get("messages"))
         if self.chat_template is None:
             raise invalid("messages", "the model has no chat template (chat_template in tokenizer_config.json or "
@@ -145,45 +190,49 @@ class OpenAIProtocol:
             text = self.chat_template.render(messages, _flag(body, "add_generation_prompt", True))
         except ChatTemplateError as err:
             raise invalid("messages", str(err).split(": ", 1)[-1]) from None
-        ids = self._limit(self.tokenizer.encode(text, add_special_tokens=False), "messages")
+        # the rendered template writes its own special tokens (add_special_tokens false, as vLLM's default)
+        ids = self._limit(self.tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens")),
+                          "messages")
         name, value = (("max_completion_tokens", body["max_completion_tokens"])
                        if body.get("max_completion_tokens") is not None else ("max_tokens", body.get("max_tokens")))
         default = max(1, min(self.max_tokens, self.max_model_len - len(ids)))
-        return self._parsed("chat", body, ids, value, name, default)
+        value = _integer({name: value}, name)
+        return self._parsed("chat", body, ids, value, name, default, {"logprobs": (top or 0) if logprobs else None})
 
     def _check_body(self, body, allowed: set[str]) -> dict:
         if not isinstance(body, dict):
             raise OpenAIError(400, "request body: expected a JSON object", param=None, code="invalid_json")
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            raise OpenAIError(400, f"{unknown[0]}: unrecognized request argument; supported: {', '.join(sorted(allowed))}",
-                              param=unknown[0], code="unknown_parameter")
+        for name in sorted(set(body) - allowed):
+            if name in UNSUPPORTED:
+                if body[name] is None or body[name] == UNSUPPORTED[name]:
+                    continue  # the default: nothing asked of us
+                raise unsupported(name, "is not supported by magicserve (see docs/http_api.md for what is)")
+            raise OpenAIError(400, f"{name}: unrecognized request argument; supported: {', '.join(sorted(allowed))}",
+                              param=name, code="unknown_parameter")
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise invalid("model", "required: the served model's id (GET /v1/models)")
         if model != self.model_name:
             raise OpenAIError(404, f"model: {model!r} is not served here; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
-        _refuse_unless(body, "n", (1,), "only n 1 is supported; send several requests for several choices")
-        for name in ("presence_penalty", "frequency_penalty"):
-            _refuse_unless(body, name, (0, 0.0), f"{name} is not supported (only 0)")
-        _refuse_unless(body, "logit_bias", ({},), "logit_bias is not supported")
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise invalid("user", f"must be a string, got {body['user']!r}")
         return body
 
-    def _completion_prompt(self, prompt) -> list[int]:
+    def _completion_prompt(self, prompt, add_special_tokens: bool) -> tuple[list[int], str]:
+        """(token ids, the prompt's text: as given, or the ids decoded)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise invalid("prompt", "must not be empty")
-            return self._limit(self.tokenizer.encode(prompt), "prompt")
+            return self._limit(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), "prompt"), prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             for i, t in enumerate(prompt):
                 if not 0 <= t < self.vocab_size:
                     raise invalid(f"prompt[{i}]", f"token ids must be in [0, {self.vocab_size}), got {t}")
-            return self._limit(list(prompt), "prompt")
+            ids = self._limit(list(prompt), "prompt")
+            return ids, self.tokenizer.decode(ids, skip_special_tokens=False)
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise invalid("prompt", "batches of several prompts are not supported; send one request per prompt")
         raise invalid("prompt", "required: a string, or a non-empty list of token ids")
@@ -222,12 +271,13 @@ class OpenAIProtocol:
             raise invalid(param, f"{len(ids)} tokens exceed the limit of {self.max_prompt_tokens}")
         return ids
 
-    def _parsed(self, kind: str, body: dict, ids: list[int], max_tokens, max_name: str, default: int) -> ParsedRequest:
-        max_tokens = _integer({max_name: max_tokens}, max_name)
+    def _parsed(self, kind: str, body: dict, ids: list[int], max_tokens: int | None, max_name: str, default: int,
+                extras: dict) -> ParsedRequest:
         if max_tokens is None:
             max_tokens = default
-        if not 1 <= max_tokens <= self.max_tokens:
-            raise invalid(max_name, f"must be in [1, {self.max_tokens}], got {max_tokens}")
+        low = 0 if extras.get("echo") else 1
+        if not low <= max_tokens <= self.max_tokens:
+            raise invalid(max_name, f"must be in [{low}, {self.max_tokens}], got {max_tokens}")
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -239,17 +289,39 @@ class OpenAIProtocol:
         if top_k is not None and top_k < -1:
             raise invalid("top_k", f"must be >= 1, or 0 / -1 for no limit, got {top_k}")
         stream = _flag(body, "stream")
-        options = body.get("stream_options")
-        if options is not None:
-            if not stream:
-                raise invalid("stream_options", "only allowed when stream is true")
-            if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-                raise invalid("stream_options", "must be an object with include_usage")
-        include_usage = _flag(options or {}, "include_usage") if options else False
+        include_usage, continuous = self._stream_options(body, stream)
+        n = _integer(body, "n", 1) or 1
+        best_of = _integer(body, "best_of", 1)
+        if best_of is not None and best_of != n and stream:
+            raise invalid("best_of", "cannot be streamed: best_of > n picks its choices once all have finished")
+        echo = extras.get("echo", False)
+        logprobs = extras.get("logprobs")
+        prompt_logprobs = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+        if prompt_logprobs is not None and stream:
+            raise invalid("prompt_logprobs", "is not available when stream is true")
+        # echo scores the prompt with as many top log-probabilities as the output's (vLLM's rule)
+        internal_prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else (
+            logprobs if echo and logprobs is not None else None)
+        stop_ids = body.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list):
+            raise invalid("stop_token_ids", f"must be a list of token ids, got {stop_ids!r}")
         params = SamplingParams(
             max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
             top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True), top_k=max(0, top_k or 0),
-            seed=_integer(body, "seed"), stop=tuple(stop), ignore_eos=_flag(body, "ignore_eos"))
+            seed=_integer(body, "seed"), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+            ignore_eos=_flag(body, "ignore_eos"),
+            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
+            min_p=_number(body, "min_p", 0.0, 1.0, 0.0), min_tokens=_integer(body, "min_tokens", 0) or 0,
+            logit_bias=self._logit_bias(body.get("logit_bias")),
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output"),
+            # best_of > n ranks sequences by their cumulative log-probability, so it needs them computed
+            logprobs=logprobs if logprobs is not None or best_of in (None, n) else 0,
+            prompt_logprobs=internal_prompt_logprobs,
+            skip_special_tokens=_flag(body, "skip_special_tokens", True),
+            spaces_between_special_tokens=_flag(body, "spaces_between_special_tokens", True),
+            n=n, best_of=best_of)
         try:
             params = params.validate(self.vocab_size)
         except InvalidRequestError as err:
@@ -258,7 +330,39 @@ class OpenAIProtocol:
         if not -(1 << 31) <= priority < 1 << 31:
             raise invalid("priority", f"must be a 32-bit integer, got {priority}")
         return ParsedRequest(kind, body["model"], ids, params, stream, include_usage, _flag(body, "return_token_ids"),
-                             -priority)
+                             -priority, continuous, echo, extras.get("prompt_text", ""), logprobs,
+                             prompt_logprobs is not None, _flag(body, "return_tokens_as_token_ids"))
+
+    @staticmethod
+    def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats) from ``stream_options``."""
+        options = body.get("stream_options")
+        if options is None:
+            return False, False
+        if not stream:
+            raise invalid("stream_options", "only allowed when stream is true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise invalid("stream_options", "must be an object with include_usage and continuous_usage_stats")
+        return _flag(options, "include_usage"), _flag(options, "continuous_usage_stats")
+
+    def _logit_bias(self, bias) -> dict[int, float]:
+        """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) -> {id: bias}."""
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise invalid("logit_bias", f"must be an object mapping token ids to biases, got {bias!r}")
+        out = {}
+        for key, value in bias.items():
+            try:
+                tok = int(key)
+            except (TypeError, ValueError):
+                raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+            if not 0 <= tok < self.vocab_size:
+                raise invalid("logit_bias", f"token ids must be in [0, {self.vocab_size}), got {tok}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise invalid(f"logit_bias[{key}]", f"must be a number in [-100, 100], got {value!r}")
+            out[tok] = float(value)
+        return out
 
     # -- responses --------------------------------------------------------------------------------
 
@@ -266,60 +370,3 @@ class OpenAIProtocol:
     def new_id(kind: str) -> str:
         return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
 
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response(req: ParsedRequest, rid: str, created: int, text: str, reason: str, prompt_tokens: int,
-             completion_tokens: int, token_ids: list[int] | None = None) -> dict:
-    """The whole (non-streamed) response object."""
-    if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
-        obj = "chat.completion"
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids or [])
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def chunk(req: ParsedRequest, rid: str, created: int, text: str | None, reason: str | None = None,
-          first: bool = False, token_ids: list[int] | None = None) -> dict:
-    """One streamed chunk: a text delta, or (``reason`` set) the choice's last chunk. The chat stream's
-    first chunk carries the assistant role."""
-    if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    else:
-        delta = {} if text is None else {"content": text}
-        if first:
-            delta = {"role": "assistant", **delta}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        obj = "chat.completion.chunk"
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids or [])
-    out = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
-    if req.include_usage:
-        out["usage"] = None
-    return out
-
-
-def usage_chunk(req: ParsedRequest, rid: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def model_list(model_name: str, created: int, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                        "owned_by": "magicserve", "max_model_len": max_model_len}]}
-
-
-def now() -> int:
-    return int(time.time())

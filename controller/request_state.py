@@ -2,7 +2,8 @@
 
     queued -> prefilling -> transferring -> decoding [-> migrating -> decoding] -> finished | failed | cancelled
 
-(migrating: live migration to another decode instance; the request keeps decoding meanwhile and comes back
+(a request that generates nothing, ``max_tokens`` 0, goes from prefilling to finished once its prompt is
+scored; migrating: live migration to another decode instance; the request keeps decoding meanwhile and comes back
 to decoding whether the migration commits or aborts)
 
 A colocated request (prefill and decode on one instance, ``kv_transfer=False``) has no hand-off:
@@ -43,13 +44,15 @@ class RequestState(str, enum.Enum):
 
 _FORWARD = {
     RequestState.QUEUED: {RequestState.PREFILLING},
-    RequestState.PREFILLING: {RequestState.TRANSFERRING, RequestState.QUEUED},  # QUEUED: retried elsewhere
+    # QUEUED: retried elsewhere; FINISHED: nothing to generate (max_tokens 0)
+    RequestState.PREFILLING: {RequestState.TRANSFERRING, RequestState.QUEUED, RequestState.FINISHED},
     RequestState.TRANSFERRING: {RequestState.DECODING, RequestState.QUEUED, RequestState.FINISHED},
     RequestState.DECODING: {RequestState.FINISHED, RequestState.QUEUED,  # QUEUED: re-run, nothing streamed
                             RequestState.MIGRATING},
     RequestState.MIGRATING: {RequestState.DECODING, RequestState.FINISHED},
 }
-_FORWARD_COLOCATED = {**_FORWARD, RequestState.PREFILLING: {RequestState.DECODING, RequestState.QUEUED}}
+_FORWARD_COLOCATED = {**_FORWARD, RequestState.PREFILLING: {RequestState.DECODING, RequestState.QUEUED,
+                                                              RequestState.FINISHED}}
 _ENDINGS = {RequestState.FAILED, RequestState.CANCELLED}
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -73,10 +74,17 @@ class Instance:
 
 @dataclass(frozen=True)
 class Delta:
-    """Streamed to the client: new token ids and text."""
+    """Streamed to the client: new token ids and text of sequence ``index`` (0 unless the request asked for
+    several); their log-probabilities when the request asked for them, and on the request's first delta the
+    prompt's (``prompt_logprobs``). ``finish_reason``: this sequence ended here (a request of several
+    sequences; the Final closes a request of one)."""
 
     token_ids: list[int]
     text: str
+    logprobs: tuple = ()
+    prompt_logprobs: tuple | None = None
+    index: int = 0
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ class Final:
     mean_tpot_s: float
     draft_tokens: int
     accepted_tokens: int
+    finished_choices: frozenset = frozenset()  # sequences whose Delta carried their finish reason
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,7 @@ class _Active:
     handover_ids: tuple[int, ...] = ()  # the source's output ids and streamed text, as the destination got them
     handover_text: str = ""
     text_streamed: int = 0  # characters of output text sent to the client
+    finished_sequences: set = field(default_factory=set)  # n > 1: the sequences that have ended
 
 
 class Router:
@@ -269,8 +279,18 @@ class Router:
         await self._slots.acquire(priority)
 
     async def _place(self, active: _Active) -> None:
-        """Hand the request to a decode instance (which reserves its KV), then the prompt to a prefill instance."""
+        """Hand the request to a decode instance (which reserves its KV), then the prompt to a prefill instance.
+        A request that generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance
+        alone."""
         rid = active.record.request_id
+        if active.params.max_tokens == 0:
+            prefill = self._least_loaded(self.prefill)
+            if prefill is None:
+                raise RouterError("UNAVAILABLE", "no prefill instance is alive")
+            active.prefill = prefill
+            prefill.assigned.add(rid)
+            await self._submit(active, prefill, PrefillRequest(rid, tuple(active.prompt_ids), active.params, None))
+            return
         deadline = time.monotonic() + self.request_timeout_s
         request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
         while True:
@@ -353,15 +373,25 @@ class Router:
             if kind == "cancelled":
                 return
             if kind == "first_token":
-                yield self._on_first_token(active, payload)
+                for delta in self._on_first_token(active, payload):
+                    yield delta
+                if payload.token_id is None:  # nothing to generate: the prompt was scored
+                    self._end(active, RequestState.FINISHED)
+                    yield self._final(active, "length")
+                    return
             elif kind == "transferred":
                 if active.record.state is RequestState.TRANSFERRING:
                     active.record.to(RequestState.DECODING)
             elif kind == "delta":
                 delta = self._on_delta(active, payload)
+                n = active.params.num_sequences
+                if n > 1 and payload.finished:  # one of several sequences ended: its choice closes
+                    active.finished_sequences.add(payload.index)
+                    delta = dataclasses.replace(delta or Delta([], "", index=payload.index),
+                                                finish_reason=payload.finish_reason or "stop")
                 if delta is not None:
                     yield delta
-                if payload.finished:
+                if payload.finished and (n == 1 or len(active.finished_sequences) >= n):
                     self._end(active, RequestState.FINISHED)
                     yield self._final(active, payload.finish_reason)
                     return
@@ -387,13 +417,21 @@ class Router:
         text = active.handover_text[active.text_streamed:]
         return self._on_delta(active, TokenDelta(active.record.request_id, ids, text, False))
 
-    def _on_first_token(self, active: _Active, first: FirstToken) -> Delta:
-        active.record.to(RequestState.TRANSFERRING)
+    def _on_first_token(self, active: _Active, first: FirstToken) -> list[Delta]:
+        """The first token of each sequence, as prefill sampled it (its text comes with the decode worker's
+        first delta of that sequence)."""
         active.first_token_at = active.last_token_at = time.perf_counter()
-        active.tokens_streamed = 1
+        if first.token_id is None:
+            if active.prefill is not None:
+                active.prefill.assigned.discard(active.record.request_id)
+            return [Delta([], "", prompt_logprobs=first.prompt_logprobs)]
+        active.record.to(RequestState.TRANSFERRING)
+        active.tokens_streamed = 1 + len(first.forks)
         if self.metrics is not None:
             self.metrics.first_token(active.first_token_at - active.arrival)
-        return Delta([first.token_id], "")  # its text comes with the decode worker's first delta
+        deltas = [Delta([first.token_id], "", () if first.logprob is None else (first.logprob,), first.prompt_logprobs)]
+        deltas += [Delta([token], "", () if lp is None else (lp,), index=index) for index, token, lp in first.forks]
+        return deltas
 
     def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
         if active.record.state is RequestState.TRANSFERRING:
@@ -408,15 +446,15 @@ class Router:
             if self.metrics is not None and active.tokens_streamed > len(ids):  # not the request's first token
                 self.metrics.tokens(len(ids), now - active.last_token_at)
             active.last_token_at = now
-        if not ids and not delta.text:
+        if not ids and not delta.text and delta.prompt_logprobs is None:
             return None
-        return Delta(ids, delta.text)
+        return Delta(ids, delta.text, tuple(delta.logprobs), delta.prompt_logprobs, delta.index)
 
     def _final(self, active: _Active, reason: str | None) -> Final:
         n = active.tokens_streamed
         tpot = (active.last_token_at - active.first_token_at) / (n - 1) if n > 1 else 0.0
         final = Final(reason or "stop", len(active.prompt_ids), n, active.first_token_at - active.arrival, tpot,
-                      active.draft_tokens, active.accepted_tokens)
+                      active.draft_tokens, active.accepted_tokens, frozenset(active.finished_sequences))
         if self.metrics is not None:
             self.metrics.finished(FinishedRequest(final.finish_reason, final.prompt_tokens, n, final.ttft_s, tpot,
                                                   time.perf_counter() - active.arrival))
@@ -576,6 +614,10 @@ class Router:
         active = self._active.get(request_id)
         if active is None:
             raise RouterError("NOT_FOUND", f"request_id: {request_id!r} is not running")
+        if active.params.num_sequences > 1:
+            raise RouterError("FAILED_PRECONDITION", f"request_id: {request_id!r} decodes "
+                                                     f"{active.params.num_sequences} sequences sharing their "
+                                                     "prompt's KV blocks; such requests do not migrate")
         if destination is None:
             destination = await self._pick_destination(active)
         dst = next((d for d in self.decode if d.name == destination), None)
@@ -717,8 +759,9 @@ class Router:
                 moved = {o.request_id for o in outcomes if o.committed}
                 return DrainOutcome(name, True, tuple(outcomes), len(on_it - moved))
             on_it |= here
+            # a request of several sequences does not migrate: it finishes where it is
             movable = [rid for rid in here if self._active[rid].record.state is RequestState.DECODING
-                       and self._active[rid].migration is None]
+                       and self._active[rid].migration is None and self._active[rid].params.num_sequences == 1]
             started = []
             loads = await self.instance_loads() if movable else []
             for rid in movable[: max(1, self.policy.max_migrations_per_round)]:

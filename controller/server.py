@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -67,18 +68,39 @@ class RequestValidator:
             raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed the limit of {self.max_prompt_tokens}")
         return ids
 
-    def sampling(self, req: pb.GenerateRequest) -> SamplingParams:
+    def sampling(self, req: pb.GenerateRequest, streaming: bool) -> SamplingParams:
         if not req.HasField("sampling"):
             raise InvalidRequestError("sampling", "required (at least sampling.max_tokens)")
         s = req.sampling
-        if s.max_tokens < 1 or s.max_tokens > self.max_tokens:
-            raise InvalidRequestError("sampling.max_tokens", f"must be in [1, {self.max_tokens}], got {s.max_tokens}")
+        low = 0 if s.HasField("prompt_logprobs") else 1  # 0: score the prompt alone
+        if not low <= s.max_tokens <= self.max_tokens:
+            raise InvalidRequestError("sampling.max_tokens", f"must be in [{low}, {self.max_tokens}], got "
+                                      f"{s.max_tokens}" + ("" if low == 0 else " (0 only with prompt_logprobs)"))
+        n = int(s.n) or 1
+        best_of = int(s.best_of) if s.HasField("best_of") else None
+        if streaming and best_of is not None and best_of != n:
+            raise InvalidRequestError("sampling.best_of", "Generate streams every sequence: use GenerateUnary for "
+                                      "best_of > n")
         params = SamplingParams(
             max_tokens=int(s.max_tokens), temperature=float(s.temperature), top_k=int(s.top_k),
             top_p=float(s.top_p) if s.HasField("top_p") and s.top_p != 0 else 1.0,
             seed=int(s.seed) if s.HasField("seed") else None,
             stop=tuple(s.stop), stop_token_ids=tuple(int(t) for t in s.stop_token_ids), ignore_eos=bool(s.ignore_eos),
+            presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty),
+            repetition_penalty=float(s.repetition_penalty) if s.HasField("repetition_penalty") and
+            s.repetition_penalty != 0 else 1.0,
+            min_p=float(s.min_p), min_tokens=int(s.min_tokens),
+            logit_bias={int(t): float(b) for t, b in s.logit_bias.items()},
+            include_stop_str_in_output=bool(s.include_stop_str_in_output),
+            logprobs=int(s.logprobs) if s.HasField("logprobs") else None,
+            prompt_logprobs=int(s.prompt_logprobs) if s.HasField("prompt_logprobs") else None,
+            skip_special_tokens=bool(s.skip_special_tokens) if s.HasField("skip_special_tokens") else True,
+            spaces_between_special_tokens=bool(s.spaces_between_special_tokens)
+            if s.HasField("spaces_between_special_tokens") else True,
+            n=n, best_of=best_of,
         )
+        if best_of is not None and best_of > n and params.logprobs is None:  # ranking needs them
+            params = dataclasses.replace(params, logprobs=0)
         try:
             return params.validate(self.vocab_size)
         except InvalidRequestError as err:
@@ -103,10 +125,10 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
         self.model_name = model_name
         self.pass_log_fn = pass_log_fn
 
-    async def _start(self, request, context):
+    async def _start(self, request, context, streaming: bool):
         try:
             ids = self.validator.prompt_ids(request)
-            params = self.validator.sampling(request)
+            params = self.validator.sampling(request, streaming)
             self.validator.targets(request)
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -114,7 +136,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
         return rid, ids, params
 
     async def Generate(self, request, context):
-        rid, ids, params = await self._start(request, context)
+        rid, ids, params = await self._start(request, context, streaming=True)
         try:
             async for item in self.router.generate(rid, ids, params, request.priority):
                 yield _to_response(rid, item)
@@ -122,19 +144,38 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
 
     async def GenerateUnary(self, request, context):
-        rid, ids, params = await self._start(request, context)
-        token_ids, text, final = [], [], None
+        rid, ids, params = await self._start(request, context, streaming=False)
+        sequences: dict[int, pb.GeneratedSequence] = {}
+        prompt_logprobs, final = [], None
         try:
             async for item in self.router.generate(rid, ids, params, request.priority):
                 if isinstance(item, Delta):
-                    token_ids.extend(item.token_ids)
-                    text.append(item.text)
+                    seq = sequences.setdefault(item.index, pb.GeneratedSequence(index=item.index))
+                    seq.token_ids.extend(item.token_ids)
+                    seq.text += item.text
+                    seq.logprobs.extend(_logprobs(item.logprobs))
+                    seq.cumulative_logprob += sum(lp.logprob for lp in item.logprobs)
+                    if item.finish_reason is not None:
+                        seq.finish_reason = _FINISH.get(item.finish_reason, 0)
+                    if item.prompt_logprobs is not None:
+                        prompt_logprobs = _logprobs(lp for lp in item.prompt_logprobs if lp is not None)
                 else:
                     final = item
         except RouterError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
-        return pb.GenerateResult(request_id=rid, token_ids=token_ids, text="".join(text),
-                                 finish_reason=_FINISH.get(final.finish_reason, 0), usage=_usage(final))
+        for index in range(params.num_sequences):
+            seq = sequences.setdefault(index, pb.GeneratedSequence(index=index))
+            if not seq.finish_reason:
+                seq.finish_reason = _FINISH.get(final.finish_reason, 0)
+        ordered = [sequences[i] for i in sorted(sequences)]
+        if params.num_sequences > params.n:  # best_of: the n with the highest cumulative log-probability
+            ordered = sorted(ordered, key=lambda q: q.cumulative_logprob, reverse=True)[: params.n]
+            for i, seq in enumerate(ordered):
+                seq.index = i
+        top = ordered[0]
+        return pb.GenerateResult(request_id=rid, token_ids=top.token_ids, text=top.text,
+                                 finish_reason=top.finish_reason, usage=_usage(final), logprobs=top.logprobs,
+                                 prompt_logprobs=prompt_logprobs, sequences=ordered)
 
     async def GetClusterStatus(self, request, context):
         statuses = await self.status_fn()
@@ -220,26 +261,44 @@ def _usage(final: Final | None) -> pb.Usage:
                     draft_tokens=final.draft_tokens, accepted_draft_tokens=final.accepted_tokens)
 
 
+def _logprobs(logprobs) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
+
+
 def _to_response(rid: str, item) -> pb.GenerateResponse:
     if isinstance(item, Delta):
-        return pb.GenerateResponse(request_id=rid, delta=pb.TokenDelta(token_ids=item.token_ids, text=item.text))
+        prompt = () if item.prompt_logprobs is None else [lp for lp in item.prompt_logprobs if lp is not None]
+        return pb.GenerateResponse(request_id=rid, delta=pb.TokenDelta(
+            token_ids=item.token_ids, text=item.text, index=item.index, logprobs=_logprobs(item.logprobs),
+            finish_reason=_FINISH.get(item.finish_reason, 0), prompt_logprobs=_logprobs(prompt)))
     return pb.GenerateResponse(request_id=rid, final=pb.GenerateFinal(
         finish_reason=_FINISH.get(item.finish_reason, 0), usage=_usage(item)))
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>`` (health checks stay open)."""
+ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("MigrateRequest", "DrainInstance", "DrainPassLog"))
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` (health checks stay open); with an
+    ``admin_token``, the operator calls (``ADMIN_METHODS``) need that one instead of the clients'."""
+
+    def __init__(self, token: str | None, admin_token: str | None = None):
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._admin = None if admin_token is None else f"Bearer {admin_token}".encode()
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
+        expected = self._admin if self._admin is not None and details.method in ADMIN_METHODS else self._expected
+        if expected is None:
+            return await continuation(details)
         got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if not hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        if not hmac.compare_digest(got.encode() if isinstance(got, str) else got, expected):
+            which = "the operator token" if expected is self._admin else "bearer token"
+
             async def deny(request, context):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {which}")
             return grpc.unary_unary_rpc_method_handler(deny)
         return await continuation(details)
 
@@ -247,8 +306,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 async def start_server(config: ClusterConfig, servicer: MagicServeServicer) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start the gRPC server; returns (server, bound port, health servicer)."""
     sc = config.server
-    token = sc.token()
-    interceptors = [BearerTokenInterceptor(token)] if token else []
+    token, admin_token = sc.token(), sc.admin_token()
+    interceptors = [BearerTokenInterceptor(token, admin_token)] if token or admin_token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),

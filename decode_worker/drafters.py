@@ -32,7 +32,7 @@ import torch
 from decode_worker.config import SpeculationConfig
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.runner import ModelRunner, StepInput
-from modeling.sampling import sample_from, target_probs
+from modeling.sampling import processed_logits, sample_from, target_probs
 from modeling.sequence import Sequence
 
 
@@ -71,16 +71,19 @@ def window_start(config: SpeculationConfig, context: int) -> int:
 
 
 def choose_draft_tokens(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal, step: int) -> list[int]:
-    """Pick one draft token per sequence from draft logits [B, V]: argmax for greedy requests, a sample
-    from the request's processed distribution otherwise (recorded for rejection sampling)."""
+    """Pick one draft token per sequence from draft logits [B, V], processed as the target's are at that
+    position (penalties over the output and the drafts before it, bias, min_tokens): the argmax for greedy
+    requests, a sample from the request's distribution otherwise (recorded for rejection sampling)."""
     greedy = torch.argmax(logits, dim=-1).tolist()
     out = []
     for b, seq in enumerate(seqs):
         params = seq.sampler.params
+        raw = logits[b : b + 1]
+        row = processed_logits(seq.sampler, raw, list(seq.output_ids) + proposal.tokens[b])
         if params.greedy:
-            tok = greedy[b]
+            tok = greedy[b] if row is raw else int(torch.argmax(row[0]).item())
         else:
-            q = target_probs(logits[b : b + 1], params)[0]
+            q = target_probs(row, params)[0]
             tok = sample_from(q, seq.sampler.generator)
             prev = proposal.probs[b]
             proposal.probs[b] = q.unsqueeze(0) if prev is None else torch.cat([prev, q.unsqueeze(0)])

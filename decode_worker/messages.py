@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
 
 
@@ -39,6 +40,10 @@ class TokenDelta:
     finish_reason: str | None = None
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for log-probabilities
+    # a colocated instance's first delta of a request that asked for the prompt's log-probabilities
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    index: int = 0  # the request's sequence these tokens belong to (n > 1; ``request_id`` is the request's)
 
 
 @dataclass(frozen=True)

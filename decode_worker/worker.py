@@ -43,16 +43,18 @@ from kv_transfer.receiver import KVReceiver, ReceivedKV
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel, load_model
 from modeling.errors import InvalidRequestError, OutOfBlocksError
+from modeling.forks import decode_forks, sequence_id, split_sequence_id
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
 from modeling.runner import ModelRunner, StepInput
 from modeling.params import SamplingParams
-from modeling.sampling import RequestSampler, target_probs
+from modeling.sampling import RequestSampler, processed_logits, target_probs, token_logprobs
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, forward_follower, load_for_rank
+from modeling.tp_runner import (TPDriverRunner, TPFollower, build_runner, copy_kv_blocks, forward_follower,
+                                load_for_rank)
 
 
 @dataclass
@@ -148,6 +150,8 @@ class DecodeWorker:
         self._outgoing: dict[str, OutgoingMigration] = {}
         self._incoming: set[str] = set()
         self._draft_imports: dict[str, tuple] = {}  # arrived requests' draft caches, imported on commit
+        # requests of several sequences waiting for their KV: the blocks their further sequences will own
+        self._fork_blocks: dict[str, list[int]] = {}
         self._events: list = []
         if config.profile_on_start:
             self.profile()
@@ -186,6 +190,7 @@ class DecodeWorker:
         if live is not None and live.seq.status is SequenceStatus.WAITING_FOR_KV:
             del self._requests[request_id]
             live.seq.block_table.release(self.pool)
+            self.pool.free(self._fork_blocks.pop(request_id, []))
 
     def kv_received(self, kv: ReceivedKV) -> list[TokenDelta]:
         """The prompt's KV and first token arrived: the request starts decoding. Its delta carries the
@@ -197,10 +202,24 @@ class DecodeWorker:
         if kv.first_token is None:
             raise InvalidRequestError("first_token", f"the transfer of {kv.request_id!r} carried none")
         if kv.sampler_state:
-            seq.sampler.generator.set_state(torch.frombuffer(bytearray(kv.sampler_state), dtype=torch.uint8))
+            seq.sampler.generator.set_state(_generator_state(kv.sampler_state))
+        try:
+            starts = decode_forks(kv.state)
+        except ValueError as err:
+            raise InvalidRequestError("state", str(err)) from None
+        if len(starts) != seq.sampler.params.num_sequences - 1:
+            raise InvalidRequestError("state", f"{len(starts)} further sequences arrived for a request of "
+                                      f"{seq.sampler.params.num_sequences}")
         seq.num_computed = seq.num_prompt
-        delta = self._start(live, kv.first_token)
-        return [dataclasses.replace(delta, token_ids=[])]
+        forks = []
+        for f in starts:
+            sampler = seq.sampler.for_sequence(f.index)
+            sampler.generator.set_state(_generator_state(f.sampler_state))
+            forks.append((f.index, f.token, sampler))
+        children = self._fork(live, forks, self._fork_blocks.pop(kv.request_id, None))
+        # the forks first: the first sequence may finish at its first token and free the blocks they share
+        deltas = [self._start(live, kv.first_token)] + [self._start(c, f[1]) for c, f in zip(children, forks)]
+        return [dataclasses.replace(d, token_ids=[]) for d in deltas]
 
     def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[TokenDelta]:
         """Prefill on this worker, then decode (tests, benchmarks, single-process use)."""
@@ -211,11 +230,43 @@ class DecodeWorker:
         live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
         self._requests[request_id] = live
         logits = self._prefill(seq, len(prompt_ids), want_logits=True)
-        return [self._start(live, seq.sampler.choose(logits[0]))]
+        forks = []
+        for i in range(1, params.num_sequences):
+            sampler = seq.sampler.for_sequence(i)
+            forks.append((i, sampler.choose(logits[0], []), sampler))
+        children = self._fork(live, forks, None)
+        token = seq.sampler.choose(logits[0], [])
+        pairs = [(live, token)] + [(c, f[1]) for c, f in zip(children, forks)]
+        return [self._start(lv, tok, self._logprobs(lv.seq, logits[:1], [tok])) for lv, tok in pairs]
+
+    def _fork(self, parent: _Live, forks: list[tuple], own_blocks: list[int] | None) -> list[_Live]:
+        """The further sequences of ``parent``'s request (n > 1), each given as (index, first token, sampler):
+        they share the prompt's full KV blocks (``BlockTable.fork``); their own blocks come from
+        ``own_blocks`` (reserved with the request) or the pool."""
+        seq = parent.seq
+        num_prompt = seq.num_prompt
+        per_fork = self.pool.blocks_for_tokens(num_prompt + 1) - num_prompt // self.config.block_size
+        children = []
+        for j, (index, _, sampler) in enumerate(forks):
+            child = self._new_sequence(sequence_id(seq.request_id, index), seq.prompt_ids, seq.sampler.params,
+                                       BlockTable(self.config.block_size))
+            child.sampler = sampler
+            own = None if own_blocks is None else own_blocks[j * per_fork : (j + 1) * per_fork]
+            child.block_table, copies = seq.block_table.fork(self.pool, num_prompt, num_prompt + 1, own)
+            copy_kv_blocks(self.runner, copies)
+            child.num_computed = num_prompt
+            live = _Live(child, OutputStream.for_sequence(child, self.tokenizer))
+            self._requests[child.request_id] = live
+            children.append(live)
+        return children
+
+    def _fork_room(self, num_prompt: int, n: int) -> int:
+        """Blocks the further sequences of an n-sequence request need of their own at the start."""
+        return (n - 1) * (self.pool.blocks_for_tokens(num_prompt + 1) - num_prompt // self.config.block_size)
 
     def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not request_id:
-            raise InvalidRequestError("request_id", "must not be empty")
+        if not request_id or split_sequence_id(request_id)[1]:
+            raise InvalidRequestError("request_id", "must not be empty nor end in '#<number>'")
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already on this worker")
         params.validate(self.loaded.config.vocab_size)
@@ -223,7 +274,13 @@ class DecodeWorker:
             raise InvalidRequestError("prompt", f"must have 1 to {self.max_model_len - 1} tokens, got {len(prompt_ids)}")
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request and free its KV, whatever its state (a transfer in flight is drained first)."""
+        """Cancel a request (every sequence of it) and free its KV, whatever its state (a transfer in flight
+        is drained first)."""
+        family = [sid for sid in self._requests if sid != request_id and split_sequence_id(sid)[0] == request_id]
+        aborted = [self._abort_sequence(sid) for sid in [request_id] + family]
+        return any(aborted)
+
+    def _abort_sequence(self, request_id: str) -> bool:
         live = self._requests.get(request_id)
         if live is None:
             return False
@@ -368,8 +425,9 @@ class DecodeWorker:
         pool's blocks, each running request's blocks (those it could migrate), blocks held by requests that
         cannot move now (KV arriving, migrating, preempted waiting), and what the head-of-line preempted
         request needs and cannot get (0: nothing waits, or it fits)."""
+        # a request of several sequences shares its prompt's blocks among them and does not migrate
         running = {rid: len(seq.block_table.blocks) for rid, seq in self.scheduler.running.items()
-                   if rid not in self._outgoing}
+                   if rid not in self._outgoing and seq.sampler.params.num_sequences == 1}
         used = self.pool.num_blocks - self.pool.num_free
         waiting = 0
         if self.scheduler.preempted:
@@ -384,10 +442,17 @@ class DecodeWorker:
         tensor-parallel instance every rank expects its heads in the same blocks."""
         rid = request.request_id
         self._check_new(rid, list(request.prompt_ids), request.params)
+        n = request.params.num_sequences
+        fork_room = self._fork_room(len(request.prompt_ids), n)
+        if n > 1 and (len(self.scheduler.running) + n > self.config.max_num_seqs or
+                      not self.pool.can_allocate(self.pool.blocks_for_tokens(num_tokens + 1) + fork_room)):
+            return None  # room for every sequence of the request, or none
         seq = self._new_sequence(rid, list(request.prompt_ids), request.params, BlockTable(self.config.block_size))
         seq.status = SequenceStatus.WAITING_FOR_KV
         self._requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
         blocks = self.receiver.reserve(rid, num_tokens)  # -> self.reserve, which takes the blocks
+        if blocks is not None and fork_room:
+            self._fork_blocks[rid] = self.pool.allocate(fork_room)
         if blocks is None:
             del self._requests[rid]
         elif self.tp is not None:
@@ -520,6 +585,7 @@ class DecodeWorker:
             except InvalidRequestError as err:  # a transfer without a first token: nothing to decode from
                 live = self._requests.pop(kv.request_id)
                 live.seq.block_table.release(self.pool)
+                self.pool.free(self._fork_blocks.pop(kv.request_id, []))
                 if kv.request_id in self._incoming:  # a migration whose state does not fit: it stays on its source
                     self._incoming.discard(kv.request_id)
                     out.append(MigrationFailed(kv.request_id, str(err)))
@@ -586,15 +652,15 @@ class DecodeWorker:
         seqs = [lv.seq for lv in lives]
         t_forward, draft_before = time.perf_counter(), self.metrics.draft_time_s
         if k == 0:
-            verdicts = self._decode(seqs)
+            verdicts, logits = self._decode(seqs)
         else:
-            verdicts = self._speculate(seqs, k)
+            verdicts, logits = self._speculate(seqs, k)
         if choice is not None and k == planned and len(seqs) == batch:  # same shape as predicted
             draft_s = self.metrics.draft_time_s - draft_before  # the policy corrects draft and verify apart
             self.policy.observe_step(choice, draft_s, time.perf_counter() - t_forward - draft_s)
         if k > 0:  # before committing: a sequence that finishes still verified its drafts
             self.acceptance.observe_step([(k, v.num_accepted) for v in verdicts])
-        deltas = [self._commit(lv, v, k) for lv, v in zip(lives, verdicts)]
+        deltas = [self._commit(lv, v, k, logits[i]) for i, (lv, v) in enumerate(zip(lives, verdicts))]
         seconds = time.perf_counter() - start
         self._record_step(k, seconds)
         self.pass_log.record("step", seconds, k=k, seqs=len(lives))
@@ -629,13 +695,18 @@ class DecodeWorker:
 
         return self.policy.choose(target_pass, draft_pass)
 
-    def _decode(self, seqs: list[Sequence]) -> list[Verdict]:
+    def _decode(self, seqs: list[Sequence]) -> tuple[list[Verdict], torch.Tensor]:
+        """A plain decode step: (one token per sequence, the target logits [B, 1, V])."""
         t0 = time.perf_counter()
         logits = self.runner.run([StepInput([s.tokens[-1]], len(s.tokens) - 1, s.block_table.blocks) for s in seqs])
         self._observe_target(seqs, 0, time.perf_counter() - t0)
-        return [Verdict(0, [s.sampler.choose(logits[i])]) for i, s in enumerate(seqs)]
+        verdicts = [Verdict(0, [s.sampler.choose(logits[i], s.output_ids)]) for i, s in enumerate(seqs)]
+        return verdicts, logits.unsqueeze(1)
 
-    def _speculate(self, seqs: list[Sequence], k: int) -> list[Verdict]:
+    def _speculate(self, seqs: list[Sequence], k: int) -> tuple[list[Verdict], torch.Tensor]:
+        """Draft k tokens per sequence and verify them in one target pass: (the verdicts, the target logits
+        [B, k + 1, V]). Each verified position's logits are processed with the tokens before it, drafts
+        included, exactly as plain decoding would process them there."""
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, k)
         t1 = time.perf_counter()
@@ -654,16 +725,19 @@ class DecodeWorker:
         self._observe_target(seqs, k, t2 - t1)
         self.metrics.draft_time_s += t1 - t0
         self.metrics.verify_time_s += t2 - t1
-        greedy = torch.argmax(logits, dim=-1).tolist()
+        raw_argmax = torch.argmax(logits, dim=-1).tolist()
         verdicts = []
         for i, s in enumerate(seqs):
-            params = s.sampler.params
+            params, drafts = s.sampler.params, proposal.tokens[i]
+            raw = logits[i]
+            processed = processed_logits(s.sampler, raw, s.output_ids, drafts)
             if params.greedy:
-                verdicts.append(verify_greedy(proposal.tokens[i], greedy[i]))
+                best = raw_argmax[i] if processed is raw else torch.argmax(processed, dim=-1).tolist()
+                verdicts.append(verify_greedy(drafts, best))
             else:
-                p = target_probs(logits[i], params)
-                verdicts.append(verify_sampled(proposal.tokens[i], proposal.probs[i], p, s.sampler.generator))
-        return verdicts
+                p = target_probs(processed, params)
+                verdicts.append(verify_sampled(drafts, proposal.probs[i], p, s.sampler.generator))
+        return verdicts, logits
 
     def _observe_target(self, seqs: list[Sequence], k: int, seconds: float) -> None:
         b = len(seqs)
@@ -671,8 +745,9 @@ class DecodeWorker:
         self.pass_log.record("verify" if k else "decode", seconds, seqs=b, kv_tokens=kv_tokens, new_tokens=b * (k + 1))
         self.target_cost.observe(PassShape(b, kv_tokens, b * (k + 1)), seconds)
 
-    def _commit(self, live: _Live, verdict: Verdict, k: int) -> TokenDelta:
-        """Append the verdict's tokens (up to a stop), roll back rejected KV, emit the delta."""
+    def _commit(self, live: _Live, verdict: Verdict, k: int, logits: torch.Tensor) -> TokenDelta:
+        """Append the verdict's tokens (up to a stop), roll back rejected KV, emit the delta. logits: the
+        target's [k + 1, V] at the verified positions (the log-probabilities reported come from them)."""
         seq = live.seq
         n = len(seq.tokens)
         appended: list[int] = []
@@ -682,6 +757,7 @@ class DecodeWorker:
             reason = seq.append_token(tok)
             if reason is not None:
                 break
+        logprobs = self._logprobs(seq, logits, appended)
         text, reason = live.stream.push(appended, reason)
         if k > 0:
             self.metrics.draft_tokens += k
@@ -695,8 +771,16 @@ class DecodeWorker:
             seq.num_computed = n + verdict.num_accepted
             seq.block_table.truncate(self.pool, seq.num_computed + 1)
             self.drafter.on_verified(seq, seq.num_computed)
-        return TokenDelta(seq.request_id, appended, text, reason is not None,
-                          reason.value if reason is not None else None, k, verdict.num_accepted)
+        rid, index = split_sequence_id(seq.request_id)
+        return TokenDelta(rid, appended, text, reason is not None, reason.value if reason is not None else None, k,
+                          verdict.num_accepted, logprobs, index=index)
+
+    @staticmethod
+    def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> tuple:
+        """The target's log-probabilities of ``tokens`` (row j of logits [>= len, V] is token j's position),
+        when the request asked for them."""
+        num = seq.sampler.params.logprobs
+        return () if num is None else tuple(token_logprobs(logits, tokens, num))
 
     def _record_step(self, k: int, seconds: float) -> None:
         self.metrics.steps += 1
@@ -736,13 +820,14 @@ class DecodeWorker:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, table: BlockTable) -> Sequence:
+        eos = frozenset(self.loaded.eos_token_ids)
         return Sequence(
-            request_id=request_id, prompt_ids=prompt, sampler=RequestSampler(params),
-            eos_token_ids=frozenset(self.loaded.eos_token_ids), block_table=table,
+            request_id=request_id, prompt_ids=prompt, sampler=RequestSampler(params, prompt_ids=prompt, eos_token_ids=eos),
+            eos_token_ids=eos, block_table=table,
             max_model_len=self.max_model_len, status=SequenceStatus.RUNNING,
         )
 
-    def _start(self, live: _Live, first_token: int) -> TokenDelta:
+    def _start(self, live: _Live, first_token: int, logprobs: tuple = ()) -> TokenDelta:
         """Start decoding a sequence whose prompt is computed, from its first token."""
         seq = live.seq
         self.scheduler.start(seq)
@@ -753,8 +838,9 @@ class DecodeWorker:
             self._finish(live, reason)
         else:
             self.drafter.admit(seq)
-        return TokenDelta(seq.request_id, [first_token], text, reason is not None,
-                          reason.value if reason is not None else None)
+        rid, index = split_sequence_id(seq.request_id)
+        return TokenDelta(rid, [first_token], text, reason is not None, reason.value if reason is not None else None,
+                          logprobs=logprobs, index=index)
 
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         seq = live.seq
@@ -881,6 +967,11 @@ class DecodeWorker:
             "draft_cost": self.draft_cost.coefficients(),
             "step_correction": self.step_correction.summary(),
         }
+
+
+def _generator_state(raw: bytes) -> torch.Tensor:
+    """A ``torch.Generator`` state from the bytes another process sent."""
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def follower(model_path: str, config: DecodeWorkerConfig, tp: TPGroup, instance_id: str = "decode-0",

@@ -145,6 +145,24 @@ class BlockTable:
         pool.free(self.blocks)
         self.blocks = []
 
+    def fork(self, pool: BlockPool, num_tokens: int, capacity_tokens: int,
+             own_blocks: list[int] | None = None) -> tuple["BlockTable", list[tuple[int, int]]]:
+        """A table for a sequence that continues from this one's first ``num_tokens`` positions (``n``
+        sequences of one prompt): the blocks those positions fill completely are shared (one more reference
+        each); the partly filled one and the room up to ``capacity_tokens`` are the fork's own, taken from
+        ``own_blocks`` (reserved earlier) or the pool. Returns (the table, the (source, destination) block
+        copies that give the fork its partly filled block's KV)."""
+        shared = num_tokens // self.block_size
+        need = pool.blocks_for_tokens(max(capacity_tokens, num_tokens)) - shared
+        if own_blocks is None:
+            own_blocks = pool.allocate(need, after=self.blocks[shared - 1] if shared else None)
+        elif len(own_blocks) != need:
+            raise ValueError(f"own_blocks: a fork of {num_tokens} tokens with room for {capacity_tokens} needs "
+                             f"{need} blocks of its own, got {len(own_blocks)}")
+        pool.incref(self.blocks[:shared])
+        copies = [(self.blocks[shared], own_blocks[0])] if num_tokens % self.block_size else []
+        return BlockTable(self.block_size, self.blocks[:shared] + list(own_blocks)), copies
+
     def slots(self, start: int, end: int) -> list[int]:
         """Flat cache slot (block * block_size + offset) of each position in [start, end)."""
         bs = self.block_size

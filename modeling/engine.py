@@ -8,22 +8,25 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel
-from modeling.errors import InvalidRequestError
+from modeling.errors import InvalidRequestError, OutOfBlocksError
+from modeling.forks import sequence_id, split_sequence_id
 from modeling.runner import StepInput
-from modeling.sampling import RequestSampler, SamplingParams
+from modeling.logprobs import TokenLogprob
+from modeling.sampling import PromptLogprobs, RequestSampler, SamplingParams, token_logprobs
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
-from modeling.sequence import FinishReason, Sequence
+from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, forward_follower, load_for_rank
+from modeling.tp_runner import (TPDriverRunner, TPFollower, build_runner, copy_kv_blocks, forward_follower,
+                                load_for_rank)
 
 
 @dataclass(frozen=True)
@@ -50,13 +53,16 @@ class EngineConfig:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: new tokens and text, and the finish state."""
+    """What one step produced for one sequence of a request: new tokens and text, and the finish state.
+    ``request_id`` is the sequence's (``modeling/forks.py``: the request's own for its first sequence)."""
 
     request_id: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first output, when asked for
 
 
 @dataclass
@@ -70,6 +76,9 @@ class Completion:
     finish_reason: FinishReason
     ttft_s: float = 0.0  # arrival to first token
     tpot_s: float = 0.0  # mean time per output token after the first
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    sequences: list["Completion"] = field(default_factory=list)  # n > 1: every sequence, this one first
 
 
 @dataclass
@@ -79,6 +88,9 @@ class _Request:
     arrival: float = 0.0
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    prompt_scorer: PromptLogprobs | None = None
+    logprobs: list[TokenLogprob] | None = None
+    emitted: bool = False  # an output was produced (the first carries the prompt's log-probabilities)
 
 
 class ReferenceEngine:
@@ -109,6 +121,9 @@ class ReferenceEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if split_sequence_id(request_id)[1]:
+            raise InvalidRequestError("request_id", f"{request_id!r}: '#<number>' ends the ids of a request's "
+                                      "further sequences")
         vocab = self.loaded.config.vocab_size
         params.validate(vocab_size=vocab)
         prompt_ids = self._prompt_ids(prompt)
@@ -120,33 +135,45 @@ class ReferenceEngine:
             )
         if self.pool.blocks_for_tokens(len(prompt_ids) + 1) > self.pool.num_blocks:
             raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens exceed the KV cache ({self.config.kv_cache_tokens} tokens)")
+        eos = frozenset(self.loaded.eos_token_ids)
         seq = Sequence(
             request_id=request_id,
             prompt_ids=prompt_ids,
-            sampler=RequestSampler(params),
-            eos_token_ids=frozenset(self.loaded.eos_token_ids),
+            sampler=RequestSampler(params, prompt_ids=prompt_ids, eos_token_ids=eos),
+            eos_token_ids=eos,
             block_table=BlockTable(self.config.block_size),
             max_model_len=min(self.max_model_len, self.pool.num_blocks * self.config.block_size),
         )
         stream = OutputStream.for_sequence(seq, self.tokenizer)
-        self._requests[request_id] = _Request(seq, stream, arrival=time.perf_counter())
+        scorer = None if params.prompt_logprobs is None else PromptLogprobs(prompt_ids, params.prompt_logprobs)
+        self._requests[request_id] = _Request(seq, stream, arrival=time.perf_counter(), prompt_scorer=scorer,
+                                              logprobs=None if params.logprobs is None else [])
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request and free its KV; False if unknown or already finished."""
-        req = self._requests.pop(request_id, None)
-        if req is None or req.seq.is_finished:
-            return False
-        self.scheduler.finish(req.seq, FinishReason.ABORT)
-        return True
+        """Cancel a request (every sequence of it) and free its KV; False if unknown or already finished."""
+        aborted = False
+        for sid in self._sequence_ids(request_id):
+            req = self._requests.pop(sid, None)
+            if req is not None and not req.seq.is_finished:
+                self.scheduler.finish(req.seq, FinishReason.ABORT)
+                aborted = True
+        return aborted
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request (for callers that stream ``step()`` outputs; ``generate`` does it
-        itself). Its KV was freed when it finished; its id may be used again afterwards."""
+        """Forget a finished sequence (for callers that stream ``step()`` outputs, by the output's
+        ``request_id``; ``generate`` does it itself). Its KV was freed when it finished; the request's id may
+        be used again once every sequence of it is released."""
         req = self._requests.get(request_id)
         if req is not None and req.seq.is_finished:
             del self._requests[request_id]
+
+    def _sequence_ids(self, request_id: str) -> list[str]:
+        """The ids of a request's sequences still held here."""
+        req = self._requests.get(request_id)
+        n = 1 if req is None else req.seq.sampler.params.num_sequences
+        return [sequence_id(request_id, i) for i in range(n)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -164,7 +191,7 @@ class ReferenceEngine:
         if not chunks:
             return []
         t0 = time.perf_counter()
-        logits = self.runner.run([self._step_input(c) for c in chunks])
+        logits = self.runner.run([self._step_input(c, self._requests[c.seq.request_id]) for c in chunks])
         self._record_pass(chunks, time.perf_counter() - t0)
         return self._process(chunks, logits)
 
@@ -172,8 +199,9 @@ class ReferenceEngine:
         """Run prompts to completion (all submitted at once: continuous batching does the rest)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        expected = sum(sp.num_sequences for sp in params_list)
         done: dict[str, Completion] = {}
-        while len(done) < len(ids):
+        while len(done) < expected:
             for out in self.step():
                 if out.finished:
                     req = self._requests.pop(out.request_id)
@@ -182,8 +210,16 @@ class ReferenceEngine:
                         out.request_id, req.seq.prompt_ids, req.seq.output_ids, req.stream.text, out.finish_reason,
                         ttft_s=req.first_token_at - req.arrival,
                         tpot_s=(req.finished_at - req.first_token_at) / max(1, n_out - 1),
+                        logprobs=req.logprobs,
+                        prompt_logprobs=None if req.prompt_scorer is None else req.prompt_scorer.logprobs,
                     )
-        return [done[i] for i in ids]
+        results = []
+        for rid, sp in zip(ids, params_list):
+            first = done[rid]
+            if sp.num_sequences > 1:
+                first.sequences = [done[sequence_id(rid, i)] for i in range(sp.num_sequences)]
+            results.append(first)
+        return results
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -203,13 +239,15 @@ class ReferenceEngine:
         return ids
 
     @staticmethod
-    def _step_input(chunk: ScheduledChunk) -> StepInput:
+    def _step_input(chunk: ScheduledChunk, req: _Request) -> StepInput:
+        """Logits at the chunk's last position when it samples, at all of them when they score the prompt."""
         seq = chunk.seq
+        scoring = req.prompt_scorer is not None and req.prompt_scorer.wants(chunk.start)
         return StepInput(
             token_ids=seq.tokens[chunk.start : chunk.start + chunk.num_tokens],
             start=chunk.start,
             block_table=seq.block_table.blocks,
-            num_logits=1 if chunk.sample else 0,
+            num_logits=chunk.num_tokens if scoring else (1 if chunk.sample else 0),
         )
 
     def _record_pass(self, chunks: list[ScheduledChunk], seconds: float) -> None:
@@ -228,26 +266,72 @@ class ReferenceEngine:
         row = 0
         for chunk in chunks:
             seq = chunk.seq
+            req = self._requests[seq.request_id]
+            rows = self._step_input(chunk, req).num_logits
+            chunk_logits = logits[row : row + rows]
+            row += rows
+            if rows > 1:
+                req.prompt_scorer.add(chunk_logits, chunk.start)
             seq.num_computed += chunk.num_tokens
             if not chunk.sample:
                 continue
-            token = seq.sampler.choose(logits[row])
-            row += 1
-            reason = seq.append_token(token)
-            outputs.append(self._emit(self._requests[seq.request_id], token, reason))
+            last = chunk_logits[-1]
+            params = seq.sampler.params
+            if params.max_tokens == 0:  # the prompt alone was asked for: nothing is generated
+                outputs.append(self._emit(req, [], FinishReason.LENGTH))
+                continue
+            forks = []
+            if params.num_sequences > 1 and not seq.output_ids and split_sequence_id(seq.request_id)[1] == 0:
+                forks = self._fork(req)  # before the first sequence's token: it may finish and free its blocks
+            for r in [req] + forks:  # every sequence's first token comes from the same logits
+                token = r.seq.sampler.choose(last, r.seq.output_ids)
+                reason = r.seq.append_token(token)
+                if r.logprobs is not None:
+                    r.logprobs.extend(token_logprobs(last.unsqueeze(0), [token], params.logprobs))
+                outputs.append(self._emit(r, [token], reason))
         return outputs
 
-    def _emit(self, req: _Request, token: int, reason: FinishReason | None) -> RequestOutput:
-        """Turn a sampled token into a delta (stop strings applied by the output stream)."""
+    def _fork(self, req: _Request) -> list[_Request]:
+        """Sequences 1 .. n-1 of a request whose prompt was just computed, sharing its full KV blocks
+        (``modeling/forks.py``). Those that find no room now start like new requests (their prompt is
+        computed again); those returned sample their first token now."""
+        parent = req.seq
+        rid, n = parent.request_id, parent.sampler.params.num_sequences
+        forked = []
+        for i in range(1, n):
+            seq = Sequence(sequence_id(rid, i), parent.prompt_ids, parent.sampler.for_sequence(i), parent.eos_token_ids,
+                           BlockTable(self.config.block_size), parent.max_model_len)
+            child = _Request(seq, OutputStream.for_sequence(seq, self.tokenizer), arrival=req.arrival, emitted=True,
+                             logprobs=None if req.logprobs is None else [])
+            self._requests[seq.request_id] = child
+            try:
+                seq.block_table, copies = parent.block_table.fork(self.pool, parent.num_prompt, parent.num_prompt + 1)
+            except OutOfBlocksError:
+                self.scheduler.add(seq)
+                continue
+            copy_kv_blocks(self.runner, copies)
+            seq.num_computed = parent.num_prompt
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+            forked.append(child)
+        return forked
+
+    def _emit(self, req: _Request, tokens: list[int], reason: FinishReason | None) -> RequestOutput:
+        """Turn sampled tokens into a delta (stop strings applied by the output stream)."""
         seq = req.seq
         now = time.perf_counter()
         if not req.first_token_at:
             req.first_token_at = now
-        new_text, reason = req.stream.push([token], reason)
+        new_text, reason = req.stream.push(tokens, reason)
         if reason is not None:
             req.finished_at = now
             self.scheduler.finish(seq, reason)
-        return RequestOutput(seq.request_id, [token], new_text, reason is not None, reason)
+        prompt_logprobs = None
+        if not req.emitted and req.prompt_scorer is not None:
+            prompt_logprobs = req.prompt_scorer.logprobs
+        req.emitted = True
+        logprobs = None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(tokens):]
+        return RequestOutput(seq.request_id, tokens, new_text, reason is not None, reason, logprobs, prompt_logprobs)
 
 
 def follower(model_path: str, config: EngineConfig, tp: TPGroup) -> TPFollower:

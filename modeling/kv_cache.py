@@ -64,3 +64,11 @@ class PagedKVCache:
         vf = self.kv[layer, 1].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         kf.index_copy_(0, slots, k.to(kf.dtype))
         vf.index_copy_(0, slots, v.to(vf.dtype))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, keys and values): [(source, destination), ...]."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.kv.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.kv.device)
+        self.kv.index_copy_(2, dst, self.kv.index_select(2, src))

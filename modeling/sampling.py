@@ -1,18 +1,29 @@
 """Token selection (sampling parameters and their validation: ``modeling/params.py``).
 
-``target_probs`` turns logits into the exact distribution a request samples from (temperature, top-k,
-top-p applied); speculative verification uses the same function so that it preserves that distribution.
-Randomness comes from one ``torch.Generator`` per request, seeded from ``seed`` when given: the same
-seed gives the same output whatever else is in the batch.
+One request's tokens are chosen from the target model's logits in three stages, the same at every position
+whether it is decoded plainly, drafted or verified (so speculation is lossless under every parameter):
+
+* :func:`processed_logits`: logit bias, min_tokens, and the penalties over the tokens before each position
+  (rows of one call may each see a few more tokens: the draft tokens before a speculated position);
+* greedy selection is the argmax of the processed logits;
+* :func:`target_probs`: temperature, min_p, top-k, top-p: the exact distribution a sampled token is drawn from.
+
+Randomness comes from one ``torch.Generator`` per request, seeded from ``seed`` when given: the same seed
+gives the same output whatever else is in the batch. :func:`token_logprobs` reports log-probabilities of
+the raw logits (``modeling/logprobs.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence as Seq
 
 import torch
 
+from modeling.forks import fork_seed
+from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A per-request generator; an unseeded request gets a fresh random seed."""
@@ -21,9 +32,103 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
+@dataclass
+class RequestSampler:
+    """Per-request sampling state: parameters, the generator that makes it reproducible, and what the
+    logits processing needs of the request (its prompt for the repetition penalty, the ids that
+    ``min_tokens`` holds back)."""
+
+    params: SamplingParams
+    generator: torch.Generator = field(repr=False, default=None)
+    prompt_ids: Seq[int] = field(repr=False, default=())
+    eos_token_ids: frozenset[int] = frozenset()
+    _prompt_ids_tensor: torch.Tensor | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.generator is None:
+            self.generator = make_generator(self.params.seed)
+
+    @property
+    def held_back_ids(self) -> list[int]:
+        """Token ids masked while fewer than ``min_tokens`` tokens are out: the stop token ids and, unless
+        ``ignore_eos``, EOS."""
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids |= set(self.eos_token_ids)
+        return sorted(ids)
+
+    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
+        if self._prompt_ids_tensor is None or self._prompt_ids_tensor.device != device:
+            self._prompt_ids_tensor = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.int64, device=device)
+        return self._prompt_ids_tensor
+
+    def for_sequence(self, index: int) -> "RequestSampler":
+        """The sampler of the request's sequence ``index`` (``n`` > 1): the same parameters, its own
+        generator (``modeling/forks.py``)."""
+        if index == 0:
+            return self
+        gen = make_generator(fork_seed(self.params.seed, index), self.generator.device)
+        return RequestSampler(self.params, gen, self.prompt_ids, self.eos_token_ids)
+
+    def choose(self, logits: torch.Tensor, output_ids: Seq[int] = ()) -> int:
+        """logits: float32 [V] at the position after ``output_ids`` (the tokens generated so far) -> the
+        next token id."""
+        row = processed_logits(self, logits.unsqueeze(0), output_ids)
+        if self.params.greedy:
+            return int(torch.argmax(row[0]).item())
+        return sample_from(target_probs(row, self.params)[0], self.generator)
+
+
+def processed_logits(sampler: RequestSampler, logits: torch.Tensor, output_ids: Seq[int],
+                     drafted: Seq[int] = ()) -> torch.Tensor:
+    """Logit bias, min_tokens and penalties applied. logits: float32 [N, V], row j at the position after
+    ``output_ids + drafted[:j]`` (N <= len(drafted) + 1). Returns the input itself when nothing applies."""
+    params = sampler.params
+    if not params.processes_logits:
+        return logits
+    n, vocab = logits.shape
+    device = logits.device
+    out = logits.clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=device)
+        out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=device)
+    if params.min_tokens:
+        held = sampler.held_back_ids
+        for j in range(n):
+            if len(output_ids) + j < params.min_tokens and held:
+                out[j, held] = float("-inf")
+    if params.history_dependent and (params.repetition_penalty != 1.0 or params.presence_penalty
+                                     or params.frequency_penalty):
+        counts = _output_counts(output_ids, drafted, n, vocab, device)  # [N, V]
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[:, sampler.prompt_tensor(device)] = True
+            penalised = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+            out = torch.where(seen, penalised, out)
+        if params.frequency_penalty:
+            out -= params.frequency_penalty * counts
+        if params.presence_penalty:
+            out -= params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def _output_counts(output_ids: Seq[int], drafted: Seq[int], n: int, vocab: int, device) -> torch.Tensor:
+    """[N, V] float32: row j counts each token in ``output_ids + drafted[:j]``."""
+    base = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64), minlength=vocab).to(torch.float32)
+    counts = base.to(device).unsqueeze(0).repeat(n, 1)
+    for j in range(1, n):
+        counts[j:, drafted[j - 1]] += 1
+    return counts
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request samples from. logits: float32 [N, V] -> probs [N, V]."""
+    """The distribution a non-greedy request samples from, given processed logits float32 [N, V]:
+    temperature, then min_p, top-k and top-p. Returns probs [N, V]."""
     scaled = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -44,19 +149,46 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.to(generator.device), 1, generator=generator).item())
 
 
-@dataclass
-class RequestSampler:
-    """Per-request sampling state: parameters plus the generator that makes it reproducible."""
+def token_logprobs(logits: torch.Tensor, tokens: Seq[int], num_top: int) -> list[TokenLogprob]:
+    """Raw log-probabilities: logits float32 [N, V] (row j the distribution of ``tokens[j]``, N >= len(tokens))
+    -> for each token its log-softmax value, rank and the ``num_top`` most likely tokens."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    ids = torch.tensor(list(tokens), dtype=torch.int64, device=logp.device)
+    chosen = logp.gather(1, ids.unsqueeze(1))  # [n, 1]
+    ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()
+    chosen_list = chosen.squeeze(1).tolist()
+    if num_top > 0:
+        top_vals, top_ids = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(int(t), float(lp), int(r), top) for t, lp, r, top in zip(tokens, chosen_list, ranks, tops)]
 
-    params: SamplingParams
-    generator: torch.Generator = field(repr=False, default=None)
 
-    def __post_init__(self) -> None:
-        if self.generator is None:
-            self.generator = make_generator(self.params.seed)
+class PromptLogprobs:
+    """Collects a prompt's log-probabilities over its prefill chunks: the first token has none (None), token
+    q's comes from the logits at position q - 1. Chunks computed again (after a preemption) add nothing."""
 
-    def choose(self, logits: torch.Tensor) -> int:
-        """logits: float32 [V] -> next token id."""
-        if self.params.greedy:
-            return int(torch.argmax(logits).item())
-        return sample_from(target_probs(logits.unsqueeze(0), self.params)[0], self.generator)
+    def __init__(self, prompt_ids: Seq[int], num_top: int):
+        self.prompt_ids = list(prompt_ids)
+        self.num_top = num_top
+        self.logprobs: list[TokenLogprob | None] = [None]
+
+    @property
+    def done(self) -> bool:
+        return len(self.logprobs) >= len(self.prompt_ids)
+
+    def wants(self, start: int) -> bool:
+        """Whether a chunk starting at ``start`` needs logits at all its positions."""
+        return not self.done and start < len(self.prompt_ids) - 1
+
+    def add(self, logits: torch.Tensor, start: int) -> None:
+        """logits float32 [n, V] at positions ``start .. start + n - 1`` (rows past the prompt are ignored)."""
+        first = len(self.logprobs) - 1  # the position whose logits score the next unscored token
+        end = min(start + logits.shape[0], len(self.prompt_ids) - 1)
+        if first < start or first >= end:
+            return
+        rows = logits[first - start : end - start]
+        self.logprobs.extend(token_logprobs(rows, self.prompt_ids[first + 1 : end + 1], self.num_top))

@@ -80,15 +80,13 @@ class Sequence:
         return None
 
 
-def find_stop_string(text: str, stops: tuple[str, ...], new_chars: int) -> int:
-    """Index in ``text`` where the earliest stop string starts, looking only where the last
-    ``new_chars`` characters could complete one; -1 if none."""
-    if not stops:
-        return -1
-    best = -1
+def find_stop_string(text: str, stops: tuple[str, ...], new_chars: int) -> tuple[int, int]:
+    """(index in ``text`` where the earliest stop string starts, its length), looking only where the last
+    ``new_chars`` characters could complete one; (-1, 0) if none."""
+    best, length = -1, 0
     for s in stops:
         start = max(0, len(text) - new_chars - len(s) + 1)
         i = text.find(s, start)
         if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
+            best, length = i, len(s)
+    return best, length

@@ -153,8 +153,11 @@ class TPFollower:
                  actions: dict[str, Callable[..., None]] | None = None):
         self.runner = runner
         self.group = group
-        self.actions = dict(actions or {})
+        self.actions = {"kv_copy": self._copy_blocks, **(actions or {})}
         self.steps = 0
+
+    def _copy_blocks(self, copies: list[list[int]]) -> None:
+        self.runner.cache.copy_blocks([(src, dst) for src, dst in copies])
 
     def run_step(self, desc: StepDescription) -> None:
         self.runner.forward(desc.inputs, desc.sink_len, desc.window_starts)
@@ -175,6 +178,16 @@ class TPFollower:
             if desc.inputs:
                 self.run_step(desc)
                 self.steps += 1
+
+
+def copy_kv_blocks(runner: ModelRunner, copies: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks (source, destination) in this rank's cache and, on a tensor-parallel driver, in
+    every follower's (each holds its own heads of the same blocks)."""
+    if not copies:
+        return
+    runner.cache.copy_blocks(copies)
+    if isinstance(runner, TPDriverRunner):
+        runner.call("kv_copy", copies=[list(c) for c in copies])
 
 
 def load_for_rank(path: str, dtype: str, device: str, group: TPGroup | None) -> LoadedModel:

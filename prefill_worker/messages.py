@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
 
 
@@ -48,12 +49,17 @@ class PrefillRequest:
 @dataclass(frozen=True)
 class FirstToken:
     """The first generated token, for the router to stream (the decode worker gets it, with the sampler's
-    state, over the KV transfer)."""
+    state, over the KV transfer), with its log-probability and the prompt's when the request asked for them.
+    ``token_id`` None: the request generates nothing (``max_tokens`` 0; it scored its prompt)."""
 
     request_id: str
-    token_id: int
+    token_id: int | None
     ttft_s: float
     num_prompt_tokens: int
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # n > 1: the first tokens of sequences 1 .. n-1, (index, token id, log-probability or None)
+    forks: tuple[tuple[int, int, TokenLogprob | None], ...] = ()
 
 
 @dataclass(frozen=True)

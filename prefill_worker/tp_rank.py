@@ -63,8 +63,8 @@ class PrefillRankFollower(TPFollower):
         self._slots[request_id] = slot
 
     def _finish(self, ends: list[list]) -> None:
-        for request_id, token, state in ends:
-            self.sender.finish_prompt(request_id, token, bytes.fromhex(state))
+        for request_id, token, state, forks in ends:
+            self.sender.finish_prompt(request_id, token, bytes.fromhex(state), state=forks)
 
     def _sync(self) -> None:
         events = self.sender.poll()

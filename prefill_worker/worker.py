@@ -24,9 +24,10 @@ from kv_transfer.streaming import forward_streaming, leg_targets
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError
+from modeling.forks import ForkStart, encode_forks, split_sequence_id
 from modeling.pass_log import PassLog
 from modeling.runner import StepInput
-from modeling.sampling import RequestSampler
+from modeling.sampling import PromptLogprobs, RequestSampler, token_logprobs
 from modeling.scheduler import ScheduledChunk, SchedulerConfig
 from modeling.sequence import Sequence
 from modeling.tp_group import TPGroup
@@ -41,6 +42,7 @@ class _Request:
     request: PrefillRequest
     seq: Sequence
     arrival: float
+    prompt_scorer: PromptLogprobs | None = None
 
 
 class PrefillWorker:
@@ -97,25 +99,29 @@ class PrefillWorker:
 
     def add_request(self, request: PrefillRequest) -> None:
         """Validate and queue a prompt. Raises InvalidRequestError naming the field."""
-        if not request.request_id:
-            raise InvalidRequestError("request_id", "must not be empty")
+        if not request.request_id or split_sequence_id(request.request_id)[1]:
+            raise InvalidRequestError("request_id", "must not be empty nor end in '#<number>'")
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         vocab = self.loaded.config.vocab_size
         request.params.validate(vocab_size=vocab)
         if not request.prompt_ids:
             raise InvalidRequestError("prompt_ids", "must not be empty")
+        if request.params.max_tokens == 0 and request.destination is not None:
+            raise InvalidRequestError("destination", "a request that generates nothing (max_tokens 0) hands no KV off")
         for i, t in enumerate(request.prompt_ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(f"prompt_ids[{i}]", f"must be an integer in [0, {vocab}), got {t!r}")
         if self.pool.blocks_for_tokens(len(request.prompt_ids)) > self.pool.num_blocks:
             raise InvalidRequestError("prompt_ids", f"{len(request.prompt_ids)} tokens exceed the KV cache "
                                                     f"({self.pool.num_blocks * self.pool.block_size} tokens)")
-        seq = Sequence(request.request_id, list(request.prompt_ids), RequestSampler(request.params),
-                       frozenset(self.loaded.eos_token_ids), BlockTable(self.config.block_size),
-                       max_model_len=self.loaded.config.max_position_embeddings)
+        prompt, eos = list(request.prompt_ids), frozenset(self.loaded.eos_token_ids)
+        seq = Sequence(request.request_id, prompt, RequestSampler(request.params, prompt_ids=prompt, eos_token_ids=eos),
+                       eos, BlockTable(self.config.block_size), max_model_len=self.loaded.config.max_position_embeddings)
         arrival = request.arrival_time if request.arrival_time is not None else time.perf_counter()
-        self._requests[request.request_id] = _Request(request, seq, arrival)
+        num = request.params.prompt_logprobs
+        self._requests[request.request_id] = _Request(request, seq, arrival,
+                                                      None if num is None else PromptLogprobs(prompt, num))
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -217,11 +223,19 @@ class PrefillWorker:
             return self.pool.blocks_for_tokens(end)
         return end // self.config.block_size if self.config.layerwise_streaming else 0
 
+    def _num_logits(self, chunk: ScheduledChunk) -> int:
+        """Logits at the chunk's last position when it samples, at all of them when they score the prompt."""
+        scorer = self._requests[chunk.seq.request_id].prompt_scorer
+        if scorer is not None and scorer.wants(chunk.start):
+            return chunk.num_tokens
+        return 1 if chunk.sample else 0
+
     @torch.inference_mode()
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run the chunks; KV streams out layer by layer (or after the pass). Returns logits [n_sample, V]."""
+        """Run the chunks; KV streams out layer by layer (or after the pass). Returns the logits of every
+        chunk's ``_num_logits`` last positions, in chunk order [rows, V]."""
         inputs = [StepInput(c.seq.tokens[c.start : c.start + c.num_tokens], c.start, c.seq.block_table.blocks,
-                            num_logits=1 if c.sample else 0) for c in chunks]
+                            num_logits=self._num_logits(c)) for c in chunks]
         ready = {c.seq.request_id: self._ready_blocks(c) for c in chunks}
         if self.tp is not None:
             self.runner.announce(inputs, side={"ready": ready})
@@ -238,25 +252,54 @@ class PrefillWorker:
         row = 0
         for c in chunks:
             seq = c.seq
+            req = self._requests[seq.request_id]
+            rows = self._num_logits(c)
+            chunk_logits = logits[row : row + rows]
+            row += rows
+            if rows > 1:
+                req.prompt_scorer.add(chunk_logits, c.start)
             seq.num_computed += c.num_tokens
             if not c.sample:
                 continue
-            token = seq.sampler.choose(logits[row])
-            row += 1
+            params = seq.sampler.params
+            prompt_logprobs = None if req.prompt_scorer is None else tuple(req.prompt_scorer.logprobs)
+            if params.max_tokens == 0:  # the prompt alone was asked for (no destination: nothing to hand off)
+                firsts.append(FirstToken(seq.request_id, None, now - req.arrival, seq.num_prompt,
+                                         prompt_logprobs=prompt_logprobs))
+                self.scheduler.hand_off(seq)
+                self.scheduler.release(seq.request_id)
+                del self._requests[seq.request_id]
+                continue
+            last = chunk_logits[-1:]
+            token = seq.sampler.choose(last[0], [])
             seq.append_token(token)
-            req = self._requests[seq.request_id]
-            firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt))
+            forks = [self._fork_start(seq, i, last[0]) for i in range(1, params.num_sequences)]
+            firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt,
+                                     self._logprob(params, last, token), prompt_logprobs,
+                                     tuple((f.index, f.token, self._logprob(params, last, f.token)) for f in forks)))
             self.scheduler.hand_off(seq)
             if req.request.destination is not None:  # the first token ends the transfer: decode continues from it
                 state = seq.sampler.generator.get_state().numpy().tobytes()
-                self.sender.finish_prompt(seq.request_id, token, state)
-                ends.append([seq.request_id, token, state.hex()])
+                self.sender.finish_prompt(seq.request_id, token, state, state=encode_forks(forks))
+                ends.append([seq.request_id, token, state.hex(), encode_forks(forks)])
             else:  # nothing to transfer: done with this prompt
                 self.scheduler.release(seq.request_id)
                 del self._requests[seq.request_id]
         if ends and self.tp is not None:
             self.runner.call("kv_finish", ends=ends)
         return firsts
+
+    @staticmethod
+    def _fork_start(seq: Sequence, index: int, logits: torch.Tensor) -> ForkStart:
+        """Sequence ``index`` of a request (n > 1): its first token, drawn from the prompt's last logits with
+        its own generator, and the generator's state after it (the decode side continues from there)."""
+        sampler = seq.sampler.for_sequence(index)
+        token = sampler.choose(logits, [])
+        return ForkStart(index, token, sampler.generator.get_state().numpy().tobytes())
+
+    @staticmethod
+    def _logprob(params, logits: torch.Tensor, token: int):
+        return None if params.logprobs is None else token_logprobs(logits, [token], params.logprobs)[0]
 
 
 def follower(model_path: str, config: PrefillWorkerConfig, tp: TPGroup, instance_id: str = "prefill-0") -> TPFollower:

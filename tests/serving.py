@@ -102,7 +102,7 @@ class Stream:
             with Client(address) as c:
                 for chunk in c.generate_stream(prompt, request_id=request_id, **kw):
                     self.tokens.extend(chunk.token_ids)
-                    if chunk.finish_reason is not None:
+                    if chunk.final:
                         self.final = chunk
         except Exception as err:  # noqa: BLE001 - reported by the test
             self.error = err

@@ -131,7 +131,15 @@ def test_bad_prompt_tokens(engine):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(max_tokens=0), r"max_tokens: must be >= 1, got 0"),
+    (dict(max_tokens=-1), r"max_tokens: must be >= 0, got -1"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty: must be > 0.0, got 0.0"),
+    (dict(presence_penalty=2.5), r"presence_penalty: must be <= 2.0, got 2.5"),
+    (dict(min_p=-0.1), r"min_p: must be >= 0.0, got -0.1"),
+    (dict(max_tokens=4, min_tokens=5), r"min_tokens: must be <= 4, got 5"),
+    (dict(logit_bias={400: 1.0}), r"logit_bias: must be <= 383, got 400"),
+    (dict(logit_bias={3: 101.0}), r"logit_bias\[3\]: must be <= 100.0, got 101.0"),
+    (dict(logprobs=21), r"logprobs: must be <= 20, got 21"),
+    (dict(n=2, best_of=1), r"best_of: must be >= 2, got 1"),
     (dict(temperature=-1.0), r"temperature: must be >= 0.0, got -1.0"),
     (dict(temperature=float("nan")), r"temperature: must be a finite number"),
     (dict(top_p=0.0), r"top_p: must be > 0.0, got 0.0"),

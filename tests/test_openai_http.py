@@ -29,6 +29,8 @@ MODEL_DIR = os.path.join(REPO, "models", "stdlib-llama-15m")
 MODEL = "stdlib-llama-15m"
 TOKEN = "test-token-not-secret"
 TOKEN_ENV = "MAGICSERVE_TEST_HTTP_TOKEN"
+ADMIN_TOKEN = "test-admin-token-not-secret"
+ADMIN_TOKEN_ENV = "MAGICSERVE_TEST_ADMIN_TOKEN"
 PROMPT = "import os\n\n\ndef walk(top):\n"
 MESSAGES = [{"role": "system", "content": "Filesystem helpers."}, {"role": "user", "content": "def walk(top):"}]
 
@@ -38,13 +40,14 @@ def http(tmp_path_factory):
     """``(base_url, ports)`` of a served cluster: 1 prefill + 1 decode, float32, 2 requests at once and
     no queue (a third is refused with 429), bearer-token auth on."""
     os.environ[TOKEN_ENV] = TOKEN
+    os.environ[ADMIN_TOKEN_ENV] = ADMIN_TOKEN
     cfg = parse_config({
         "model": {"path": MODEL_DIR, "dtype": "float32"},
         "ray": {"num_cpus": 4, "num_gpus": 0},
         "prefill": {"kv_cache_tokens": 4096, "chunk_tokens": 256},
         "decode": {"kv_cache_tokens": 8192,
                    "speculation": {"drafter": "self_sparse", "k_policy": "fixed", "k": 3, "budget": 64, "sink_tokens": 16}},
-        "server": {"port": 0, "http_port": 0, "auth_token_env": TOKEN_ENV},
+        "server": {"port": 0, "http_port": 0, "auth_token_env": TOKEN_ENV, "admin_token_env": ADMIN_TOKEN_ENV},
         "limits": {"max_concurrent_requests": 2, "max_queue_length": 0, "max_tokens": 256, "max_prompt_tokens": 1024},
     })
     with serving(cfg) as ports:
@@ -86,6 +89,18 @@ def post_raw(url, data: bytes, token=TOKEN):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def post_sse(url, body: dict, token=TOKEN) -> list[dict]:
+    """The events of a streamed response, parsed as vLLM's benchmark client parses them: ``data: `` (with
+    the space) stripped, ``[DONE]`` last."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+        messages = [m for m in r.read().decode().split("\n\n") if m]
+    assert messages[-1] == "data: [DONE]"
+    return [json.loads(m.removeprefix("data: ")) for m in messages[:-1]]
 
 
 def scrape(base_url) -> dict:
@@ -187,14 +202,157 @@ def test_seeded_sampling_repeats(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_lm_eval_loglikelihood_request_returns_the_prompts_logprobs(http, reference):
+    """lm-eval's loglikelihood request (token ids as a batch of one, echo, logprobs 1, one generated token):
+    every echoed prompt position but the first carries the target's log-probability, as the reference
+    engine computes it, and lm-eval's is_greedy test (the chosen token's value is the top one) holds exactly
+    where the prompt token was the argmax."""
+    ids = greedy(reference, PROMPT, 1).prompt_ids
+    status, body = post_raw(http[0] + "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+         "echo": True}).encode())
+    assert status == 200, body
+    ref = reference.generate([ids], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = [x.logprob for x in ref.prompt_logprobs[1:]] + [ref.logprobs[0].logprob]
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], expected)) < 1e-3
+    for value, top, x in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], ref.prompt_logprobs[1:]):
+        assert (value == max(top.values())) == (x.rank == 1)
+    assert choice["text"] == reference.tokenizer.decode(ids, skip_special_tokens=False) + ref.text
+    assert body["usage"]["completion_tokens"] == 1
+    status, body = post_raw(http[0] + "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 0}).encode())
+    assert status == 200, body
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == len(ids)
+    assert body["usage"]["completion_tokens"] == 0 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_lm_eval_generation_requests(http, reference):
+    """lm-eval's generate_until bodies: a token-id prompt as a batch of one with the task's stop strings plus
+    the tokenizer's EOS text and a seed (completions), and string content with stop and seed (chat)."""
+    ids = greedy(reference, PROMPT, 1).prompt_ids
+    ref = greedy(reference, ids, 24)
+    stops = ["\n", "class ", "<|endoftext|>"]
+    assert "\n" in ref.text
+    cut = min(ref.text.find(x) for x in stops if x in ref.text)
+    status, body = post_raw(http[0] + "/v1/completions", json.dumps(
+        {"prompt": [ids], "model": MODEL, "max_tokens": 24, "temperature": 0, "stop": stops, "seed": 1234}).encode())
+    assert status == 200, body
+    assert body["choices"][0]["text"] == ref.text[:cut] and body["choices"][0]["index"] == 0
+    status, body = post_raw(http[0] + "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": PROMPT}], "model": MODEL, "max_tokens": 8, "temperature": 0,
+         "stop": ["\n\n", "class "], "seed": 1234}).encode())
+    assert status == 200 and isinstance(body["choices"][0]["message"]["content"], str), body
+
+
+def test_penalties_bias_and_min_tokens_under_speculation_equal_the_reference(client, reference):
+    params = SamplingParams(max_tokens=40, presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
+                            min_tokens=5, logit_bias={10: 5.0}, ignore_eos=True)
+    ref = reference.generate([PROMPT], params)[0]
+    assert ref.token_ids != greedy(reference, PROMPT, 40).token_ids  # the processors change the output
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, presence_penalty=0.6,
+                                  frequency_penalty=0.3, logit_bias={"10": 5},
+                                  extra_body={"repetition_penalty": 1.2, "min_tokens": 5, "ignore_eos": True,
+                                              "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == ref.token_ids and r.choices[0].text == ref.text
+
+
+def test_chat_logprobs_streamed_with_continuous_usage(client, reference, hf_tokenizer):
+    ids = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ref = reference.generate([ids], SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True))[0]
+    stream = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    content = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in content] == [hf_tokenizer.decode([t]) for t in ref.token_ids]
+    assert max(abs(e.logprob - x.logprob) for e, x in zip(content, ref.logprobs)) < 1e-3
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    used = [c.usage.completion_tokens for c in stream if c.choices]
+    assert used == sorted(used) and used[-1] == 12 and stream[-1].choices == []
+
+
+def test_the_bodies_vllms_benchmark_client_sends(http, reference):
+    """``vllm bench serve``: completions with repetition_penalty 1.0 and logprobs null in every body, chat
+    with content parts and max_completion_tokens; streamed, usage in a last chunk without choices."""
+    ref = greedy(reference, PROMPT, 8)
+    events = post_sse(http[0] + "/v1/completions", {
+        "model": MODEL, "prompt": PROMPT, "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0})
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == ref.text
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+    events = post_sse(http[0] + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
+        "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+        "temperature": 0.0})
+    assert all("delta" in e["choices"][0] for e in events if e["choices"])
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    status, models = get(http[0] + "/v1/models")
+    assert json.loads(models)["data"][0]["root"] == MODEL
+
+
+def test_n_sequences_and_best_of(client, http, reference):
+    """n = 3 seeded choices are the single requests seeded seed + i (vLLM's seeding), one prefill forked on
+    the decode instance; streamed, each choice comes under its index and ends with its own finish reason;
+    best_of = 3, n = 1 returns the one of those three with the highest cumulative log-probability; greedy
+    choices all equal the reference engine's output; gRPC returns every sequence."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=21, extra_body={"ignore_eos": True})
+    singles = [client.completions.create(**{**kw, "seed": 21 + i}, logprobs=0) for i in range(3)]
+    r = client.completions.create(**kw, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 36
+    assert [c.text for c in r.choices] == [x.choices[0].text for x in singles]
+    chunks = list(client.completions.create(**kw, n=3, stream=True))
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == r.choices[i].text
+        assert [c.finish_reason for c in mine][-1] == "length" and mine[-2].finish_reason is None
+    best = max(singles, key=lambda x: sum(x.choices[0].logprobs.token_logprobs))
+    r = client.completions.create(**kw, best_of=3)
+    assert len(r.choices) == 1 and r.choices[0].text == best.choices[0].text
+    ref = greedy(reference, PROMPT, 12)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == [ref.text, ref.text]
+    from controller.client import Client
+
+    with Client(f"127.0.0.1:{http[1].grpc}", token=TOKEN) as c:
+        res = c.generate(PROMPT, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True, n=3, logprobs=1)
+        assert [q["text"] for q in res.sequences] == [x.choices[0].text for x in singles]
+        assert res.text == singles[0].choices[0].text and len(res.logprobs) == 12
+        chunks = list(c.generate_stream(PROMPT, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True, n=2))
+        assert "".join(x.text for x in chunks if x.index == 1) == singles[1].choices[0].text
+        assert chunks[-1].final and sum(1 for x in chunks if x.finish_reason and not x.final) == 2
+
+
+def test_operator_calls_need_the_operator_token(http):
+    import grpc
+
+    from controller.client import Client
+
+    with Client(f"127.0.0.1:{http[1].grpc}", token=TOKEN) as c:
+        assert c.generate(PROMPT, max_tokens=2).finish_reason == "length"  # clients' calls take the clients' token
+        with pytest.raises(grpc.RpcError) as err:
+            c.drain("decode-0", undo=True)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "operator token" in err.value.details()
+    with Client(f"127.0.0.1:{http[1].grpc}", token=ADMIN_TOKEN) as c:
+        assert c.drain("decode-0", undo=True).instance == "decode-0"
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(PROMPT, max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 @pytest.mark.parametrize("kwargs, param", [
-    ({"n": 2}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"echo": True}, "echo"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"extra_body": {"repetition_penalty": -1}}, "repetition_penalty"),
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"extra_body": {"beam_width": 2}}, "beam_width"),
@@ -215,8 +373,8 @@ def test_chat_refusals(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     assert err.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
-    assert err.value.body["param"] == "logprobs"
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
     assert err.value.body["param"] == "tools"

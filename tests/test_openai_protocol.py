@@ -12,7 +12,8 @@ import pytest
 from controller.chat_template import ChatTemplate, ChatTemplateError
 from controller.config import ConfigError, parse_config
 from controller.metrics import MonotonicTotals, ServingMetrics
-from controller.openai_protocol import OpenAIError, OpenAIProtocol, chunk, response, usage_chunk
+from controller.openai_output import ChoiceResult, ResponseBuilder
+from controller.openai_protocol import OpenAIError, OpenAIProtocol
 from modeling.tokenizer import TextTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,12 +138,22 @@ def test_chat_parsing_defaults_to_the_room_left(protocol):
     ({"model": "m", "prompt": "x", "stop": [""]}, 400, "stop"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"model": "m", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "m", "prompt": "x", "n": 17}, 400, "n"),
     ({"model": "m", "prompt": "x", "priority": 1.5}, 400, "priority"),
-    ({"model": "m", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"model": "m", "prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
+    ({"model": "m", "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
     ({"model": "m", "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
-    ({"model": "m", "prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"x": 5}}, 400, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias[1]"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens"),
+    ({"model": "m", "prompt": "x", "stop_token_ids": [4096]}, 400, "stop_token_ids[0]"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ({"model": "m", "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"model": "m", "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"x": 1}}, 400, "stream_options"),
     ({"model": "m", "prompt": "x", "messages": []}, 400, "messages"),
 ])
 def test_completion_refusals_name_the_parameter(protocol, body, status, param):
@@ -159,6 +170,10 @@ def test_completion_refusals_name_the_parameter(protocol, body, status, param):
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      "response_format"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
 ])
 def test_chat_refusals_name_the_parameter(protocol, body, param):
@@ -173,18 +188,62 @@ def test_chat_without_a_template_is_refused(protocol):
 
 def test_response_shapes(protocol):
     c = protocol.completion({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
-    assert response(c, "cmpl-1", 5, "hi", "length", 3, 2) == {
+    out = ResponseBuilder(c, protocol.tokenizer, "cmpl-1", 5)
+    assert out.response([ChoiceResult(0, "hi", [1, 2], finish_reason="length")], 3, 2) == {
         "id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
         "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-    assert chunk(c, "cmpl-1", 5, "h")["usage"] is None  # include_usage: every chunk has the key
-    assert usage_chunk(c, "cmpl-1", 5, 3, 2)["choices"] == []
+    assert out.chunk(0, "h")["usage"] is None  # include_usage: every chunk has the key
+    assert out.usage_chunk(3, 2)["choices"] == []
     chat = protocol.chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
-    first = chunk(chat, "chatcmpl-1", 5, "", first=True)
+    out = ResponseBuilder(chat, protocol.tokenizer, "chatcmpl-1", 5)
+    first = out.chunk(0, "", first=True)
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "usage" not in first
-    assert chunk(chat, "chatcmpl-1", 5, None, "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                                                          "finish_reason": "stop"}
+    assert out.chunk(0, None, reason="stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                              "finish_reason": "stop"}
+
+
+def test_sampling_surface_parsing(protocol):
+    r = protocol.completion({"model": "m", "prompt": "x", "repetition_penalty": 1.0, "logprobs": None,
+                             "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_p": 0.1, "min_tokens": 2,
+                             "stop_token_ids": [7], "include_stop_str_in_output": True, "logit_bias": {"5": -100},
+                             "n": 2, "best_of": 3, "seed": 4, "use_beam_search": False, "echo": False})
+    p = r.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (0.5, -0.5, 1.0, 0.1, 2)
+    assert p.stop_token_ids == (7,) and p.include_stop_str_in_output and p.logit_bias == ((5, -100.0),)
+    assert (p.n, p.best_of, p.logprobs) == (2, 3, 0)  # best_of ranks by log-probabilities: computed, not shown
+    assert r.logprobs is None
+    # lm-eval's loglikelihood request: echo, logprobs, one generated token, a batch of one token-id prompt
+    r = protocol.completion({"model": "m", "prompt": [[5, 6, 7]], "echo": True, "logprobs": 1, "max_tokens": 1,
+                             "temperature": 0, "seed": 1234})
+    assert r.echo and r.prompt_ids == [5, 6, 7] and r.params.prompt_logprobs == 1 and r.params.logprobs == 1
+    assert protocol.completion({"model": "m", "prompt": "x", "echo": True, "max_tokens": 0}).params.max_tokens == 0
+    chat = protocol.chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                          "top_logprobs": 3, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert chat.params.logprobs == 3 and chat.continuous_usage and not chat.include_usage
+
+
+def test_echo_and_logprob_shapes(protocol):
+    from modeling.logprobs import TokenLogprob
+
+    r = protocol.completion({"model": "m", "prompt": [5, 6], "echo": True, "logprobs": 1, "max_tokens": 1})
+    out = ResponseBuilder(r, protocol.tokenizer, "cmpl-1", 5)
+    prompt_lps = [None, TokenLogprob(6, -1.5, 2, ((9, -0.5),))]
+    choice = ChoiceResult(0, "z", [7], [TokenLogprob(7, -0.25, 1, ((7, -0.25),))], "length")
+    body = out.response([choice], 2, 1, prompt_lps)
+    lp = body["choices"][0]["logprobs"]
+    texts = protocol.tokenizer.token_texts([5, 6, 7, 9])
+    assert body["choices"][0]["text"] == protocol.tokenizer.decode([5, 6], skip_special_tokens=False) + "z"
+    assert lp["tokens"] == texts[:3] and lp["token_logprobs"] == [None, -1.5, -0.25]
+    assert lp["top_logprobs"] == [None, {texts[3]: -0.5, texts[1]: -1.5}, {texts[2]: -0.25}]
+    assert lp["text_offset"] == [0, len(texts[0]), len(texts[0]) + len(texts[1])]
+    chat = protocol.chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                          "top_logprobs": 1})
+    body = ResponseBuilder(chat, protocol.tokenizer, "c", 5).response([choice], 2, 1)
+    entry = body["choices"][0]["logprobs"]["content"][0]
+    assert entry == {"token": texts[2], "logprob": -0.25, "bytes": list(texts[2].encode()),
+                     "top_logprobs": [{"token": texts[2], "logprob": -0.25, "bytes": list(texts[2].encode())}]}
 
 
 # -- metrics ----------------------------------------------------------------------------------------

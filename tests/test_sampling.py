@@ -83,10 +83,10 @@ def test_streamed_deltas_add_up_to_the_text(llama_dir):
 
 
 @pytest.mark.parametrize("text,stops,new,expected", [
-    ("hello world", ("wor",), 3, 6),
-    ("hello world", ("wor",), 1, -1),  # could not have been completed by the last char only
-    ("abcabc", ("c", "b"), 6, 1),
-    ("abc", (), 3, -1),
+    ("hello world", ("wor",), 3, (6, 3)),
+    ("hello world", ("wor",), 1, (-1, 0)),  # could not have been completed by the last char only
+    ("abcabc", ("c", "b"), 6, (1, 1)),
+    ("abc", (), 3, (-1, 0)),
 ])
 def test_find_stop_string(text, stops, new, expected):
     assert find_stop_string(text, stops, new) == expected

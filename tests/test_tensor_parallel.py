@@ -24,9 +24,15 @@ PROMPTS = [[5, 17, 33, 2, 90, 41, 7], list(range(3, 40)), [200, 201, 7, 9] * 5]
 
 
 def _params():
+    # the last request decodes two sequences forked from its prompt (their partly filled block copied on every rank)
     return [SamplingParams(max_tokens=12, ignore_eos=True),
             SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
-            SamplingParams(max_tokens=9, temperature=1.0, top_k=20, seed=3, ignore_eos=True)]
+            SamplingParams(max_tokens=9, temperature=1.0, top_k=20, seed=3, n=2, ignore_eos=True)]
+
+
+def _sequences(completions) -> list[list[int]]:
+    """Every sequence's tokens, request by request."""
+    return [s.token_ids for c in completions for s in (c.sequences or [c])]
 
 
 def _form(rdv, instance, rank, size):
@@ -42,7 +48,7 @@ def engine_driver(path, rdv, size):
         blocks_free = engine.pool.num_free == engine.pool.num_blocks
     finally:
         engine.close()
-    return {"tokens": [c.token_ids for c in outs], "blocks_free": blocks_free,
+    return {"tokens": _sequences(outs), "blocks_free": blocks_free,
             "all_reduces": engine.runner.group.collectives.calls}
 
 
@@ -64,7 +70,7 @@ def run_engine_tp(path: str, size: int) -> dict:
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2_bias"])
 def test_engine_tp2_matches_tp1(checkpoint_dir, family):
     path = checkpoint_dir(family)
-    reference = [c.token_ids for c in ReferenceEngine(path, ENGINE).generate(PROMPTS, _params())]
+    reference = _sequences(ReferenceEngine(path, ENGINE).generate(PROMPTS, _params()))
     out = run_engine_tp(path, 2)
     assert out["r0"]["tokens"] == reference
     assert out["r0"]["blocks_free"]
@@ -76,7 +82,7 @@ def test_engine_tp2_matches_tp1(checkpoint_dir, family):
 def test_engine_tp_beyond_kv_heads_replicates_them(checkpoint_dir):
     """llama3_rope has one KV head: with TP 2 each rank holds a replica of it."""
     path = checkpoint_dir("llama3_rope")
-    reference = [c.token_ids for c in ReferenceEngine(path, ENGINE).generate(PROMPTS, _params())]
+    reference = _sequences(ReferenceEngine(path, ENGINE).generate(PROMPTS, _params()))
     assert run_engine_tp(path, 2)["r0"]["tokens"] == reference
 
 
@@ -118,15 +124,15 @@ def _decode_config(drafter: str, draft_dir: str | None):
 
 
 def _decode_all(worker) -> dict:
-    outs: dict[str, list[int]] = {}
+    outs: dict[tuple[str, int], list[int]] = {}
     for i, (prompt, params) in enumerate(zip(DECODE_PROMPTS, _params())):
         for d in worker.add_local(f"r{i}", prompt, params):
-            outs.setdefault(d.request_id, []).extend(d.token_ids)
+            outs.setdefault((d.request_id, d.index), []).extend(d.token_ids)
     while worker.has_work():
         for d in worker.step():
-            outs.setdefault(d.request_id, []).extend(d.token_ids)
+            outs.setdefault((d.request_id, d.index), []).extend(d.token_ids)
     m = worker.metrics.summary()
-    return {"tokens": [outs[f"r{i}"] for i in range(len(DECODE_PROMPTS))], "draft_tokens": m["draft_tokens"],
+    return {"tokens": [outs[key] for key in sorted(outs)], "draft_tokens": m["draft_tokens"],
             "blocks_free": worker.pool.num_free == worker.pool.num_blocks}
 
 
@@ -200,7 +206,7 @@ def prefill_rank(path, rdv, rank, p, d, handoff, firsts_q):
             out = worker.step()
             assert not out.failed, out.failed
             for ft in out.first_tokens:
-                firsts_q.put((ft.request_id, ft.token_id))
+                firsts_q.put((ft.request_id, [ft.token_id] + [token for _, token, _ in ft.forks]))
             transferred.update(out.transferred)
         return {"blocks_free": worker.pool.num_free == worker.pool.num_blocks}
     finally:
@@ -220,18 +226,18 @@ def decode_rank(path, rdv, rank, p, d, handoff):
         return {"steps": f.serve()}
     worker = DecodeWorker(path, _remote_decode_config(), "decode-0", transfer, tp=group if d > 1 else None)
     worker.connect("prefill-0", rdv, 0, prefill_tp=p)
-    outs: dict[str, list[int]] = {}
+    outs: dict[tuple[str, int], list[int]] = {}
     try:
         for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
             blocks = worker.add_remote(DecodeRequest(f"r{i}", tuple(prompt), params))
             handoff.put((f"r{i}", prompt, params, blocks))
         finished = set()
-        while len(finished) < len(PROMPTS):
+        while len(finished) < sum(p.num_sequences for p in _params()):
             for d_ in worker.step():
                 assert hasattr(d_, "token_ids"), d_  # a DecodeFailure fails the test
-                outs.setdefault(d_.request_id, []).extend(d_.token_ids)
+                outs.setdefault((d_.request_id, d_.index), []).extend(d_.token_ids)
                 if d_.finished:
-                    finished.add(d_.request_id)
+                    finished.add((d_.request_id, d_.index))
         return {"tokens": outs, "blocks_free": worker.pool.num_free == worker.pool.num_blocks}
     finally:
         worker.close()
@@ -245,7 +251,7 @@ def test_prefill_tp_to_decode_tp_matches_the_engine(checkpoint_dir, p, d):
     from tests.kv_procs import context
 
     path = checkpoint_dir("llama_gqa")
-    reference = [c.token_ids for c in ReferenceEngine(path, ENGINE).generate(PROMPTS, _params())]
+    reference = _sequences(ReferenceEngine(path, ENGINE).generate(PROMPTS, _params()))
     store, rdv = Rendezvous.host_store()
     ctx = context()
     handoff, firsts_q = ctx.Queue(), ctx.Queue()
@@ -256,7 +262,7 @@ def test_prefill_tp_to_decode_tp_matches_the_engine(checkpoint_dir, p, d):
     out = run_procs(specs, timeout_s=180)
     del store
     firsts = dict(firsts_q.get(timeout=5) for _ in PROMPTS)
-    got = [[firsts[f"r{i}"]] + out["d0"]["tokens"][f"r{i}"] for i in range(len(PROMPTS))]
+    got = [[firsts[rid][index]] + tokens for (rid, index), tokens in sorted(out["d0"]["tokens"].items())]
     assert got == reference
     assert out["p0"]["blocks_free"] and out["d0"]["blocks_free"]
 

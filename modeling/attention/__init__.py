@@ -42,9 +42,9 @@ def make_backend(name: str, device: torch.device | str, block_size: int,
                  dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
     """'torch' | 'flash' | 'cpu' | 'auto'.
 
-    'cpu' is the C++ CPU kernel (JIT-built on first use); 'auto' picks flash on CUDA when installed and
-    the block size and ``dtype`` (the KV cache's: flash-attn has half-precision kernels only) allow, the cpu
-    kernel on CPU when it builds, else torch."""
+    'cpu' is the C++ CPU kernel (built by ``magicserve build``, else on first use); 'auto' picks flash on CUDA
+    when installed and the block size and ``dtype`` (the KV cache's: flash-attn has half-precision kernels only)
+    allow, the cpu kernel on CPU when it builds, else torch."""
     from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_available, cpu_kernel_error
     from modeling.attention.flash_backend import (FLASH_BLOCK_MULTIPLE, FLASH_DTYPES, FlashAttentionBackend,
                                                   flash_attn_available)

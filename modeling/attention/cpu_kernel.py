@@ -1,12 +1,17 @@
-"""CPU paged-attention kernel (C++ extension, JIT-built on first use) for decode and verification steps.
+"""CPU paged-attention kernel (C++ extension, built once per machine) for decode and verification steps.
 
 The source is ``csrc/paged_attention.cpp``; :func:`load_cpu_kernel` builds it with
-``torch.utils.cpp_extension.load`` (``-O3 -march=native``) into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<py>_<torch>/``), so only the first
-use on a machine compiles (~25 s on a 2-core machine); later processes load the cached ``.so``. The build is rerun
-automatically when the source or flags change. ``-march=native`` ties a build to the host CPU, so the
-extension name carries a hash of the CPU's feature flags: hosts sharing a cache directory but differing
-in CPU features get separate builds (and never load code with instructions they lack).
+``torch.utils.cpp_extension.load`` (``-O3 -march=native``, ninja) into torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<py>_<torch>/``). ``magicserve build``
+(:func:`build_cpu_kernel`) does it ahead of serving; otherwise the first process that needs the kernel
+compiles it (tens of seconds) and later processes load the cached ``.so``.
+
+The extension's name carries a hash of everything the build depends on: the CPU's feature flags (what
+``-march=native`` compiles for), the compiler (``$CXX``), the flags, the source's path and text, and the
+torch and Python it compiles against. Any process with the same inputs (a Ray worker of the same
+virtualenv, whatever its thread settings) finds the same build directory with an up-to-date ``.so`` and
+compiles nothing; builds that differ in any input (another checkout, virtualenv or CPU sharing the cache)
+get directories of their own instead of rebuilding each other's.
 
 Builds are serialised by an OS lock (``fcntl.flock`` on ``magicserve.build.lock`` in the build directory),
 which the kernel releases when the holder exits, however it exits. torch's own lock (a ``lock`` file that
@@ -14,7 +19,9 @@ its builder deletes when done) outlives a builder that is killed mid-build, and 
 then wait for it forever; whoever holds the OS lock knows no other magicserve build is running, so a
 ``lock`` file it finds is stale and is removed.
 
-Set ``MAGICSERVE_DISABLE_CPU_KERNEL=1`` to skip the kernel (``auto`` then resolves to torch).
+A failed build is reported as one line naming the fallback (:data:`FALLBACK_NOTE`; the compiler's full
+output goes to the DEBUG log) and is not retried within the process. Set ``MAGICSERVE_DISABLE_CPU_KERNEL=1``
+to skip the kernel (``auto`` then resolves to torch).
 
 :class:`CpuPagedAttentionBackend` runs the kernel for steps whose longest query block is at most
 ``max_q_len`` tokens (decode, k+1 verification) and hands longer steps (prefill chunks) to
@@ -30,8 +37,12 @@ import logging
 import math
 import os
 import platform
+import shutil
+import sys
+import sysconfig
 import threading
 import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -45,6 +56,9 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _EXT_BASE_NAME = "magicserve_paged_attention"
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+DISABLE_ENV = "MAGICSERVE_DISABLE_CPU_KERNEL"
+# How a failed build ends, in every message that reports one.
+FALLBACK_NOTE = "attention falls back to the torch backend"
 # Steps whose longest per-sequence query block exceeds this go to the torch backend.
 DEFAULT_MAX_Q_LEN = 16
 
@@ -52,10 +66,15 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
 _build_seconds: float | None = None
+_compiled: bool | None = None
 
 
 def _cpu_fingerprint() -> str:
-    """Short hash of the CPU model and feature flags (what -march=native compiles for)."""
+    """Short hash of everything a build depends on (it names the extension and so its build directory).
+
+    The CPU's model and feature flags (what -march=native compiles for), the compiler, the flags, the
+    source's path (torch's build file names it) and text, torch's and Python's headers and version. A
+    process with the same inputs, in whatever environment otherwise, gets the same hash."""
     text = platform.machine() + platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -66,7 +85,71 @@ def _cpu_fingerprint() -> str:
                     break
     except OSError:
         pass
-    return hashlib.sha1(text.encode()).hexdigest()[:10]
+    build = [os.environ.get("CXX", "c++"), *_CFLAGS, os.path.abspath(_SOURCE), torch.__version__,
+             os.path.dirname(torch.__file__), sysconfig.get_paths()["include"], sys.version]
+    digest = hashlib.sha1(text.encode())
+    digest.update("\0".join(build).encode())
+    with contextlib.suppress(OSError):
+        digest.update(_SOURCE.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def _extension_name() -> str:
+    return f"{_EXT_BASE_NAME}_{_cpu_fingerprint()}"
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; when the ``ninja`` package is installed in a virtualenv that was not
+    activated (``.venv/bin/magicserve demo``), put its binary's folder on this process's PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    folder = getattr(ninja, "BIN_DIR", None)
+    if folder and os.path.exists(os.path.join(folder, "ninja")):
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+
+
+def _short_reason(err: BaseException) -> str:
+    """One line out of a build error: the compiler's first ``error`` line, else the error's first line."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    for line in lines[1:]:
+        if "error" in line.lower() or "not found" in line.lower():
+            reason = line
+            break
+    else:
+        reason = lines[0] if lines else type(err).__name__
+    return reason if len(reason) <= 200 else reason[:197] + "..."
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _quiet_build():
+    """Route what torch's builder says (Python warnings, its logger's warnings with tracebacks) to this
+    module's DEBUG log, so that a failed build reports as one line."""
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    collect, propagate = _Collect(), torch_log.propagate
+    torch_log.addHandler(collect)
+    torch_log.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        torch_log.removeHandler(collect)
+        torch_log.propagate = propagate
+        for message in collect.messages + [str(w.message) for w in caught]:
+            log.debug("torch extension builder: %s", message)
 
 
 @contextlib.contextmanager
@@ -88,11 +171,19 @@ def exclusive_build(build_dir: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def load_cpu_kernel() -> ModuleType:
-    """The compiled extension (built on the first call; cached in-process and on disk).
+def _mtime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
-    Raises RuntimeError with the compiler's message when the build fails."""
-    global _module, _error, _build_seconds
+
+def load_cpu_kernel() -> ModuleType:
+    """The compiled extension (built on the first call unless cached on disk; cached in-process).
+
+    Raises RuntimeError with a one-line reason when the build fails (the full output is logged at DEBUG);
+    a failed build is not retried within the process."""
+    global _module, _error, _build_seconds, _compiled
     if _module is not None:
         return _module
     with _lock:
@@ -103,10 +194,13 @@ def load_cpu_kernel() -> ModuleType:
         from torch.utils import cpp_extension
 
         t0 = time.perf_counter()
-        name = f"{_EXT_BASE_NAME}_{_cpu_fingerprint()}"
+        name = _extension_name()
+        _ensure_ninja_on_path()
         try:
-            with exclusive_build(cpp_extension._get_build_directory(name, verbose=False)):
-                _module = cpp_extension.load(
+            build_dir = cpp_extension._get_build_directory(name, verbose=False)
+            with exclusive_build(build_dir), _quiet_build():
+                before = _mtime(os.path.join(build_dir, f"{name}.so"))
+                module = cpp_extension.load(
                     name=name,
                     sources=[str(_SOURCE)],
                     extra_cflags=_CFLAGS,
@@ -114,34 +208,55 @@ def load_cpu_kernel() -> ModuleType:
                     with_cuda=False,
                     verbose=False,
                 )
+                _compiled = _mtime(os.path.join(build_dir, f"{name}.so")) != before
         except Exception as err:  # compiler missing, compile error, ninja missing, ...
-            _error = f"cpu attention kernel: build of {_SOURCE.name} failed: {type(err).__name__}: {err}"
+            _error = _short_reason(err)
+            log.debug("cpu attention kernel: build of %s failed: %s: %s", _SOURCE, type(err).__name__, err)
             raise RuntimeError(_error) from err
+        _module = module
         _build_seconds = time.perf_counter() - t0
-        log.debug("cpu attention kernel loaded in %.1fs (%s)", _build_seconds, _module.build_info())
+        log.debug("cpu attention kernel %s in %.1fs (%s)", "built" if _compiled else "loaded", _build_seconds,
+                  _module.build_info())
         return _module
 
 
+def build_cpu_kernel() -> bool:
+    """Build the kernel now (``magicserve build``), into the cache the serving processes load it from.
+
+    True when this call compiled it, False when the cached build was current. Raises RuntimeError with a
+    one-line reason when the build fails."""
+    load_cpu_kernel()
+    return bool(_compiled)
+
+
+def cpu_kernel_library() -> str:
+    """The shared library a build writes and every process with the same build inputs loads."""
+    from torch.utils import cpp_extension
+
+    name = _extension_name()
+    return os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+
+
 def cpu_kernel_available() -> bool:
-    """True when the kernel builds/loads here. Tries once per process; a failure logs a warning."""
+    """True when the kernel builds/loads here. Tries once per process; a failure logs one warning line."""
     if _module is not None:
         return True
     if _error is not None:
         return False
-    if os.environ.get("MAGICSERVE_DISABLE_CPU_KERNEL"):  # opt-out, e.g. to force the torch backend
+    if os.environ.get(DISABLE_ENV):  # opt-out, e.g. to force the torch backend
         return False
     try:
         load_cpu_kernel()
     except RuntimeError as err:
-        log.warning("%s; falling back to the torch attention backend", err)
+        log.warning("CPU attention kernel build failed (%s); %s", err, FALLBACK_NOTE)
         return False
     return True
 
 
 def cpu_kernel_error() -> str | None:
     """Why the kernel is unavailable (None when it built or was not tried)."""
-    if _error is None and _module is None and os.environ.get("MAGICSERVE_DISABLE_CPU_KERNEL"):
-        return "disabled by MAGICSERVE_DISABLE_CPU_KERNEL"
+    if _error is None and _module is None and os.environ.get(DISABLE_ENV):
+        return f"disabled by {DISABLE_ENV}"
     return _error
 
 

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emagicserve/v1/magicserve.proto\x12\rmagicserve.v1\"S\n\x15MigrateRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x02\"\x95\x01\n\x0fMigrationResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x03 \x01(\t\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x15\n\rsource_tokens\x18\x07 \x01(\r\"A\n\x0c\x44rainRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0c\n\x04undo\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x02\"\x7f\n\x0b\x44rainResult\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\x32\n\nmigrations\x18\x03 \x03(\x0b\x32\x1e.magicserve.v1.MigrationResult\x12\x19\n\x11\x66inished_in_place\x18\x04 \x01(\r\"\xc0\x01\n\x12SamplingParameters\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x9c\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.magicserve.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.magicserve.v1.SamplingParameters\x12\x1b\n\x0ettft_target_ms\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x1b\n\x0etpot_target_ms\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05inputB\x11\n\x0f_ttft_target_msB\x11\n\x0f_tpot_target_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x14\n\x0cmean_tpot_ms\x18\x04 \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\"h\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.magicserve.v1.Usage\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.magicserve.v1.TokenDeltaH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.magicserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\x9e\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.magicserve.v1.Usage\"\x16\n\x14\x43lusterStatusRequest\"\x89\x02\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x14\n\x0cqueue_length\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x07 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\n \x01(\x02\x12\x18\n\x10tokens_generated\x18\x0b \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\"\xbd\x01\n\rClusterStatus\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.magicserve.v1.InstanceStatus\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1c\n\x14migrations_committed\x18\x05 \x01(\x04\x12\x1a\n\x12migrations_aborted\x18\x06 \x01(\x04\"\x10\n\x0ePassLogRequest\"R\n\tTimedPass\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nend_unix_s\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nshape_json\x18\x04 \x01(\t\"g\n\x0eInstancePasses\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12(\n\x06passes\x18\x03 \x03(\x0b\x32\x18.magicserve.v1.TimedPass\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x03\n\nMagicServe\x12M\n\x08Generate\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1f.magicserve.v1.GenerateResponse0\x01\x12N\n\rGenerateUnary\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1d.magicserve.v1.GenerateResult\x12U\n\x10GetClusterStatus\x12#.magicserve.v1.ClusterStatusRequest\x1a\x1c.magicserve.v1.ClusterStatus\x12N\n\x0c\x44rainPassLog\x12\x1d.magicserve.v1.PassLogRequest\x1a\x1d.magicserve.v1.InstancePasses0\x01\x12V\n\x0eMigrateRequest\x12$.magicserve.v1.MigrateRequestRequest\x1a\x1e.magicserve.v1.MigrationResult\x12H\n\rDrainInstance\x12\x1b.magicserve.v1.DrainRequest\x1a\x1a.magicserve.v1.DrainResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emagicserve/v1/magicserve.proto\x12\rmagicserve.v1\"S\n\x15MigrateRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x02\"\x95\x01\n\x0fMigrationResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x03 \x01(\t\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x15\n\rsource_tokens\x18\x07 \x01(\r\"A\n\x0c\x44rainRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0c\n\x04undo\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x02\"\x7f\n\x0b\x44rainResult\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\x32\n\nmigrations\x18\x03 \x03(\x0b\x32\x1e.magicserve.v1.MigrationResult\x12\x19\n\x11\x66inished_in_place\x18\x04 \x01(\r\"\xf7\x05\n\x12SamplingParameters\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x44\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x30.magicserve.v1.SamplingParameters.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x04\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x05\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x13 \x01(\x08H\x06\x88\x01\x01\x12\t\n\x01n\x18\x14 \x01(\r\x12\x14\n\x07\x62\x65st_of\x18\x15 \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\n\n\x08_best_of\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.magicserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x9c\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.magicserve.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.magicserve.v1.SamplingParameters\x12\x1b\n\x0ettft_target_ms\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x1b\n\x0etpot_target_ms\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05inputB\x11\n\x0f_ttft_target_msB\x11\n\x0f_tpot_target_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd5\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.magicserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.magicserve.v1.TokenLogprob\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x14\n\x0cmean_tpot_ms\x18\x04 \x01(\x02\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\"h\n\rGenerateFinal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.magicserve.v1.Usage\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.magicserve.v1.TokenDeltaH\x00\x12-\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1c.magicserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\xb8\x02\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.magicserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.magicserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1b.magicserve.v1.TokenLogprob\x12\x33\n\tsequences\x18\x08 \x03(\x0b\x32 .magicserve.v1.GeneratedSequence\"\xc2\x01\n\x11GeneratedSequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.magicserve.v1.FinishReason\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.magicserve.v1.TokenLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x06 \x01(\x01\"\x16\n\x14\x43lusterStatusRequest\"\x89\x02\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x14\n\x0cqueue_length\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x07 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\t \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\n \x01(\x02\x12\x18\n\x10tokens_generated\x18\x0b \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\"\xbd\x01\n\rClusterStatus\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.magicserve.v1.InstanceStatus\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1c\n\x14migrations_committed\x18\x05 \x01(\x04\x12\x1a\n\x12migrations_aborted\x18\x06 \x01(\x04\"\x10\n\x0ePassLogRequest\"R\n\tTimedPass\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nend_unix_s\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nshape_json\x18\x04 \x01(\t\"g\n\x0eInstancePasses\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12(\n\x06passes\x18\x03 \x03(\x0b\x32\x18.magicserve.v1.TimedPass\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x03\n\nMagicServe\x12M\n\x08Generate\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1f.magicserve.v1.GenerateResponse0\x01\x12N\n\rGenerateUnary\x12\x1e.magicserve.v1.GenerateRequest\x1a\x1d.magicserve.v1.GenerateResult\x12U\n\x10GetClusterStatus\x12#.magicserve.v1.ClusterStatusRequest\x1a\x1c.magicserve.v1.ClusterStatus\x12N\n\x0c\x44rainPassLog\x12\x1d.magicserve.v1.PassLogRequest\x1a\x1d.magicserve.v1.InstancePasses0\x01\x12V\n\x0eMigrateRequest\x12$.magicserve.v1.MigrateRequestRequest\x1a\x1e.magicserve.v1.MigrationResult\x12H\n\rDrainInstance\x12\x1b.magicserve.v1.DrainRequest\x1a\x1a.magicserve.v1.DrainResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'magicserve.v1.magicserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2286
-  _globals['_FINISHREASON']._serialized_end=2406
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3527
+  _globals['_FINISHREASON']._serialized_end=3647
   _globals['_MIGRATEREQUESTREQUEST']._serialized_start=49
   _globals['_MIGRATEREQUESTREQUEST']._serialized_end=132
   _globals['_MIGRATIONRESULT']._serialized_start=135
@@ -42,33 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINRESULT']._serialized_start=353
   _globals['_DRAINRESULT']._serialized_end=480
   _globals['_SAMPLINGPARAMETERS']._serialized_start=483
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=675
-  _globals['_GENERATEREQUEST']._serialized_start=678
-  _globals['_GENERATEREQUEST']._serialized_end=962
-  _globals['_TOKENIDS']._serialized_start=964
-  _globals['_TOKENIDS']._serialized_end=987
-  _globals['_TOKENDELTA']._serialized_start=989
-  _globals['_TOKENDELTA']._serialized_end=1034
-  _globals['_USAGE']._serialized_start=1037
-  _globals['_USAGE']._serialized_end=1186
-  _globals['_GENERATEFINAL']._serialized_start=1188
-  _globals['_GENERATEFINAL']._serialized_end=1292
-  _globals['_GENERATERESPONSE']._serialized_start=1295
-  _globals['_GENERATERESPONSE']._serialized_end=1432
-  _globals['_GENERATERESULT']._serialized_start=1435
-  _globals['_GENERATERESULT']._serialized_end=1593
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1595
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1617
-  _globals['_INSTANCESTATUS']._serialized_start=1620
-  _globals['_INSTANCESTATUS']._serialized_end=1885
-  _globals['_CLUSTERSTATUS']._serialized_start=1888
-  _globals['_CLUSTERSTATUS']._serialized_end=2077
-  _globals['_PASSLOGREQUEST']._serialized_start=2079
-  _globals['_PASSLOGREQUEST']._serialized_end=2095
-  _globals['_TIMEDPASS']._serialized_start=2097
-  _globals['_TIMEDPASS']._serialized_end=2179
-  _globals['_INSTANCEPASSES']._serialized_start=2181
-  _globals['_INSTANCEPASSES']._serialized_end=2284
-  _globals['_MAGICSERVE']._serialized_start=2409
-  _globals['_MAGICSERVE']._serialized_end=2909
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1242
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=1049
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=1097
+  _globals['_TOKENLOGPROB']._serialized_start=1244
+  _globals['_TOKENLOGPROB']._serialized_end=1347
+  _globals['_TOPLOGPROB']._serialized_start=1349
+  _globals['_TOPLOGPROB']._serialized_end=1396
+  _globals['_GENERATEREQUEST']._serialized_start=1399
+  _globals['_GENERATEREQUEST']._serialized_end=1683
+  _globals['_TOKENIDS']._serialized_start=1685
+  _globals['_TOKENIDS']._serialized_end=1708
+  _globals['_TOKENDELTA']._serialized_start=1711
+  _globals['_TOKENDELTA']._serialized_end=1924
+  _globals['_USAGE']._serialized_start=1927
+  _globals['_USAGE']._serialized_end=2076
+  _globals['_GENERATEFINAL']._serialized_start=2078
+  _globals['_GENERATEFINAL']._serialized_end=2182
+  _globals['_GENERATERESPONSE']._serialized_start=2185
+  _globals['_GENERATERESPONSE']._serialized_end=2322
+  _globals['_GENERATERESULT']._serialized_start=2325
+  _globals['_GENERATERESULT']._serialized_end=2637
+  _globals['_GENERATEDSEQUENCE']._serialized_start=2640
+  _globals['_GENERATEDSEQUENCE']._serialized_end=2834
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2836
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2858
+  _globals['_INSTANCESTATUS']._serialized_start=2861
+  _globals['_INSTANCESTATUS']._serialized_end=3126
+  _globals['_CLUSTERSTATUS']._serialized_start=3129
+  _globals['_CLUSTERSTATUS']._serialized_end=3318
+  _globals['_PASSLOGREQUEST']._serialized_start=3320
+  _globals['_PASSLOGREQUEST']._serialized_end=3336
+  _globals['_TIMEDPASS']._serialized_start=3338
+  _globals['_TIMEDPASS']._serialized_end=3420
+  _globals['_INSTANCEPASSES']._serialized_start=3422
+  _globals['_INSTANCEPASSES']._serialized_end=3525
+  _globals['_MAGICSERVE']._serialized_start=3650
+  _globals['_MAGICSERVE']._serialized_end=4150
 # @@protoc_insertion_point(module_scope)

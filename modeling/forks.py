@@ -1,0 +1,61 @@
+"""The sequences of one request (``n`` / ``best_of`` > 1): how they are named and how they start (no torch).
+
+One prompt is prefilled once; its first tokens are sampled together from the last prompt position (sequence
+i with its own generator: seeded ``seed + i`` when the request has a seed, as vLLM seeds them), and the
+sequences then decode side by side, sharing the prompt's full KV blocks (``BlockTable.fork``). Sequence 0
+keeps the request's id; sequence i > 0 runs under ``sequence_id(request id, i)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+_SEP = "#"  # never in a request id (gRPC allows letters, digits, '.', '_', '-'; HTTP ids are generated)
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The id a request's sequence ``index`` runs under on a worker."""
+    return request_id if index == 0 else f"{request_id}{_SEP}{index}"
+
+
+def split_sequence_id(seq_id: str) -> tuple[str, int]:
+    """(request id, sequence index) of a worker-side sequence id."""
+    rid, sep, index = seq_id.rpartition(_SEP)
+    return (rid, int(index)) if sep and index.isdigit() else (seq_id, 0)
+
+
+def fork_seed(seed: int | None, index: int) -> int | None:
+    """Sequence ``index``'s seed (None: a random one)."""
+    return None if seed is None else seed + index
+
+
+@dataclass(frozen=True)
+class ForkStart:
+    """How sequence ``index`` > 0 of a request starts on its decode instance: its first token and its
+    generator's state after drawing it."""
+
+    index: int
+    token: int
+    sampler_state: bytes
+
+
+def encode_forks(forks: list[ForkStart]) -> str:
+    """The forks as the KV transfer's end carries them (``PromptEnd.state``), '' when there are none."""
+    if not forks:
+        return ""
+    return json.dumps([[f.index, f.token, f.sampler_state.hex()] for f in forks], separators=(",", ":"))
+
+
+def decode_forks(text: str) -> list[ForkStart]:
+    """Inverse of :func:`encode_forks`; raises ValueError on a malformed text."""
+    if not text:
+        return []
+    try:
+        raw = json.loads(text)
+        forks = [ForkStart(int(i), int(t), bytes.fromhex(s)) for i, t, s in raw]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"malformed sequence starts: {err}") from None
+    if [f.index for f in forks] != list(range(1, len(forks) + 1)):
+        raise ValueError("sequence starts must number 1 .. n - 1 in order")
+    return forks
