@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def heldout_lines(min_len: int = 12) -> list[tuple[str, str, str]]:
 
 def write_tasks(directory: str, mc_items: int, gen_items: int, seed: int = 0) -> None:
     """Two lm-eval tasks on local JSON: ``ms_next_line_mc`` (the next line among 4) and
-    ``ms_next_line_gen`` (generate the next line; exact match)."""
+    ``ms_next_line_gen`` (given the first half of the next line, generate the rest; exact match)."""
     rng = random.Random(seed)
     samples = heldout_lines()
     rng.shuffle(samples)
@@ -75,7 +76,11 @@ def write_tasks(directory: str, mc_items: int, gen_items: int, seed: int = 0) ->
         rng.shuffle(choices)
         mc.append({"context": context, "choices": choices, "answer": choices.index(line), "file": path})
     for path, context, line in samples[mc_items : mc_items + gen_items]:
-        gen.append({"context": context, "target": line, "file": path})
+        # cut at the space nearest the middle, so the target starts with a word as BPE tokens do (" foo")
+        indent = len(line) - len(line.lstrip())
+        spaces = [i for i, ch in enumerate(line) if ch == " " and i > indent] or [len(line) // 2]
+        cut = min(spaces, key=lambda i: abs(i - len(line) // 2))
+        gen.append({"context": context + line[:cut], "target": line[cut:], "file": path})
     os.makedirs(directory, exist_ok=True)
     for name, rows in (("mc", mc), ("gen", gen)):
         with open(os.path.join(directory, f"{name}.jsonl"), "w") as f:
@@ -205,20 +210,53 @@ def vllm_bench(args, server: Server, model: str, backend: str, scratch: str) -> 
 
 def lm_eval(args, tasks_dir: str, scratch: str, name: str, model: str, model_args: str, tasks: str,
             extra: list[str] = ()) -> dict:
+    """One lm-eval run: its scores per task and metric, and its per-item responses (``--log_samples``):
+    per task, doc id -> the responses (log-likelihoods of each choice, or the generated text)."""
     out_dir = os.path.join(scratch, name)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
     cmd = [args.lm_eval, "run", "--model", model, "--model_args", model_args, "--include_path", tasks_dir,
-           "--tasks", tasks, "--output_path", out_dir, "--seed", "0", *extra]
+           "--tasks", tasks, "--output_path", out_dir, "--seed", "0", "--log_samples", *extra]
     rc, seconds = run(cmd, os.path.join(scratch, f"{name}.log"), args.timeout_s)
-    scores = {}
+    scores, samples = {}, {}
     for root, _, files in os.walk(out_dir):
         for fn in sorted(files):
+            path = os.path.join(root, fn)
             if fn.startswith("results") and fn.endswith(".json"):
-                with open(os.path.join(root, fn)) as f:
+                with open(path) as f:
                     results = json.load(f)["results"]
                 for task, metrics in results.items():
                     scores[task] = {k.split(",")[0]: v for k, v in metrics.items()
                                     if isinstance(v, (int, float)) and "stderr" not in k and k != "alias"}
-    return {"command": cmd, "rc": rc, "seconds": seconds, "scores": scores}
+            elif fn.startswith("samples_") and fn.endswith(".jsonl"):
+                task = fn[len("samples_"):].rsplit("_", 1)[0]
+                with open(path) as f:
+                    samples[task] = {row["doc_id"]: row["resps"] for row in map(json.loads, f)}
+    return {"command": cmd, "rc": rc, "seconds": seconds, "scores": scores, "samples": samples}
+
+
+def compare_items(served: dict, oracle: dict) -> list[dict]:
+    """Per task, item by item: the largest log-likelihood difference (loglikelihood tasks) or how many
+    generations are identical (generation tasks)."""
+    rows = []
+    for task, items in sorted(oracle.get("samples", {}).items()):
+        got = served.get("samples", {}).get(task, {})
+        lls, same, texts = [], 0, 0
+        for doc_id, resps in items.items():
+            mine = got.get(doc_id)
+            for a, b in zip(resps, mine or []):
+                if isinstance(a[0], list):  # [log-likelihood, is_greedy], logged as strings
+                    lls.append(abs(float(a[0][0]) - float(b[0][0])))
+                else:
+                    texts += 1
+                    same += a == b
+        row = {"task": task, "items": len(items), "missing": sum(d not in got for d in items)}
+        if lls:
+            row.update(loglikelihoods=len(lls), max_abs_diff=max(lls))
+        if texts:
+            row.update(generations=texts, identical=same)
+        rows.append(row)
+    return rows
 
 
 # -- the record -----------------------------------------------------------------------------------------
@@ -252,12 +290,28 @@ def render(data: dict) -> str:
     for row in data["comparison"]:
         lines.append(f"| {row['task']} | {row['metric']} | {_f(row['served'], 4)} | {_f(row['hf'], 4)} | "
                      f"{'yes' if row['equal'] else '**no**'} |")
+    lines += ["", "Item by item (`--log_samples`):", "", "| task | items | log-likelihoods | max abs difference | "
+              "generations identical |", "|---|---:|---:|---:|---:|"]
+    for row in data["items"]:
+        diff = f"{row['max_abs_diff']:.2e}" if "max_abs_diff" in row else "-"
+        same = f"{row['identical']} of {row['generations']}" if "generations" in row else "-"
+        lines.append(f"| {row['task']} | {row['items']} | {row.get('loglikelihoods', '-')} | {diff} | {same} |")
     lines += ["", f"Tasks: {data['tasks']}", "", f"**{data['verdict']}**", "", "Commands (from the repository root):",
               "", "```bash"]
     for step in data["steps"]:
         lines.append(" ".join(shlex.quote(c) for c in step))
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def _summary(run_out: dict) -> dict:
+    """A client run as the record keeps it (its per-item responses stay in the scratch folder)."""
+    return {k: v for k, v in run_out.items() if k != "samples"}
+
+
+def _display(arg: str) -> str:
+    """Paths inside the repository relative to its root (the record's commands run from there)."""
+    return arg.replace(REPO + os.sep, "")
 
 
 def _f(v, digits: int = 1) -> str:
@@ -324,23 +378,29 @@ def main(argv: list[str] | None = None) -> int:
                                                     oracle_chat["command"]]
     comparison = compare(served, oracle)
     comparison += [dict(row, task=row["task"] + " (chat template)") for row in compare(chat, oracle_chat)]
+    items = compare_items(served, oracle)
+    items += [dict(row, task=row["task"] + " (chat template)") for row in compare_items(chat, oracle_chat)]
+    items_ok = items and all(r["missing"] == 0 and r.get("max_abs_diff", 0) < 1e-3 and
+                             r.get("identical", 0) == r.get("generations", 0) for r in items)
     failed = sum(int(b.get("failed") or 0) for b in bench.values()) + sum(int(b.get("rc") != 0) for b in bench.values())
-    ok = failed == 0 and all(r["equal"] for r in comparison) and comparison and \
+    ok = failed == 0 and all(r["equal"] for r in comparison) and bool(comparison) and items_ok and \
         all(x["rc"] == 0 for x in (served, chat, oracle, oracle_chat))
-    verdict = ("every request succeeded and lm-eval's scores equal its hf model's" if ok else
+    verdict = ("every request succeeded; lm-eval's scores equal its hf model's, item by item" if ok else
                f"FAILED: {failed} failed benchmark requests or runs; scores equal: "
-               f"{sum(r['equal'] for r in comparison)} of {len(comparison)}")
+               f"{sum(r['equal'] for r in comparison)} of {len(comparison)}; items agree: {bool(items_ok)}")
     data = {
-        "command": "python benchmarks/client_compat.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "command": ("python benchmarks/client_compat.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))).strip(),
         "started": started, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "config": args.config, "model": model, "versions": versions(args), "vllm_bench": bench,
         "workload": f"`vllm bench serve`: random dataset, {args.num_prompts} prompts of {args.input_len} tokens, "
                     f"{args.output_len} output tokens, Poisson arrivals at {args.request_rate} req/s, temperature 0.",
         "tasks": f"`ms_next_line_mc`: {args.mc_items} items, which of 4 lines follows 12 lines of held-out "
                  f"standard-library source (loglikelihood requests: echo + logprobs); `ms_next_line_gen`: "
-                 f"{args.gen_items} items, generate that line (greedy, until a newline; exact match).",
-        "served": served, "served_chat": chat, "hf": oracle, "hf_chat": oracle_chat, "comparison": comparison,
-        "verdict": verdict, "ok": ok, "steps": steps,
+                 f"{args.gen_items} items, given 12 lines and the first half of the next, generate its rest (greedy, "
+                 "until a newline; exact match).",
+        "served": _summary(served), "served_chat": _summary(chat), "hf": _summary(oracle),
+        "hf_chat": _summary(oracle_chat), "comparison": comparison, "items": items,
+        "verdict": verdict, "ok": ok, "steps": [[_display(c) for c in step] for step in steps],
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

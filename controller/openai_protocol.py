@@ -12,7 +12,6 @@ them. No torch, no HTTP here (``controller/http_server.py`` serves it).
 from __future__ import annotations
 
 import math
-import time
 import uuid
 from dataclasses import dataclass
 

@@ -23,7 +23,7 @@ from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, Schedule
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
-from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
+from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import (TPDriverRunner, TPFollower, build_runner, copy_kv_blocks, forward_follower,
                                 load_for_rank)

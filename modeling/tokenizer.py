@@ -48,6 +48,9 @@ from modeling.checkpoint import read_json
 from modeling.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
+# Texts longer than this are encoded through ``encode_batch``, which gives the same ids and releases the GIL
+# (``encode`` holds it throughout: seconds for a few MB, during which a server's event loop would stall).
+_GIL_FREE_CHARS = 1 << 16
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: named special tokens, whatever the value type
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -83,6 +86,8 @@ class TextTokenizer:
         ``add_special_tokens`` False leaves out what the post-processor adds (BOS, EOS); special tokens written in
         the text (a rendered chat template writes its own BOS) map to their ids either way.
         """
+        if len(text) > _GIL_FREE_CHARS:  # the batch call releases the GIL: a long text stalls no other thread
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True,

@@ -248,6 +248,27 @@ def test_lm_eval_generation_requests(http, reference):
     assert status == 200 and isinstance(body["choices"][0]["message"]["content"], str), body
 
 
+def test_a_large_body_does_not_stall_other_streams(client, http):
+    """A body of a few MB is parsed and tokenized off the event loop (and without holding the GIL): a stream
+    beside it keeps flowing while it is refused for its length."""
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=256, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    arrivals: list[float] = []
+    reader = threading.Thread(target=lambda: arrivals.extend(time.perf_counter() for _ in stream))
+    reader.start()
+    while len(arrivals) < 3:
+        time.sleep(0.01)
+    big = json.dumps({"model": MODEL, "prompt": "def f(x):\n    return x + 1  # é\n" * 70000}).encode()
+    t0 = time.perf_counter()
+    status, body = post_raw(http[0] + "/v1/completions", big)
+    t1 = time.perf_counter()
+    reader.join()
+    assert status == 400 and body["error"]["param"] == "prompt"  # over limits.max_prompt_tokens
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > t0 and a < t1]
+    if t1 - t0 > 1.0:  # tokenizing took long enough to tell a stalled loop from a free one
+        assert max(gaps) < 0.5 * (t1 - t0), (max(gaps), t1 - t0)
+
+
 def test_penalties_bias_and_min_tokens_under_speculation_equal_the_reference(client, reference):
     params = SamplingParams(max_tokens=40, presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
                             min_tokens=5, logit_bias={10: 5.0}, ignore_eos=True)
