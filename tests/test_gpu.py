@@ -18,6 +18,7 @@ Run them all with ``python -m pytest -m gpu -q -rs`` (``scripts/gpu_suite.py`` d
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -489,6 +490,35 @@ def test_seeded_sampling_engine_on_cuda_is_reproducible(llama_dir):
     runs = [[c.token_ids for c in cuda_engine(llama_dir).generate(prompts, params)] for _ in range(2)]
     assert runs[0] == runs[1]
     assert [len(o) for o in runs[0]] == [16, 16]
+
+
+def test_sampling_surface_on_cuda_matches_cpu(llama_dir):
+    """Penalties, bias, min_tokens on CUDA give the CPU engine's greedy tokens; log-probabilities of prompt
+    and output agree within 1e-3; n sequences fork on CUDA blocks (the partly filled block copied there) and
+    sequence i is the single request seeded seed + i; the speculating decode worker on CUDA is token-identical
+    to plain decoding under the same penalties, and every block comes back."""
+    prompts = prompts_of([37, 90], seed=3)
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, presence_penalty=0.6, frequency_penalty=0.3,
+                            repetition_penalty=1.3, logit_bias={5: 3.0}, min_tokens=4, logprobs=3, prompt_logprobs=2)
+    cpu = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, token_budget=64, attention_backend="torch"))
+    expected = cpu.generate(prompts, greedy)
+    engine = cuda_engine(llama_dir, token_budget=64)
+    got = engine.generate(prompts, greedy)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for c, e in zip(got, expected):
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(c.logprobs, e.logprobs)) < 1e-3
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(c.prompt_logprobs[1:], e.prompt_logprobs[1:])) < 1e-3
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=9, n=3, ignore_eos=True, min_p=0.05)
+    forked = engine.generate(prompts[:1], seeded)[0].sequences
+    singles = [engine.generate(prompts[:1], dataclasses.replace(seeded, n=1, seed=9 + i))[0].token_ids
+               for i in range(3)]
+    assert [s.token_ids for s in forked] == singles
+    assert engine.pool.num_free == engine.pool.num_blocks
+    worker = cuda_worker(llama_dir, drafter="self_sparse", k_policy="fixed", k=3, budget=48)
+    plain_params = dataclasses.replace(greedy, logprobs=None, prompt_logprobs=None)
+    assert run_worker(worker, prompts, plain_params) == [c.token_ids for c in expected]
+    assert worker.metrics.accepted_tokens > 0
+    assert worker.pool.num_free == worker.pool.num_blocks
 
 
 # -- 4. KV transfer: refused between a CUDA and a CPU cache; byte-exact over NCCL on two GPUs -------------
