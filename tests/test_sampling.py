@@ -70,6 +70,32 @@ def test_stop_strings_cut_text(llama_dir):
     assert out.text == free_text[: free_text.index(stop)]
 
 
+def test_stop_string_kept_with_include_stop_str_in_output_and_held_off_by_min_tokens(llama_dir):
+    engine = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=4096, attention_backend="torch"))
+    prompt = "def add(a, b):"
+    free = engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    stop = free.text[5:8]
+    kept = engine.generate([prompt], SamplingParams(max_tokens=40, stop=[stop], include_stop_str_in_output=True,
+                                                    ignore_eos=True))[0]
+    assert kept.finish_reason is FinishReason.STOP
+    assert kept.text == free.text[: free.text.index(stop) + len(stop)]
+    # with min_tokens past the stop string's first appearance, generation goes on beyond it
+    late = engine.generate([prompt], SamplingParams(max_tokens=40, stop=[stop], min_tokens=len(free.token_ids) - 1,
+                                                    ignore_eos=True))[0]
+    assert len(late.token_ids) >= len(free.token_ids) - 1 and late.text.startswith(free.text[: free.text.index(stop)])
+
+
+def test_special_tokens_in_the_text_as_asked(llama_dir):
+    engine = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=4096, attention_backend="torch"))
+    eos = engine.tokenizer.decode([1], skip_special_tokens=False)  # the tiny checkpoints' EOS id is 1
+    assert eos
+    for skip in (True, False):
+        out = engine.generate(["x"], SamplingParams(max_tokens=3, ignore_eos=True, logit_bias={1: 100.0},
+                                                    skip_special_tokens=skip))[0]
+        assert out.token_ids == [1, 1, 1]
+        assert out.text == ("" if skip else eos * 3)
+
+
 def test_streamed_deltas_add_up_to_the_text(llama_dir):
     engine = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=4096, attention_backend="torch"))
     rid = engine.add_request("import os", SamplingParams(max_tokens=30, ignore_eos=True, stop=["zzz"]))
