@@ -81,49 +81,23 @@ def write_tasks(directory: str, mc_items: int, gen_items: int, seed: int = 0) ->
         spaces = [i for i, ch in enumerate(line) if ch == " " and i > indent] or [len(line) // 2]
         cut = min(spaces, key=lambda i: abs(i - len(line) // 2))
         gen.append({"context": context + line[:cut], "target": line[cut:], "file": path})
+    # the choices and the target continue the context directly (no separator)
+    tasks = {
+        "mc": ("ms_next_line_mc", mc, 'output_type: multiple_choice\ndoc_to_choice: "{{choices}}"\n'
+               'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'),
+        "gen": ("ms_next_line_gen", gen, 'output_type: generate_until\ndoc_to_target: "{{target}}"\n'
+                'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 32\n  do_sample: false\n  temperature: 0\n'
+                'metric_list:\n  - metric: exact_match\n'),
+    }
     os.makedirs(directory, exist_ok=True)
-    for name, rows in (("mc", mc), ("gen", gen)):
-        with open(os.path.join(directory, f"{name}.jsonl"), "w") as f:
+    for name, (task, rows, body) in tasks.items():
+        data = os.path.join(directory, f"{name}.jsonl")
+        with open(data, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-    # the choices continue the context directly (no separator: the context ends with a newline)
-    mc_yaml = f"""task: ms_next_line_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {os.path.join(directory, "mc.jsonl")}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
-    gen_yaml = f"""task: ms_next_line_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {os.path.join(directory, "gen.jsonl")}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{target}}}}"
-target_delimiter: ""
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 32
-  do_sample: false
-  temperature: 0
-metric_list:
-  - metric: exact_match
-"""
-    with open(os.path.join(directory, "ms_next_line_mc.yaml"), "w") as f:
-        f.write(mc_yaml)
-    with open(os.path.join(directory, "ms_next_line_gen.yaml"), "w") as f:
-        f.write(gen_yaml)
+        with open(os.path.join(directory, f"{task}.yaml"), "w") as f:
+            f.write(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    f'test_split: test\ndoc_to_text: "{{{{context}}}}"\ntarget_delimiter: ""\n{body}')
 
 
 # -- the server -----------------------------------------------------------------------------------------
