@@ -9,7 +9,7 @@ PACKAGES = [
     "decode_worker",
     "kv_transfer",
     "controller",
-    "controller.planner",
+    "planner",
     "protos",
     "protos.magicserve",
     "protos.magicserve.v1",
@@ -21,7 +21,7 @@ setup(
     description="Disaggregated prefill/decode LLM serving with sparse-KV speculative decoding",
     python_requires=">=3.10",
     packages=PACKAGES,
-    package_data={"protos": ["magicserve/v1/*.proto", "magicserve/v1/*.pyi"], "controller.planner": ["*.yaml"]},
+    package_data={"protos": ["magicserve/v1/*.proto", "magicserve/v1/*.pyi"], "planner": ["*.yaml"]},
     install_requires=[
         "torch>=2.3",
         # torch.utils.cpp_extension builds (and on each load checks) the CPU attention kernel with ninja

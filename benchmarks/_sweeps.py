@@ -4,7 +4,7 @@ pooled, shared by ``benchmarks/sim_validate.py`` and ``benchmarks/slo_map.py``.
 Sweeps pool when they draw the same workload: the same workload (or recorded trace), arrival process, SLOs
 and cores. A sweep with an earlier sweep's seed (or of the same recorded trace) sends that sweep's requests
 (a trace's lengths depend on the seed alone, its arrivals on the seed and the rate:
-``controller.planner.workload.make_trace``), so at the rates both ran they must match request by request;
+``planner.workload.make_trace``), so at the rates both ran they must match request by request;
 a sweep with a seed not seen before is another draw (other lengths and arrivals), at any rates.
 """
 

@@ -5,8 +5,8 @@ disaggregation on one type) and the best single type colocated (vLLM-like)?
     python benchmarks/cost_plan.py --out benchmarks/results/cost_heterogeneous
 
 For Llama-3.1-8B- and 70B-shaped models (analytical profiles of every GPU type of the default catalogue,
-``controller/planner/gpu_catalog.yaml``, at its on-demand prices), on the ``chat``, ``long_doc``, ``mixed`` and
-``long_gen`` workloads (``controller/planner/workload.py``), at three rates each and two SLO tightnesses,
+``planner/gpu_catalog.yaml``, at its on-demand prices), on the ``chat``, ``long_doc``, ``mixed`` and
+``long_gen`` workloads (``planner/workload.py``), at three rates each and two SLO tightnesses,
 ``CostPlanner`` (the search behind ``magicserve plan --objective cost``) screens every option once per
 (model, workload, SLO) and plans each rate; every plan is verified by simulating the whole cluster at the
 rate. On ``long_gen`` the decode pool may also use sparse-KV self-speculation (budget 512, adaptive k) at an
@@ -68,10 +68,10 @@ def write_md(result: dict, path: str) -> None:
         "",
         f"Command: `{result['command']}`",
         "",
-        "The search of `magicserve plan --objective cost` (`controller/planner/cost_search.py`) on analytical "
+        "The search of `magicserve plan --objective cost` (`planner/cost_search.py`) on analytical "
         "profiles of every GPU type of the default catalogue at its on-demand price "
         f"({', '.join(f'{k} ${v:g}/GPU-h' for k, v in result['prices'].items())}; sources in "
-        "`controller/planner/gpu_catalog.yaml`). Per point: the cheapest plan with a GPU type per pool (what "
+        "`planner/gpu_catalog.yaml`). Per point: the cheapest plan with a GPU type per pool (what "
         "`magicserve serve` runs), the best single type disaggregated, the best single type colocated, each "
         "verified by simulating the whole cluster at the rate (an instance added to the pool of the missed SLO "
         "until the 90% attainment target is met), and the integer program's optimum when any mix of types "
@@ -204,11 +204,11 @@ def main() -> int:
         plot(result, args.out + ".png")
         return 0
 
-    from controller.planner.analytical import parse_acceptance
-    from controller.planner.cost_search import CostPlanner, CostSpace
-    from controller.planner.gpu_catalog import default_catalog
-    from controller.planner.search import NO_SPECULATION, SLOTarget, Workload, speculation_settings
-    from controller.planner.workload import workload_shape
+    from planner.analytical import parse_acceptance
+    from planner.cost_search import CostPlanner, CostSpace
+    from planner.gpu_catalog import default_catalog
+    from planner.search import NO_SPECULATION, SLOTarget, Workload, speculation_settings
+    from planner.workload import workload_shape
 
     catalog = default_catalog()
     p_buckets, o_buckets = (int(x) for x in args.slices.split("x"))

@@ -43,9 +43,9 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from controller.planner.calibrate import ROLE_OF_KIND, predicted_s  # noqa: E402
-from controller.planner.profile import Profile, ProfileError  # noqa: E402
-from controller.planner.workload import RequestSpec  # noqa: E402
+from planner.calibrate import ROLE_OF_KIND, predicted_s  # noqa: E402
+from planner.profile import Profile, ProfileError  # noqa: E402
+from planner.workload import RequestSpec  # noqa: E402
 
 
 
@@ -66,7 +66,7 @@ class HostContention:
     step_noise: dict[str, tuple[float, ...]] = field(default_factory=dict)  # role -> quantiles, mean 1
 
     def __post_init__(self) -> None:
-        from controller.planner.workload import WORKLOADS
+        from planner.workload import WORKLOADS
 
         for name in ("scale", "step_s", "output_s", "fit_error"):
             value = getattr(self, name)
@@ -139,8 +139,8 @@ OUTPUT_BURST_TOKENS = 129
 def burst_lengths(config, requests: int, seed: int, workload: str | None) -> tuple[list[int], tuple[int, ...]]:
     """(prompt lengths, output lengths) of a burst: drawn from ``workload``'s shape, capped at the config's
     limits, or, without one, prompts log-uniform up to 4096 tokens with the calibration's short outputs."""
-    from controller.planner.calibrate import OUTPUT_TOKENS, calibration_lengths, max_calibration_prompt
-    from controller.planner.workload import workload_shape
+    from planner.calibrate import OUTPUT_TOKENS, calibration_lengths, max_calibration_prompt
+    from planner.workload import workload_shape
 
     if workload is None:
         return calibration_lengths(max_calibration_prompt(config), requests, seed + 1), OUTPUT_TOKENS
@@ -155,7 +155,7 @@ def burst_trace(profile: Profile, sim_config, lengths: list[int], output_tokens:
                 seed: int) -> list[RequestSpec]:
     """Poisson arrivals of the given prompt lengths at the lowest rate of a geometric grid whose simulated
     mean instance utilisation reaches BURST_UTILISATION; if no rate does, the rate of the highest one."""
-    from controller.planner.simulator import simulate
+    from planner.simulator import simulate
 
     rng = random.Random(seed)
     gaps = [rng.expovariate(1.0) for _ in lengths]  # unit-rate gaps, scaled per candidate rate
@@ -186,7 +186,7 @@ def output_burst_trace(config, requests: int, seed: int) -> list[RequestSpec]:
     """A burst that fills the decode batch: prompts of 64-512 tokens each generating ``OUTPUT_BURST_TOKENS``,
     Poisson arrivals at ``OUTPUT_BURST_RATE``: decode steps carry many sequences, so the fit can tell a cost
     per sequence output from one per step."""
-    from controller.planner.calibrate import calibration_lengths, max_calibration_prompt
+    from planner.calibrate import calibration_lengths, max_calibration_prompt
 
     rng = random.Random(seed + 11)
     lengths = calibration_lengths(min(512, max_calibration_prompt(config)), requests, seed + 11)
@@ -200,7 +200,7 @@ def output_burst_trace(config, requests: int, seed: int) -> list[RequestSpec]:
 
 def send_burst(client, trace: list[RequestSpec], prompts: list[list[int]]) -> None:
     """Send ``trace`` (one thread per request, started at its arrival); every request must succeed."""
-    from controller.planner.calibrate import timed_stream
+    from planner.calibrate import timed_stream
 
     errors: list[BaseException] = []
     t0 = time.perf_counter()
@@ -228,8 +228,8 @@ def measure(config, profile: Profile, requests: int = 40, seed: int = 0, progres
     workers' passes meanwhile. ``profile`` must hold the mode's calibration (the burst's rate is chosen by
     simulating it)."""
     from controller.client import Client
-    from controller.planner.calibrate import calibration_config, config_threads, drain_passes, random_prompts
-    from controller.planner.simulator import SimConfig
+    from planner.calibrate import calibration_config, config_threads, drain_passes, random_prompts
+    from planner.simulator import SimConfig
     from controller.server import serve_in_thread
 
     if requests < 4:
@@ -456,7 +456,7 @@ def step_noise(factors: list[float]) -> tuple[float, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     from controller.config import load_config
-    from controller.planner.workload import WORKLOADS
+    from planner.workload import WORKLOADS
 
     ap = argparse.ArgumentParser(description="Measure the host contention plug-in of a config's mode on this machine "
                                              "(a burst of overlapping requests through the real cluster).")

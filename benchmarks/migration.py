@@ -215,12 +215,12 @@ def summarise_run(rows: list[dict], status, duration_s: float, ttft_slo: float, 
 
 def simulate_trace(profile_path: str, config: dict, trace: list[dict], ttft_slo: float, tpot_slo: float,
                    seeds: int) -> dict:
-    """The same trace through the planner's simulator (``controller/planner/sim_migration.py`` models the
+    """The same trace through the planner's simulator (``planner/sim_migration.py`` models the
     migrations): medians over ``seeds`` acceptance draws."""
     from controller.config import parse_config
-    from controller.planner.profile import Profile
-    from controller.planner.simulator import SimConfig, simulate
-    from controller.planner.workload import RequestSpec
+    from planner.profile import Profile
+    from planner.simulator import SimConfig, simulate
+    from planner.workload import RequestSpec
 
     profile = Profile.load(profile_path)
     sim_config = SimConfig.from_cluster_config(parse_config(config))
@@ -361,7 +361,7 @@ def write_skewed_md(result: dict, path: str) -> None:
     if sim:
         so, sw = sim["without"], sim["with"]
         lines += ["", "## The simulator on the same trace", "",
-                  f"`controller/planner/sim_migration.py` replays the trace with the profile "
+                  f"`planner/sim_migration.py` replays the trace with the profile "
                   f"`{os.path.relpath(result['profile'], ROOT)}` (this machine, float32; no serving-path "
                   f"calibration), medians of {result['sim_seeds']} acceptance draws, beside the measurement:", "",
                   "| | measured without | simulated without | measured with | simulated with |",

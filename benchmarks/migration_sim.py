@@ -1,9 +1,9 @@
 """The ``simulated`` part of ``benchmarks/migration.py``: the global rescheduling policy at a scale this
-machine cannot run, in the planner's simulator (``controller/planner/sim_migration.py`` runs the real
+machine cannot run, in the planner's simulator (``planner/sim_migration.py`` runs the real
 policy, ``controller/migration_policy.py``).
 
 A Llama-3.1-8B-shaped model on H100-80GB-SXM instances (the analytical profile of
-``controller/planner/analytical.py``, no speculation so every difference comes from placement), a skewed
+``planner/analytical.py``, no speculation so every difference comes from placement), a skewed
 long-output Poisson trace (a quarter of the requests generate 1K-4K tokens, the rest 32-128, their lengths
 unknown at placement), over a grid of decode instances, KV tokens per instance (small enough that long
 requests crowd an instance) and arrival rates; each point run with the policy off and on over the same
@@ -22,7 +22,7 @@ PROMPT, SHORT_OUT, LONG_OUT, LONG_SHARE = (256, 2048), (32, 128), (1024, 4096), 
 
 
 def _trace(num: int, rate: float, seed: int):
-    from controller.planner.workload import RequestSpec
+    from planner.workload import RequestSpec
 
     rng = random.Random(seed)
     t, out = 0.0, []
@@ -39,8 +39,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _one(profile, instances: int, kv_tokens: int, rate: float, migration: bool, num: int, seed: int) -> dict:
-    from controller.planner.sim_migration import SimMigration
-    from controller.planner.simulator import PoolPlan, SimConfig, simulate
+    from planner.sim_migration import SimMigration
+    from planner.simulator import PoolPlan, SimConfig, simulate
     from decode_worker.config import SpeculationConfig
 
     cfg = SimConfig(prefill=PoolPlan(instances=max(1, instances // 4), kv_cache_tokens=262144, token_budget=4096),
@@ -59,7 +59,7 @@ def run_simulated(instances: list[int], kv_tokens: list[int], rates_per_instance
     """One row per grid point: medians over ``seeds`` traces with the policy off and on."""
     from tqdm import tqdm
 
-    from controller.planner.analytical import AnalyticalOptions, analytical_profile
+    from planner.analytical import AnalyticalOptions, analytical_profile
 
     profile = analytical_profile(GPU, MODEL_SHAPE, AnalyticalOptions(tensor_parallel=(1,)))
     grid = list(itertools.product(instances, kv_tokens, rates_per_instance))
@@ -85,7 +85,7 @@ def write_simulated_md(result: dict, path: str) -> None:
         "",
         f"Command: `{result['command']}`",
         "",
-        f"The planner's simulator with the real policy (`controller/planner/sim_migration.py`), a {MODEL_SHAPE}-shaped "
+        f"The planner's simulator with the real policy (`planner/sim_migration.py`), a {MODEL_SHAPE}-shaped "
         f"model on {GPU} decode instances (analytical profile, no speculation). Trace: {result['num_requests']} Poisson "
         f"arrivals, prompts of {PROMPT[0]}-{PROMPT[1]} tokens, {LONG_SHARE:.0%} of requests generating "
         f"{LONG_OUT[0]}-{LONG_OUT[1]} tokens and the rest {SHORT_OUT[0]}-{SHORT_OUT[1]}; each point with the policy "

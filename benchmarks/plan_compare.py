@@ -23,12 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._slo_plots import _pyplot  # noqa: E402
-from controller.planner.profile import Profile  # noqa: E402
-from controller.planner.search import (Candidate, Planner, SearchSpace, SLOTarget, Workload,  # noqa: E402
+from planner.profile import Profile  # noqa: E402
+from planner.search import (Candidate, Planner, SearchSpace, SLOTarget, Workload,  # noqa: E402
                                        speculation_space)
-from controller.planner.simulator import simulate  # noqa: E402
-from controller.planner.slo import attainment  # noqa: E402
-from controller.planner.workload import workload_shape  # noqa: E402
+from planner.simulator import simulate  # noqa: E402
+from planner.slo import attainment  # noqa: E402
+from planner.workload import workload_shape  # noqa: E402
 
 # SLOs per workload for a Llama-3.1-8B-class model on current GPUs (chat: interactive; long_doc:
 # summarisation, a looser TTFT for multi-thousand-token prompts); override with --slo.

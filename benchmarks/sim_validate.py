@@ -47,10 +47,10 @@ from benchmarks._sweeps import SweepMismatch, check_pool  # noqa: E402, F401 (Sw
 from benchmarks.host_contention import HostContention  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, attainment_of, has_server_timing, percentile  # noqa: E402
 from controller.config import load_config  # noqa: E402
-from controller.planner.profile import Profile  # noqa: E402
-from controller.planner.simulator import SimConfig, simulate  # noqa: E402
-from controller.planner.slo import attainment  # noqa: E402
-from controller.planner.workload import RequestSpec  # noqa: E402
+from planner.profile import Profile  # noqa: E402
+from planner.simulator import SimConfig, simulate  # noqa: E402
+from planner.slo import attainment  # noqa: E402
+from planner.workload import RequestSpec  # noqa: E402
 
 KEYS = ("both", "ttft_only", "tpot_only")
 TOLERANCE = 0.05

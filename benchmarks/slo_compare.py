@@ -6,7 +6,7 @@ goodput per core at the target attainment as a markdown table.
 
 Labels and core counts come from each sweep's settings (--label / --cores there); ``--labels`` and
 ``--cores`` here override them, comma-separated in file order. Goodput is re-derived from the recorded
-attainment with ``controller.planner.slo.goodput`` at ``--attainment-target`` (default: the sweeps').
+attainment with ``planner.slo.goodput`` at ``--attainment-target`` (default: the sweeps').
 ``--ttft-slo-ms`` / ``--tpot-slo-ms`` compare at other SLOs than the sweeps ran with: attainment is then
 recounted from every request's recorded TTFT and TPOT (``benchmarks/slo_map.py`` does it for a whole grid).
 Writes PREFIX.png and PREFIX.md.
@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._slo_plots import plot_compare  # noqa: E402
 from benchmarks.slo_map import MapError, attained, sweep_outcomes  # noqa: E402
-from controller.planner.slo import goodput  # noqa: E402
+from planner.slo import goodput  # noqa: E402
 
 
 def _split(text: str | None, n: int, flag: str, cast) -> list | None:

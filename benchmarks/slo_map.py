@@ -6,7 +6,7 @@ the other by a target factor, and where it cannot.
 
 A sweep (``benchmarks/slo_sweep.py``) keeps every request's TTFT and TPOT, so the attainment of any other
 SLO pair is a recount of the same records at every swept rate, and the goodput (highest rate with attainment
->= the target, ``controller.planner.slo.goodput``) follows without another run. This script does that for
+>= the target, ``planner.slo.goodput``) follows without another run. This script does that for
 each (TTFT SLO, TPOT SLO) cell of a grid and divides the candidate's goodput per core by the baseline's.
 Given several baseline sweeps (say, two splits of the colocated engine over the same cores), each cell
 compares with the best of them there: the candidate has to beat every configuration, not a chosen one.
@@ -49,7 +49,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._sweeps import SweepMismatch, check_pool  # noqa: E402
 from benchmarks.slo_sweep import TIMINGS, outcome_of  # noqa: E402
-from controller.planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
+from planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
 
 DEFAULT_TTFT_SLOS_S = "1,1.5,2,3,4,5,6,8,10,15"
 DEFAULT_TPOT_SLOS_MS = "15,20,25,30,40,50,75,100,150"

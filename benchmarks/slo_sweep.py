@@ -11,7 +11,7 @@ with attainment >= the target).
     python benchmarks/slo_sweep.py --target openai --launch cluster_configs/local.yaml --rates 0.2,0.5
     # several sweeps on one figure, goodput per core: benchmarks/slo_compare.py
 
-The trace (``controller.planner.workload``): ``--num-requests`` requests of the workload's length
+The trace (``planner.workload``): ``--num-requests`` requests of the workload's length
 distributions with Poisson arrivals (gamma with ``--cv``), or ``--trace FILE`` rescaled to each rate.
 The same lengths are replayed at every rate; prompts are exact-length slices of held-out standard-library
 source (the bundled model never trained on them) tokenized with the model's tokenizer, EOS removed,
@@ -25,7 +25,7 @@ raised.
 Times are taken on the client: TTFT at the first streamed token, TPOT = (last token time - first token
 time) / (tokens - 1), end to end at the final message; magicserve also reports its own TTFT / TPOT (from
 the request's arrival at its router), kept beside them. Attainment and goodput are
-``controller.planner.slo``'s (shared with the simulator, ``benchmarks/sim_validate.py``).
+``planner.slo``'s (shared with the simulator, ``benchmarks/sim_validate.py``).
 
 Writes PREFIX.json (settings, per rate: per-request records, attainment, latency percentiles; goodput;
 attainment against an SLO scale), PREFIX.md and two figures: PREFIX_rate.png (attainment vs rate: both
@@ -63,8 +63,8 @@ from benchmarks._slo_launch import (LaunchError, ManagedServer, free_port, magic
 from benchmarks._slo_targets import (ChunkedDecoder, GrpcTarget, OpenAITarget, RequestRecord,  # noqa: E402, F401
                                      SSEParser, TargetError, finished_normally, parse_http_url)
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
-from controller.planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
-from controller.planner.workload import (WORKLOADS, RequestSpec, WorkloadError, load_trace, make_trace,  # noqa: E402
+from planner.slo import RequestOutcome, attainment, goodput  # noqa: E402
+from planner.workload import (WORKLOADS, RequestSpec, WorkloadError, load_trace, make_trace,  # noqa: E402
                                          scale_trace, workload_shape)
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")

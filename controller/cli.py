@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(run)
     run.add_argument("--prompt", required=True)
     _add_profile_parser(sub)
-    from controller.planner.plan_cli import add_arguments as add_plan_arguments
+    from planner.plan_cli import add_arguments as add_plan_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="choose a cluster config that maximises goodput under SLOs",
                                       description="Simulate candidate configurations on a profile and write the "
@@ -111,7 +111,7 @@ PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
   more CPU instance shapes: one process of T threads, or T rank processes (tensor parallel, gloo):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --add-threads 2
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --add-tensor-parallel 2
-  analytical (a GPU type from controller/planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
+  analytical (a GPU type from planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
     magicserve profile --analytical --gpu H100-80GB-SXM --model llama-3.1-8b|HF_CHECKPOINT_DIR --out PROFILE.json
         [--acceptance-from MEASURED.json | --acceptance self_sparse:256:0.8 ...] [--transfer-gbps 25]
 """
@@ -359,13 +359,13 @@ def cmd_build(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from controller.planner.profiler import run_cli
+    from planner.profile_cli import run_cli
 
     return run_cli(args)
 
 
 def cmd_plan(args) -> int:
-    from controller.planner.plan_cli import run
+    from planner.plan_cli import run
 
     return run(args)
 

@@ -5,7 +5,7 @@ calls (submit, reserve, admit, abort, status) on others; both touch the worker, 
 holds one lock. A plain lock promises no order: the loop thread releases it at the end of a step and may take
 it again for the next before a call woken by the release runs, so a call could wait several steps. With
 ``StepGate`` a call waiting when a step ends goes before the next step, at most the rest of the step in
-progress, which is what the simulator assumes of a KV reservation (``controller/planner/simulator.py``).
+progress, which is what the simulator assumes of a KV reservation (``planner/simulator.py``).
 
 The gate is an ordering guarantee between one loop and its callers; it cannot help a caller whose process
 the OS does not schedule.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.planner.cost_milp import InstanceOption, PackingError, PackingProblem, Slice, solve_packing
+from planner.cost_milp import InstanceOption, PackingError, PackingProblem, Slice, solve_packing
 
 SLICES = (Slice("short", 10.0), Slice("long", 10.0))
 # A: cheap, fast on short requests, slow on long ones; B: dear, the reverse

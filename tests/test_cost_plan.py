@@ -14,10 +14,10 @@ import yaml
 
 from controller.cli import main as cli_main
 from controller.config import load_config
-from controller.planner.cost_search import (CostPlanner, CostSpace, geometric_bisection, make_slices, steady_span_s)
-from controller.planner.gpu_catalog import load_catalog
-from controller.planner.search import SLOTarget, Workload
-from controller.planner.workload import workload_shape
+from planner.cost_search import (CostPlanner, CostSpace, geometric_bisection, make_slices, steady_span_s)
+from planner.gpu_catalog import load_catalog
+from planner.search import SLOTarget, Workload
+from planner.workload import workload_shape
 
 COMPUTE = {"memory_mib": 49152, "hbm_bandwidth_gb_s": 800, "bf16_tflops": 1000, "link_bandwidth_gb_s": 32,
            "link": "PCIe", "collective_latency_us": 25, "spec_source": "made up for a test",
@@ -130,8 +130,8 @@ def test_cost_plan_cli_errors_name_the_flag(tmp_path, extra, message):
 
 
 def test_verified_costs_are_reconciled_across_plan_kinds():
-    from controller.planner.cost_search import CostPlan, PoolChoice, _reconcile
-    from controller.planner.gpu_catalog import default_catalog
+    from planner.cost_search import CostPlan, PoolChoice, _reconcile
+    from planner.gpu_catalog import default_catalog
 
     a100, l40s = default_catalog().get("A100"), default_catalog().get("L40S")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from controller.planner import analytical
-from controller.planner.gpu_catalog import CatalogError, default_catalog, load_catalog
+from planner import analytical
+from planner.gpu_catalog import CatalogError, default_catalog, load_catalog
 
 NEW_TYPE = {"memory_mib": 98304, "hbm_bandwidth_gb_s": 4000, "bf16_tflops": 500, "link_bandwidth_gb_s": 400,
             "link": "NVLink", "collective_latency_us": 10, "spec_source": "a test", "ray_accelerator_type": "X1",

@@ -12,14 +12,14 @@ import pytest
 from benchmarks import host_contention
 from benchmarks.host_contention import (HostContention, activities, fit_contention_terms, outputs_of,
                                         reference_ratios)
-from controller.planner.calibrate import pass_row, predicted_s
-from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, FittedModel, InstanceCosts, Profile,
+from planner.calibrate import pass_row, predicted_s
+from planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, FittedModel, InstanceCosts, Profile,
                                         mixed_pass_seconds, prefill_features)
-from controller.planner.simulator import simulate
-from controller.planner.search import NO_SPECULATION
-from controller.planner.workload import RequestSpec
+from planner.simulator import simulate
+from planner.search import NO_SPECULATION
+from planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
-from controller.planner.simulator import PoolPlan, SimConfig
+from planner.simulator import PoolPlan, SimConfig
 from tests.test_planner_sim import disagg, make_profile
 
 PASS = ("passes", "seqs", "kv_tokens", "new_tokens")
@@ -273,7 +273,7 @@ def test_per_step_contention_prices_fewer_longer_decode_steps_as_less_interferen
 def test_burst_falls_back_to_the_busiest_rate_when_the_target_is_out_of_reach(monkeypatch):
     """A few small requests may never keep both roles busy enough: the burst then uses the rate at which the
     simulated instances are busiest instead of failing the measurement."""
-    from controller.planner.calibrate import calibration_lengths
+    from planner.calibrate import calibration_lengths
 
     prof = make_profile(prefill_per_token=2e-4, transfer_per_token=1e-5)
     config = disagg()

@@ -12,11 +12,11 @@ import pytest
 
 from controller.cli import main as cli_main
 from controller.config import load_config
-from controller.planner import analytical
-from controller.planner.profile import (
+from planner import analytical
+from planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
     ProfileError, prefill_features)
-from controller.planner.profiler import check_config
+from planner.profiler import check_config
 from decode_worker.policy import FEATURES as PASS_FEATURES
 from decode_worker.policy import PassShape
 
@@ -51,7 +51,7 @@ def test_profile_round_trip(tmp_path):
     assert p.acceptance_rate("self_sparse", 300, 100) == 0.8
     assert p.acceptance_rate("self_sparse", 256, 5000) == 0.6
     # a calibration comes back as it went
-    from controller.planner.profile import Calibration
+    from planner.profile import Calibration
 
     cal = dataclasses.replace(Calibration.identity("colocated"), prefill_scale=1.2, verify_pass_scale=0.8, threads=2)
     p.with_calibration(cal).save(path)
@@ -377,8 +377,8 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
 def test_calibrations_are_kept_per_mode_and_thread_count():
     """A 2-thread instance serves at another in-place speed than a 1-thread one: each count has its own
     calibration, a count never calibrated takes the 1-thread one, and the simulator picks by the instances'."""
-    from controller.planner.profile import Calibration, calibration_threads
-    from controller.planner.simulator import PoolPlan, SimConfig
+    from planner.profile import Calibration, calibration_threads
+    from planner.simulator import PoolPlan, SimConfig
 
     one = dataclasses.replace(Calibration.identity("colocated"), prefill_scale=0.9, requests=16)
     two = dataclasses.replace(one, prefill_scale=1.5, threads=2)

@@ -12,14 +12,14 @@ import pytest
 import yaml
 
 from controller.config import load_config
-from controller.planner.plan_output import plan_config
-from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, Calibration,
+from planner.plan_output import plan_config
+from planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, Calibration,
                                         FittedModel, InstanceCosts, Profile, ProfileError)
-from controller.planner.search import (NO_SPECULATION, Planner, PlanError, SearchSpace, SLOTarget, Workload,
+from planner.search import (NO_SPECULATION, Planner, PlanError, SearchSpace, SLOTarget, Workload,
                                        speculation_space)
-from controller.planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
-from controller.planner.slo import AttainmentWatch, RequestOutcome, attainment, goodput
-from controller.planner.workload import RequestSpec, make_trace, workload_shape
+from planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
+from planner.slo import AttainmentWatch, RequestOutcome, attainment, goodput
+from planner.workload import RequestSpec, make_trace, workload_shape
 from decode_worker.config import SpeculationConfig
 
 PASS = ("passes", "seqs", "kv_tokens", "new_tokens")
@@ -177,7 +177,7 @@ def test_attainment_watch_decides_once_the_settled_requests_do():
 
 
 def test_the_simulators_block_pool_counts_blocks_as_the_real_one_does():
-    from controller.planner.sim_instances import CountingBlockPool
+    from planner.sim_instances import CountingBlockPool
     from modeling.block_pool import BlockTable
     from modeling.errors import OutOfBlocksError
     pool = CountingBlockPool(10, 16)
@@ -283,8 +283,8 @@ def test_plan_cli_writes_a_config_serve_accepts(tmp_path, capsys):
 
 
 def test_calibration_fit_recovers_serving_path_terms_and_the_simulator_applies_them():
-    from controller.planner.calibrate import fit, kv_tail_s, predicted_decode_s, predicted_prefill_s
-    from controller.planner.profile import Calibration
+    from planner.calibrate import fit, kv_tail_s, predicted_decode_s, predicted_prefill_s
+    from planner.profile import Calibration
 
     prof = make_profile(transfer_per_token=1e-5)
     rows = [{"prompt": n, "tokens": t + 1,
@@ -306,7 +306,7 @@ def test_calibration_never_fits_free_work():
     """Times that do not grow with the predicted work (here they even shrink a little: noise) make the best
     non-negative fit a pure offset with scale 0, which would make simulated prefill and decode free: the
     scale is then fitted alone."""
-    from controller.planner.calibrate import _fit_offset_and_scale, fit
+    from planner.calibrate import _fit_offset_and_scale, fit
 
     prof = make_profile()
     rows = [{"prompt": n, "tokens": t, "ttft_s": 0.30 - 0.001 * i, "decode_s": 0.50 - 0.001 * i}
@@ -321,7 +321,7 @@ def test_a_cpu_pool_is_ranks_times_threads_both_ways():
     """A CPU pool is ``tensor_parallel`` rank processes of ``threads`` threads, a device per thread:
     ``plan_output`` writes a shape as it reads back, and a profile that measured no such shape refuses it by
     name rather than simulating something else."""
-    from controller.planner.plan_output import _pool_fields
+    from planner.plan_output import _pool_fields
 
     root = os.path.join(os.path.dirname(__file__), "..")
     config = SimConfig.from_cluster_config(load_config(os.path.join(root, "cluster_configs", "local-prefill2.yaml")))
@@ -369,7 +369,7 @@ def test_search_never_proposes_pipeline_parallelism():
         SearchSpace(devices=4, shapes=((1, 2, 1),))
 
 def _skewed_two_decode(migration):
-    from controller.planner.sim_migration import SimMigration
+    from planner.sim_migration import SimMigration
 
     # A (long) -> decode-0, B (short) -> decode-1, C (long) -> decode-0 (the fewest assigned, first by name):
     # two long requests outgrow decode-0's 50 blocks while decode-1 idles once B is done
@@ -391,7 +391,7 @@ def test_migration_moves_a_long_request_off_a_crowded_decode_instance():
 
 
 def test_migration_needs_disaggregated_mode_and_valid_settings():
-    from controller.planner.sim_migration import SimMigration
+    from planner.sim_migration import SimMigration
 
     with pytest.raises(SimConfigError, match="migration"):
         SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 16), migration=SimMigration())

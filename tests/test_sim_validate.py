@@ -13,9 +13,9 @@ from benchmarks import sim_validate
 from benchmarks.host_contention import HostContention
 from benchmarks.sim_validate import compare, prefill_throughput, simulate_rate, wilson_interval, within_tolerance
 from controller.config import load_config
-from controller.planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel,
+from planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel,
                                         InstanceCosts, Profile)
-from controller.planner.simulator import SimConfig
+from planner.simulator import SimConfig
 from decode_worker.policy import FEATURES as PASS_FEATURES
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "cluster_configs")

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from benchmarks import slo_map
-from controller.planner.slo import goodput
+from planner.slo import goodput
 
 RATES = [0.2, 0.4, 0.6, 0.8]
 

@@ -18,7 +18,7 @@ import pytest
 from benchmarks import slo_compare, slo_sweep
 from benchmarks.slo_sweep import ChunkedDecoder, OpenAITarget, RequestRecord, SSEParser, TargetError
 from controller.defaults import DEFAULT_MODEL_DIR
-from controller.planner.workload import RequestSpec, save_trace
+from planner.workload import RequestSpec, save_trace
 
 
 def split_randomly(data: bytes, seed: int) -> list[bytes]:

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
-from controller.planner.profile import Profile, describe_shape
-from controller.planner.simulator import PoolPlan, SimConfig, simulate
-from controller.planner.slo import attainment
-from controller.planner.workload import RequestSpec, WorkloadShape, make_trace, scale_trace
+from planner.profile import Profile, describe_shape
+from planner.simulator import PoolPlan, SimConfig, simulate
+from planner.slo import attainment
+from planner.workload import RequestSpec, WorkloadShape, make_trace, scale_trace
 from decode_worker.config import SpeculationConfig
 
 NO_SPECULATION = SpeculationConfig(drafter="none")

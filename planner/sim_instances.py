@@ -28,7 +28,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from controller.planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
+from planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
 from decode_worker.config import SpeculationConfig
 from decode_worker.policy import CHOICE_REUSE_STEPS, AcceptanceEstimator, AdaptiveK, PassShape
 from decode_worker.scheduler import DecodeScheduler

@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from controller.config import CONFIG_DIR, LOCAL_CONFIG
-from controller.planner.workload import WORKLOADS, load_trace, workload_shape
+from planner.workload import WORKLOADS, load_trace, workload_shape
 
 
 def _int_list(flag: str):
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cost.add_argument("--rate", type=float, help="target request rate (req/s) the plan must serve within the SLOs")
     cost.add_argument("--model", help="model shape: llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir")
     cost.add_argument("--gpu-catalog", help="GPU catalogue YAML overriding the default one field by field "
-                                            "(controller/planner/gpu_catalog.yaml)")
+                                            "(planner/gpu_catalog.yaml)")
     cost.add_argument("--gpu-types", help="GPU types to consider, NAME[:PRICE_PER_GPU_HOUR[:MAX_GPUS]] comma-separated, "
                                           "e.g. H100:4.0,A100:1.8:16,L4 (default: every catalogue type at its price)")
     cost.add_argument("--acceptance-from", help="measured profile whose acceptance rates let the search try "
@@ -74,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
         return run_cost(args)
     if not args.profile:
         raise SystemExit("magicserve plan: --profile is required with --objective goodput")
-    from controller.planner.plan_output import plan_config, write_plan
-    from controller.planner.profile import Profile, describe_shape
-    from controller.planner.search import Planner, SearchSpace, SLOTarget, Workload, describe_spec, speculation_space
+    from planner.plan_output import plan_config, write_plan
+    from planner.profile import Profile, describe_shape
+    from planner.search import Planner, SearchSpace, SLOTarget, Workload, describe_spec, speculation_space
 
     profile = Profile.load(args.profile)
     devices = args.nodes * (args.devices_per_node or profile.devices_per_node)
@@ -122,13 +122,13 @@ def _workload(args, Workload):
 
 
 def run_cost(args: argparse.Namespace) -> int:
-    """``--objective cost``: the cheapest plan for ``--rate`` (``controller/planner/cost_search.py``)."""
-    from controller.planner.analytical import acceptance_from_profile
-    from controller.planner.cost_output import cost_plan_config, write_cost_plan
-    from controller.planner.cost_search import CostPlanner, CostSpace
-    from controller.planner.gpu_catalog import CatalogError, load_catalog
-    from controller.planner.profile import ProfileError
-    from controller.planner.search import (NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec,
+    """``--objective cost``: the cheapest plan for ``--rate`` (``planner/cost_search.py``)."""
+    from planner.analytical import acceptance_from_profile
+    from planner.cost_output import cost_plan_config, write_cost_plan
+    from planner.cost_search import CostPlanner, CostSpace
+    from planner.gpu_catalog import CatalogError, load_catalog
+    from planner.profile import ProfileError
+    from planner.search import (NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec,
                                            speculation_settings)
 
     def fail(msg: str) -> SystemExit:

@@ -10,9 +10,9 @@ import os
 import yaml
 
 from controller.config import load_config, parse_config, to_dict
-from controller.planner.profile import Profile
-from controller.planner.search import Candidate, PlanResult, SLOTarget, Workload, ensure_executable, spec_to_dict
-from controller.planner.simulator import PoolPlan
+from planner.profile import Profile
+from planner.search import Candidate, PlanResult, SLOTarget, Workload, ensure_executable, spec_to_dict
+from planner.simulator import PoolPlan
 
 
 def _pool_fields(pool: PoolPlan, gpu: bool) -> dict:

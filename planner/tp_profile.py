@@ -16,8 +16,8 @@ import traceback
 from typing import Callable, Iterable
 
 from controller.config import ClusterConfig
-from controller.planner.profile import PREFILL_FEATURES, Profile, ProfileError
-from controller.planner.profiler import (
+from planner.profile import PREFILL_FEATURES, Profile, ProfileError
+from planner.profiler import (
     DEFAULT_GRID, PREFILL_ID, Grid, Limits, _describe, _fit, _limits, check_extension, extended_profile, fit_passes,
     instance_costs, measure_decode, measure_prefill, prefill_cache_tokens, profiled_decode_config,
     profiled_prefill_config)

@@ -9,9 +9,9 @@ import math
 import os
 
 from controller.config import load_config, parse_config, to_dict
-from controller.planner.cost_search import CostPlan, CostPlanResult, CostSpace, PoolChoice
-from controller.planner.plan_output import write_plan_files
-from controller.planner.search import SLOTarget, Workload, spec_to_dict
+from planner.cost_search import CostPlan, CostPlanResult, CostSpace, PoolChoice
+from planner.plan_output import write_plan_files
+from planner.search import SLOTarget, Workload, spec_to_dict
 
 PLAN_LABELS = {"heterogeneous": "heterogeneous (a GPU type per pool)", "single_type": "best single type",
                "colocated": "best single type, colocated", "mixed": "mixed within pools (estimate)"}

@@ -2,7 +2,7 @@
 parallel degree, KV transfer cost, decode KV capacity and drafter acceptance rates.
 
 A profile comes from ``magicserve profile`` (measured on the hardware it describes) or from the
-analytical model (``controller.planner.analytical``: bytes / bandwidth and FLOPs / peak for a named GPU
+analytical model (``planner.analytical``: bytes / bandwidth and FLOPs / peak for a named GPU
 type). Either way it is one JSON file with this schema; every fitted model carries its fit error.
 
 Latency models are linear in features (seconds = sum of coefficient x feature):
@@ -186,7 +186,7 @@ class Profile:
     """Everything the simulator and planner need to know about (hardware, model)."""
 
     hardware: str  # e.g. "cpu: 2 x Intel Xeon ... (1 thread per worker)" or "gpu: H100-SXM-80GB"
-    device_type: str  # "cpu" or a GPU type key of controller.planner.analytical.GPUS
+    device_type: str  # "cpu" or a GPU type key of planner.analytical.GPUS
     devices_per_node: int
     model: str
     model_params: int

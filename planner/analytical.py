@@ -51,8 +51,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from controller.planner.gpu_catalog import CatalogError, GPUSpec, default_catalog
-from controller.planner.profile import (
+from planner.gpu_catalog import CatalogError, GPUSpec, default_catalog
+from planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
     ProfileError)
 from decode_worker.policy import FEATURES as PASS_FEATURES
@@ -249,7 +249,7 @@ def analytical_profile(gpu_name: str | GPUSpec, model: str, opts: AnalyticalOpti
     notes = (f"analytical ({gpu.source}); efficiency: memory {eff.memory}, matmul {eff.matmul}, attention "
              f"{eff.attention}, link {eff.link}, pass overhead {eff.pass_overhead_s * 1e3:.2f} ms; pass time = "
              f"memory terms + compute terms (sum, not max: up to 2x pessimistic near the ridge, see "
-             f"controller/planner/analytical.py); KV capacity at {opts.memory_utilization:.0%} memory; kv_transfer "
+             f"planner/analytical.py); KV capacity at {opts.memory_utilization:.0%} memory; kv_transfer "
              f"over {opts.transfer_bandwidth / 1e9:g} GB/s x {eff.link} + {opts.transfer_latency_s * 1e3:g} ms per "
              f"request. {acceptance_note or 'No acceptance rates (pass --acceptance-from or --acceptance).'}")
     return Profile(

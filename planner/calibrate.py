@@ -23,14 +23,13 @@ The measurements are kept in the profile's ``samples`` so ``refit`` can fit them
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import statistics
 import time
 
 from tqdm import tqdm
 
-from controller.planner.profile import (Calibration, Profile, ProfileError, mixed_pass_seconds, prefill_features,
+from planner.profile import (Calibration, Profile, ProfileError, mixed_pass_seconds, prefill_features,
                                         transfer_features)
 from decode_worker.policy import PassShape, fit_nonnegative_relative
 

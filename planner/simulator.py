@@ -33,15 +33,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.planner.profile import Profile, calibration_threads
-from controller.planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
-from controller.planner.sim_migration import MigrationSim, MigrationStats, SimMigration
-from controller.planner.slo import AttainmentWatch, RequestOutcome
-from controller.planner.workload import RequestSpec
+from planner.profile import Profile, calibration_threads
+from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
+from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
+from planner.slo import AttainmentWatch, RequestOutcome
+from planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
 
 if TYPE_CHECKING:
-    from controller.planner.host_contention import HostContention
+    from planner.host_contention import HostContention
 
 MODES = ("disaggregated", "colocated")
 # a watched request misses once it is this much later than its SLO allows: far above float rounding of the

@@ -3,7 +3,7 @@ the cheapest GPU types, parallelism, instance counts and decode speculation per 
 
 Mélange's method on a disaggregated cluster (Splitwise: prefill and decode may run on different GPU types):
 
-1. **Profiles**: one analytical profile per GPU type of the catalogue (``controller/planner/analytical.py``
+1. **Profiles**: one analytical profile per GPU type of the catalogue (``planner/analytical.py``
    from ``gpu_catalog.yaml``'s specs); shapes whose weights leave too little memory are left out.
 2. **Slices**: the workload's requests cut by request size into prompt x output length buckets (quantile
    edges), each with its share of the target rate.
@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from controller.planner.analytical import AnalyticalOptions, analytical_profile
-from controller.planner.cost_milp import InstanceOption, Packing, PackingProblem, Slice, solve_packing
-from controller.planner.gpu_catalog import GPUCatalog, GPUType
-from controller.planner.profile import AcceptanceEntry, Profile, ProfileError
-from controller.planner.search import NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec
-from controller.planner.simulator import PoolPlan, SimConfig, simulate
-from controller.planner.slo import AttainmentWatch, attainment
-from controller.planner.workload import RequestSpec, arrival_times
+from planner.analytical import AnalyticalOptions, analytical_profile
+from planner.cost_milp import InstanceOption, Packing, PackingProblem, Slice, solve_packing
+from planner.gpu_catalog import GPUCatalog, GPUType
+from planner.profile import AcceptanceEntry, Profile, ProfileError
+from planner.search import NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec
+from planner.simulator import PoolPlan, SimConfig, simulate
+from planner.slo import AttainmentWatch, attainment
+from planner.workload import RequestSpec, arrival_times
 from decode_worker.config import SpeculationConfig
 
 POOLS = ("prefill", "decode")

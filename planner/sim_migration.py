@@ -27,8 +27,8 @@ from decode_worker.migration import headroom_tokens
 from modeling.errors import OutOfBlocksError
 
 if TYPE_CHECKING:
-    from controller.planner.profile import FittedModel
-    from controller.planner.sim_instances import DecodeSim, SimRequest, SimSequence
+    from planner.profile import FittedModel
+    from planner.sim_instances import DecodeSim, SimRequest, SimSequence
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class MigrationSim:
                             max(0, used - sum(r.blocks for r in running)))
 
     def _begin(self, index: int, src: DecodeSim, dst: DecodeSim) -> None:
-        from controller.planner.sim_instances import SimSequence
+        from planner.sim_instances import SimSequence
 
         seq = src.seqs.get(index)
         if seq is None or seq.request_id not in src.scheduler.running:
