@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig  # noqa: E402
+from decode_worker.replay import rewind  # noqa: E402
 from decode_worker.worker import DecodeWorker  # noqa: E402
 from modeling.sampling import SamplingParams  # noqa: E402
 from modeling.tokenizer import TextTokenizer  # noqa: E402
@@ -60,7 +61,7 @@ def make_prompts(corpus: list[int], batch: int, prefix: int) -> list[list[int]]:
 def decode_run(worker: DecodeWorker, ids: list[str], start_len: int, steps: int, k: int | None) -> dict:
     """Rewind every sequence to ``start_len`` tokens, run ``steps`` decode steps, measure."""
     for rid in ids:
-        worker.rewind(rid, start_len)
+        rewind(worker, rid, start_len)
     m0 = dict(draft=worker.metrics.draft_tokens, acc=worker.metrics.accepted_tokens,
               seq_steps=worker.metrics.seq_spec_steps, dt=worker.metrics.draft_time_s, vt=worker.metrics.verify_time_s)
     tokens, ks = 0, []

@@ -223,29 +223,29 @@ class DecodeActor(_LoopActor):
         destination's ``connect`` joins; not under the loop lock)."""
         from kv_transfer.channel import Rendezvous
 
-        self.worker.connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
+        self.worker.migrations.connect(destination, Rendezvous(host, port), generation, destination_tp)
 
     def migrate_in(self, request, num_tokens: int):
         """Destination: (positions reserved, block ids) for a request migrating here, or None (no room)."""
         with self._gate.call():
-            return self.worker.migrate_in(request, num_tokens)
+            return self.worker.migrations.begin_in(request, num_tokens)
 
     def migrate_out(self, request_id: str, destination: str, capacity_tokens: int, block_ids: list[int]) -> str | None:
         """Source: start sending a decoding request to ``destination``; None when started, else why not."""
         with self._gate.call():
-            return self.worker.migrate_out(request_id, destination, capacity_tokens, block_ids)
+            return self.worker.migrations.begin_out(request_id, destination, capacity_tokens, block_ids)
 
     def commit_migration(self, request_id: str) -> bool:
         with self._gate.call():
-            return self.worker.commit_migration(request_id)
+            return self.worker.migrations.commit(request_id)
 
     def finish_migration(self, request_id: str) -> bool:
         with self._gate.call():
-            return self.worker.finish_migration(request_id)
+            return self.worker.migrations.finish(request_id)
 
     def abort_migration(self, request_id: str) -> bool:
         with self._gate.call():
-            return self.worker.abort_migration(request_id)
+            return self.worker.migrations.abort(request_id)
 
     def request_loads(self) -> dict:
         """Load report for the global rescheduling policy: each running request's KV blocks and the blocks the

@@ -62,6 +62,7 @@ from decode_worker.config import SpeculationConfig
 from decode_worker.drafters import window_start
 from decode_worker.policy import FEATURES as PASS_FEATURES
 from decode_worker.policy import PassShape
+from decode_worker.replay import rewind
 
 # Must match scripts/train_default_model.py TrainConfig.holdout_permille (the held-out file split).
 HOLDOUT_PERMILLE = 40
@@ -729,7 +730,7 @@ def _speculate(worker, ids: list[str], start_len: int, steps: int, k: int, fits:
     """Rewind to ``start_len`` tokens, run ``steps`` speculative steps of k drafts; (accepted,
     rejections, proposed, measured / predicted step time per step)."""
     for rid in ids:
-        worker.rewind(rid, start_len)
+        rewind(worker, rid, start_len)
     lens = {rid: start_len for rid in ids}  # tokens per running sequence
     accepted = rejected = proposed = 0
     ratios = []

@@ -418,7 +418,7 @@ def test_decode_worker_profiles_on_start_on_cuda(llama_dir, dtype, backend, bloc
     worker = cuda_worker(llama_dir, dtype, backend, block_size, kv_tokens=65536, profile=True,
                          drafter="self_sparse", k_policy="adaptive", budget=256, sink_tokens=16)
     assert worker.runner.backend.name == backend
-    assert worker.target_cost.ready and worker.draft_cost.ready, worker.status()
+    assert worker.speculator.target_cost.ready and worker.speculator.draft_cost.ready, worker.status()
     assert worker.pool.num_free == worker.pool.num_blocks
 
 

@@ -45,7 +45,7 @@ class Pair:
         gen = Pair.generation
         t = threading.Thread(target=b.connect, args=(a.instance_id, rdv, gen))
         t.start()
-        a.connect_migration(b.instance_id, rdv, gen)
+        a.migrations.connect(b.instance_id, rdv, gen)
         t.join()
 
 
@@ -98,10 +98,10 @@ class Run:
     def migrate(self, rid, prompt):
         """Start migrating ``rid`` from a to b, as the router does."""
         n = len(prompt) + len(self.tokens[rid])
-        slot = self.pair.b.migrate_in(DecodeRequest(rid, tuple(prompt), self.params[rid]), n)
+        slot = self.pair.b.migrations.begin_in(DecodeRequest(rid, tuple(prompt), self.params[rid]), n)
         assert slot is not None
         capacity, blocks = slot
-        assert self.pair.a.migrate_out(rid, self.pair.b.instance_id, capacity, blocks) is None
+        assert self.pair.a.migrations.begin_out(rid, self.pair.b.instance_id, capacity, blocks) is None
         return capacity
 
     def arrived(self, rid):
@@ -130,7 +130,7 @@ def migrate_midway(directory, prompts, params, migrate_at=6, victim="r1", **spec
         run.step()
     run.migrate(victim, prompts[int(victim[1:])])
     run.until(lambda: run.arrived(victim))
-    assert pair.b.commit_migration(victim) and pair.a.finish_migration(victim)
+    assert pair.b.migrations.commit(victim) and pair.a.migrations.finish(victim)
     run.drain()
     return pair, run
 
@@ -154,7 +154,7 @@ def test_greedy_migration_is_token_and_text_identical(llama_dir, spec):
     assert all(s == ["a"] * len(s) for r, s in run.sources.items() if r != "r1")
     for w in (pair.a, pair.b):
         assert w.pool.num_free == w.pool.num_blocks and not w.has_work()
-    assert pair.a.migration_legs.sender.stats.completed == 1
+    assert pair.a.migrations.legs.sender.stats.completed == 1
 
 
 def test_seeded_sampling_migration_is_identical(llama_dir):
@@ -213,7 +213,7 @@ def test_abort_before_commit_keeps_the_request_on_its_source(llama_dir):
         run.step()
     run.migrate("r1", prompts[1])
     run.until(lambda: run.arrived("r1"))
-    assert pair.b.abort("r1") and pair.a.abort_migration("r1")
+    assert pair.b.abort("r1") and pair.a.migrations.abort("r1")
     run.drain()
     want_tokens, want_text = solo_outputs(llama_dir, prompts, params, **spec)
     assert run.tokens == want_tokens and run.text == want_text
@@ -226,9 +226,9 @@ def test_destination_without_room_and_a_request_not_decoding_are_refused(llama_d
     a = make_worker(llama_dir, "dec-a", drafter="none")
     b = make_worker(llama_dir, "dec-b", kv_cache_tokens=128, drafter="none")
     prompt = prompts_of([100])[0]
-    assert b.migrate_in(DecodeRequest("r", tuple(prompt), SamplingParams()), 120) is None  # no room there
+    assert b.migrations.begin_in(DecodeRequest("r", tuple(prompt), SamplingParams()), 120) is None  # no room there
     assert not b.has_work() and b.pool.num_free == b.pool.num_blocks
-    assert a.migrate_out("r", "dec-b", 200, [1, 2]) is not None  # not decoding here: refused, nothing held
+    assert a.migrations.begin_out("r", "dec-b", 200, [1, 2]) is not None  # not decoding here: refused, nothing held
     assert not a.has_work()
 
 
@@ -254,7 +254,7 @@ def test_destination_dies_before_commit(llama_dir):
         time.sleep(0.005)
     failed = [e for w, e in run.events if isinstance(e, MigrationFailed)]
     assert failed and failed[0].request_id == "r0" and all(w == "a" for w, e in run.events)
-    assert pair.a.abort_migration("r0")
+    assert pair.a.migrations.abort("r0")
     while pair.a.has_work():
         run._take("a", pair.a.step())
     want_tokens, _ = solo_outputs(llama_dir, prompts, params, **spec)
@@ -276,7 +276,7 @@ def test_request_finishing_during_rounds_cancels_the_migration(llama_dir):
     if "r0" in run.finished:
         assert pair.b.abort("r0")
     else:  # the stop-and-copy came first: commit, and b finishes it
-        assert pair.b.commit_migration("r0") and pair.a.finish_migration("r0")
+        assert pair.b.migrations.commit("r0") and pair.a.migrations.finish("r0")
     run.drain()
     assert len(run.tokens["r0"]) == 3
     for w in (pair.a, pair.b):
@@ -303,7 +303,7 @@ def test_preempted_source_fails_the_migration(llama_dir):
     failed = [e for _, e in run.events if isinstance(e, MigrationFailed)]
     assert pair.a.metrics.preemptions == 1 and [e.request_id for e in failed] == ["r1"]
     assert "preempted" in failed[0].reason
-    assert pair.b.abort("r1") and not pair.a.abort_migration("r1")  # the source already forgot it
+    assert pair.b.abort("r1") and not pair.a.migrations.abort("r1")  # the source already forgot it
     run.drain()
     want_tokens, _ = solo_outputs(llama_dir, prompts, params, kv_cache_tokens=224, **spec)
     assert run.tokens == want_tokens

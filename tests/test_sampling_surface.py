@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import decode_worker.worker as worker_module
+import decode_worker.speculation as speculation_module
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.worker import DecodeWorker
 from modeling.engine import EngineConfig, ReferenceEngine
@@ -214,8 +214,8 @@ def test_sampled_speculation_under_penalties_bias_and_min_p_matches_plain_decodi
         chi2, crit = two_sample_chi_square(a, b)
         assert chi2 < crit, (chi2, crit, a, b)
     # negative control: verification that forgets the drafts before each position is caught
-    real = worker_module.processed_logits
-    monkeypatch.setattr(worker_module, "processed_logits", lambda sampler, logits, output_ids, drafted=(): torch.cat(
+    real = speculation_module.processed_logits
+    monkeypatch.setattr(speculation_module, "processed_logits", lambda sampler, logits, output_ids, drafted=(): torch.cat(
         [real(sampler, logits[j : j + 1], output_ids) for j in range(logits.shape[0])]))
     _, distinct = histograms(small_vocab_dir, "self_sparse", n)
     chi2, crit = two_sample_chi_square(plain[1], distinct)

@@ -1,0 +1,239 @@
+"""Speculation on one decode worker: the drafter, the pass-cost models, the acceptance estimate and the
+speculation-length policy, and each step's passes (a plain decode pass at k = 0; else k draft passes and
+one verification pass over all k + 1 positions, under the rule in ``decode_worker/verify.py``).
+
+The worker owns the requests and their blocks; this object owns everything that decides and runs a step's
+forward passes. It never touches the block pool, except for the temporary blocks of ``profile``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
+from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
+from decode_worker.metrics import WorkerMetrics
+from decode_worker.policy import (CHOICE_REUSE_STEPS, AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel,
+                                  PassShape, StepCorrection)
+from decode_worker.verify import Verdict, verify_greedy, verify_sampled
+from modeling.block_pool import BlockPool, BlockTable
+from modeling.checkpoint import load_model
+from modeling.kv_cache import KVCacheSpec, PagedKVCache
+from modeling.pass_log import PassLog
+from modeling.runner import ModelRunner, StepInput
+from modeling.sampling import processed_logits, target_probs
+from modeling.sequence import Sequence
+
+
+class Speculator:
+    """Chooses each step's k and runs its passes for the worker's ``runner`` (the target model and cache)."""
+
+    def __init__(self, runner: ModelRunner, config: DecodeWorkerConfig, vocab_size: int, metrics: WorkerMetrics,
+                 pass_log: PassLog):
+        self.runner = runner
+        self.config = config
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+        self.pass_log = pass_log
+        self.drafter = self._make_drafter()
+        self.target_cost = LinearCostModel()
+        self.draft_cost = LinearCostModel()
+        self.acceptance = AcceptanceEstimator()
+        self.step_correction = StepCorrection()
+        self.policy = self._make_policy()
+        self._cached_choice: tuple[tuple, int, KChoice] | None = None  # (request ids, reuses left, choice)
+
+    @property
+    def spec(self) -> SpeculationConfig:
+        return self.config.speculation
+
+    def step_tokens(self) -> int:
+        """The most positions one step may add to a sequence."""
+        return self.spec.max_k + 1 if self.spec.enabled else 1
+
+    # -- k ----------------------------------------------------------------------------------------
+
+    def choose_k(self, seqs: list[Sequence], key: tuple) -> tuple[int, KChoice | None]:
+        """This step's k for the batch ``seqs`` (``key``: their request ids in admission order), and the
+        adaptive policy's choice behind it (None for fixed k or no speculation). A choice is reused for a
+        few steps while the batch stays the same."""
+        if not self.spec.enabled:
+            return 0, None
+        if self.spec.k_policy == "fixed":
+            return self.spec.k, None
+        cached = self._cached_choice
+        if cached is not None and cached[0] == key and cached[1] > 0:
+            self._cached_choice = (key, cached[1] - 1, cached[2])
+            return cached[2].k, cached[2]
+        lens = [len(s.tokens) for s in seqs]
+        b = len(seqs)
+
+        def target_pass(k: int) -> PassShape:
+            return PassShape(b, sum(lens) + b * k, b * (k + 1))
+
+        def draft_pass(step: int) -> PassShape:
+            return PassShape(b, sum(self.drafter.kv_tokens_read(n, step) for n in lens), b)
+
+        choice = self.policy.choose(target_pass, draft_pass)
+        self._cached_choice = (key, CHOICE_REUSE_STEPS - 1, choice)
+        return choice.k, choice
+
+    def forget_choice(self) -> None:
+        """The batch changed outside a step (a request stopped or resumed for a migration)."""
+        self._cached_choice = None
+
+    # -- passes -----------------------------------------------------------------------------------
+
+    def run(self, seqs: list[Sequence], k: int, choice: KChoice | None) -> tuple[list[Verdict], torch.Tensor]:
+        """The step's passes: (one verdict per sequence, the target logits [B, k + 1, V] at the verified
+        positions). ``choice``: the policy's prediction for this very step (its timing corrects the policy),
+        None when the step ran otherwise (fixed k, a lowered k, a smaller batch)."""
+        t0, draft_before = time.perf_counter(), self.metrics.draft_time_s
+        verdicts, logits = self._decode(seqs) if k == 0 else self._speculate(seqs, k)
+        if choice is not None:  # the policy corrects draft and verify time apart
+            draft_s = self.metrics.draft_time_s - draft_before
+            self.policy.observe_step(choice, draft_s, time.perf_counter() - t0 - draft_s)
+        if k > 0:  # a sequence that finishes at this step still verified its drafts
+            self.acceptance.observe_step([(k, v.num_accepted) for v in verdicts])
+        return verdicts, logits
+
+    def _decode(self, seqs: list[Sequence]) -> tuple[list[Verdict], torch.Tensor]:
+        """A plain decode step: (one token per sequence, the target logits [B, 1, V])."""
+        t0 = time.perf_counter()
+        logits = self.runner.run([StepInput([s.tokens[-1]], len(s.tokens) - 1, s.block_table.blocks) for s in seqs])
+        self._observe_target(seqs, 0, time.perf_counter() - t0)
+        verdicts = [Verdict(0, [s.sampler.choose(logits[i], s.output_ids)]) for i, s in enumerate(seqs)]
+        return verdicts, logits.unsqueeze(1)
+
+    def _speculate(self, seqs: list[Sequence], k: int) -> tuple[list[Verdict], torch.Tensor]:
+        """Draft k tokens per sequence and verify them in one target pass: (the verdicts, the target logits
+        [B, k + 1, V]). Each verified position's logits are processed with the tokens before it, drafts
+        included, exactly as plain decoding would process them there."""
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(seqs, k)
+        t1 = time.perf_counter()
+        inputs = [
+            StepInput([s.tokens[-1]] + proposal.tokens[i], len(s.tokens) - 1, s.block_table.blocks, num_logits=k + 1)
+            for i, s in enumerate(seqs)
+        ]
+        logits = self.runner.run(inputs).view(len(seqs), k + 1, -1)  # [B, k + 1, V]
+        t2 = time.perf_counter()
+        lens = [len(s.tokens) for s in seqs]
+        draft_shape = sum((PassShape(len(seqs), sum(self.drafter.kv_tokens_read(n, j) for n in lens), len(seqs))
+                           for j in range(k)), PassShape(0, 0, 0, 0))
+        self.draft_cost.observe(draft_shape, t1 - t0)
+        self.pass_log.record("draft", t1 - t0, passes=k, seqs=draft_shape.seqs, kv_tokens=draft_shape.kv_tokens,
+                             new_tokens=draft_shape.new_tokens)
+        self._observe_target(seqs, k, t2 - t1)
+        self.metrics.draft_time_s += t1 - t0
+        self.metrics.verify_time_s += t2 - t1
+        raw_argmax = torch.argmax(logits, dim=-1).tolist()
+        verdicts = []
+        for i, s in enumerate(seqs):
+            params, drafts = s.sampler.params, proposal.tokens[i]
+            raw = logits[i]
+            processed = processed_logits(s.sampler, raw, s.output_ids, drafts)
+            if params.greedy:
+                best = raw_argmax[i] if processed is raw else torch.argmax(processed, dim=-1).tolist()
+                verdicts.append(verify_greedy(drafts, best))
+            else:
+                p = target_probs(processed, params)
+                verdicts.append(verify_sampled(drafts, proposal.probs[i], p, s.sampler.generator))
+        return verdicts, logits
+
+    def _observe_target(self, seqs: list[Sequence], k: int, seconds: float) -> None:
+        b = len(seqs)
+        kv_tokens = sum(len(s.tokens) for s in seqs) + b * k
+        self.pass_log.record("verify" if k else "decode", seconds, seqs=b, kv_tokens=kv_tokens, new_tokens=b * (k + 1))
+        self.target_cost.observe(PassShape(b, kv_tokens, b * (k + 1)), seconds)
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def profile(self, pool: BlockPool, max_model_len: int, batches: tuple[int, ...] = (1, 4, 16),
+                contexts: tuple[int, ...] = (256, 2048, 8192), ks: tuple[int, ...] = (0, 3)) -> None:
+        """Time synthetic target and draft passes to seed the cost models (KV content is irrelevant to
+        timing), in free blocks of ``pool`` taken for the time being; call when the worker is idle."""
+        budget_tokens = pool.num_free * pool.block_size // 2
+        for b in batches:
+            b = min(b, self.config.max_num_seqs)
+            for ctx in contexts:
+                if b * (ctx + 8) > budget_tokens or ctx + 8 > max_model_len:
+                    continue
+                tables = [BlockTable(pool.block_size) for _ in range(b)]
+                for t in tables:
+                    t.ensure_capacity(pool, ctx + 8)
+                try:
+                    for k in ks:
+                        inputs = [StepInput([1] * (k + 1), ctx, t.blocks, num_logits=k + 1) for t in tables]
+                        self.runner.run(inputs)  # warm-up
+                        t0 = time.perf_counter()
+                        self.runner.run(inputs)
+                        self.target_cost.observe(PassShape(b, b * (ctx + k + 1), b * (k + 1)), time.perf_counter() - t0)
+                    if self.spec.drafter == "self_sparse":
+                        starts = [window_start(self.spec, ctx)] * b
+                        inputs = [StepInput([1], ctx, t.blocks) for t in tables]
+                        t0 = time.perf_counter()
+                        self.runner.run(inputs, sink_len=self.spec.sink_tokens, window_starts=starts)
+                        kv = b * self.drafter.kv_tokens_read(ctx + 1, 0)
+                        self.draft_cost.observe(PassShape(b, kv, b), time.perf_counter() - t0)
+                finally:
+                    for t in tables:
+                        t.release(pool)
+        self.target_cost.fit()
+        self.draft_cost.fit()
+
+    def reconfigure(self, config: DecodeWorkerConfig, seqs: list[Sequence]) -> None:
+        """Switch to ``config.speculation`` between steps, the running ``seqs`` keeping their draft state
+        (rebuilt). Cost models and the step-time correction carry over unless the drafter (kind or model)
+        changes, the acceptance estimate unless the draft's view (budget, sink, positions) changes too."""
+        for seq in seqs:
+            self.drafter.release(seq)
+        old, spec = self.spec, config.speculation
+        kind_changed = spec.drafter != old.drafter or spec.draft_model != old.draft_model
+        # what the draft attends to decides its acceptance (not its cost, which the models take per shape)
+        view_changed = kind_changed or (spec.budget, spec.sink_tokens, spec.draft_positions) != (
+            old.budget, old.sink_tokens, old.draft_positions)
+        self.config = config
+        self.drafter = self._make_drafter()
+        if kind_changed:
+            self.draft_cost = LinearCostModel()
+            self.step_correction = StepCorrection()
+        if view_changed:
+            self.acceptance = AcceptanceEstimator()
+        self.policy = self._make_policy()
+        self._cached_choice = None
+        for seq in seqs:
+            self.drafter.admit(seq)
+
+    def status(self) -> dict:
+        """The estimates behind the policy (``GetClusterStatus``)."""
+        return {
+            "acceptance_rate_estimate": self.acceptance.rate,
+            "acceptance_rate_by_depth": [self.acceptance.rate_at(d) for d in range(1, self.spec.max_k + 1)],
+            "target_cost": self.target_cost.coefficients(),
+            "draft_cost": self.draft_cost.coefficients(),
+            "step_correction": self.step_correction.summary(),
+        }
+
+    def _make_policy(self) -> AdaptiveK:
+        slo = self.spec.tpot_slo_ms / 1e3 if self.spec.tpot_slo_ms else None
+        return AdaptiveK(self.spec.max_k, self.target_cost, self.draft_cost, self.acceptance, slo, self.step_correction)
+
+    def _make_drafter(self) -> Drafter:
+        spec, cfg = self.spec, self.config
+        if spec.drafter != "draft_model":
+            return SelfSparseDrafter(self.runner, spec)
+        draft = load_model(spec.draft_model, cfg.dtype, cfg.device)
+        if draft.config.vocab_size != self.vocab_size:
+            raise ValueError(f"speculation.draft_model: vocabulary {draft.config.vocab_size} differs from the "
+                             f"target's {self.vocab_size}")
+        dc, bs = draft.config, cfg.block_size
+        # per sequence: sink + window, plus one window-sized prefill chunk or k drafts, plus slack
+        per_seq = 2 * spec.budget + spec.max_k + 3 * bs
+        blocks = cfg.max_num_seqs * (-(-per_seq // bs))
+        cache = PagedKVCache(KVCacheSpec(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim, bs, draft.dtype),
+                             blocks, draft.device)
+        return DraftModelDrafter(ModelRunner(draft.model, cache, self.runner.backend), BlockPool(blocks, bs), spec,
+                                 cfg.prefill_chunk)
