@@ -18,7 +18,7 @@ from typing import Callable
 from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFollowerActor, RankSpec,
                                ray_actor_class)
 from controller.config import ClusterConfig
-from controller.router import Instance
+from controller.routing import Instance
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import Rendezvous, TransferConfig
 from modeling.engine import EngineConfig

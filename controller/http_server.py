@@ -34,7 +34,8 @@ from starlette.routing import Route
 from controller.metrics import CONTENT_TYPE, ServingMetrics
 from controller.openai_output import ChoiceResult, ResponseBuilder, best_choices, model_list, now, usage
 from controller.openai_protocol import ROUTER_STATUS, OpenAIError, OpenAIProtocol, ParsedRequest
-from controller.router import Delta, Router, RouterError
+from controller.router import Router
+from controller.routing import Delta, RouterError
 
 log = logging.getLogger("magicserve.http")
 

@@ -7,14 +7,10 @@ One request, end to end (``Router.generate``):
     prefill instance (KV and then the first token stream to the reserved blocks)  ->  first token
     streamed  ->  the decode instance starts it once its KV and first token arrived  ->  deltas
 
-``ColocatedRouter`` serves the same API from colocated instances (the reference engine: prefill and decode
-in one instance, no KV transfer); it shares everything with ``Router`` but placement.
+``ColocatedRouter`` (``controller/colocated_router.py``) serves the same API from colocated instances.
 
-A decoding request may move to another decode instance while it streams (``Router.migrate``, live
-migration: its KV goes over in rounds while it keeps decoding, then a short stop-and-copy). The router is
-the arbiter of a migration: the destination reports the request arrived, the router commits (the
-destination decodes it, the source frees its copy) or, on any failure before that, aborts (the source goes
-on, the destination frees its copy). Tokens stream in order across the hand-over.
+A decoding request may move to another decode instance while it streams (live migration, decided by the
+router's ``migrations``: ``controller/migrations.py``). Tokens stream in order across the hand-over.
 
 A failure before anything was streamed re-runs the request elsewhere (up to ``MAX_RETRIES``); after
 that the request fails with UNAVAILABLE. Nothing is dropped silently: every request ends in finished,
@@ -32,12 +28,12 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from controller.actors import ColocatedRequest, WorkerCrashed
+from controller.actors import WorkerCrashed
 from controller.admission import PriorityGate
-from controller.migration_policy import (InstanceLoad, MigrationHistory, PolicyConfig, RequestLoad, pick_instance,
-                                         plan_migrations)
 from controller.metrics import FinishedRequest, ServingMetrics
+from controller.migrations import PendingMigration, MigrationCoordinator
 from controller.request_state import RequestRecord, RequestState, StateCounters
+from controller.routing import Delta, Final, Instance, RouterError
 from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
 from modeling.params import SamplingParams
 from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, PrefillStepOutput
@@ -47,90 +43,6 @@ log = logging.getLogger("magicserve.router")
 MAX_RETRIES = 3
 RANK_CHECK_PERIOD_S = 1.0  # how often an instance's other ranks are checked (``check_ranks``)
 _PLACEMENT_RETRY_S = 0.01
-MIGRATION_TIMEOUT_S = 60.0  # a migration not committed by then is aborted (the request stays on its source)
-
-
-class RouterError(Exception):
-    """A request the router cannot serve; ``code`` is a gRPC status name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class Instance:
-    """A worker actor as the router sees it."""
-
-    name: str
-    role: str  # "prefill" | "decode" | "colocated"
-    handle: object
-    alive: bool = True
-    generation: int = 0  # bumped when the instance restarts (new ranks, new group and KV channels)
-    assigned: set = field(default_factory=set)  # request ids currently placed here
-    migrating_in: set = field(default_factory=set)  # request ids migrating here, not yet committed
-    draining: bool = False  # takes no new requests (``Router.drain``)
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Streamed to the client: new token ids and text of sequence ``index`` (0 unless the request asked for
-    several); their log-probabilities when the request asked for them, and on the request's first delta the
-    prompt's (``prompt_logprobs``). ``finish_reason``: this sequence ended here (a request of several
-    sequences; the Final closes a request of one)."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: tuple = ()
-    prompt_logprobs: tuple | None = None
-    index: int = 0
-    finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class Final:
-    """The last message of a request."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    mean_tpot_s: float
-    draft_tokens: int
-    accepted_tokens: int
-    finished_choices: frozenset = frozenset()  # sequences whose Delta carried their finish reason
-
-
-@dataclass(frozen=True)
-class MigrationOutcome:
-    """How a migration ended: ``committed`` (the request now decodes on ``destination``) or not, and why."""
-
-    request_id: str
-    source: str
-    destination: str
-    committed: bool
-    reason: str = ""
-    seconds: float = 0.0
-    source_tokens: int = 0  # committed: output tokens the source generated (the destination continues after)
-
-
-@dataclass(frozen=True)
-class DrainOutcome:
-    """How a drain ended: ``drained`` (the instance holds no request) or not (timed out), the migrations it
-    made, and the requests that finished on the instance before they could move."""
-
-    instance: str
-    drained: bool
-    migrations: tuple[MigrationOutcome, ...] = ()
-    finished_in_place: int = 0
-
-
-@dataclass
-class _Migration:
-    source: Instance
-    destination: Instance
-    started: float
-    done: asyncio.Future  # MigrationOutcome, once decided
 
 
 @dataclass
@@ -148,7 +60,7 @@ class _Active:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     priority: int = 0
-    migration: _Migration | None = None  # in progress, undecided
+    migration: PendingMigration | None = None  # in progress, undecided
     handover: int = 0  # after a committed migration: output tokens the source streams before the destination's
     handover_from: Instance | None = None  # that destination
     handover_source: Instance | None = None  # and that source
@@ -173,7 +85,7 @@ class Router:
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
         self.counters = StateCounters()
-        self._active: dict[str, _Active] = {}
+        self.active: dict[str, _Active] = {}
         self._slots = PriorityGate(max_concurrent)
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -184,39 +96,26 @@ class Router:
         self._check_ranks = check_ranks
         self.metrics = metrics  # told of every first token, token batch, finish and failure
         self._closing = False
-        # async callable(source, destination): form the migration channel between two decode instances
-        self._connect_pair = connect_pair
-        self._pairs: set[tuple] = set()  # (source, destination, their generations) with a formed channel
-        self._pair_locks: dict[tuple, asyncio.Lock] = {}
-        self.migrations = collections.Counter()  # outcomes: committed, aborted
-        self.policy = PolicyConfig()  # the global rescheduling policy's thresholds (``configure_migration``)
-        self.migration_timeout_s = MIGRATION_TIMEOUT_S
-        self._history = MigrationHistory()
-        self._reschedule_every: float | None = None  # seconds between policy rounds; None: no automatic moves
+        # ``connect_pair``: async callable(source, destination) forming the migration channel between two
+        # decode instances
+        self.migrations = MigrationCoordinator(self, connect_pair)
 
     # -- lifecycle --------------------------------------------------------------------------------
-
-    def configure_migration(self, policy: PolicyConfig, timeout_s: float, reschedule_every_s: float | None) -> None:
-        """Policy thresholds and timeout for migrations; ``reschedule_every_s``: run a policy round that often
-        (None: requests move only through ``migrate`` and ``drain``). Call before ``start``."""
-        self.policy = policy
-        self.migration_timeout_s = timeout_s
-        self._reschedule_every = reschedule_every_s
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         for inst in self.instances:
             self._tasks.append(loop.create_task(self._poll_instance(inst)))
-        if self._reschedule_every is not None and self._connect_pair is not None:
-            self._tasks.append(loop.create_task(self._reschedule_forever()))
+        if self.migrations.automatic:
+            self._tasks.append(loop.create_task(self.migrations.reschedule_forever()))
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let in-flight ones finish (up to the timeout), then stop polling."""
         self._closing = True
         deadline = time.monotonic() + drain_timeout_s
-        while self._active and time.monotonic() < deadline:
+        while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self._active):
+        for rid in list(self.active):
             self.cancel(rid)
         for t in self._tasks:
             t.cancel()
@@ -235,7 +134,7 @@ class Router:
         try:
             if self._closing:
                 raise RouterError("UNAVAILABLE", "server is shutting down")
-            if request_id in self._active:
+            if request_id in self.active:
                 raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already running")
             await self._admit(priority)
         except RouterError as err:  # refused before it began: counted, nothing to release
@@ -244,7 +143,7 @@ class Router:
             raise
         record = RequestRecord(request_id, self.counters, self.kv_transfer)
         active = _Active(record, list(prompt_ids), params, asyncio.Queue(), arrival, priority=priority)
-        self._active[request_id] = active
+        self.active[request_id] = active
         try:
             await self._place(active)
             async for item in self._stream(active):
@@ -262,7 +161,7 @@ class Router:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a running request everywhere (frees its KV on both workers)."""
-        active = self._active.get(request_id)
+        active = self.active.get(request_id)
         if active is None:
             return False
         self._cancel_active(active, "cancelled")
@@ -302,7 +201,7 @@ class Router:
             await asyncio.sleep(_PLACEMENT_RETRY_S)  # back-pressure: wait for KV to free up
         prefill = self._least_loaded(self.prefill)
         if prefill is None:
-            await self._abort_on(decode, rid)
+            await self.abort_on(decode, rid)
             raise RouterError("UNAVAILABLE", "no prefill instance is alive")
         active.decode, active.prefill = decode, prefill
         decode.assigned.add(rid)
@@ -481,13 +380,13 @@ class Router:
             if inst is not None:
                 inst.assigned.discard(rid)
                 if inst.alive:
-                    asyncio.get_running_loop().create_task(self._abort_on(inst, rid))
+                    asyncio.get_running_loop().create_task(self.abort_on(inst, rid))
         active.prefill = active.decode = None
 
-    async def _abort_on(self, inst: Instance, rid: str) -> None:
-        await self._call(inst, "abort", rid)
+    async def abort_on(self, inst: Instance, rid: str) -> None:
+        await self.call(inst, "abort", rid)
 
-    async def _call(self, inst: Instance, method: str, rid: str) -> None:
+    async def call(self, inst: Instance, method: str, rid: str) -> None:
         """``inst.method(rid)``; an instance that died meanwhile is left to its own failure handling."""
         try:
             await getattr(inst.handle, method).remote(rid)
@@ -501,13 +400,13 @@ class Router:
     def _release(self, active: _Active) -> None:
         rid = active.record.request_id
         if active.migration is not None:  # ended while migrating: the destination's copy goes too
-            self._abort_migration(active, "the request ended on its source")
+            self.migrations.abort(active, "the request ended on its source")
         if not active.record.state.terminal:
             self._cancel_active(active, "stream closed")
         for inst in self.instances:
             inst.assigned.discard(rid)
-        self._active.pop(rid, None)
-        self._history.forget(rid)
+        self.active.pop(rid, None)
+        self.migrations.forget(rid)
         self._slots.release()
 
     # -- instance polling -------------------------------------------------------------------------
@@ -550,19 +449,19 @@ class Router:
         elif isinstance(item, TokenDelta):
             self._send(item.request_id, "delta", item, inst)
         elif isinstance(item, MigrationArrived):
-            self._on_migration_arrived(inst, item)
+            self.migrations.on_arrived(inst, item)
         elif isinstance(item, MigrationFailed):
-            active = self._active.get(item.request_id)
+            active = self.active.get(item.request_id)
             m = None if active is None else active.migration
             if m is not None and inst in (m.source, m.destination):
-                self._abort_migration(active, f"{inst.name}: {item.reason}")
+                self.migrations.abort(active, f"{inst.name}: {item.reason}")
         elif isinstance(item, DecodeFailure):
             self._send(item.request_id, "failed", (item.reason, item.retryable))
         elif isinstance(item, WorkerCrashed):  # its loop stopped: nothing it holds will progress
             self._fail_instance(inst, f"{inst.role} {inst.name} crashed")  # _poll_instance restarts it
 
     def _send(self, rid: str, kind: str, payload, source: Instance | None = None) -> None:
-        active = self._active.get(rid)
+        active = self.active.get(rid)
         if active is not None:
             active.events.put_nowait((kind, payload, source))
 
@@ -575,13 +474,13 @@ class Router:
             for rid in list(inst.assigned):
                 self._send(rid, "failed", (reason, True))
             inst.assigned.clear()
-            for rid, active in self._active.items():  # committed away, its last tokens maybe not yet read
+            for rid, active in self.active.items():  # committed away, its last tokens maybe not yet read
                 if active.handover_source is inst and not self._handed_over(active):
                     self._send(rid, "source_lost", None)
             for rid in list(inst.migrating_in):  # migrations into it abort: their requests stay where they are
-                active = self._active.get(rid)
+                active = self.active.get(rid)
                 if active is not None and active.migration is not None:
-                    self._abort_migration(active, reason)
+                    self.migrations.abort(active, reason)
             inst.migrating_in.clear()
 
     async def _instance_down(self, inst: Instance, reason: str) -> bool:
@@ -602,277 +501,8 @@ class Router:
         log.warning("%s %s is back (generation %d)", inst.role, inst.name, inst.generation)
         return True
 
-    # -- live migration ---------------------------------------------------------------------------
-
-    async def migrate(self, request_id: str, destination: str | None = None,
-                      timeout_s: float | None = None) -> MigrationOutcome:
-        """Move a decoding request to decode instance ``destination`` while it streams; returns once the
-        migration is committed or aborted (an aborted request goes on where it was). Raises RouterError
-        (INVALID_ARGUMENT / NOT_FOUND / FAILED_PRECONDITION) when it cannot start. ``destination`` None: the
-        freest other decode instance (the policy's pick)."""
-        timeout_s = self.migration_timeout_s if timeout_s is None else timeout_s
-        active = self._active.get(request_id)
-        if active is None:
-            raise RouterError("NOT_FOUND", f"request_id: {request_id!r} is not running")
-        if active.params.num_sequences > 1:
-            raise RouterError("FAILED_PRECONDITION", f"request_id: {request_id!r} decodes "
-                                                     f"{active.params.num_sequences} sequences sharing their "
-                                                     "prompt's KV blocks; such requests do not migrate")
-        if destination is None:
-            destination = await self._pick_destination(active)
-        dst = next((d for d in self.decode if d.name == destination), None)
-        if dst is None:
-            names = ", ".join(d.name for d in self.decode) or "none"
-            raise RouterError("INVALID_ARGUMENT", f"destination: no decode instance {destination!r} (decode "
-                                                  f"instances: {names})")
-        src = active.decode
-        if active.record.state is not RequestState.DECODING or src is None:
-            raise RouterError("FAILED_PRECONDITION", f"request_id: {request_id!r} is {active.record.state.value}, "
-                                                     "not decoding")
-        if dst is src:
-            raise RouterError("INVALID_ARGUMENT", f"destination: {request_id!r} already decodes on {destination}")
-        if not src.alive:
-            raise RouterError("FAILED_PRECONDITION", f"request_id: {request_id!r} is on {src.name}, which is not alive")
-        if not dst.alive or dst.draining:
-            raise RouterError("FAILED_PRECONDITION", f"destination: {destination} is "
-                                                     f"{'draining' if dst.draining else 'not alive'}")
-        if self._connect_pair is None:
-            raise RouterError("FAILED_PRECONDITION", "this router cannot form migration channels")
-        started = time.perf_counter()
-        m = _Migration(src, dst, started, asyncio.get_running_loop().create_future())
-        active.migration = m
-        active.record.to(RequestState.MIGRATING)
-        dst.migrating_in.add(request_id)
-        try:
-            await self._start_migration(active, m)
-        except Exception as err:  # noqa: BLE001 - an unreachable end or a refusal aborts, never loses the request
-            self._abort_migration(active, f"{type(err).__name__}: {err}" if not isinstance(err, _Refused) else str(err),
-                                  m)
-        try:
-            return await asyncio.wait_for(asyncio.shield(m.done), timeout_s)
-        except asyncio.TimeoutError:
-            self._abort_migration(active, f"not committed within {timeout_s}s", m)
-            return m.done.result()
-
-    async def _start_migration(self, active: _Active, m: _Migration) -> None:
-        rid = active.record.request_id
-        await self._ensure_pair(m.source, m.destination)
-        if m.done.done():
-            return
-        request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
-        # the source is at least this long (deltas may still be on their way); the destination adds headroom
-        slot = await m.destination.handle.migrate_in.remote(request, len(active.prompt_ids) + active.tokens_streamed)
-        if slot is None:
-            raise _Refused(f"{m.destination.name} has no room for the request's KV")
-        if m.done.done():  # aborted meanwhile (the request ended): free what was just reserved
-            await self._abort_on(m.destination, rid)
-            return
-        capacity, blocks = slot
-        why = await m.source.handle.migrate_out.remote(rid, m.destination.name, capacity, blocks)
-        if why is not None:
-            if "no migration channel" in why:
-                self._pairs.discard(self._pair_key(m.source, m.destination))  # formed anew next time
-            raise _Refused(why)
-
-    async def _pick_destination(self, active: _Active) -> str:
-        name = self._destination_for(active, await self.instance_loads(), active.decode)
-        if name is None:
-            raise RouterError("FAILED_PRECONDITION", "destination: no other decode instance has room for "
-                                                     f"{active.record.request_id!r}")
-        return name
-
-    def _destination_for(self, active: _Active, loads: list[InstanceLoad], source: Instance | None) -> str | None:
-        """The policy's pick for the request among the instances other than ``source`` (None: none has room)."""
-        rid = active.record.request_id
-        blocks = next((r.blocks for ld in loads for r in ld.running if r.request_id == rid), 1)
-        others = [ld for ld in loads if source is None or ld.name != source.name]
-        return pick_instance(others, blocks, self.policy, active.priority)
-
-    async def instance_loads(self) -> list[InstanceLoad]:
-        """The live decode instances' load reports as the policy reads them: each decoding request placed
-        there (blocks, priority) may move; everything else the instance holds counts as held."""
-        async def report(inst: Instance):
-            try:
-                return inst, await asyncio.wait_for(inst.handle.request_loads.remote(), 5.0)
-            except Exception as err:  # noqa: BLE001 - an instance that does not answer is left out this round
-                log.debug("no load report from %s: %s", inst.name, err)
-                return inst, None
-
-        loads = []
-        for inst, rep in await asyncio.gather(*(report(i) for i in self.decode if i.alive)):
-            if rep is None:
-                continue
-            movable, held = [], rep["held_blocks"]
-            for rid, blocks in rep["running"].items():
-                active = self._active.get(rid)
-                if active is not None and active.decode is inst and active.migration is None and \
-                        active.record.state is RequestState.DECODING:
-                    movable.append(RequestLoad(rid, blocks, active.priority))
-                else:
-                    held += blocks
-            loads.append(InstanceLoad(inst.name, rep["total_blocks"], tuple(movable), rep["waiting_blocks"],
-                                      inst.draining, held))
-        return loads
-
-    async def reschedule_once(self) -> list[MigrationOutcome]:
-        """One round of the global rescheduling policy: read the loads, start the planned migrations and
-        wait for their outcomes."""
-        now = time.monotonic()
-        plans = plan_migrations(await self.instance_loads(), self.policy, now, self._history)
-        for p in plans:
-            self._history.record(p.request_id, now)
-        results = await asyncio.gather(*(self.migrate(p.request_id, p.destination) for p in plans),
-                                       return_exceptions=True)
-        for p, r in zip(plans, results):
-            if isinstance(r, Exception):
-                log.debug("planned migration of %s to %s not started: %s", p.request_id, p.destination, r)
-        return [r for r in results if isinstance(r, MigrationOutcome)]
-
-    async def _reschedule_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._reschedule_every)
-            try:
-                await self.reschedule_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - a failed round must not end rescheduling
-                log.exception("rescheduling round failed")
-
-    async def drain(self, name: str, timeout_s: float = 600.0, undo: bool = False) -> DrainOutcome:
-        """Stop placing requests on decode instance ``name`` and migrate its requests away (each as soon as it
-        decodes there); returns once it holds none, or after ``timeout_s``. ``undo``: back into service."""
-        inst = next((d for d in self.decode if d.name == name), None)
-        if inst is None:
-            names = ", ".join(d.name for d in self.decode) or "none"
-            raise RouterError("INVALID_ARGUMENT", f"instance: no decode instance {name!r} (decode instances: {names})")
-        if undo:
-            inst.draining = False
-            return DrainOutcome(name, False)
-        inst.draining = True
-        log.warning("draining %s", name)
-        on_it = self._requests_on(inst)
-        outcomes: list[MigrationOutcome] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            here = self._requests_on(inst)
-            if not here:
-                moved = {o.request_id for o in outcomes if o.committed}
-                return DrainOutcome(name, True, tuple(outcomes), len(on_it - moved))
-            on_it |= here
-            # a request of several sequences does not migrate: it finishes where it is
-            movable = [rid for rid in here if self._active[rid].record.state is RequestState.DECODING
-                       and self._active[rid].migration is None and self._active[rid].params.num_sequences == 1]
-            started = []
-            loads = await self.instance_loads() if movable else []
-            for rid in movable[: max(1, self.policy.max_migrations_per_round)]:
-                dst = self._destination_for(self._active[rid], loads, inst)
-                if dst is not None:
-                    started.append(self.migrate(rid, dst))
-            results = await asyncio.gather(*started, return_exceptions=True)
-            outcomes.extend(r for r in results if isinstance(r, MigrationOutcome))
-            if not any(isinstance(r, MigrationOutcome) and r.committed for r in results):
-                await asyncio.sleep(0.05)  # nothing moved: wait for requests to reach decoding or room to free
-        moved = {o.request_id for o in outcomes if o.committed}
-        return DrainOutcome(name, False, tuple(outcomes), len(on_it - moved - self._requests_on(inst)))
-
-    def _requests_on(self, inst: Instance) -> set[str]:
-        return {rid for rid, a in self._active.items() if a.decode is inst and not a.record.state.terminal}
-
-    @staticmethod
-    def _pair_key(src: Instance, dst: Instance) -> tuple:
-        return src.name, dst.name, src.generation, dst.generation
-
-    async def _ensure_pair(self, src: Instance, dst: Instance) -> None:
-        key = self._pair_key(src, dst)
-        lock = self._pair_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            if key not in self._pairs:
-                await self._connect_pair(src, dst)
-                self._pairs.add(key)
-
-    def _on_migration_arrived(self, inst: Instance, arrived: MigrationArrived) -> None:
-        """The destination holds the request's KV and state: commit (the one decision point)."""
-        rid = arrived.request_id
-        active = self._active.get(rid)
-        m = None if active is None else active.migration
-        if m is None or m.destination is not inst or m.done.done():
-            return  # aborted already: the abort sent to the destination frees its copy
-        src, dst = m.source, m.destination
-        active.migration = None
-        active.decode = dst
-        active.handover, active.handover_from, active.handover_source = arrived.num_output_tokens, dst, src
-        active.handover_ids, active.handover_text = arrived.output_ids, arrived.text
-        src.assigned.discard(rid)
-        dst.migrating_in.discard(rid)
-        dst.assigned.add(rid)
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._call(dst, "commit_migration", rid))
-        loop.create_task(self._call(src, "finish_migration", rid))
-        self.migrations["committed"] += 1
-        if self.metrics is not None:
-            self.metrics.migration(True)
-        m.done.set_result(MigrationOutcome(rid, src.name, dst.name, True, seconds=time.perf_counter() - m.started,
-                                           source_tokens=arrived.num_output_tokens))
-        active.events.put_nowait(("migration_ended", None, None))
-
-    def _abort_migration(self, active: _Active, reason: str, m: _Migration | None = None) -> None:
-        """Abort the request's undecided migration: it goes on at its source; the destination frees its copy."""
-        m = m or active.migration
-        if m is None or m.done.done():
-            return
-        rid = active.record.request_id
-        active.migration = None
-        m.destination.migrating_in.discard(rid)
-        loop = asyncio.get_running_loop()
-        if m.destination.alive:
-            loop.create_task(self._abort_on(m.destination, rid))
-        if m.source.alive:
-            loop.create_task(self._call(m.source, "abort_migration", rid))
-        self.migrations["aborted"] += 1
-        if self.metrics is not None:
-            self.metrics.migration(False)
-        log.info("migration of %s from %s to %s aborted: %s", rid, m.source.name, m.destination.name, reason)
-        m.done.set_result(MigrationOutcome(rid, m.source.name, m.destination.name, False, reason,
-                                           time.perf_counter() - m.started))
-        active.events.put_nowait(("migration_ended", None, None))
-
     # -- status -----------------------------------------------------------------------------------
 
     def queue_stats(self) -> dict:
         snap = self.counters.snapshot()
-        return {"waiting": self._slots.waiting, "active": len(self._active), "states": snap}
-
-
-class _Refused(Exception):
-    """A migration one of its ends declined to start (the reason is the message)."""
-
-
-class ColocatedRouter(Router):
-    """Routes requests over colocated instances, each running prefill and decode (the reference engine):
-    ``queued -> prefilling -> decoding -> finished``. Admission, streaming, cancellation, timeouts,
-    retries before anything was streamed and instance failover are ``Router``'s; placement is one
-    least-loaded pick, and the instance's first delta for a request carries its first token."""
-
-    kv_transfer = False
-
-    def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0,
-                 restart=None, check_ranks=None, metrics: ServingMetrics | None = None):
-        # the instances stand where decode instances do: each holds its requests' KV until they end
-        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s, restart, check_ranks, metrics)
-
-    async def _place(self, active: _Active) -> None:
-        rid = active.record.request_id
-        inst = self._least_loaded(self.decode)
-        if inst is None:
-            raise RouterError("UNAVAILABLE", "no colocated instance is alive")
-        active.decode = inst
-        inst.assigned.add(rid)
-        await self._submit(active, inst, ColocatedRequest(rid, tuple(active.prompt_ids), active.params))
-
-    def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
-        if active.record.state is RequestState.PREFILLING:  # the first token: prefill is done
-            active.record.to(RequestState.DECODING)
-            active.first_token_at = active.last_token_at = time.perf_counter()
-            if self.metrics is not None:
-                self.metrics.first_token(active.first_token_at - active.arrival)
-        return super()._on_delta(active, delta)
+        return {"waiting": self._slots.waiting, "active": len(self.active), "states": snap}

@@ -24,7 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controller.config import ClusterConfig
-from controller.router import ColocatedRouter, Delta, Final, Router, RouterError
+from controller.colocated_router import ColocatedRouter
+from controller.router import Router
+from controller.routing import Delta, Final, RouterError
 from modeling.errors import InvalidRequestError
 from modeling.params import SamplingParams
 from modeling.tokenizer import TextTokenizer
@@ -189,8 +191,8 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 tokens_generated=s.get("tokens_generated", 0), preemptions=s.get("preemptions", 0))
                 for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name,
-            migrations_committed=self.router.migrations["committed"],
-            migrations_aborted=self.router.migrations["aborted"])
+            migrations_committed=self.router.migrations.counts["committed"],
+            migrations_aborted=self.router.migrations.counts["aborted"])
 
     async def MigrateRequest(self, request, context):
         if not _REQUEST_ID.fullmatch(request.request_id):
@@ -199,7 +201,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
         if request.timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
         try:
-            outcome = await self.router.migrate(request.request_id, request.destination or None,
+            outcome = await self.router.migrations.migrate(request.request_id, request.destination or None,
                                                 request.timeout_s or None)
         except RouterError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
@@ -211,7 +213,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
         if request.timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
         try:
-            outcome = await self.router.drain(request.instance, request.timeout_s or DRAIN_TIMEOUT_S, request.undo)
+            outcome = await self.router.migrations.drain(request.instance, request.timeout_s or DRAIN_TIMEOUT_S, request.undo)
         except RouterError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
         return pb.DrainResult(instance=outcome.instance, drained=outcome.drained,
@@ -378,7 +380,7 @@ def build_router(config: ClusterConfig, cluster, metrics=None) -> Router:
                     lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks, metrics=metrics,
                     connect_pair=cluster.connect_migration_pair)
     mig = config.migration
-    router.configure_migration(mig.policy(), mig.timeout_s, mig.interval_s if mig.enabled else None)
+    router.migrations.configure(mig.policy(), mig.timeout_s, mig.interval_s if mig.enabled else None)
     return router
 
 

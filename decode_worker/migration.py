@@ -7,7 +7,7 @@ Once the destination has taken every block sent so far, or the request is about 
 reserved for it there, the source stops the request and sends what is left: the last, partly filled
 blocks, the :class:`MigrationState` and, with a draft model, that model's own cache (its window's blocks,
 ``DraftModelDrafter.export_state``). The pause the client sees is that stop-and-copy, which does not grow
-with the sequence length. The router decides the outcome (see ``controller/router.py``): the source
+with the sequence length. The router decides the outcome (see ``controller/migrations.py``): the source
 frees its copy only once the router has committed the request to the destination.
 """
 

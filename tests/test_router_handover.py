@@ -12,7 +12,8 @@ import asyncio
 import time
 
 from controller.request_state import RequestRecord, RequestState
-from controller.router import Delta, Final, Instance, Router, _Active
+from controller.router import Router, _Active
+from controller.routing import Delta, Final, Instance
 from decode_worker.messages import TokenDelta
 from modeling.sampling import SamplingParams
 
@@ -27,7 +28,7 @@ def _stream_with_source_death(die: bool) -> list:
         for state in (RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.DECODING):
             active.record.to(state)
         active.tokens_streamed = 1  # the first token (10) came from prefill
-        router._active["r"] = active
+        router.active["r"] = active
         q = active.events
         q.put_nowait(("delta", TokenDelta("r", [], "a", False), src))  # the first token's text
         q.put_nowait(("delta", TokenDelta("r", [11, 12], "bc", False), src))

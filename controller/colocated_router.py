@@ -1,0 +1,44 @@
+"""The router over colocated instances (the reference engine: prefill and decode in one instance, no KV
+transfer): everything is ``Router``'s but placement and the first token's arrival."""
+
+from __future__ import annotations
+
+import time
+
+from controller.actors import ColocatedRequest
+from controller.metrics import ServingMetrics
+from controller.request_state import RequestState
+from controller.router import Router, _Active
+from controller.routing import Delta, Instance, RouterError
+from decode_worker.messages import TokenDelta
+
+
+class ColocatedRouter(Router):
+    """Routes requests over colocated instances, each running prefill and decode (the reference engine):
+    ``queued -> prefilling -> decoding -> finished``. Admission, streaming, cancellation, timeouts,
+    retries before anything was streamed and instance failover are ``Router``'s; placement is one
+    least-loaded pick, and the instance's first delta for a request carries its first token."""
+
+    kv_transfer = False
+
+    def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0,
+                 restart=None, check_ranks=None, metrics: ServingMetrics | None = None):
+        # the instances stand where decode instances do: each holds its requests' KV until they end
+        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s, restart, check_ranks, metrics)
+
+    async def _place(self, active: _Active) -> None:
+        rid = active.record.request_id
+        inst = self._least_loaded(self.decode)
+        if inst is None:
+            raise RouterError("UNAVAILABLE", "no colocated instance is alive")
+        active.decode = inst
+        inst.assigned.add(rid)
+        await self._submit(active, inst, ColocatedRequest(rid, tuple(active.prompt_ids), active.params))
+
+    def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
+        if active.record.state is RequestState.PREFILLING:  # the first token: prefill is done
+            active.record.to(RequestState.DECODING)
+            active.first_token_at = active.last_token_at = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.first_token(active.first_token_at - active.arrival)
+        return super()._on_delta(active, delta)
