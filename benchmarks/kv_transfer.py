@@ -140,7 +140,7 @@ def prefill_side(rdv: Rendezvous, cmds, replies, args) -> dict:
         """(handshake seconds, data seconds): begin -> ACCEPT, then first send -> DONE."""
         nblocks = -(-n // BLOCK)
         t0 = time.perf_counter()
-        sender.begin(rid, n, list(range(nblocks)), [LegTarget("decode", heads, tuple(dst))])
+        sender.begin(rid, n, list(range(nblocks)), [LegTarget("decode", heads, reserved=True)])
         leg = sender._transfers[rid].legs[0]
         while leg.state != "accepted":
             out = _apply_replies(sender)
@@ -209,7 +209,7 @@ def prefill_side(rdv: Rendezvous, cmds, replies, args) -> dict:
         prompt = tuple(torch.randint(0, config.vocab_size, (n,)).tolist())
         cmds.put(("serve", 1))
         t0 = time.perf_counter()
-        w.add_request(PrefillRequest(rid, prompt, SamplingParams(max_tokens=2), KVDestination("decode", tuple(dst)),
+        w.add_request(PrefillRequest(rid, prompt, SamplingParams(max_tokens=2), KVDestination("decode", reserved=True),
                                      arrival_time=t0))
         ttft = None
         while True:

@@ -206,8 +206,8 @@ class DecodeActor(_LoopActor):
 
         self.worker.connect(prefill_id, Rendezvous(host, port), generation, prefill_tp=peer_tp)
 
-    def add_remote(self, request) -> list[int] | None:
-        """Hold ``request`` (a ``DecodeRequest``) until its KV arrives: the reserved block ids, or None."""
+    def add_remote(self, request) -> bool:
+        """Hold ``request`` (a ``DecodeRequest``) until its KV arrives, with room reserved; False: no room."""
         with self._gate.call():
             return self.worker.add_remote(request)
 
@@ -226,14 +226,14 @@ class DecodeActor(_LoopActor):
         self.worker.migrations.connect(destination, Rendezvous(host, port), generation, destination_tp)
 
     def migrate_in(self, request, num_tokens: int):
-        """Destination: (positions reserved, block ids) for a request migrating here, or None (no room)."""
+        """Destination: the positions reserved for a request migrating here, or None (no room)."""
         with self._gate.call():
             return self.worker.migrations.begin_in(request, num_tokens)
 
-    def migrate_out(self, request_id: str, destination: str, capacity_tokens: int, block_ids: list[int]) -> str | None:
+    def migrate_out(self, request_id: str, destination: str, capacity_tokens: int) -> str | None:
         """Source: start sending a decoding request to ``destination``; None when started, else why not."""
         with self._gate.call():
-            return self.worker.migrations.begin_out(request_id, destination, capacity_tokens, block_ids)
+            return self.worker.migrations.begin_out(request_id, destination, capacity_tokens)
 
     def commit_migration(self, request_id: str) -> bool:
         with self._gate.call():

@@ -153,14 +153,13 @@ class MigrationCoordinator:
             return
         request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
         # the source is at least this long (deltas may still be on their way); the destination adds headroom
-        slot = await m.destination.handle.migrate_in.remote(request, len(active.prompt_ids) + active.tokens_streamed)
-        if slot is None:
+        capacity = await m.destination.handle.migrate_in.remote(request, len(active.prompt_ids) + active.tokens_streamed)
+        if capacity is None:
             raise _Refused(f"{m.destination.name} has no room for the request's KV")
         if m.done.done():  # aborted meanwhile (the request ended): free what was just reserved
             await self.router.abort_on(m.destination, rid)
             return
-        capacity, blocks = slot
-        why = await m.source.handle.migrate_out.remote(rid, m.destination.name, capacity, blocks)
+        why = await m.source.handle.migrate_out.remote(rid, m.destination.name, capacity)
         if why is not None:
             if "no migration channel" in why:
                 self._pairs.discard(self._pair_key(m.source, m.destination))  # formed anew next time

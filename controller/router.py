@@ -4,7 +4,8 @@ One request, end to end (``Router.generate``):
 
     admit (bounded concurrency, bounded queue)  ->  hand the request to the least-loaded decode instance
     with room, which reserves its KV blocks and holds it waiting for KV  ->  prefill on the least-loaded
-    prefill instance (KV and then the first token stream to the reserved blocks)  ->  first token
+    prefill instance (KV and then the first token stream to that decode instance, which accepts them into
+    its reservation: no block id leaves it)  ->  first token
     streamed  ->  the decode instance starts it once its KV and first token arrived  ->  deltas
 
 ``ColocatedRouter`` (``controller/colocated_router.py``) serves the same API from colocated instances.
@@ -193,7 +194,7 @@ class Router:
         deadline = time.monotonic() + self.request_timeout_s
         request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
         while True:
-            decode, blocks = await self._reserve_decode(request)
+            decode = await self._reserve_decode(request)
             if decode is not None:
                 break
             if time.monotonic() > deadline:
@@ -206,7 +207,7 @@ class Router:
         active.decode, active.prefill = decode, prefill
         decode.assigned.add(rid)
         prefill.assigned.add(rid)
-        request = PrefillRequest(rid, tuple(active.prompt_ids), active.params, KVDestination(decode.name, tuple(blocks)))
+        request = PrefillRequest(rid, tuple(active.prompt_ids), active.params, KVDestination(decode.name, reserved=True))
         await self._submit(active, prefill, request)
 
     async def _submit(self, active: _Active, inst: Instance, request) -> None:
@@ -217,16 +218,15 @@ class Router:
         except Exception as err:  # the actor died between choosing and submitting
             await self._retry_or_fail(active, f"{inst.role} {inst.name} unreachable: {err}")
 
-    async def _reserve_decode(self, request: DecodeRequest):
+    async def _reserve_decode(self, request: DecodeRequest) -> Instance | None:
+        """The least-loaded decode instance that holds the request with room for its KV (None: none has room)."""
         for inst in sorted((d for d in self.decode if d.alive and not d.draining), key=lambda d: len(d.assigned)):
             try:
-                blocks = await inst.handle.add_remote.remote(request)
+                if await inst.handle.add_remote.remote(request):
+                    return inst
             except Exception as err:
                 log.warning("decode %s unreachable: %s", inst.name, err)
-                continue
-            if blocks is not None:
-                return inst, blocks
-        return None, None
+        return None
 
     @staticmethod
     def _least_loaded(pool: list[Instance]) -> Instance | None:

@@ -59,14 +59,15 @@ class LiveMigrations:
             raise InvalidRequestError("destination", "this worker moves no KV (it was built without transfer)")
         if self.legs is None:
             size = 1 if self.worker.tp is None else self.worker.tp.size
-            self.legs = MigrationLegs(self.worker.cache, self.worker.instance_id, 0, size, self.worker.loaded.config,
-                                                self.worker.config.block_size, self.worker.loaded.kv_heads, self.worker.transfer)
+            w = self.worker
+            self.legs = MigrationLegs(w.cache, w.instance_id, 0, size, w.loaded.config, w.config.block_size,
+                                      w.loaded.kv_heads, w.transfer)
         self.legs.connect(destination, destination_tp, rendezvous, generation)
 
-    def begin_in(self, request: DecodeRequest, num_tokens: int) -> tuple[int, list[int]] | None:
+    def begin_in(self, request: DecodeRequest, num_tokens: int) -> int | None:
         """Destination: hold ``request`` for a migration, with blocks for its ``num_tokens`` positions now
-        and headroom for the steps its source runs meanwhile. Returns (the positions reserved, their block
-        ids) for the source, or None when there is no room."""
+        and headroom for the steps its source runs meanwhile. Returns the positions reserved (the source's
+        transfer is accepted into them, found by the request id), or None when there is no room."""
         capacity = min(self.worker.max_model_len,
                        num_tokens + headroom_tokens(self.worker.config.speculation.max_k, self.worker.config.block_size))
         if num_tokens < len(request.prompt_ids) + 1 or num_tokens >= capacity:
@@ -74,15 +75,15 @@ class LiveMigrations:
                                       f"got {num_tokens}")
         self.incoming.add(request.request_id)
         try:
-            blocks = self.worker.hold(request, capacity)
+            held = self.worker.hold(request, capacity)
         finally:
             if request.request_id not in self.worker.requests:
                 self.incoming.discard(request.request_id)
-        return None if blocks is None else (capacity, blocks)
+        return capacity if held else None
 
-    def begin_out(self, request_id: str, destination: str, capacity_tokens: int, block_ids: list[int]) -> str | None:
-        """Source: start migrating a running request to ``destination``, into the ``block_ids`` it reserved
-        for ``capacity_tokens`` positions; it keeps decoding here meanwhile. None when started, else why not."""
+    def begin_out(self, request_id: str, destination: str, capacity_tokens: int) -> str | None:
+        """Source: start migrating a running request to ``destination``, which holds ``capacity_tokens``
+        positions for it; it keeps decoding here meanwhile. None when started, else why not."""
         live = self.worker.requests.get(request_id)
         if live is None or live.seq.status is not SequenceStatus.RUNNING:
             return f"{request_id!r} is not decoding on {self.worker.instance_id}"
@@ -94,7 +95,7 @@ class LiveMigrations:
             return f"{request_id!r} has outgrown the {capacity_tokens} positions reserved on {destination}"
         src_blocks = list(live.seq.block_table.blocks)
         try:
-            self.legs.begin(request_id, capacity_tokens, src_blocks, destination, list(block_ids))
+            self.legs.begin(request_id, capacity_tokens, src_blocks, destination)
         except (TransferError, ValueError) as err:
             return str(err)
         m = OutgoingMigration(request_id, capacity_tokens, slot=next(self._slots),
@@ -102,7 +103,7 @@ class LiveMigrations:
         self.outgoing[request_id] = m
         if self.worker.tp is not None:  # every rank sends its own heads (a rank that cannot fails its slot)
             self.worker.runner.call("mig_begin", request_id=request_id, slot=m.slot, capacity_tokens=capacity_tokens,
-                             src_blocks=src_blocks, destination=destination, dst_blocks=list(block_ids))
+                                    src_blocks=src_blocks, destination=destination)
         return None
 
     def commit(self, request_id: str) -> bool:

@@ -47,14 +47,13 @@ class MigrationLegs:
         ranks = peer_ranks(self.model_config.num_key_value_heads, self.tp, d_tp, self.rank, sending=True)
         return all(self.sender.connected(rank_peer_id(destination, r, d_tp)) for r in ranks)
 
-    def begin(self, request_id: str, capacity_tokens: int, src_blocks: list[int], destination: str,
-              dst_blocks: list[int]) -> None:
-        """Announce a live transfer into the ``dst_blocks`` reserved for ``capacity_tokens`` positions at
-        ``destination``. Raises TransferError (no working channel) or ValueError."""
+    def begin(self, request_id: str, capacity_tokens: int, src_blocks: list[int], destination: str) -> None:
+        """Announce a live transfer to ``destination``, which holds ``capacity_tokens`` positions for the
+        request. Raises TransferError (no working channel) or ValueError."""
         if destination not in self._destination_tp:
             raise ValueError(f"destination: no migration channel to {destination!r}")
         targets = leg_targets(self.model_config, self.rank, self.tp, destination, self._destination_tp[destination],
-                              dst_blocks)
+                              reserved=True)
         if targets:
             self.sender.begin(request_id, capacity_tokens, list(src_blocks), targets, live=True)
             self._active.add(request_id)

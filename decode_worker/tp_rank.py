@@ -94,10 +94,10 @@ class DecodeRankFollower(TPFollower):
 
     # -- live migration (the driver's decisions, on this rank's heads) -----------------------------
 
-    def _mig_begin(self, request_id: str, slot: int, capacity_tokens: int, src_blocks: list[int], destination: str,
-                   dst_blocks: list[int]) -> None:
+    def _mig_begin(self, request_id: str, slot: int, capacity_tokens: int, src_blocks: list[int],
+                   destination: str) -> None:
         try:
-            self.migration.begin(request_id, capacity_tokens, src_blocks, destination, dst_blocks)
+            self.migration.begin(request_id, capacity_tokens, src_blocks, destination)
         except (TransferError, ValueError):
             self._outgoing_failed.append(slot)
             return

@@ -113,10 +113,11 @@ class DecodeWorker:
         for r in peer_ranks(self.loaded.config.num_key_value_heads, prefill_tp, size, 0, sending=False):
             self.receiver.connect(rank_peer_id(prefill_id, r, prefill_tp), rendezvous, generation)
 
-    def add_remote(self, request: DecodeRequest) -> list[int] | None:
+    def add_remote(self, request: DecodeRequest) -> bool:
         """Hold ``request`` in ``waiting_for_kv`` with blocks reserved for its prompt (and the first decode
-        step): their ids, for the prefill worker to stream the KV into; None when there is no room
-        (back-pressure: the caller waits or goes elsewhere). Raises InvalidRequestError naming the field."""
+        step), into which its KV transfer is accepted when it comes (found by the request id); False when
+        there is no room (back-pressure: the caller waits or goes elsewhere). Raises InvalidRequestError
+        naming the field."""
         if self.receiver is None:
             raise InvalidRequestError("request_id", "this worker receives no KV (it was built without transfer)")
         return self.hold(request, len(request.prompt_ids))
@@ -277,8 +278,8 @@ class DecodeWorker:
         return {"total_blocks": self.pool.num_blocks, "running": running,
                 "held_blocks": max(0, used - sum(running.values())), "waiting_blocks": waiting}
 
-    def hold(self, request: DecodeRequest, num_tokens: int) -> list[int] | None:
-        """A new request waiting for its KV, with blocks for ``num_tokens`` positions (None: no room); on a
+    def hold(self, request: DecodeRequest, num_tokens: int) -> bool:
+        """A new request waiting for its KV, with blocks for ``num_tokens`` positions (False: no room); on a
         tensor-parallel instance every rank expects its heads in the same blocks."""
         rid = request.request_id
         self._check_new(rid, list(request.prompt_ids), request.params)
@@ -286,7 +287,7 @@ class DecodeWorker:
         fork_room = self._fork_room(len(request.prompt_ids), n)
         if n > 1 and (len(self.scheduler.running) + n > self.config.max_num_seqs or
                       not self.pool.can_allocate(self.pool.blocks_for_tokens(num_tokens + 1) + fork_room)):
-            return None  # room for every sequence of the request, or none
+            return False  # room for every sequence of the request, or none
         seq = self._new_sequence(rid, list(request.prompt_ids), request.params, BlockTable(self.config.block_size))
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
@@ -299,7 +300,7 @@ class DecodeWorker:
             slot = self._rank_outcomes.track(rid)
             self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=num_tokens, blocks=blocks)
             self.tp.barrier()
-        return blocks
+        return blocks is not None
 
     def _take_events(self) -> list:
         out, self.events = self.events, []

@@ -79,8 +79,10 @@ class PeerHello:
 class TransferDescriptor:
     """Handshake of one transfer leg (sender -> receiver).
 
-    ``dst_block_ids``: the receiver blocks reserved for the prompt (first ``ceil(num_tokens /
-    block_size)`` are written), or None to ask the receiver to reserve now (it answers BUSY when full).
+    ``reserved``: the receiving instance already holds room for this request (the owner reserved it when the
+    router placed the request there), which the receiver finds by the request id and accepts at once;
+    otherwise the receiver asks its owner for room when the descriptor arrives (BUSY when there is none).
+    Block ids never travel: each side addresses only its own blocks.
     ``heads``: the global KV heads this leg carries (a sub-range of the receiver's shard).
     ``live``: a running request's KV moving between decode instances while it keeps decoding (migration):
     ``num_tokens`` is then the capacity reserved, blocks arrive in rounds as they fill, and the leg ends
@@ -91,7 +93,7 @@ class TransferDescriptor:
     fingerprint: KVFingerprint
     num_tokens: int
     heads: HeadRange
-    dst_block_ids: tuple[int, ...] | None = None
+    reserved: bool = False
     live: bool = False
 
     def __post_init__(self) -> None:
@@ -99,8 +101,6 @@ class TransferDescriptor:
             raise ValueError("request_id: must not be empty")
         if self.num_tokens < 1:
             raise ValueError(f"num_tokens: must be >= 1, got {self.num_tokens}")
-        if self.dst_block_ids is not None:
-            object.__setattr__(self, "dst_block_ids", tuple(self.dst_block_ids))
 
     @property
     def num_blocks(self) -> int:
@@ -138,13 +138,12 @@ class PromptEnd:
 
 @dataclass(frozen=True)
 class Reply:
-    """Receiver -> sender about one transfer: ACCEPT (with the blocks it will write), BUSY (no room
-    now: retry later or elsewhere), REFUSE (with the reason), DONE (all bytes are in the cache: the
-    sender may free its blocks)."""
+    """Receiver -> sender about one transfer: ACCEPT (room is there: send), BUSY (no room now: retry later
+    or elsewhere), REFUSE (with the reason), DONE (all bytes are in the cache: the sender may free its
+    blocks)."""
 
     kind: str
     transfer_id: int
-    block_ids: tuple[int, ...] = ()
     reason: str = ""
     retryable: bool = False
 
@@ -153,7 +152,6 @@ class Reply:
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
             raise ValueError(f"kind: unknown {self.kind!r}; allowed: {', '.join(self.KINDS)}")
-        object.__setattr__(self, "block_ids", tuple(self.block_ids))
 
 
 # -- JSON codec ------------------------------------------------------------------------------------
@@ -172,12 +170,10 @@ def decode_hello(data: bytes) -> PeerHello:
 
 def decode_descriptor(data: bytes) -> TransferDescriptor:
     raw = json.loads(data)
-    ids = raw.get("dst_block_ids")
     return TransferDescriptor(
         request_id=str(raw["request_id"]), transfer_id=int(raw["transfer_id"]),
         fingerprint=KVFingerprint(**raw["fingerprint"]), num_tokens=int(raw["num_tokens"]),
-        heads=HeadRange(**raw["heads"]), dst_block_ids=None if ids is None else tuple(int(b) for b in ids),
-        live=bool(raw.get("live", False)),
+        heads=HeadRange(**raw["heads"]), reserved=bool(raw.get("reserved", False)), live=bool(raw.get("live", False)),
     )
 
 
@@ -206,5 +202,4 @@ def decode_prompt_end(data: bytes) -> PromptEnd:
 
 def decode_reply(data: bytes) -> Reply:
     raw = json.loads(data)
-    return Reply(raw["kind"], int(raw["transfer_id"]), tuple(raw.get("block_ids", ())), raw.get("reason", ""),
-                 bool(raw.get("retryable", False)))
+    return Reply(raw["kind"], int(raw["transfer_id"]), raw.get("reason", ""), bool(raw.get("retryable", False)))

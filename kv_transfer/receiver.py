@@ -8,9 +8,11 @@ failed. Its ``_reservations`` are transfers in flight, not requests: the owner d
 
 Threads: one per connected prefill instance reads its frames and writes KV straight into the reserved
 blocks (gloo recv into the cache slab, or a staging copy when the blocks are scattered or the leg
-carries part of this shard's heads). It never touches the pool: reservations asked for in a handshake
-(descriptor without block ids), completions and failures are applied by :meth:`KVReceiver.poll` in the
-owner's thread, which also enforces ``timeout_s``.
+carries part of this shard's heads). It never touches the pool: a descriptor of a request the owner has
+reserved for (``TransferDescriptor.reserved``) is accepted at once into that reservation, found by the
+request id; reservations asked for in a handshake, completions and failures are applied by
+:meth:`KVReceiver.poll` in the owner's thread, which also enforces ``timeout_s``. Block ids never leave
+the instance: senders name requests, not blocks.
 """
 
 from __future__ import annotations
@@ -264,7 +266,8 @@ class KVReceiver:
     # -- handshakes -------------------------------------------------------------------------------
 
     def _on_descriptor(self, peer: str, channel: PairChannel, desc: TransferDescriptor) -> None:
-        """Reading thread: validate; accept into a router-made reservation now, or queue for poll()."""
+        """Reading thread: validate; accept into the owner's reservation for the request now, or queue for
+        poll() to ask the owner for room."""
         try:
             self.fingerprint.require_same(desc.fingerprint, desc.request_id)
             if not self.heads.contains(desc.heads):
@@ -273,7 +276,7 @@ class KVReceiver:
         except TransferError as err:
             self._reply(channel, Reply("refuse", desc.transfer_id, reason=str(err), retryable=err.retryable))
             return
-        if desc.dst_block_ids is None:
+        if not desc.reserved:
             self._handshakes.put((channel, desc))
             return
         with self._lock:
@@ -284,15 +287,13 @@ class KVReceiver:
         if problem is not None:
             self._reply(channel, Reply("refuse", desc.transfer_id, reason=problem, retryable=False))
         else:
-            self._reply(channel, Reply("accept", desc.transfer_id, block_ids=desc.dst_block_ids))
+            self._reply(channel, Reply("accept", desc.transfer_id))
 
     def _check_reservation(self, res: _Reservation | None, desc: TransferDescriptor) -> str | None:
         if res is None or res.state not in ("reserved", "receiving"):
             return f"request {desc.request_id!r}: no reservation on {self.instance_id}"
         if desc.num_tokens != res.num_tokens:
             return f"request {desc.request_id!r}: num_tokens {desc.num_tokens} != reserved {res.num_tokens}"
-        if list(desc.dst_block_ids) != res.block_ids[: desc.num_blocks]:
-            return f"request {desc.request_id!r}: dst_block_ids do not match the reservation"
         for key in res.legs:
             other = self._legs.get(key)
             if other is not None and other.descriptor.heads.intersect(desc.heads) is not None:
@@ -307,7 +308,7 @@ class KVReceiver:
         self._legs[(channel, desc.transfer_id)] = _RLeg(res, desc)
 
     def _answer_handshakes(self) -> None:
-        """Owner thread: reserve for descriptors that came without block ids (BUSY when full)."""
+        """Owner thread: reserve for descriptors of requests not reserved for yet (BUSY when full)."""
         while True:
             try:
                 channel, desc = self._handshakes.get_nowait()
@@ -327,14 +328,12 @@ class KVReceiver:
                     continue
                 with self._lock:
                     res = self._reservations[desc.request_id]
-            desc = TransferDescriptor(desc.request_id, desc.transfer_id, desc.fingerprint, desc.num_tokens, desc.heads,
-                                      tuple(res.block_ids[: desc.num_blocks]))
             with self._lock:
                 problem = self._check_reservation(res, desc)
                 if problem is None:
                     self._register_leg(channel, res, desc)
             if problem is None:
-                self._reply(channel, Reply("accept", desc.transfer_id, block_ids=desc.dst_block_ids))
+                self._reply(channel, Reply("accept", desc.transfer_id))
             else:
                 self._reply(channel, Reply("refuse", desc.transfer_id, reason=problem))
 

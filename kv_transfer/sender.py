@@ -42,12 +42,12 @@ from modeling.kv_cache import PagedKVCache
 
 @dataclass(frozen=True)
 class LegTarget:
-    """Where one leg goes: decode instance ``peer``, carrying global ``heads``; ``dst_block_ids``
-    reserved there by the router (None: the receiver reserves at handshake time)."""
+    """Where one leg goes: decode instance ``peer``, carrying global ``heads``; ``reserved``: the peer already
+    holds room for the request (``TransferDescriptor.reserved``)."""
 
     peer: str
     heads: HeadRange
-    dst_block_ids: tuple[int, ...] | None = None
+    reserved: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,6 @@ class _Leg:
     descriptor: TransferDescriptor
     heads_local: slice
     state: str = "hello"  # hello | busy | accepted | done | failed
-    dst_blocks: list[int] = field(default_factory=list)
     blocks_sent: int = 0
     sends_pending: int = 0
     last_progress: float = field(default_factory=time.monotonic)
@@ -205,13 +204,8 @@ class KVSender:
         for t in targets:
             if not self.connected(t.peer):
                 raise TransferError(f"no working channel to {t.peer}", retryable=True, request_id=request_id)
-            if t.dst_block_ids is not None and len(t.dst_block_ids) < nblocks:
-                raise ValueError(f"dst_block_ids: {num_tokens} tokens need {nblocks} blocks, "
-                                 f"got {len(t.dst_block_ids)}")
-            desc = TransferDescriptor(
-                request_id, next(self._ids), self.fingerprint, num_tokens, t.heads,
-                None if t.dst_block_ids is None else tuple(t.dst_block_ids[:nblocks]), live,
-            )
+            desc = TransferDescriptor(request_id, next(self._ids), self.fingerprint, num_tokens, t.heads, t.reserved,
+                                      live)
             legs.append(_Leg(request_id, t.peer, desc, self.heads.local(t.heads)))
         self._transfers[request_id] = _Transfer(request_id, num_tokens, list(src_blocks[:nblocks]), legs, live=live)
         for leg in legs:
@@ -328,13 +322,13 @@ class KVSender:
             self._on_broken(event[1], event[2], out, event[3])
 
     def _await_handshakes(self, request_ids: list[str]) -> None:
-        """Wait (at most ``handshake_wait_s``) for the replies to descriptors that carry router-reserved
-        blocks (the receiver answers those at once), so a prompt whose only chunk is about to run can
+        """Wait (at most ``handshake_wait_s``) for the replies to descriptors of requests the receiver holds
+        room for already (it answers those at once), so a prompt whose only chunk is about to run can
         stream layer by layer instead of waiting for the next step. Events go to the next poll()."""
         deadline = time.monotonic() + self.config.handshake_wait_s
         while True:
             waiting = [leg for rid in request_ids if rid in self._transfers for leg in self._transfers[rid].legs
-                       if leg.state == "hello" and leg.descriptor.dst_block_ids is not None]
+                       if leg.state == "hello" and leg.descriptor.reserved]
             left = deadline - time.monotonic()
             if not waiting or left <= 0:
                 return
@@ -373,7 +367,6 @@ class KVSender:
         leg.last_progress = time.monotonic()
         if reply.kind == "accept":
             leg.state = "accepted"
-            leg.dst_blocks = list(reply.block_ids)
         elif reply.kind == "busy":
             leg.state = "busy"
             leg.retry_at = time.monotonic() + self.config.retry_interval_s

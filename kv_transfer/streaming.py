@@ -55,10 +55,9 @@ def forward_streaming(runner: ModelRunner, sender: KVSender, inputs: list[StepIn
 
 
 def leg_targets(config: ModelConfig, rank: int, tp: int, decode_id: str, decode_tp: int,
-                dst_blocks: tuple[int, ...] | list[int] | None) -> list[LegTarget]:
+                reserved: bool) -> list[LegTarget]:
     """The legs prefill rank ``rank`` of ``tp`` sends for one prompt to a decode instance of ``decode_tp``
-    ranks (the N x M plan of :mod:`kv_transfer.heads`; every decode rank uses the same block ids). May be
-    empty: with replicated heads, some prefill ranks send nothing."""
+    ranks (the N x M plan of :mod:`kv_transfer.heads`); ``reserved``: the decode instance holds room for
+    the request already. May be empty: with replicated heads, some prefill ranks send nothing."""
     legs = legs_from(plan_transfer(config.num_key_value_heads, tp, decode_tp), rank)
-    blocks = None if dst_blocks is None else tuple(dst_blocks)
-    return [LegTarget(rank_peer_id(decode_id, leg.dst_rank, decode_tp), leg.heads, blocks) for leg in legs]
+    return [LegTarget(rank_peer_id(decode_id, leg.dst_rank, decode_tp), leg.heads, reserved) for leg in legs]

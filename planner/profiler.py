@@ -570,7 +570,7 @@ def _transfer_once(prefill, n: int, cmds, replies, child) -> float:
     try:
         cmds.put(("serve", rid))
         t0 = time.perf_counter()
-        sender.begin(rid, n, table.blocks, [LegTarget(DECODE_ID, sender.heads, tuple(dst))])
+        sender.begin(rid, n, table.blocks, [LegTarget(DECODE_ID, sender.heads, reserved=True)])
         group = sender.open_group({rid: nblocks})
         for layer in range(prefill.loaded.config.num_hidden_layers):
             group.send_layer(layer)

@@ -16,18 +16,17 @@ from modeling.params import SamplingParams
 
 @dataclass(frozen=True)
 class KVDestination:
-    """Where the prompt's KV goes: decode instance ``decode_id``; ``block_ids`` reserved there by the
-    router, or None to let the receiver reserve when the transfer starts (it may answer BUSY: the
-    prefill worker then holds the KV and re-asks until there is room)."""
+    """Where the prompt's KV goes: decode instance ``decode_id``. ``reserved``: it holds room for the request
+    already (the router placed it there first), so its receiver accepts the transfer at once; otherwise the
+    receiver asks for room when the transfer starts (it may answer BUSY: the prefill worker then holds the
+    KV and re-asks until there is room). The decode instance owns its blocks: no block id travels."""
 
     decode_id: str
-    block_ids: tuple[int, ...] | None = None
+    reserved: bool = False
 
     def __post_init__(self) -> None:
         if not self.decode_id:
             raise ValueError("destination.decode_id: must not be empty")
-        if self.block_ids is not None:
-            object.__setattr__(self, "block_ids", tuple(self.block_ids))
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ class PrefillRankFollower(TPFollower):
         forward_streaming(self.runner, self.sender, desc.inputs, ready, self.config.layerwise_streaming)
 
     def _begin(self, request_id: str, slot: int, num_tokens: int, src_blocks: list[int], decode_id: str,
-               decode_tp: int, dst_blocks: list[int] | None) -> None:
-        targets = leg_targets(self.model_config, self.group.rank, self.group.size, decode_id, decode_tp, dst_blocks)
+               decode_tp: int, reserved: bool) -> None:
+        targets = leg_targets(self.model_config, self.group.rank, self.group.size, decode_id, decode_tp, reserved)
         if not targets:  # this rank's heads are sent by a replica
             self._done.append(slot)
             return

@@ -202,7 +202,7 @@ class PrefillWorker:
                 try:
                     self.sender.begin(rid, c.seq.num_prompt, c.seq.block_table.blocks,
                                       leg_targets(self.loaded.config, 0, self.tp_size,
-                                                  dest.decode_id, decode_tp, dest.block_ids))
+                                                  dest.decode_id, decode_tp, dest.reserved))
                 except TransferError as err:
                     self.scheduler.release(rid)
                     del self._requests[rid]
@@ -212,7 +212,7 @@ class PrefillWorker:
                     self.runner.call("kv_begin", request_id=rid, slot=self._rank_outcomes.track(rid),
                                      num_tokens=c.seq.num_prompt, src_blocks=list(c.seq.block_table.blocks),
                                      decode_id=dest.decode_id, decode_tp=decode_tp,
-                                     dst_blocks=None if dest.block_ids is None else list(dest.block_ids))
+                                     reserved=dest.reserved)
             kept.append(c)
         return kept
 

@@ -138,10 +138,11 @@ def test_waiting_for_kv_admit_abort_and_back_pressure(llama_dir):
     worker = DecodeWorker(worker.loaded, worker.config, "decode-0", TransferConfig())
     prompt = prompts_of([150])[0]
     params = SamplingParams(max_tokens=50, ignore_eos=True)
-    blocks = worker.add_remote(DecodeRequest("a", tuple(prompt), params))
-    assert blocks is not None and len(blocks) == 10
+    assert worker.add_remote(DecodeRequest("a", tuple(prompt), params))
+    blocks = worker.requests["a"].seq.block_table.blocks  # the worker's own: no block id leaves it
+    assert len(blocks) == 10
     assert worker.num_waiting_for_kv == 1 and worker.num_running == 0 and worker.has_work()
-    assert worker.add_remote(DecodeRequest("b", tuple(prompt), params)) is None  # no room: wait or go elsewhere
+    assert not worker.add_remote(DecodeRequest("b", tuple(prompt), params))  # no room: wait or go elsewhere
     with pytest.raises(InvalidRequestError, match="already on this worker"):
         worker.add_remote(DecodeRequest("a", tuple(prompt), params))
     with pytest.raises(InvalidRequestError, match="not waiting for KV"):
@@ -155,7 +156,7 @@ def test_waiting_for_kv_admit_abort_and_back_pressure(llama_dir):
     assert out and all(d.request_id == "a" and d.token_ids for d in out)
     assert worker.abort("a") and not worker.has_work()
     assert worker.pool.num_free == worker.pool.num_blocks
-    assert worker.add_remote(DecodeRequest("c", tuple(prompt[:10]), params)) is not None
+    assert worker.add_remote(DecodeRequest("c", tuple(prompt[:10]), params))
     assert worker.abort("c") and not worker.abort("c")  # waiting for KV: released at once (nothing in flight)
     assert worker.pool.num_free == worker.pool.num_blocks and worker.num_waiting_for_kv == 0
 

@@ -583,9 +583,10 @@ def nccl_sender_proc(rdv, dst_blocks_q, finished):
     sender = KVSender(nccl_cache("cuda:0", fill=True), "p0", NCCL_FP, HeadRange(0, NCCL_HEADS),
                       TransferConfig(timeout_s=30))
     sender.connect("d0", rdv)
-    dst_blocks = dict(dst_blocks_q.get(timeout=60) for _ in NCCL_REQUESTS)
+    for _ in NCCL_REQUESTS:  # the receiver has reserved for every request
+        dst_blocks_q.get(timeout=60)
     for rid, (n, src_blocks) in NCCL_REQUESTS.items():
-        sender.begin(rid, n, src_blocks, [LegTarget("d0", HeadRange(0, NCCL_HEADS), tuple(dst_blocks[rid]))])
+        sender.begin(rid, n, src_blocks, [LegTarget("d0", HeadRange(0, NCCL_HEADS), reserved=True)])
         sender.finish_prompt(rid, 7, b"\x01")
     done, failed, deadline = [], [], time.monotonic() + 60
     while len(done) + len(failed) < len(NCCL_REQUESTS) and time.monotonic() < deadline:
@@ -661,8 +662,8 @@ def disagg_prefill_proc(path, rdv, handoff, firsts_q, finished):
                                                      transfer=TransferConfig(timeout_s=30)), "prefill-0")
     worker.connect("decode-0", rdv)
     for _ in DISAGG_PROMPTS:
-        rid, prompt, params, blocks = handoff.get(timeout=60)
-        worker.add_request(PrefillRequest(rid, prompt, params, KVDestination("decode-0", tuple(blocks))))
+        rid, prompt, params, reserved = handoff.get(timeout=60)
+        worker.add_request(PrefillRequest(rid, prompt, params, KVDestination("decode-0", reserved=reserved)))
     transferred, failed, deadline = set(), [], time.monotonic() + 90
     while len(transferred) + len(failed) < len(DISAGG_PROMPTS) and time.monotonic() < deadline:
         out = worker.step()
@@ -689,8 +690,8 @@ def disagg_decode_proc(path, rdv, handoff, firsts_q, finished):
     worker.connect("prefill-0", rdv)
     params = SamplingParams(max_tokens=DISAGG_MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(DISAGG_PROMPTS):
-        blocks = worker.add_remote(DecodeRequest(f"r{i}", tuple(prompt), params))
-        handoff.put((f"r{i}", tuple(prompt), params, blocks))
+        reserved = worker.add_remote(DecodeRequest(f"r{i}", tuple(prompt), params))
+        handoff.put((f"r{i}", tuple(prompt), params, reserved))
     outs, failures, finished_ids, deadline = {}, [], set(), time.monotonic() + 120
     while len(finished_ids) + len(failures) < len(DISAGG_PROMPTS) and time.monotonic() < deadline:
         for d in worker.step():

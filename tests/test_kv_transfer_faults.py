@@ -6,6 +6,7 @@ and then kill themselves (SIGKILL) or stop (sleep) part-way through.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -15,8 +16,8 @@ import torch
 
 from kv_transfer import (FingerprintMismatchError, HeadRange, KVFingerprint, KVReceiver, KVSender, LegTarget,
                          PairChannel, PeerHello, PoolReserver, Rendezvous, TransferConfig, TransferDescriptor)
-from kv_transfer.channel import DECODE_RANK, DESCRIPTOR, PIECES, PREFILL_RANK, REPLY
-from kv_transfer.descriptors import Piece, Reply, decode_descriptor, decode_reply, encode
+from kv_transfer.channel import DECODE_RANK, DESCRIPTOR, FIRST_TOKEN, PIECES, PREFILL_RANK, REPLY
+from kv_transfer.descriptors import Piece, PromptEnd, Reply, decode_descriptor, decode_prompt_end, decode_reply, encode
 from modeling.block_pool import BlockPool
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from tests.kv_procs import run_procs
@@ -101,7 +102,7 @@ def bad_receiver_proc(rdv, mode):
     kind, payload = ch.recv_frame()
     assert kind == DESCRIPTOR
     desc = decode_descriptor(payload)
-    ch.send_frame(REPLY, encode(Reply("accept", desc.transfer_id, block_ids=tuple(range(desc.num_blocks)))))
+    ch.send_frame(REPLY, encode(Reply("accept", desc.transfer_id)))
     kind, payload = ch.recv_frame()
     assert kind == PIECES
     ch.recv_data(torch.empty(3, 4, HEADS, HEAD_DIM))  # layer 0 keys of the first 3 blocks, then gone
@@ -207,8 +208,8 @@ def test_release_during_transfer_drains_and_frees():
     sender.connect("d", rdv)
     t.join(timeout=30)
     try:
-        blocks = receiver.reserve("r", 40)
-        sender.begin("r", 40, list(range(10)), [LegTarget("d", HeadRange(0, HEADS), tuple(blocks))])
+        assert receiver.reserve("r", 40) is not None
+        sender.begin("r", 40, list(range(10)), [LegTarget("d", HeadRange(0, HEADS), reserved=True)])
         group = sender.open_group({"r": 10})  # waits for ACCEPT, then announces the piece
         assert not group.empty
         receiver.release("r")
@@ -236,8 +237,8 @@ def test_release_during_transfer_drains_and_frees():
 
 
 def test_long_control_frames_continue_in_a_second_message():
-    """A descriptor larger than the fixed frame (long prompts: many block ids) arrives whole, and the
-    frame after it is read normally."""
+    """A control frame larger than the fixed frame (a migration's end: the request's state, its output
+    tokens included) arrives whole, and the frame after it is read normally."""
     import threading
 
     from kv_transfer.channel import FRAME_BYTES
@@ -255,13 +256,13 @@ def test_long_control_frames_continue_in_a_second_message():
     t.start()
     open_end(PREFILL_RANK, "p")
     t.join(timeout=30)
-    big = TransferDescriptor("r", 1, fingerprint(), 4 * 6000, HeadRange(0, HEADS), tuple(range(100000, 106000)))
+    big = PromptEnd("r", 1, num_tokens=24000, state=json.dumps({"output_ids": list(range(100000, 106000))}))
     payload = encode(big)
     assert len(payload) > FRAME_BYTES
-    first = ends[PREFILL_RANK].send_frame(DESCRIPTOR, payload, wait=False)
+    first = ends[PREFILL_RANK].send_frame(FIRST_TOKEN, payload, wait=False)
     second = ends[PREFILL_RANK].send_frame(PIECES, encode([Piece(1, 0, 3)]), wait=False)
     kind, got = ends[DECODE_RANK].recv_frame(timeout_s=10)
-    assert kind == DESCRIPTOR and decode_descriptor(got) == big
+    assert kind == FIRST_TOKEN and decode_prompt_end(got) == big
     kind, got = ends[DECODE_RANK].recv_frame(timeout_s=10)
     assert kind == PIECES and got == encode([Piece(1, 0, 3)])
     first.wait()

@@ -42,12 +42,10 @@ def sender_proc(rank, src_tp, dst_tp, rdv, plans, dst_blocks_q, finished):
     legs = legs_from(plans, rank)
     for d in sorted({leg.dst_rank for leg in legs}):
         sender.connect(f"d{d}", rdv)
-    dst_blocks = {}
-    while len(dst_blocks) < len(REQUESTS) * dst_tp:  # block ids reserved by each receiver rank
-        d, rid, blocks = dst_blocks_q.get(timeout=30)
-        dst_blocks[(d, rid)] = blocks
+    for _ in range(len(REQUESTS) * dst_tp):  # every receiver rank has reserved for every request
+        dst_blocks_q.get(timeout=30)
     for rid, (n, src_blocks) in REQUESTS.items():
-        targets = [LegTarget(f"d{leg.dst_rank}", leg.heads, tuple(dst_blocks[(leg.dst_rank, rid)])) for leg in legs]
+        targets = [LegTarget(f"d{leg.dst_rank}", leg.heads, reserved=True) for leg in legs]
         sender.begin(rid, n, src_blocks, targets)
         sender.finish_prompt(rid, 7, b"\x01\x02")  # every transfer ends with its first token
     done, failed = [], []

@@ -98,10 +98,9 @@ class Run:
     def migrate(self, rid, prompt):
         """Start migrating ``rid`` from a to b, as the router does."""
         n = len(prompt) + len(self.tokens[rid])
-        slot = self.pair.b.migrations.begin_in(DecodeRequest(rid, tuple(prompt), self.params[rid]), n)
-        assert slot is not None
-        capacity, blocks = slot
-        assert self.pair.a.migrations.begin_out(rid, self.pair.b.instance_id, capacity, blocks) is None
+        capacity = self.pair.b.migrations.begin_in(DecodeRequest(rid, tuple(prompt), self.params[rid]), n)
+        assert capacity is not None
+        assert self.pair.a.migrations.begin_out(rid, self.pair.b.instance_id, capacity) is None
         return capacity
 
     def arrived(self, rid):
@@ -228,7 +227,7 @@ def test_destination_without_room_and_a_request_not_decoding_are_refused(llama_d
     prompt = prompts_of([100])[0]
     assert b.migrations.begin_in(DecodeRequest("r", tuple(prompt), SamplingParams()), 120) is None  # no room there
     assert not b.has_work() and b.pool.num_free == b.pool.num_blocks
-    assert a.migrations.begin_out("r", "dec-b", 200, [1, 2]) is not None  # not decoding here: refused, nothing held
+    assert a.migrations.begin_out("r", "dec-b", 200) is not None  # not decoding here: refused, nothing held
     assert not a.has_work()
 
 

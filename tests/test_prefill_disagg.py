@@ -47,7 +47,7 @@ def prefill_proc(ckpt, rdv, reserved_q, first_q, finished):
     reserved = dict(reserved_q.get(timeout=60) for _ in ROUTER_RESERVED)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for rid, ids in prompts().items():
-        worker.add_request(PrefillRequest(rid, tuple(ids), params, KVDestination("decode-0", reserved.get(rid))))
+        worker.add_request(PrefillRequest(rid, tuple(ids), params, KVDestination("decode-0", reserved=rid in reserved)))
     firsts, transferred, failed, steps, max_concurrent = {}, [], [], 0, 0
     deadline = time.monotonic() + 60
     while worker.has_work() and time.monotonic() < deadline:

@@ -200,8 +200,8 @@ def prefill_rank(path, rdv, rank, p, d, handoff, firsts_q):
     transferred = set()
     try:
         for _ in PROMPTS:
-            rid, prompt, params, blocks = handoff.get(timeout=60)
-            worker.add_request(PrefillRequest(rid, prompt, params, KVDestination("decode-0", tuple(blocks))))
+            rid, prompt, params, reserved = handoff.get(timeout=60)
+            worker.add_request(PrefillRequest(rid, prompt, params, KVDestination("decode-0", reserved=reserved)))
         while len(transferred) < len(PROMPTS):
             out = worker.step()
             assert not out.failed, out.failed
@@ -229,8 +229,8 @@ def decode_rank(path, rdv, rank, p, d, handoff):
     outs: dict[tuple[str, int], list[int]] = {}
     try:
         for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
-            blocks = worker.add_remote(DecodeRequest(f"r{i}", tuple(prompt), params))
-            handoff.put((f"r{i}", prompt, params, blocks))
+            reserved = worker.add_remote(DecodeRequest(f"r{i}", tuple(prompt), params))
+            handoff.put((f"r{i}", prompt, params, reserved))
         finished = set()
         while len(finished) < sum(p.num_sequences for p in _params()):
             for d_ in worker.step():
