@@ -18,33 +18,29 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import ray
+import torch
+
+from controller.actor_messages import ColocatedRequest, WorkerCrashed
 from controller.step_gate import StepGate
-
-if TYPE_CHECKING:
-    from modeling.params import SamplingParams
+from decode_worker.messages import TokenDelta
+from decode_worker.worker import DecodeWorker
+from decode_worker.worker import follower as decode_follower
+from kv_transfer.channel import Rendezvous, TransferConfig
+from kv_transfer.heads import rank_peer_id
+from modeling.engine import ReferenceEngine
+from modeling.engine import follower as engine_follower
+from modeling.forks import split_sequence_id
+from modeling.tp import TPShard
+from modeling.tp_group import TPGroup, TPGroupConfig
+from prefill_worker.worker import PrefillWorker
+from prefill_worker.worker import follower as prefill_follower
 
 log = logging.getLogger("magicserve.actors")
 
 # How long the loop thread sleeps when its worker has nothing to do.
 _IDLE_SLEEP_S = 0.002
-
-
-@dataclass(frozen=True)
-class WorkerCrashed:
-    """The worker loop raised; the actor stops serving (the router treats it as dead)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class ColocatedRequest:
-    """One request for a colocated instance: prefill and decode both run there (no KV hand-off)."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
 
 
 def _scheduler_status(instance_id: str, role: str, worker) -> dict:
@@ -132,9 +128,6 @@ class RankSpec:
 
     def form(self, instance_id: str, device: str):
         """Join the instance's group (blocks until every rank has joined)."""
-        from kv_transfer.channel import Rendezvous
-        from modeling.tp import TPShard
-        from modeling.tp_group import TPGroup, TPGroupConfig
 
         store = Rendezvous(self.host, self.port).connect()
         config = TPGroupConfig(collective_timeout_s=self.collective_timeout_s, interface_host=self.host)
@@ -150,9 +143,7 @@ class PrefillActor(_LoopActor):
     instance's rank 0 (the other ranks are :class:`RankFollowerActor`)."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
-        import torch
 
-        from prefill_worker.worker import PrefillWorker
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
@@ -162,7 +153,6 @@ class PrefillActor(_LoopActor):
     def connect(self, decode_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
         """Form the KV channels to a decode instance of ``peer_tp`` ranks (blocks until they join; not under
         the loop lock)."""
-        from kv_transfer.channel import Rendezvous
 
         self.worker.connect(decode_id, Rendezvous(host, port), generation, decode_tp=peer_tp)
 
@@ -190,10 +180,7 @@ class DecodeActor(_LoopActor):
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
                  tp: RankSpec | None = None):
-        import torch
 
-        from decode_worker.worker import DecodeWorker
-        from kv_transfer.channel import TransferConfig
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
@@ -202,7 +189,6 @@ class DecodeActor(_LoopActor):
         self._start_loop(f"decode-loop-{instance_id}")
 
     def connect(self, prefill_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
-        from kv_transfer.channel import Rendezvous
 
         self.worker.connect(prefill_id, Rendezvous(host, port), generation, prefill_tp=peer_tp)
 
@@ -221,7 +207,6 @@ class DecodeActor(_LoopActor):
                           destination_tp: int = 1) -> None:
         """Form the channels this instance migrates requests to ``destination`` over (blocks until the
         destination's ``connect`` joins; not under the loop lock)."""
-        from kv_transfer.channel import Rendezvous
 
         self.worker.migrations.connect(destination, Rendezvous(host, port), generation, destination_tp)
 
@@ -275,9 +260,7 @@ class ColocatedActor(_LoopActor):
     request that sampled a token; a request's first delta carries its first token."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
-        import torch
 
-        from modeling.engine import ReferenceEngine
 
         torch.set_num_threads(threads)
         self.instance_id = instance_id
@@ -302,8 +285,6 @@ class ColocatedActor(_LoopActor):
         return self.engine.pass_log
 
     def _step(self) -> list:
-        from decode_worker.messages import TokenDelta
-        from modeling.forks import split_sequence_id
 
         if not self.engine.has_unfinished():
             return []
@@ -328,25 +309,17 @@ class RankFollowerActor:
 
     def __init__(self, role: str, model_path: str, config, instance_id: str, threads: int, tp: RankSpec,
                  transfer_config=None):
-        import torch
 
-        from kv_transfer.heads import rank_peer_id
 
         torch.set_num_threads(threads)
         self.instance_id = rank_peer_id(instance_id, tp.rank, tp.size)
         group = tp.form(instance_id, config.device)
         if role == "prefill":
-            from prefill_worker.worker import follower
-
-            self.follower = follower(model_path, config, group, instance_id)
+            self.follower = prefill_follower(model_path, config, group, instance_id)
         elif role == "decode":
-            from decode_worker.worker import follower
-
-            self.follower = follower(model_path, config, group, instance_id, transfer_config)
+            self.follower = decode_follower(model_path, config, group, instance_id, transfer_config)
         else:
-            from modeling.engine import follower
-
-            self.follower = follower(model_path, config, group)
+            self.follower = engine_follower(model_path, config, group)
         self._crashed: str | None = None
         self._thread = threading.Thread(target=self._serve, name=f"tp-follower-{self.instance_id}", daemon=True)
         self._thread.start()
@@ -359,7 +332,6 @@ class RankFollowerActor:
             log.error("tensor-parallel rank stopped:\n%s", self._crashed)
 
     def connect(self, peer_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
-        from kv_transfer.channel import Rendezvous
 
         self.follower.connect(peer_id, Rendezvous(host, port), generation, peer_tp)
 
@@ -367,7 +339,6 @@ class RankFollowerActor:
                           destination_tp: int = 1) -> None:
         """A decode rank's channels to the ranks of ``destination`` it sends its heads to when a request
         migrates there."""
-        from kv_transfer.channel import Rendezvous
 
         self.follower.connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
 
@@ -386,6 +357,5 @@ def ray_actor_class(cls):
     """``ray.remote`` version of an actor class: threaded (poll / submit run beside the loop). Ray does not
     restart it: the controller replaces a dead instance as a whole (every rank, new groups and channels).
     One per class: every instance and restart reuses it."""
-    import ray
 
     return ray.remote(max_concurrency=16, max_restarts=0, max_task_retries=0)(cls)

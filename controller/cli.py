@@ -18,12 +18,34 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
 import sys
+import threading
 import time
 
-from controller.config import LOCAL_CONFIG
+import grpc
+import torch
+
+from controller.client import Client
+from controller.config import LOCAL_CONFIG, load_config
 from controller.defaults import DEFAULT_MODEL_DIR, DEMO_PROMPTS, DEMO_SAMPLING
+from modeling.attention import cpu_kernel as kernel
+from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.errors import MagicServeError
+from modeling.sampling import SamplingParams
+from planner.plan_cli import add_arguments as add_plan_arguments
+from planner.plan_cli import run as run_plan
+from planner.profile_cli import run_cli as run_profile
+
+
+def serve_forever(config, **kwargs):
+    """``controller.server.serve_forever``, imported when a command starts a cluster: the server module
+    brings Ray and the worker actors, which the client commands never need."""
+    from controller.server import serve_forever as serve
+
+    return serve(config, **kwargs)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -91,8 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(run)
     run.add_argument("--prompt", required=True)
     _add_profile_parser(sub)
-    from planner.plan_cli import add_arguments as add_plan_arguments
-
     add_plan_arguments(sub.add_parser("plan", help="choose a cluster config that maximises goodput under SLOs",
                                       description="Simulate candidate configurations on a profile and write the "
                                                   "best as a cluster YAML plus a report of every candidate."))
@@ -149,18 +169,12 @@ def _add_profile_parser(sub) -> None:
 
 
 def _engine(args):
-    import torch
-
-    from modeling.engine import EngineConfig, ReferenceEngine
-
     if args.threads:
         torch.set_num_threads(args.threads)
     return ReferenceEngine(args.model, EngineConfig(dtype=args.dtype, device=args.device, kv_cache_tokens=32768))
 
 
 def cmd_run(args) -> int:
-    from modeling.sampling import SamplingParams
-
     engine = _engine(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
@@ -175,11 +189,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import asyncio
-
-    from controller.config import load_config
-    from controller.server import serve_forever
-
     server = {**({"port": args.port} if args.port is not None else {}),
               **({"http_port": args.http_port if args.http_port >= 0 else None} if args.http_port is not None else {}),
               **({"pass_log_rpc": True} if args.pass_log_rpc else {})}
@@ -196,17 +205,11 @@ def cmd_serve(args) -> int:
 
 
 def _client(args):
-    import os
-
-    from controller.client import Client
-
     token = os.environ.get(args.token_env) or os.environ.get("MAGICSERVE_TOKEN") or None
     return Client(args.address, token=token, tls_ca=args.tls_ca)
 
 
 def cmd_generate(args) -> int:
-    import grpc
-
     with _client(args) as client:
         try:
             for chunk in client.generate_stream(
@@ -227,8 +230,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_status(args) -> int:
-    import grpc
-
     with _client(args) as client:
         try:
             st = client.status()
@@ -249,8 +250,6 @@ def _print_migration(m) -> None:
 
 
 def cmd_drain(args) -> int:
-    import grpc
-
     with _client(args) as client:
         try:
             res = client.drain(args.instance, undo=args.undo, timeout_s=args.timeout)
@@ -270,8 +269,6 @@ def cmd_drain(args) -> int:
 
 
 def cmd_migrate(args) -> int:
-    import grpc
-
     with _client(args) as client:
         try:
             res = client.migrate(args.request_id, args.to, args.timeout)
@@ -284,13 +281,6 @@ def cmd_migrate(args) -> int:
 
 def cmd_demo(args) -> int:
     """Bring up the embedded cluster in this process, stream the demo prompts over real gRPC."""
-    import asyncio
-    import threading
-
-    from controller.client import Client
-    from controller.config import load_config
-    from controller.server import serve_forever
-
     config = load_config(args.config, {"server": {"port": 0, "http_port": None}})
     print(f"magicserve demo: {config.describe_pools()} on a local Ray cluster, model {config.model_path}")
     start = time.perf_counter()
@@ -338,10 +328,6 @@ def cmd_demo(args) -> int:
 def cmd_build(args) -> int:
     """Build the CPU attention kernel into the extension cache the workers load from. A failed build prints
     one line naming the fallback and still exits 0: it must not fail an install command."""
-    import os
-
-    from modeling.attention import cpu_kernel as kernel
-
     if os.environ.get(kernel.DISABLE_ENV):
         print(f"magicserve: CPU attention kernel disabled by {kernel.DISABLE_ENV}; attention uses the torch backend")
         return 0
@@ -359,20 +345,14 @@ def cmd_build(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from planner.profile_cli import run_cli
-
-    return run_cli(args)
+    return run_profile(args)
 
 
 def cmd_plan(args) -> int:
-    from planner.plan_cli import run
-
-    return run(args)
+    return run_plan(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "demo": cmd_demo, "run": cmd_run,

@@ -15,13 +15,19 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFollowerActor, RankSpec,
                                ray_actor_class)
 from controller.config import ClusterConfig
 from controller.routing import Instance
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import Rendezvous, TransferConfig
+from modeling.checkpoint import load_config
 from modeling.engine import EngineConfig
+from modeling.tp import TPShard
 from prefill_worker.config import PrefillWorkerConfig
 
 log = logging.getLogger("magicserve.cluster")
@@ -51,8 +57,6 @@ def pool_bundle(pool) -> dict:
 def place_pool(role: str, pool, timeout_s: float | None = None):
     """Reserve the pool's bundles (one per rank, PACK) in a placement group; raises ClusterError naming the
     pool and what it asked for when the cluster cannot hold them within ``timeout_s``."""
-    import ray
-    from ray.util.placement_group import placement_group
 
     bundle = pool_bundle(pool)
     group = placement_group([dict(bundle) for _ in range(pool.instances * pool.tensor_parallel)], strategy="PACK",
@@ -131,7 +135,6 @@ class Cluster:
     # -- bring-up ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        import ray
 
         self._init_ray(ray)
         model = self.config.model_path
@@ -152,8 +155,6 @@ class Cluster:
 
     def _check_parallelism(self, model: str) -> None:
         """Every pool's tensor_parallel must split the model's heads and MLP evenly."""
-        from modeling.checkpoint import load_config
-        from modeling.tp import TPShard
 
         config = load_config(model)
         for role, pool in self.config.pools.items():
@@ -179,7 +180,6 @@ class Cluster:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        import ray
 
         ray.get([i.handle.ping.remote() for i in self.instances]
                 + [f.ping.remote() for fs in self.followers.values() for f in fs])
@@ -221,7 +221,6 @@ class Cluster:
 
     def _launch(self, inst: Instance, launch: "_Launch") -> None:
         """Start every rank of ``inst`` (generation ``inst.generation``) in its bundles; returns at once."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         t, gen = launch.pool.tensor_parallel, inst.generation
         suffix = f"-g{gen}" if gen else ""  # a dead actor's name may not be free yet
@@ -251,7 +250,6 @@ class Cluster:
         """Replace every rank of ``inst`` (dead, hung or crashed) with fresh actors in the same bundles: a new
         generation, so its tensor-parallel group and KV channels form anew. Raises ClusterError once the
         instance has used its restarts or the new ranks do not come up."""
-        import ray
 
         if inst.generation >= MAX_INSTANCE_RESTARTS:
             raise ClusterError(f"{inst.role} {inst.name}: restarted {inst.generation} times already; "
@@ -293,7 +291,6 @@ class Cluster:
                 + [h.connect.remote(prefill.name, host, port, gen, p_tp) for h in self._ranks(decode)])
 
     def _connect_all(self) -> None:
-        import ray
 
         refs = [r for p in self.prefill for d in self.decode for r in self._pair_calls(p, d)]
         ray.get(refs, timeout=self.config.kv_transfer.timeout_s * 4 + 60)
@@ -347,7 +344,6 @@ class Cluster:
         return [{"name": inst.name, "role": inst.role, **log} for inst, log in zip(live, logs)]
 
     def shutdown(self) -> None:
-        import ray
 
         for handle in [h for inst in self.instances for h in self._ranks(inst)]:
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from controller.actors import ColocatedRequest
+from controller.actor_messages import ColocatedRequest
 from controller.metrics import ServingMetrics
 from controller.request_state import RequestState
 from controller.router import Router, _Active

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from controller.migration_policy import PolicyConfig
 from decode_worker.config import SpeculationConfig
 from modeling.checkpoint import DTYPES
 
@@ -276,8 +277,6 @@ class MigrationSection:
 
     def policy(self):
         """The policy's thresholds (``PolicyConfig``)."""
-        from controller.migration_policy import PolicyConfig
-
         return PolicyConfig(self.migrate_out_freeness, self.migrate_in_freeness, self.priority_headroom_blocks,
                             self.max_migrations_per_round, self.cooldown_s)
 

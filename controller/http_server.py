@@ -26,6 +26,7 @@ import json
 import logging
 import socket
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -280,18 +281,19 @@ def _router_error(err: RouterError) -> OpenAIError:
     return OpenAIError(status, str(err), code=err.code.lower())
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
 class HttpServer:
     """uvicorn serving an ASGI app on the running event loop, on a socket bound here (a port in use is an
     error naming ``server.http_port``). uvicorn installs no signal handlers: the serving process owns
     SIGINT/SIGTERM and drains."""
 
     def __init__(self, app, host: str, port: int, tls_cert: str = "", tls_key: str = ""):
-        import uvicorn
-
-        class _Server(uvicorn.Server):
-            def capture_signals(self):
-                return contextlib.nullcontext()
-
         self.host, self.port = host, port
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                                 ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None, timeout_graceful_shutdown=5)

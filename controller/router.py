@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from controller.actors import WorkerCrashed
+from controller.actor_messages import WorkerCrashed
 from controller.admission import PriorityGate
 from controller.metrics import FinishedRequest, ServingMetrics
 from controller.migrations import PendingMigration, MigrationCoordinator

@@ -16,17 +16,27 @@ import json
 import logging
 import os
 import re
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controller.config import ClusterConfig
+from controller.chat_template import ChatTemplate
+from controller.cluster import Cluster
 from controller.colocated_router import ColocatedRouter
+from controller.config import ClusterConfig
+from controller.http_server import HttpServer, OpenAIServer
+from controller.metrics import ServingMetrics
+from controller.openai_protocol import OpenAIProtocol
 from controller.router import Router
 from controller.routing import Delta, Final, RouterError
+from modeling.checkpoint import load_config as load_model_config
 from modeling.errors import InvalidRequestError
 from modeling.params import SamplingParams
 from modeling.tokenizer import TextTokenizer
@@ -337,8 +347,6 @@ def add_servicer(servicer, server) -> None:
     """Register the MagicServe methods, as the generated ``add_MagicServeServicer_to_server`` does, but
     decoding each request ourselves: a body that is not the method's message is INVALID_ARGUMENT naming
     the expected type (grpc's own deserializer failure would reach the client as an opaque error)."""
-    from google.protobuf.message_factory import GetMessageClass
-
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["MagicServe"].methods:
         request_cls, response_cls = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
@@ -393,10 +401,6 @@ class BoundPorts:
 
 
 def _openai_server(config: ClusterConfig, router: Router, metrics, tokenizer: TextTokenizer, mc, status_fn):
-    from controller.chat_template import ChatTemplate
-    from controller.http_server import OpenAIServer
-    from controller.openai_protocol import OpenAIProtocol
-
     lim = config.limits
     protocol = OpenAIProtocol(metrics.model_name, tokenizer, ChatTemplate.from_checkpoint(config.model_path),
                               mc.vocab_size, lim.max_prompt_tokens, lim.max_tokens, mc.max_position_embeddings)
@@ -406,13 +410,6 @@ def _openai_server(config: ClusterConfig, router: Router, metrics, tokenizer: Te
 async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: asyncio.Event | None = None) -> None:
     """Bring up the cluster and serve gRPC and the HTTP front until ``stop_event`` (or SIGINT/SIGTERM);
     drains on the way out. ``ready_callback(BoundPorts)`` once both listen."""
-    import signal
-
-    from controller.cluster import Cluster
-    from controller.http_server import HttpServer
-    from controller.metrics import ServingMetrics
-    from modeling.checkpoint import load_config as load_model_config
-
     cluster = Cluster(config)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, cluster.start)
@@ -461,9 +458,6 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
 def serving(config: ClusterConfig, start_timeout_s: float = 180.0):
     """Serve ``config`` (``server.port: 0`` / ``http_port: 0`` pick free ports) on a background thread;
     yields the ``BoundPorts`` and drains and shuts the cluster down on exit (profiler calibration, tests)."""
-    import threading
-    import time
-
     ready, state = [], {}
 
     def run():
