@@ -79,7 +79,7 @@ def choose_draft_tokens(seqs: list[Sequence], logits: torch.Tensor, proposal: Pr
     for b, seq in enumerate(seqs):
         params = seq.sampler.params
         raw = logits[b : b + 1]
-        row = processed_logits(seq.sampler, raw, list(seq.output_ids) + proposal.tokens[b])
+        row = processed_logits(seq.sampler, raw, seq.tokens, proposal.tokens[b])
         if params.greedy:
             tok = greedy[b] if row is raw else int(torch.argmax(row[0]).item())
         else:

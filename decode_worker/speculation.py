@@ -104,7 +104,7 @@ class Speculator:
         t0 = time.perf_counter()
         logits = self.runner.run([StepInput([s.tokens[-1]], len(s.tokens) - 1, s.block_table.blocks) for s in seqs])
         self._observe_target(seqs, 0, time.perf_counter() - t0)
-        verdicts = [Verdict(0, [s.sampler.choose(logits[i], s.output_ids)]) for i, s in enumerate(seqs)]
+        verdicts = [Verdict(0, [s.sampler.choose(logits[i], s.tokens)]) for i, s in enumerate(seqs)]
         return verdicts, logits.unsqueeze(1)
 
     def _speculate(self, seqs: list[Sequence], k: int) -> tuple[list[Verdict], torch.Tensor]:
@@ -134,7 +134,7 @@ class Speculator:
         for i, s in enumerate(seqs):
             params, drafts = s.sampler.params, proposal.tokens[i]
             raw = logits[i]
-            processed = processed_logits(s.sampler, raw, s.output_ids, drafts)
+            processed = processed_logits(s.sampler, raw, s.tokens, drafts)
             if params.greedy:
                 best = raw_argmax[i] if processed is raw else torch.argmax(processed, dim=-1).tolist()
                 verdicts.append(verify_greedy(drafts, best))

@@ -182,9 +182,9 @@ class DecodeWorker:
         forks = []
         for i in range(1, params.num_sequences):
             sampler = seq.sampler.for_sequence(i)
-            forks.append((i, sampler.choose(logits[0], []), sampler))
+            forks.append((i, sampler.choose(logits[0], seq.tokens), sampler))
         children = self._fork(live, forks, None)
-        token = seq.sampler.choose(logits[0], [])
+        token = seq.sampler.choose(logits[0], seq.tokens)
         pairs = [(live, token)] + [(c, f[1]) for c, f in zip(children, forks)]
         return [self._start(lv, tok, self._logprobs(lv.seq, logits[:1], [tok])) for lv, tok in pairs]
 

@@ -191,9 +191,10 @@ class ReferenceEngine:
         if not chunks:
             return []
         t0 = time.perf_counter()
-        logits = self.runner.run([self._step_input(c, self._requests[c.seq.request_id]) for c in chunks])
+        inputs = [self._step_input(c, self._requests[c.seq.request_id]) for c in chunks]
+        logits = self.runner.run(inputs)
         self._record_pass(chunks, time.perf_counter() - t0)
-        return self._process(chunks, logits)
+        return self._process(chunks, [inp.num_logits for inp in inputs], logits)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[Completion]:
         """Run prompts to completion (all submitted at once: continuous batching does the rest)."""
@@ -261,13 +262,13 @@ class ReferenceEngine:
         self.pass_log.record("mixed", seconds, chunks=prefills, decode_seqs=len(decodes),
                              decode_kv_tokens=sum(c.start + 1 for c in decodes))
 
-    def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+    def _process(self, chunks: list[ScheduledChunk], num_logits: list[int], logits: torch.Tensor) -> list[RequestOutput]:
+        """``num_logits``: the rows of ``logits`` each chunk has, in order."""
         outputs: list[RequestOutput] = []
         row = 0
-        for chunk in chunks:
+        for chunk, rows in zip(chunks, num_logits):
             seq = chunk.seq
             req = self._requests[seq.request_id]
-            rows = self._step_input(chunk, req).num_logits
             chunk_logits = logits[row : row + rows]
             row += rows
             if rows > 1:
@@ -284,7 +285,7 @@ class ReferenceEngine:
             if params.num_sequences > 1 and not seq.output_ids and split_sequence_id(seq.request_id)[1] == 0:
                 forks = self._fork(req)  # before the first sequence's token: it may finish and free its blocks
             for r in [req] + forks:  # every sequence's first token comes from the same logits
-                token = r.seq.sampler.choose(last, r.seq.output_ids)
+                token = r.seq.sampler.choose(last, r.seq.tokens)
                 reason = r.seq.append_token(token)
                 if r.logprobs is not None:
                     r.logprobs.extend(token_logprobs(last.unsqueeze(0), [token], params.logprobs))

@@ -72,15 +72,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def history_dependent(self) -> bool:
-        """Whether a position's logits depend on the tokens before it (penalties, min_tokens)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.min_tokens > 0)
-
-    @property
     def processes_logits(self) -> bool:
-        """Whether anything changes the logits before greedy selection or temperature."""
-        return self.history_dependent or bool(self.logit_bias)
+        """Whether anything changes the logits before greedy selection or temperature (penalties,
+        min_tokens, logit_bias)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0 or bool(self.logit_bias))
 
     @property
     def num_sequences(self) -> int:

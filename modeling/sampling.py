@@ -70,36 +70,39 @@ class RequestSampler:
         gen = make_generator(fork_seed(self.params.seed, index), self.generator.device)
         return RequestSampler(self.params, gen, self.prompt_ids, self.eos_token_ids)
 
-    def choose(self, logits: torch.Tensor, output_ids: Seq[int] = ()) -> int:
-        """logits: float32 [V] at the position after ``output_ids`` (the tokens generated so far) -> the
-        next token id."""
-        row = processed_logits(self, logits.unsqueeze(0), output_ids)
+    def choose(self, logits: torch.Tensor, tokens: Seq[int]) -> int:
+        """logits: float32 [V] at the position after ``tokens`` (the sequence so far, prompt first) -> the next
+        token id."""
+        row = processed_logits(self, logits.unsqueeze(0), tokens)
         if self.params.greedy:
             return int(torch.argmax(row[0]).item())
         return sample_from(target_probs(row, self.params)[0], self.generator)
 
 
-def processed_logits(sampler: RequestSampler, logits: torch.Tensor, output_ids: Seq[int],
+def processed_logits(sampler: RequestSampler, logits: torch.Tensor, tokens: Seq[int],
                      drafted: Seq[int] = ()) -> torch.Tensor:
-    """Logit bias, min_tokens and penalties applied. logits: float32 [N, V], row j at the position after
-    ``output_ids + drafted[:j]`` (N <= len(drafted) + 1). Returns the input itself when nothing applies."""
+    """Logit bias, min_tokens and penalties applied. logits: float32 [N, V] (N <= len(drafted) + 1) at the
+    positions after ``tokens`` (the sequence so far, prompt first, as it is held: its output is copied only
+    when a penalty needs it) and the drafted tokens: the last row sees every drafted token, each row before
+    it one fewer (a verification pass of k drafts has row j after ``drafted[:j]``; a draft step, one row
+    after all its drafts so far). Returns the input itself when nothing applies."""
     params = sampler.params
     if not params.processes_logits:
         return logits
     n, vocab = logits.shape
     device = logits.device
+    seen_before = len(drafted) - (n - 1)  # drafted tokens the first row sees
     out = logits.clone()
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=device)
         out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=device)
-    if params.min_tokens:
-        held = sampler.held_back_ids
-        for j in range(n):
-            if len(output_ids) + j < params.min_tokens and held:
-                out[j, held] = float("-inf")
-    if params.history_dependent and (params.repetition_penalty != 1.0 or params.presence_penalty
-                                     or params.frequency_penalty):
-        counts = _output_counts(output_ids, drafted, n, vocab, device)  # [N, V]
+    num_output = len(tokens) - len(sampler.prompt_ids) + seen_before  # before the first row
+    held = sampler.held_back_ids if num_output < params.min_tokens else []
+    if held:
+        out[: params.min_tokens - num_output, held] = float("-inf")
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        outputs = list(tokens[len(sampler.prompt_ids):]) + list(drafted[:seen_before])
+        counts = _output_counts(outputs, drafted[seen_before:], n, vocab, device)  # [N, V]
         if params.repetition_penalty != 1.0:
             seen = counts > 0
             seen[:, sampler.prompt_tensor(device)] = True

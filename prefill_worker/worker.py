@@ -271,7 +271,7 @@ class PrefillWorker:
                 del self._requests[seq.request_id]
                 continue
             last = chunk_logits[-1:]
-            token = seq.sampler.choose(last[0], [])
+            token = seq.sampler.choose(last[0], seq.tokens)
             seq.append_token(token)
             forks = [self._fork_start(seq, i, last[0]) for i in range(1, params.num_sequences)]
             firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt,
@@ -294,7 +294,7 @@ class PrefillWorker:
         """Sequence ``index`` of a request (n > 1): its first token, drawn from the prompt's last logits with
         its own generator, and the generator's state after it (the decode side continues from there)."""
         sampler = seq.sampler.for_sequence(index)
-        token = sampler.choose(logits, [])
+        token = sampler.choose(logits, seq.prompt_ids)
         return ForkStart(index, token, sampler.generator.get_state().numpy().tobytes())
 
     @staticmethod

@@ -51,12 +51,15 @@ def test_processed_logits_match_the_per_position_reference(params):
     vocab, prompt, output, drafts = 24, [1, 2, 3, 5, 5], [5, 9, 9], [4, 9, 1]
     logits = torch.randn(len(drafts) + 1, vocab, generator=g) * 3
     sampler = RequestSampler(params, prompt_ids=prompt, eos_token_ids=frozenset({2}))
-    got = processed_logits(sampler, logits, output, drafts)
+    got = processed_logits(sampler, logits, prompt + output, drafts)
     for j in range(len(drafts) + 1):
         want = reference_processed(logits[j], params, prompt, output + drafts[:j], {2})
         assert torch.equal(torch.isinf(got[j]), torch.isinf(want))
         finite = ~torch.isinf(want)
         assert torch.allclose(got[j][finite], want[finite], atol=1e-6), j
+        # a draft step: one row after the drafts so far, as the verification pass's row j sees them
+        alone = processed_logits(sampler, logits[j : j + 1], prompt + output, drafts[:j])[0]
+        assert torch.equal(torch.isinf(alone), torch.isinf(want)) and torch.allclose(alone[finite], want[finite], atol=1e-6)
 
 
 def test_plain_params_leave_logits_untouched_and_min_p_filters():
@@ -215,8 +218,8 @@ def test_sampled_speculation_under_penalties_bias_and_min_p_matches_plain_decodi
         assert chi2 < crit, (chi2, crit, a, b)
     # negative control: verification that forgets the drafts before each position is caught
     real = speculation_module.processed_logits
-    monkeypatch.setattr(speculation_module, "processed_logits", lambda sampler, logits, output_ids, drafted=(): torch.cat(
-        [real(sampler, logits[j : j + 1], output_ids) for j in range(logits.shape[0])]))
+    monkeypatch.setattr(speculation_module, "processed_logits", lambda sampler, logits, tokens, drafted=(): torch.cat(
+        [real(sampler, logits[j : j + 1], tokens) for j in range(logits.shape[0])]))
     _, distinct = histograms(small_vocab_dir, "self_sparse", n)
     chi2, crit = two_sample_chi_square(plain[1], distinct)
     assert chi2 > crit, (chi2, crit)
