@@ -298,7 +298,7 @@ class ColocatedActor(_LoopActor):
             deltas.append(TokenDelta(rid, out.new_token_ids, out.new_text, out.finished, reason,
                                      logprobs=tuple(out.logprobs or ()),
                                      prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
-                                     index=index))
+                                     index=index, position=out.position, text_offset=out.text_offset))
         return deltas
 
 

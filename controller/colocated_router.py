@@ -1,16 +1,12 @@
 """The router over colocated instances (the reference engine: prefill and decode in one instance, no KV
-transfer): everything is ``Router``'s but placement and the first token's arrival."""
+transfer): everything is ``Router``'s but placement."""
 
 from __future__ import annotations
 
-import time
-
 from controller.actor_messages import ColocatedRequest
 from controller.metrics import ServingMetrics
-from controller.request_state import RequestState
 from controller.router import Router, _Active
-from controller.routing import Delta, Instance, RouterError
-from decode_worker.messages import TokenDelta
+from controller.routing import Instance, RouterError
 
 
 class ColocatedRouter(Router):
@@ -31,14 +27,6 @@ class ColocatedRouter(Router):
         inst = self._least_loaded(self.decode)
         if inst is None:
             raise RouterError("UNAVAILABLE", "no colocated instance is alive")
-        active.decode = inst
+        active.decode, active.decoders = inst, {inst}
         inst.assigned.add(rid)
         await self._submit(active, inst, ColocatedRequest(rid, tuple(active.prompt_ids), active.params))
-
-    def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
-        if active.record.state is RequestState.PREFILLING:  # the first token: prefill is done
-            active.record.to(RequestState.DECODING)
-            active.first_token_at = active.last_token_at = time.perf_counter()
-            if self.metrics is not None:
-                self.metrics.first_token(active.first_token_at - active.arrival)
-        return super()._on_delta(active, delta)

@@ -291,8 +291,7 @@ class MigrationCoordinator:
         src, dst = m.source, m.destination
         active.migration = None
         active.decode = dst
-        active.handover, active.handover_from, active.handover_source = arrived.num_output_tokens, dst, src
-        active.handover_ids, active.handover_text = arrived.output_ids, arrived.text
+        active.decoders.add(dst)  # the source's last deltas still count: the router emits each position once
         src.assigned.discard(rid)
         dst.migrating_in.discard(rid)
         dst.assigned.add(rid)

@@ -5,13 +5,17 @@ One request, end to end (``Router.generate``):
     admit (bounded concurrency, bounded queue)  ->  hand the request to the least-loaded decode instance
     with room, which reserves its KV blocks and holds it waiting for KV  ->  prefill on the least-loaded
     prefill instance (KV and then the first token stream to that decode instance, which accepts them into
-    its reservation: no block id leaves it)  ->  first token
-    streamed  ->  the decode instance starts it once its KV and first token arrived  ->  deltas
+    its reservation: no block id leaves it)  ->  first token streamed  ->  the decode instance starts it once
+    its KV and first token arrived  ->  deltas
+
+Output is numbered by position in its sequence, whoever reports it (the prefill instance's first token, the
+decode instance's deltas, both ends of a live migration): the router emits each position once, in order
+(``controller/output_order.py``).
 
 ``ColocatedRouter`` (``controller/colocated_router.py``) serves the same API from colocated instances.
 
 A decoding request may move to another decode instance while it streams (live migration, decided by the
-router's ``migrations``: ``controller/migrations.py``). Tokens stream in order across the hand-over.
+router's ``migrations``: ``controller/migrations.py``).
 
 A failure before anything was streamed re-runs the request elsewhere (up to ``MAX_RETRIES``); after
 that the request fails with UNAVAILABLE. Nothing is dropped silently: every request ends in finished,
@@ -21,8 +25,6 @@ failed or cancelled, and the counters say how many are where.
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import itertools
 import logging
 import time
@@ -33,6 +35,7 @@ from controller.actor_messages import WorkerCrashed
 from controller.admission import PriorityGate
 from controller.metrics import FinishedRequest, ServingMetrics
 from controller.migrations import PendingMigration, MigrationCoordinator
+from controller.output_order import OutputOrder
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from controller.routing import Delta, Final, Instance, RouterError
 from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
@@ -55,20 +58,20 @@ class _Active:
     arrival: float
     prefill: Instance | None = None
     decode: Instance | None = None  # colocated: the instance that runs the request
+    # the decode instances whose output counts: the one placed on, and each a live migration moved it to
+    decoders: set = field(default_factory=set)
+    order: OutputOrder = field(default_factory=OutputOrder)  # what was streamed, per sequence
     first_token_at: float = 0.0
     last_token_at: float = 0.0
-    tokens_streamed: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     priority: int = 0
     migration: PendingMigration | None = None  # in progress, undecided
-    handover: int = 0  # after a committed migration: output tokens the source streams before the destination's
-    handover_from: Instance | None = None  # that destination
-    handover_source: Instance | None = None  # and that source
-    handover_ids: tuple[int, ...] = ()  # the source's output ids and streamed text, as the destination got them
-    handover_text: str = ""
-    text_streamed: int = 0  # characters of output text sent to the client
     finished_sequences: set = field(default_factory=set)  # n > 1: the sequences that have ended
+
+    @property
+    def tokens_streamed(self) -> int:
+        return self.order.emitted_tokens()
 
 
 class Router:
@@ -205,6 +208,7 @@ class Router:
             await self.abort_on(decode, rid)
             raise RouterError("UNAVAILABLE", "no prefill instance is alive")
         active.decode, active.prefill = decode, prefill
+        active.decoders = {decode}
         decode.assigned.add(rid)
         prefill.assigned.add(rid)
         request = PrefillRequest(rid, tuple(active.prompt_ids), active.params, KVDestination(decode.name, reserved=True))
@@ -238,116 +242,96 @@ class Router:
     async def _stream(self, active: _Active) -> AsyncIterator[Delta | Final]:
         rid = active.record.request_id
         deadline = time.monotonic() + self.request_timeout_s
-        # decode deltas that overtook the prefill instance's first token (each instance is polled on its
-        # own): held until the first token has gone out, so tokens stream in order
-        early: collections.deque = collections.deque()
         while True:
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 self._cancel_active(active, "timed out")
                 raise RouterError("DEADLINE_EXCEEDED", f"request ran longer than {self.request_timeout_s}s")
-            if early and active.record.state is not RequestState.PREFILLING and self._handed_over(active):
-                kind, payload, source = "delta", early.popleft(), None
-            else:
-                try:
-                    kind, payload, source = await asyncio.wait_for(active.events.get(), timeout)
-                except asyncio.TimeoutError:
-                    continue
-            if kind == "delta" and source is not None and source is active.handover_source and \
-                    self._handed_over(active):
-                continue  # the source's share was filled in from the destination's copy (the source died)
-            if kind == "delta" and (self.kv_transfer and active.record.state is RequestState.PREFILLING or
-                                    source is active.handover_from and not self._handed_over(active)):
-                early.append(payload)  # a migration's destination overtook its source's last tokens
+            try:
+                kind, payload, source = await asyncio.wait_for(active.events.get(), timeout)
+            except asyncio.TimeoutError:
                 continue
-            if kind == "source_lost":
-                delta = self._fill_handover(active)
-                if delta is not None:
-                    yield delta
-                continue
+            if kind == "cancelled":
+                return
             if kind == "migration_ended":
                 if active.record.state is RequestState.MIGRATING:
                     active.record.to(RequestState.DECODING)
                 continue
-            if kind == "cancelled":
-                return
+            if kind == "failed":
+                reason, retryable = payload
+                if retryable and active.tokens_streamed == 0 and active.record.retries < MAX_RETRIES:
+                    await self._retry_or_fail(active, reason)
+                    continue
+                self._cancel_on_workers(active)
+                raise RouterError("UNAVAILABLE", f"request {rid} failed: {reason}")
             if kind == "first_token":
-                for delta in self._on_first_token(active, payload):
-                    yield delta
                 if payload.token_id is None:  # nothing to generate: the prompt was scored
+                    if active.prefill is not None:
+                        active.prefill.assigned.discard(rid)
+                    active.first_token_at = active.last_token_at = time.perf_counter()
+                    yield Delta([], "", prompt_logprobs=payload.prompt_logprobs)
                     self._end(active, RequestState.FINISHED)
                     yield self._final(active, "length")
                     return
-            elif kind == "transferred":
-                if active.record.state is RequestState.TRANSFERRING:
-                    active.record.to(RequestState.DECODING)
-            elif kind == "delta":
-                delta = self._on_delta(active, payload)
-                n = active.params.num_sequences
-                if n > 1 and payload.finished:  # one of several sequences ended: its choice closes
-                    active.finished_sequences.add(payload.index)
-                    delta = dataclasses.replace(delta or Delta([], "", index=payload.index),
-                                                finish_reason=payload.finish_reason or "stop")
-                if delta is not None:
-                    yield delta
-                if payload.finished and (n == 1 or len(active.finished_sequences) >= n):
-                    self._end(active, RequestState.FINISHED)
-                    yield self._final(active, payload.finish_reason)
-                    return
-            elif kind == "failed":
-                reason, retryable = payload
-                if retryable and active.tokens_streamed == 0 and active.record.retries < MAX_RETRIES:
-                    early.clear()  # the re-run streams afresh
-                    await self._retry_or_fail(active, reason)
-                else:
-                    self._cancel_on_workers(active)
-                    raise RouterError("UNAVAILABLE", f"request {rid} failed: {reason}")
+                if active.record.state is RequestState.PREFILLING:
+                    active.record.to(RequestState.TRANSFERRING)
+                pieces = self._first_tokens(rid, payload)
+            elif source in active.decoders:  # a delta
+                self._decoding(active)
+                pieces = [payload]
+            else:
+                continue  # from an instance the request left (a re-run elsewhere)
+            for piece in pieces:
+                for cut in active.order.accept(piece):
+                    delta = self._emit(active, cut)
+                    if delta is not None:
+                        yield delta
+                    n = active.params.num_sequences
+                    if cut.finished and (n == 1 or len(active.finished_sequences) >= n):
+                        self._end(active, RequestState.FINISHED)
+                        yield self._final(active, cut.finish_reason)
+                        return
 
     @staticmethod
-    def _handed_over(active: _Active) -> bool:
-        return active.handover_from is None or active.tokens_streamed >= active.handover
+    def _first_tokens(rid: str, first: FirstToken) -> list[TokenDelta]:
+        """The first token of each sequence as prefill sampled it, as output pieces at position 0 (their text
+        comes with the decode instance's first delta of that sequence, which repeats the token)."""
+        pieces = [TokenDelta(rid, [first.token_id], "", False, logprobs=() if first.logprob is None else (first.logprob,),
+                             prompt_logprobs=first.prompt_logprobs)]
+        pieces += [TokenDelta(rid, [token], "", False, logprobs=() if lp is None else (lp,), index=index)
+                   for index, token, lp in first.forks]
+        return pieces
 
-    def _fill_handover(self, active: _Active) -> Delta | None:
-        """A migration's source died before the router read its last tokens: stream them from the copy the
-        destination reported (``MigrationArrived``), so the destination's tokens follow without a gap."""
-        if self._handed_over(active) or active.handover_source is None:
-            return None
-        ids = list(active.handover_ids[active.tokens_streamed:active.handover])
-        text = active.handover_text[active.text_streamed:]
-        return self._on_delta(active, TokenDelta(active.record.request_id, ids, text, False))
-
-    def _on_first_token(self, active: _Active, first: FirstToken) -> list[Delta]:
-        """The first token of each sequence, as prefill sampled it (its text comes with the decode worker's
-        first delta of that sequence)."""
-        active.first_token_at = active.last_token_at = time.perf_counter()
-        if first.token_id is None:
-            if active.prefill is not None:
-                active.prefill.assigned.discard(active.record.request_id)
-            return [Delta([], "", prompt_logprobs=first.prompt_logprobs)]
-        active.record.to(RequestState.TRANSFERRING)
-        active.tokens_streamed = 1 + len(first.forks)
-        if self.metrics is not None:
-            self.metrics.first_token(active.first_token_at - active.arrival)
-        deltas = [Delta([first.token_id], "", () if first.logprob is None else (first.logprob,), first.prompt_logprobs)]
-        deltas += [Delta([token], "", () if lp is None else (lp,), index=index) for index, token, lp in first.forks]
-        return deltas
-
-    def _on_delta(self, active: _Active, delta: TokenDelta) -> Delta | None:
-        if active.record.state is RequestState.TRANSFERRING:
+    def _decoding(self, active: _Active) -> None:
+        """A decode instance reported output: the request decodes (its transfer, if any, is complete)."""
+        state = active.record.state
+        if state is RequestState.PREFILLING and self.kv_transfer:
+            active.record.to(state := RequestState.TRANSFERRING)
+        if state in (RequestState.PREFILLING, RequestState.TRANSFERRING):
             active.record.to(RequestState.DECODING)
-        ids = list(delta.token_ids)
-        active.tokens_streamed += len(ids)
-        active.text_streamed += len(delta.text)
-        active.draft_tokens += delta.draft_tokens
-        active.accepted_tokens += delta.accepted_tokens
+
+    def _emit(self, active: _Active, piece: TokenDelta) -> Delta | None:
+        """The client's delta for an output piece cut to what was not streamed yet (None: nothing to send)."""
+        ids = list(piece.token_ids)
+        active.draft_tokens += piece.draft_tokens
+        active.accepted_tokens += piece.accepted_tokens
         if ids:
             now = time.perf_counter()
-            if self.metrics is not None and active.tokens_streamed > len(ids):  # not the request's first token
-                self.metrics.tokens(len(ids), now - active.last_token_at)
-            active.last_token_at = now
-        if not ids and not delta.text and delta.prompt_logprobs is None:
+            if not active.first_token_at:
+                active.first_token_at = active.last_token_at = now
+                if self.metrics is not None:
+                    self.metrics.first_token(now - active.arrival)
+            elif piece.position > 0:  # a sequence's first token is no step of its own
+                if self.metrics is not None:
+                    self.metrics.tokens(len(ids), now - active.last_token_at)
+                active.last_token_at = now
+        finish_reason = None
+        if active.params.num_sequences > 1 and piece.finished:  # one of several sequences ended: its choice closes
+            active.finished_sequences.add(piece.index)
+            finish_reason = piece.finish_reason or "stop"
+        if not ids and not piece.text and piece.prompt_logprobs is None and finish_reason is None:
             return None
-        return Delta(ids, delta.text, tuple(delta.logprobs), delta.prompt_logprobs, delta.index)
+        return Delta(ids, piece.text, tuple(piece.logprobs), piece.prompt_logprobs, piece.index, finish_reason)
 
     def _final(self, active: _Active, reason: str | None) -> Final:
         n = active.tokens_streamed
@@ -367,6 +351,7 @@ class Router:
         if active.record.retries >= MAX_RETRIES:
             raise RouterError("UNAVAILABLE", f"request {rid} failed after {MAX_RETRIES} retries: {reason}")
         active.record.to(RequestState.QUEUED, reason)
+        active.order, active.decoders = OutputOrder(), set()  # the re-run streams afresh
         await self._place(active)
 
     def _cancel_active(self, active: _Active, reason: str) -> None:
@@ -441,8 +426,7 @@ class Router:
         if isinstance(item, PrefillStepOutput):
             for ft in item.first_tokens:
                 self._send(ft.request_id, "first_token", ft)
-            for rid in item.transferred:
-                self._send(rid, "transferred", None)
+            for rid in item.transferred:  # the decode instance holds its KV now
                 inst.assigned.discard(rid)
             for f in item.failed:
                 self._send(f.request_id, "failed", (f.reason, f.retryable))
@@ -474,9 +458,6 @@ class Router:
             for rid in list(inst.assigned):
                 self._send(rid, "failed", (reason, True))
             inst.assigned.clear()
-            for rid, active in self.active.items():  # committed away, its last tokens maybe not yet read
-                if active.handover_source is inst and not self._handed_over(active):
-                    self._send(rid, "source_lost", None)
             for rid in list(inst.migrating_in):  # migrations into it abort: their requests stay where they are
                 active = self.active.get(rid)
                 if active is not None and active.migration is not None:

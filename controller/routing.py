@@ -14,9 +14,9 @@ class RouterError(Exception):
         self.code = code
 
 
-@dataclass
+@dataclass(eq=False)
 class Instance:
-    """A worker actor as the router sees it."""
+    """A worker actor as the router sees it (one object per instance: compared and hashed by identity)."""
 
     name: str
     role: str  # "prefill" | "decode" | "colocated"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode_worker.drafters import DraftLayout, DraftModelDrafter
-from decode_worker.messages import DecodeRequest, MigrationArrived, MigrationFailed
+from decode_worker.messages import DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
 from decode_worker.migration import MigrationState, OutgoingMigration, headroom_tokens, should_stop
 from decode_worker.migration_sender import MigrationLegs
 from kv_transfer.channel import Rendezvous
@@ -115,6 +115,10 @@ class LiveMigrations:
         seq = live.seq
         seq.block_table.truncate(self.worker.pool, seq.num_tokens)
         self.worker.scheduler.start(seq)
+        # the output so far, from its start: whatever of it the router did not read from the source (should the
+        # source die first) it takes from here
+        self.worker.events.append(TokenDelta(request_id, list(seq.output_ids), live.stream.text[:live.stream.sent],
+                                             False))
         draft = self._draft_imports.pop(request_id, None)
         try:
             if draft is None or not isinstance(self.worker.drafter, DraftModelDrafter):
@@ -180,8 +184,7 @@ class LiveMigrations:
         live.stream = OutputStream.for_sequence(seq, self.worker.tokenizer)
         live.stream.push(seq.output_ids, None)  # the text state as the source had it ...
         live.stream.sent = state.text_sent  # ... of which this much was streamed
-        return MigrationArrived(seq.request_id, len(state.output_ids), tuple(state.output_ids),
-                                live.stream.text[:state.text_sent])
+        return MigrationArrived(seq.request_id, len(state.output_ids))
 
     def poll(self) -> list:
         """Failures of outgoing migrations' transfers on any rank (the request stays here until the router

@@ -29,9 +29,11 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New tokens of one request from one step, and their text. The first delta of a request whose first
-    token came from a prefill worker carries no token id (the router streamed it already) but that token's
-    text. ``finish_reason`` is 'stop' | 'length' | 'abort' when finished."""
+    """New tokens of one sequence of a request from one step, and their text, numbered by where they sit:
+    ``position`` is the output position of ``token_ids[0]``, ``text_offset`` the characters of the sequence's
+    text before ``text``. Pieces may repeat what another end already reported (the first token, which the
+    prefill worker sampled; a migration's catch-up): the router emits each position once
+    (``controller/output_order.py``). ``finish_reason`` is 'stop' | 'length' | 'abort' when finished."""
 
     request_id: str
     token_ids: list[int]
@@ -44,6 +46,8 @@ class TokenDelta:
     # a colocated instance's first delta of a request that asked for the prompt's log-probabilities
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     index: int = 0  # the request's sequence these tokens belong to (n > 1; ``request_id`` is the request's)
+    position: int = 0
+    text_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,15 +63,11 @@ class DecodeFailure:
 @dataclass(frozen=True)
 class MigrationArrived:
     """A migrating request's KV and state are complete on its destination, which holds it until the router
-    commits (then it decodes there) or aborts (then it is freed there). ``num_output_tokens``: output tokens
-    the source produced before it stopped (the router streams all of them before any from here)."""
+    commits (then it decodes there, its first delta repeating the whole output so far) or aborts (then it is
+    freed there). ``num_output_tokens``: output tokens the source produced before it stopped."""
 
     request_id: str
     num_output_tokens: int
-    # what the source streamed before it stopped: every output id and the text sent (the router fills in
-    # from these what it had not read from the source, should the source die before it is read)
-    output_ids: tuple[int, ...] = ()
-    text: str = ""
 
 
 @dataclass(frozen=True)

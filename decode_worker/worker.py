@@ -142,8 +142,8 @@ class DecodeWorker:
             self.pool.free(self._fork_blocks.pop(request_id, []))
 
     def kv_received(self, kv: ReceivedKV) -> list[TokenDelta]:
-        """The prompt's KV and first token arrived: the request starts decoding. Its delta carries the
-        first token's text but not its id (the router streamed the id when prefill sampled it)."""
+        """The prompt's KV and first token arrived: the request starts decoding from the first token (the
+        router streamed its id when prefill sampled it; this delta repeats it at position 0, with its text)."""
         live = self.requests[kv.request_id]
         seq = live.seq
         if kv.request_id in self.migrations.incoming:
@@ -167,8 +167,7 @@ class DecodeWorker:
             forks.append((f.index, f.token, sampler))
         children = self._fork(live, forks, self._fork_blocks.pop(kv.request_id, None))
         # the forks first: the first sequence may finish at its first token and free the blocks they share
-        deltas = [self._start(live, kv.first_token)] + [self._start(c, f[1]) for c, f in zip(children, forks)]
-        return [dataclasses.replace(d, token_ids=[]) for d in deltas]
+        return [self._start(live, kv.first_token)] + [self._start(c, f[1]) for c, f in zip(children, forks)]
 
     def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[TokenDelta]:
         """Prefill on this worker, then decode (tests, benchmarks, single-process use)."""
@@ -401,6 +400,7 @@ class DecodeWorker:
         target's [k + 1, V] at the verified positions (the log-probabilities reported come from them)."""
         seq = live.seq
         n = len(seq.tokens)
+        position, text_offset = n - seq.num_prompt, live.stream.sent
         appended: list[int] = []
         reason = None
         for tok in verdict.tokens:
@@ -424,7 +424,7 @@ class DecodeWorker:
             self.drafter.on_verified(seq, seq.num_computed)
         rid, index = split_sequence_id(seq.request_id)
         return TokenDelta(rid, appended, text, reason is not None, reason.value if reason is not None else None, k,
-                          verdict.num_accepted, logprobs, index=index)
+                          verdict.num_accepted, logprobs, index=index, position=position, text_offset=text_offset)
 
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> tuple:
@@ -482,6 +482,7 @@ class DecodeWorker:
         """Start decoding a sequence whose prompt is computed, from its first token."""
         seq = live.seq
         self.scheduler.start(seq)
+        position, text_offset = len(seq.tokens) - seq.num_prompt, live.stream.sent
         reason = seq.append_token(first_token)
         text, reason = live.stream.push([first_token], reason)
         self.metrics.tokens += 1
@@ -491,7 +492,7 @@ class DecodeWorker:
             self.drafter.admit(seq)
         rid, index = split_sequence_id(seq.request_id)
         return TokenDelta(rid, [first_token], text, reason is not None, reason.value if reason is not None else None,
-                          logprobs=logprobs, index=index)
+                          logprobs=logprobs, index=index, position=position, text_offset=text_offset)
 
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         seq = live.seq

@@ -63,6 +63,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first output, when asked for
+    position: int = 0  # output position of new_token_ids[0]
+    text_offset: int = 0  # characters of the sequence's text before new_text
 
 
 @dataclass
@@ -323,6 +325,7 @@ class ReferenceEngine:
         now = time.perf_counter()
         if not req.first_token_at:
             req.first_token_at = now
+        position, text_offset = len(seq.tokens) - seq.num_prompt - len(tokens), req.stream.sent
         new_text, reason = req.stream.push(tokens, reason)
         if reason is not None:
             req.finished_at = now
@@ -332,7 +335,8 @@ class ReferenceEngine:
             prompt_logprobs = req.prompt_scorer.logprobs
         req.emitted = True
         logprobs = None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(tokens):]
-        return RequestOutput(seq.request_id, tokens, new_text, reason is not None, reason, logprobs, prompt_logprobs)
+        return RequestOutput(seq.request_id, tokens, new_text, reason is not None, reason, logprobs, prompt_logprobs,
+                             position, text_offset)
 
 
 def follower(model_path: str, config: EngineConfig, tp: TPGroup) -> TPFollower:

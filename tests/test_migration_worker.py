@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from controller.output_order import OutputOrder
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
 from decode_worker.migration import MigrationState, headroom_tokens, should_stop
@@ -59,6 +60,7 @@ class Run:
         self.sources: dict[str, list[str]] = {}
         self.finished: dict[str, str] = {}
         self.events: list = []
+        self.orders: dict[str, OutputOrder] = {}
 
     def add(self, rid, prompt, params):
         self._take("a", self.pair.a.add_local(rid, prompt, params))
@@ -69,13 +71,14 @@ class Run:
 
     def _take(self, where, items):
         for item in items:
-            if isinstance(item, TokenDelta):
-                self.tokens.setdefault(item.request_id, []).extend(item.token_ids)
-                self.text[item.request_id] = self.text.get(item.request_id, "") + item.text
-                if item.token_ids:
-                    self.sources.setdefault(item.request_id, []).append(where)
-                if item.finished:
-                    self.finished[item.request_id] = item.finish_reason
+            if isinstance(item, TokenDelta):  # each output position once, in order, as the router emits them
+                for cut in self.orders.setdefault(item.request_id, OutputOrder()).accept(item):
+                    self.tokens.setdefault(cut.request_id, []).extend(cut.token_ids)
+                    self.text[cut.request_id] = self.text.get(cut.request_id, "") + cut.text
+                    if cut.token_ids:
+                        self.sources.setdefault(cut.request_id, []).append(where)
+                    if cut.finished:
+                        self.finished[cut.request_id] = cut.finish_reason
             else:
                 self.events.append((where, item))
 

@@ -1,10 +1,11 @@
-"""The router's hand-over after a committed migration when the source dies before its last tokens were read.
+"""The router's stream across a committed migration when the source dies before its last tokens were read.
 
 The window is the few milliseconds between the source's stop-and-copy and the router's next poll of it, which
 no real run can hit on purpose; so this drives the router's own stream logic (``Router._stream``,
 ``Router._fail_instance``) with the events its polls would deliver. The client must get every token once, in
-order, with its text: the source's unread tail is filled in from the copy the destination reported, the
-destination's tokens follow, and anything the source sends afterwards is dropped."""
+order, with its text: the destination's first delta repeats the output so far (its catch-up), which fills in
+the source's unread tail; the destination's tokens follow, and anything the source sends afterwards is
+dropped."""
 
 from __future__ import annotations
 
@@ -18,34 +19,44 @@ from decode_worker.messages import TokenDelta
 from modeling.sampling import SamplingParams
 
 
-def _stream_with_source_death(die: bool) -> list:
+def _piece(ids, text, position, offset, finished=False):
+    return TokenDelta("r", ids, text, finished, "length" if finished else None, position=position, text_offset=offset)
+
+
+def _stream_with_source_death(die: bool, catch_up_first: bool = False) -> list:
     async def scenario() -> list:
         router = Router([], [], max_concurrent=4, max_queue=4)
         src, dst = Instance("decode-0", "decode", None), Instance("decode-1", "decode", None)
         src.assigned.add("r")
         active = _Active(RequestRecord("r", router.counters), [1, 2, 3], SamplingParams(max_tokens=8),
-                         asyncio.Queue(), time.perf_counter())
-        for state in (RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.DECODING):
+                         asyncio.Queue(), time.perf_counter(), decode=src, decoders={src})
+        for state in (RequestState.PREFILLING, RequestState.TRANSFERRING):
             active.record.to(state)
-        active.tokens_streamed = 1  # the first token (10) came from prefill
+        active.order.accept(_piece([10], "", 0, 0))  # the first token (10) came from prefill
         router.active["r"] = active
         q = active.events
-        q.put_nowait(("delta", TokenDelta("r", [], "a", False), src))  # the first token's text
-        q.put_nowait(("delta", TokenDelta("r", [11, 12], "bc", False), src))
-        # the commit (``_on_migration_arrived``): the source produced 5 tokens, then stopped; 13 and 14 are
-        # still unread in its outbox
+        q.put_nowait(("delta", _piece([10], "a", 0, 0), src))  # the decode instance repeats it, with its text
+        q.put_nowait(("delta", _piece([11, 12], "bc", 1, 1), src))
+        # the commit (``MigrationCoordinator.on_arrived``): the source produced 5 tokens, then stopped; 13 and
+        # 14 are still unread in its outbox
         src.assigned.discard("r")
         dst.assigned.add("r")
         active.decode = dst
-        active.handover, active.handover_from, active.handover_source = 5, dst, src
-        active.handover_ids, active.handover_text = (10, 11, 12, 13, 14), "abcde"
-        q.put_nowait(("delta", TokenDelta("r", [15, 16], "fg", False), dst))  # the destination runs ahead
+        active.decoders.add(dst)
+        catch_up = ("delta", _piece([10, 11, 12, 13, 14], "abcde", 0, 0), dst)
+        if catch_up_first:
+            q.put_nowait(catch_up)
+        q.put_nowait(("delta", _piece([15, 16], "fg", 5, 5), dst))  # the destination runs ahead
         if die:
             router._fail_instance(src, "decode-0 crashed")
-            q.put_nowait(("delta", TokenDelta("r", [13], "d", False), src))  # a late read: must not repeat
+            q.put_nowait(catch_up)
+            q.put_nowait(("delta", _piece([13], "d", 3, 3), src))  # a late read: must not repeat
         else:
-            q.put_nowait(("delta", TokenDelta("r", [13, 14], "de", False), src))
-        q.put_nowait(("delta", TokenDelta("r", [17], "h", True, "length"), dst))
+            q.put_nowait(("delta", _piece([13, 14], "de", 3, 3), src))
+            if not catch_up_first:
+                q.put_nowait(catch_up)
+        q.put_nowait(("delta", _piece([17], "h", 7, 7, finished=True), dst))
+
         async def collect() -> list:
             return [item async for item in router._stream(active)]
 
@@ -68,4 +79,9 @@ def test_source_death_after_commit_streams_every_token_once():
 
 def test_without_a_death_the_source_streams_its_own_tail():
     ids, text, reason = _ids_and_text(_stream_with_source_death(die=False))
+    assert ids == [11, 12, 13, 14, 15, 16, 17] and text == "abcdefgh" and reason == "length"
+
+
+def test_the_catch_up_read_before_the_source_tail_makes_it_a_duplicate():
+    ids, text, reason = _ids_and_text(_stream_with_source_death(die=False, catch_up_first=True))
     assert ids == [11, 12, 13, 14, 15, 16, 17] and text == "abcdefgh" and reason == "length"
