@@ -475,10 +475,16 @@ def serving(config: ClusterConfig, start_timeout_s: float = 180.0):
     while not ready and thread.is_alive() and time.time() < deadline:
         time.sleep(0.1)
     if not ready:
-        if "loop" in state:
-            state["loop"].call_soon_threadsafe(state["stop"].set)
+        if "loop" in state:  # still starting: stop it
+            try:
+                state["loop"].call_soon_threadsafe(state["stop"].set)
+            except RuntimeError:  # the thread ended (its loop is closed): its error says why
+                pass
         thread.join(timeout=60)
-        raise RuntimeError(f"server did not start within {start_timeout_s:.0f} s: {state.get('error')}")
+        error = state.get("error")
+        if error is not None:
+            raise RuntimeError(f"server failed to start: {type(error).__name__}: {error}") from error
+        raise RuntimeError(f"server did not start within {start_timeout_s:.0f} s")
     try:
         yield ready[0]
     finally:

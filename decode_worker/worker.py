@@ -143,7 +143,7 @@ class DecodeWorker:
 
     def kv_received(self, kv: ReceivedKV) -> list[TokenDelta]:
         """The prompt's KV and first token arrived: the request starts decoding from the first token (the
-        router streamed its id when prefill sampled it; this delta repeats it at position 0, with its text)."""
+        router streams its id, with its log-probability, from prefill; the delta here carries its text)."""
         live = self.requests[kv.request_id]
         seq = live.seq
         if kv.request_id in self.migrations.incoming:
@@ -167,7 +167,10 @@ class DecodeWorker:
             forks.append((f.index, f.token, sampler))
         children = self._fork(live, forks, self._fork_blocks.pop(kv.request_id, None))
         # the forks first: the first sequence may finish at its first token and free the blocks they share
-        return [self._start(live, kv.first_token)] + [self._start(c, f[1]) for c, f in zip(children, forks)]
+        deltas = [self._start(live, kv.first_token)] + [self._start(c, f[1]) for c, f in zip(children, forks)]
+        # the router has each first token's id and log-probability from prefill: these deltas carry its text,
+        # numbered to follow it (the router holds them until the token itself has gone out)
+        return [dataclasses.replace(d, token_ids=[], position=1) for d in deltas]
 
     def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[TokenDelta]:
         """Prefill on this worker, then decode (tests, benchmarks, single-process use)."""

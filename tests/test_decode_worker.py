@@ -150,7 +150,7 @@ def test_waiting_for_kv_admit_abort_and_back_pressure(llama_dir):
     # the KV is kv_transfer's to write; here the worker's runner prefills the reserved blocks
     worker.runner.run([StepInput(prompt, 0, blocks, num_logits=0)])
     first = worker.kv_received(ReceivedKV("a", tuple(blocks), len(prompt), first_token=7))
-    assert [(d.token_ids, d.position, d.finished) for d in first] == [([7], 0, False)]  # the router cuts the repeat
+    assert [(d.token_ids, d.position, d.finished) for d in first] == [([], 1, False)]  # after prefill's token
     assert worker.num_running == 1 and worker.num_waiting_for_kv == 0
     out = worker.step()
     assert out and all(d.request_id == "a" and d.token_ids for d in out)
