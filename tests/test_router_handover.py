@@ -35,7 +35,7 @@ def _stream_with_source_death(die: bool, catch_up_first: bool = False) -> list:
         active.order.accept(_piece([10], "", 0, 0))  # the first token (10) came from prefill
         router.active["r"] = active
         q = active.events
-        q.put_nowait(("delta", _piece([10], "a", 0, 0), src))  # the decode instance repeats it, with its text
+        q.put_nowait(("delta", _piece([], "a", 1, 0), src))  # its text, from the decode instance
         q.put_nowait(("delta", _piece([11, 12], "bc", 1, 1), src))
         # the commit (``MigrationCoordinator.on_arrived``): the source produced 5 tokens, then stopped; 13 and
         # 14 are still unread in its outbox
