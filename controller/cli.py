@@ -131,7 +131,7 @@ PROFILE_HELP = """Write a hardware profile (JSON) for the planner and simulator.
   more CPU instance shapes: one process of T threads, or T rank processes (tensor parallel, gloo):
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --add-threads 2
     magicserve profile --config CLUSTER_YAML --out PROFILE.json --add-tensor-parallel 2
-  analytical (a GPU type from planner/analytical.py, TP 1/2/4/8, PP 2 where needed):
+  analytical (a GPU type from planner/analytical.py, TP 1/2/4/8 where the model fits):
     magicserve profile --analytical --gpu H100-80GB-SXM --model llama-3.1-8b|HF_CHECKPOINT_DIR --out PROFILE.json
         [--acceptance-from MEASURED.json | --acceptance self_sparse:256:0.8 ...] [--transfer-gbps 25]
 """

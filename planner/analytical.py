@@ -1,8 +1,7 @@
 """Analytical profiles of GPU clusters: cost models from a GPU type's public specs and a model's shape,
 so plans for GPU clusters can be made on a machine without those GPUs.
 
-Per forward pass on a tensor-parallel group of ``tp`` GPUs (``pp`` pipeline stages run one after the
-other, so a pass crosses all of them), each GPU moves bytes and does FLOPs:
+Per forward pass on a tensor-parallel group of ``tp`` GPUs, each GPU moves bytes and does FLOPs:
 
 * weights: every weight is read once per pass (the lm_head too; the input embedding only as gathered
   rows, so an untied input table is not counted): ``weight_bytes / tp`` per GPU;
@@ -15,7 +14,7 @@ other, so a pass crosses all of them), each GPU moves bytes and does FLOPs:
   any of these GPUs' FLOP/byte ridge, so it is memory-bound and counted as KV bytes only;
 * tensor parallelism: two all-reduces per layer (attention out, MLP out) of ``hidden x 2`` bytes per new
   token, ring algorithm (each GPU sends ``2 (tp - 1) / tp`` of the data over its link), plus a fixed
-  latency per collective; pipeline parallelism: one activation hop per stage boundary.
+  latency per collective.
 
 A pass takes about ``max(bytes / (bandwidth x eff), flops / (peak x eff))``. ``max`` is not linear in
 the features, so the profile uses the SUM of the memory-bound terms (weights and KV) and the
@@ -33,9 +32,8 @@ serving kernels reach: HBM 0.75 (decode GEMV / paged-attention kernels reach 70-
 dense matmul 0.6 (50-70 % at serving shapes), flash attention 0.45 (FlashAttention-2 reaches 35-50 %
 of peak on H100, FA-3 up to 75 %), interconnect 0.7 (NCCL bus bandwidth vs link peak).
 
-KV capacity of an instance: ``(memory x tp x pp x utilization(0.9) - weight bytes) / kv_bytes_per_token``.
-Shapes with less than ``min_kv_tokens`` of KV are not listed; pipeline_parallel 2 is added for a TP
-degree only when pipeline_parallel 1 does not fit.
+KV capacity of an instance: ``(memory x tp x utilization(0.9) - weight bytes) / kv_bytes_per_token``.
+TP degrees with less than ``min_kv_tokens`` of KV are not listed.
 
 KV transfer (prefill -> decode): ``kv_bytes_per_token / (link x eff_link)`` per token plus a fixed
 per-request latency (handshake), over a configurable link: an inter-node network (25 GB/s = 200 Gb/s
@@ -153,18 +151,18 @@ class Shape:
 
 @dataclass(frozen=True)
 class _PerGPU:
-    """Seconds per unit of each quantity on one GPU of a (tp, pp) instance."""
+    """Seconds per unit of each quantity on one GPU of a tensor-parallel instance of ``tp`` GPUs."""
 
     weights_s: float  # one pass's weight reads
     kv_token_s: float  # one KV token read (or written)
     matmul_token_s: float  # decoder-layer matmuls of one new token
     lm_head_token_s: float  # lm_head of one token
     attn_pair_s: float  # one prefill (query, key) pair
-    comm_token_s: float  # TP all-reduces and PP hops of one token's activations
-    comm_pass_s: float  # fixed latency of a pass's collectives and hops
+    comm_token_s: float  # TP all-reduces of one token's activations
+    comm_pass_s: float  # fixed latency of a pass's collectives
 
     @staticmethod
-    def of(s: Shape, gpu: GPUSpec, tp: int, pp: int, eff: Efficiency, dtype_bytes: int) -> "_PerGPU":
+    def of(s: Shape, gpu: GPUSpec, tp: int, eff: Efficiency, dtype_bytes: int) -> "_PerGPU":
         bw = gpu.hbm_bandwidth * eff.memory
         flops = gpu.bf16_flops * eff.matmul
         link = gpu.link_bandwidth * eff.link
@@ -176,14 +174,14 @@ class _PerGPU:
             matmul_token_s=2 * s.layer_params / tp / flops,
             lm_head_token_s=2 * s.vocab * s.hidden / tp / flops,
             attn_pair_s=4 * s.heads * s.head_dim * s.layers / tp / (gpu.bf16_flops * eff.attention),
-            comm_token_s=allreduces * 2 * (tp - 1) / tp * act / link + (pp - 1) * act / link,
-            comm_pass_s=allreduces * gpu.collective_latency_s + (pp - 1) * gpu.collective_latency_s,
+            comm_token_s=allreduces * 2 * (tp - 1) / tp * act / link,
+            comm_pass_s=allreduces * gpu.collective_latency_s,
         )
 
 
-def pass_model(s: Shape, gpu: GPUSpec, tp: int, pp: int, eff: Efficiency, dtype_bytes: int = 2) -> FittedModel:
+def pass_model(s: Shape, gpu: GPUSpec, tp: int, eff: Efficiency, dtype_bytes: int = 2) -> FittedModel:
     """Target (or self-sparse draft) pass over decode_worker.policy FEATURES."""
-    g = _PerGPU.of(s, gpu, tp, pp, eff, dtype_bytes)
+    g = _PerGPU.of(s, gpu, tp, eff, dtype_bytes)
     coef = {
         "passes": g.weights_s + g.comm_pass_s + eff.pass_overhead_s,
         "seqs": 0.0,
@@ -195,9 +193,9 @@ def pass_model(s: Shape, gpu: GPUSpec, tp: int, pp: int, eff: Efficiency, dtype_
     return FittedModel(PASS_FEATURES, tuple(coef[f] for f in PASS_FEATURES), 0.0, 0)
 
 
-def prefill_model(s: Shape, gpu: GPUSpec, tp: int, pp: int, eff: Efficiency, dtype_bytes: int = 2) -> FittedModel:
+def prefill_model(s: Shape, gpu: GPUSpec, tp: int, eff: Efficiency, dtype_bytes: int = 2) -> FittedModel:
     """One chunked-prefill step over PREFILL_FEATURES."""
-    g = _PerGPU.of(s, gpu, tp, pp, eff, dtype_bytes)
+    g = _PerGPU.of(s, gpu, tp, eff, dtype_bytes)
     coef = {
         "passes": g.weights_s + g.comm_pass_s + eff.pass_overhead_s,
         "seqs": g.lm_head_token_s,  # logits of each prompt's last token
@@ -214,10 +212,10 @@ def transfer_model(s: Shape, opts: AnalyticalOptions) -> FittedModel:
     return FittedModel(TRANSFER_FEATURES, tuple(coef[f] for f in TRANSFER_FEATURES), 0.0, 0)
 
 
-def kv_capacity(s: Shape, gpu: GPUSpec, tp: int, pp: int, utilization: float) -> int:
+def kv_capacity(s: Shape, gpu: GPUSpec, tp: int, utilization: float) -> int:
     """KV tokens one instance holds: memory left after the weights, over the per-token KV bytes (more
     than kv_bytes_per_token per token when tp > kv_heads replicates heads)."""
-    free = gpu.memory_bytes * tp * pp * utilization - s.weight_bytes
+    free = gpu.memory_bytes * tp * utilization - s.weight_bytes
     per_token = s.kv_bytes_per_token * max(1.0, tp / s.kv_heads)
     return max(0, int(free // per_token))
 
@@ -228,7 +226,7 @@ def analytical_profile(gpu_name: str | GPUSpec, model: str, opts: AnalyticalOpti
                        acceptance: tuple[AcceptanceEntry, ...] = (), acceptance_note: str = "",
                        draft_model: str | None = None) -> Profile:
     """Profile of ``model`` (built-in name or HF dir) on GPUs of type ``gpu_name`` (a catalogue name or alias,
-    or a spec), one InstanceCosts per TP degree that fits (pipeline_parallel 2 where 1 does not)."""
+    or a spec), one InstanceCosts per TP degree that fits."""
     gpu = gpu_name if isinstance(gpu_name, GPUSpec) else gpu_spec(gpu_name)
     name, mc = model_shape(model)
     shape = Shape.of(mc, opts.dtype_bytes)
@@ -237,13 +235,11 @@ def analytical_profile(gpu_name: str | GPUSpec, model: str, opts: AnalyticalOpti
     for tp in opts.tensor_parallel:
         if tp < 1 or tp > opts.devices_per_node:
             raise ProfileError(f"tensor_parallel: {tp} must be in [1, devices_per_node={opts.devices_per_node}]")
-        for pp in (1, 2):
-            cap = kv_capacity(shape, gpu, tp, pp, opts.memory_utilization)
-            if cap >= opts.min_kv_tokens:
-                instances.append(_instance(shape, draft, gpu, tp, pp, cap, opts))
-                break
+        cap = kv_capacity(shape, gpu, tp, opts.memory_utilization)
+        if cap >= opts.min_kv_tokens:
+            instances.append(_instance(shape, draft, gpu, tp, cap, opts))
     if not instances:
-        raise ProfileError(f"{name} does not fit {gpu.name} x {max(opts.tensor_parallel)} (x 2 stages) with "
+        raise ProfileError(f"{name} does not fit {gpu.name} x {max(opts.tensor_parallel)} with "
                            f"{opts.min_kv_tokens} KV tokens to spare")
     eff = opts.efficiency
     notes = (f"analytical ({gpu.source}); efficiency: memory {eff.memory}, matmul {eff.matmul}, attention "
@@ -261,14 +257,14 @@ def analytical_profile(gpu_name: str | GPUSpec, model: str, opts: AnalyticalOpti
     )
 
 
-def _instance(shape: Shape, draft: Shape | None, gpu: GPUSpec, tp: int, pp: int, cap: int,
+def _instance(shape: Shape, draft: Shape | None, gpu: GPUSpec, tp: int, cap: int,
               opts: AnalyticalOptions) -> InstanceCosts:
     eff, nbytes = opts.efficiency, opts.dtype_bytes
-    target = pass_model(shape, gpu, tp, pp, eff, nbytes)
+    target = pass_model(shape, gpu, tp, eff, nbytes)
     drafts = {"self_sparse": target}  # the target itself over a sparse KV view: same costs per KV token read
     if draft is not None:
-        drafts["draft_model"] = pass_model(draft, gpu, tp, 1, eff, nbytes)
-    return InstanceCosts(tp, pp, prefill_model(shape, gpu, tp, pp, eff, nbytes), target, drafts, cap, cap)
+        drafts["draft_model"] = pass_model(draft, gpu, tp, eff, nbytes)
+    return InstanceCosts(tp, prefill_model(shape, gpu, tp, eff, nbytes), target, drafts, cap, cap)
 
 
 def gpu_spec(name: str) -> GPUSpec:

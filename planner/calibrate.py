@@ -53,13 +53,13 @@ def config_threads(config) -> int:
 
 
 def predicted_prefill_s(profile: Profile, prompt: int, chunk: int, threads: int = 1) -> float:
-    model = profile.prefill_model(1, 1, threads)
+    model = profile.prefill_model(1, threads)
     return sum(model.predict(prefill_features([(s, min(chunk, prompt - s))])) for s in range(0, prompt, chunk))
 
 
 def predicted_decode_s(profile: Profile, prompt: int, tokens: int, threads: int = 1) -> float:
     """Plain decode steps of one sequence producing ``tokens`` tokens after the first."""
-    model = profile.target_model(1, 1, threads)
+    model = profile.target_model(1, threads)
     return sum(model.predict_pass(PassShape(1, prompt + j + 1, 1)) for j in range(tokens))
 
 
@@ -143,7 +143,7 @@ def pass_row(record: dict, worker: int | None = None) -> dict:
 def predicted_s(profile: Profile, row: dict, drafter: str | None = None, tps: dict[str, int] | None = None) -> float:
     """The profile's time for a logged pass on a single-process instance of ``tps[role]`` threads (default
     1, as on the CPU cluster)."""
-    shape = (1, 1, (tps or {}).get(ROLE_OF_KIND[row["kind"]], 1))
+    shape = (1, (tps or {}).get(ROLE_OF_KIND[row["kind"]], 1))
     if row["kind"] == "prefill":
         return profile.prefill_model(*shape).predict(row)
     if row["kind"] == "mixed":

@@ -93,7 +93,7 @@ def report_markdown(result: CostPlanResult, space: CostSpace, slo: SLOTarget, wo
               "Cost from the integer program, then the whole plan simulated at the rate; while it missed the target, "
               "an instance was added where it raised attainment most (decode for a TPOT miss; prefill or decode for a TTFT "
               "miss). Goodput: the highest rate the plan serves "
-              f"within the target (simulated, up to 2x the rate); binding SLO: the one that fails first above it.", "",
+              "within the target (simulated, up to 2x the rate); binding SLO: the one that fails first above it.", "",
               "| plan | pools | GPUs | $/h | program's $/h | attainment at the rate | goodput (req/s) | binding SLO "
               "| note |",
               "|---|---|---:|---:|---:|---:|---:|---|---|"]

@@ -255,13 +255,13 @@ def _screen(args: tuple) -> float:
     workload = SliceWorkload(lengths, seed, span, space.screen_max_requests)
     cap = task.kv_tokens
     if task.pool == "colocated":
-        cfg = SimConfig("colocated", colocated=PoolPlan(1, task.tp, 1, cap, space.prefill_token_budget,
+        cfg = SimConfig("colocated", colocated=PoolPlan(1, task.tp, cap, space.prefill_token_budget,
                                                         space.decode_max_num_seqs),
                         max_concurrent=space.max_concurrent)
     else:
-        prefill = PoolPlan(1 if task.pool == "prefill" else NON_BINDING, task.tp, 1, cap, space.prefill_token_budget,
+        prefill = PoolPlan(1 if task.pool == "prefill" else NON_BINDING, task.tp, cap, space.prefill_token_budget,
                            space.prefill_max_prompts)
-        decode = PoolPlan(NON_BINDING if task.pool == "prefill" else 1, task.tp, 1, cap, 1, space.decode_max_num_seqs)
+        decode = PoolPlan(NON_BINDING if task.pool == "prefill" else 1, task.tp, cap, 1, space.decode_max_num_seqs)
         cfg = SimConfig("disaggregated", prefill=prefill, decode=decode,
                         speculation=task.spec if task.spec is not None else NO_SPECULATION,
                         max_concurrent=space.max_concurrent)
@@ -369,17 +369,13 @@ class CostPlanner:
             except ProfileError as err:
                 self.skipped[t.name] = str(err)
                 continue
-            fitting = [c for c in prof.instances if c.pipeline_parallel == 1]
-            if not fitting:
-                self.skipped[t.name] = "needs pipeline parallelism, which magicserve does not execute"
-                continue
             self.profiles[t.name] = prof
         if not self.profiles:
             raise PlanError("no GPU type of the selection holds the model with room for the longest request: "
                             + "; ".join(f"{k}: {v}" for k, v in self.skipped.items()))
 
     def _tps(self, gpu: str) -> list[int]:
-        return sorted(c.tensor_parallel for c in self.profiles[gpu].instances if c.pipeline_parallel == 1)
+        return sorted(c.tensor_parallel for c in self.profiles[gpu].instances)
 
     def _tasks(self, slices: list[RequestSlice]) -> list[tuple[str, ScreenTask, list[int]]]:
         """(option key, task, indices of the slices its capacity stands for)."""
@@ -494,15 +490,15 @@ class CostPlanner:
         s = self.space
         if plan.mode == "colocated":
             c = plan.pools["colocated"]
-            cfg = SimConfig("colocated", colocated=PoolPlan(c.instances, c.tp, 1, c.kv_tokens, s.prefill_token_budget,
+            cfg = SimConfig("colocated", colocated=PoolPlan(c.instances, c.tp, c.kv_tokens, s.prefill_token_budget,
                                                             s.decode_max_num_seqs), max_concurrent=s.max_concurrent)
             return simulate(self.profiles[c.gpu.name], cfg, trace, seed=self.workload.seed, watch=watch)
         else:
             p, d = plan.pools["prefill"], plan.pools["decode"]
             cfg = SimConfig("disaggregated",
-                            prefill=PoolPlan(p.instances, p.tp, 1, p.kv_tokens, s.prefill_token_budget,
+                            prefill=PoolPlan(p.instances, p.tp, p.kv_tokens, s.prefill_token_budget,
                                              s.prefill_max_prompts),
-                            decode=PoolPlan(d.instances, d.tp, 1, d.kv_tokens, 1, s.decode_max_num_seqs),
+                            decode=PoolPlan(d.instances, d.tp, d.kv_tokens, 1, s.decode_max_num_seqs),
                             speculation=d.spec or NO_SPECULATION, max_concurrent=s.max_concurrent)
             return simulate(self.profiles[p.gpu.name], cfg, trace, seed=self.workload.seed,
                             decode_profile=self.profiles[d.gpu.name], watch=watch)

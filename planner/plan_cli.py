@@ -55,8 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel", type=_int_list("--tensor-parallel"), default=(1, 2, 4, 8),
                    help="TP degrees to search, e.g. 1,2,4,8 (GPU: those the profile lacks are an error; CPU: the "
-                        "profile's measured instance shapes of these degrees). Plans are pipeline_parallel 1: "
-                        "magicserve does not execute pipeline parallelism")
+                        "profile's measured instance shapes of these degrees)")
     p.add_argument("--no-speculation", action="store_true",
                    help="search without speculative decoding (DistServe's search space)")
     p.add_argument("--no-colocated", action="store_true", help="do not compare against colocated baselines")
@@ -92,10 +91,10 @@ def run(args: argparse.Namespace) -> int:
     shapes: tuple = ()
     if profile.device_type == "cpu":  # the instance shapes the profile measured (ranks x threads per rank)
         measured = sorted(c.shape for c in profile.instances)
-        shapes = tuple(s for s in measured if s[0] in args.tensor_parallel and s[1] == 1 and math.prod(s) <= devices)
+        shapes = tuple(s for s in measured if s[0] in args.tensor_parallel and math.prod(s) <= devices)
         if not shapes:
             raise SystemExit(f"magicserve plan: --tensor-parallel {','.join(map(str, args.tensor_parallel))}: the "
-                             f"profile measured CPU instances of (tp, pp, threads) {measured} (add others with "
+                             f"profile measured CPU instances of (tp, threads) {measured} (add others with "
                              f"`magicserve profile --add-threads` or `--add-tensor-parallel`)")
     space = SearchSpace(devices=devices, tensor_parallel=args.tensor_parallel, shapes=shapes, speculation=specs,
                         include_colocated=not args.no_colocated, max_concurrent=args.max_concurrent)

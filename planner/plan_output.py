@@ -11,14 +11,14 @@ import yaml
 
 from controller.config import load_config, parse_config, to_dict
 from planner.profile import Profile
-from planner.search import Candidate, PlanResult, SLOTarget, Workload, ensure_executable, spec_to_dict
+from planner.search import Candidate, PlanResult, SLOTarget, Workload, spec_to_dict
 from planner.simulator import PoolPlan
 
 
 def _pool_fields(pool: PoolPlan, gpu: bool) -> dict:
     out = {"instances": pool.instances, "kv_cache_tokens": pool.kv_cache_tokens}
     if gpu:
-        out.update(tensor_parallel=pool.tensor_parallel, devices_per_instance=pool.tensor_parallel * pool.pipeline_parallel)
+        out.update(tensor_parallel=pool.tensor_parallel, devices_per_instance=pool.tensor_parallel)
     else:  # a CPU "device" is a core: tensor_parallel rank processes of ``threads`` threads each
         out.update(tensor_parallel=pool.tensor_parallel, devices_per_instance=0, threads=pool.threads,
                    cpus_per_instance=float(pool.tensor_parallel * pool.threads))
@@ -28,7 +28,6 @@ def _pool_fields(pool: PoolPlan, gpu: bool) -> dict:
 def plan_config(best: Candidate, base_config_path: str, out_path: str, profile: Profile, slo: SLOTarget) -> dict:
     """The base config with the plan's pools, speculation and SLOs; the model path re-based so the file
     works from ``out_path``'s directory. Validated (raises ConfigError) before it is returned."""
-    ensure_executable(best)
     base = load_config(base_config_path)
     raw = to_dict(base)
     raw["model"]["path"] = os.path.relpath(base.model_path, os.path.dirname(os.path.abspath(out_path)))

@@ -150,12 +150,11 @@ class Calibration:
 
 @dataclass(frozen=True)
 class InstanceCosts:
-    """Costs of one instance shape: ``tensor_parallel`` x ``pipeline_parallel`` rank processes of ``threads``
-    torch threads each. A device is a GPU, or a core on a CPU, so the shape takes tp x pp x threads devices:
-    on a CPU, (tp 2, threads 1) is two 1-thread rank processes and (tp 1, threads 2) one 2-thread process."""
+    """Costs of one instance shape: ``tensor_parallel`` rank processes of ``threads`` torch threads each. A
+    device is a GPU, or a core on a CPU, so the shape takes tp x threads devices: on a CPU, (tp 2, threads 1)
+    is two 1-thread rank processes and (tp 1, threads 2) one 2-thread process."""
 
     tensor_parallel: int
-    pipeline_parallel: int
     prefill: FittedModel | None
     target_pass: FittedModel | None
     draft_pass: dict[str, FittedModel] = field(default_factory=dict)  # drafter name -> model
@@ -164,13 +163,13 @@ class InstanceCosts:
     threads: int = 1  # torch threads per rank process (CPU); 1 on GPUs
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.tensor_parallel, self.pipeline_parallel, self.threads
+    def shape(self) -> tuple[int, int]:
+        return self.tensor_parallel, self.threads
 
 
-def describe_shape(tp: int, pp: int, threads: int = 1) -> str:
-    """``tp2 pp1``, with `` x 2 threads`` for CPU ranks of several threads."""
-    return f"tp{tp} pp{pp}" + (f" x {threads} threads" if threads > 1 else "")
+def describe_shape(tp: int, threads: int = 1) -> str:
+    """``tp2``, with `` x 2 threads`` for CPU ranks of several threads."""
+    return f"tp{tp}" + (f" x {threads} threads" if threads > 1 else "")
 
 
 def calibration_threads(threads: dict[str, int]) -> int:
@@ -217,42 +216,41 @@ class Profile:
         others = tuple(c for c in self.calibrations if (c.mode, c.threads) != (cal.mode, cal.threads))
         return dataclasses.replace(self, calibrations=others + (cal,))
 
-    def costs(self, tensor_parallel: int, pipeline_parallel: int = 1, threads: int = 1) -> InstanceCosts:
+    def costs(self, tensor_parallel: int, threads: int = 1) -> InstanceCosts:
         for c in self.instances:
-            if c.shape == (tensor_parallel, pipeline_parallel, threads):
+            if c.shape == (tensor_parallel, threads):
                 return c
         have = sorted(c.shape for c in self.instances)
-        raise ProfileError(f"profile has no costs for tensor_parallel={tensor_parallel}, "
-                           f"pipeline_parallel={pipeline_parallel}, threads={threads} "
-                           f"(it has (tp, pp, threads) in {have})")
+        raise ProfileError(f"profile has no costs for tensor_parallel={tensor_parallel}, threads={threads} "
+                           f"(it has (tp, threads) in {have})")
 
-    def prefill_model(self, tp: int, pp: int = 1, threads: int = 1) -> FittedModel:
-        c = self.costs(tp, pp, threads)
+    def prefill_model(self, tp: int, threads: int = 1) -> FittedModel:
+        c = self.costs(tp, threads)
         if c.prefill is None:
-            raise ProfileError(f"profile has no prefill costs for {describe_shape(tp, pp, threads)}")
+            raise ProfileError(f"profile has no prefill costs for {describe_shape(tp, threads)}")
         return c.prefill
 
-    def target_model(self, tp: int, pp: int = 1, threads: int = 1) -> FittedModel:
-        c = self.costs(tp, pp, threads)
+    def target_model(self, tp: int, threads: int = 1) -> FittedModel:
+        c = self.costs(tp, threads)
         if c.target_pass is None:
-            raise ProfileError(f"profile has no decode (target pass) costs for {describe_shape(tp, pp, threads)}")
+            raise ProfileError(f"profile has no decode (target pass) costs for {describe_shape(tp, threads)}")
         return c.target_pass
 
-    def draft_model(self, drafter: str, tp: int, pp: int = 1, threads: int = 1) -> FittedModel:
-        c = self.costs(tp, pp, threads)
+    def draft_model(self, drafter: str, tp: int, threads: int = 1) -> FittedModel:
+        c = self.costs(tp, threads)
         if drafter not in c.draft_pass:
             raise ProfileError(f"profile has no draft-pass costs for drafter {drafter!r} at "
-                               f"{describe_shape(tp, pp, threads)} (it has {sorted(c.draft_pass)})")
+                               f"{describe_shape(tp, threads)} (it has {sorted(c.draft_pass)})")
         return c.draft_pass[drafter]
 
-    def kv_capacity(self, role: str, tp: int, pp: int = 1, threads: int = 1) -> int:
-        """KV tokens one ``role`` ("prefill" | "decode") instance of shape (tp, pp, threads) holds."""
+    def kv_capacity(self, role: str, tp: int, threads: int = 1) -> int:
+        """KV tokens one ``role`` ("prefill" | "decode") instance of shape (tp, threads) holds."""
         if role not in ("prefill", "decode"):
             raise ProfileError(f"role: must be 'prefill' or 'decode', got {role!r}")
-        c = self.costs(tp, pp, threads)
+        c = self.costs(tp, threads)
         tokens = c.kv_capacity_tokens if role == "decode" else c.prefill_kv_capacity_tokens
         if tokens <= 0:
-            raise ProfileError(f"profile has no {role} KV capacity for {describe_shape(tp, pp, threads)}")
+            raise ProfileError(f"profile has no {role} KV capacity for {describe_shape(tp, threads)}")
         return tokens
 
     def acceptance_rate(self, drafter: str, budget: int, context: int) -> float:
@@ -301,7 +299,6 @@ class Profile:
                 return fm
 
             instances = tuple(InstanceCosts(1 if threads_as_tp else int(c["tensor_parallel"]),
-                                            int(c["pipeline_parallel"]),
                                             fitted(c["prefill"]), fitted(c["target_pass"]),
                                             {k: fitted(v) for k, v in c.get("draft_pass", {}).items()},
                                             int(c["kv_capacity_tokens"]),

@@ -20,7 +20,7 @@ def run_cli(args) -> int:
     if args.analytical:
         profile = analytical.profile_from_args(args)
         for c in profile.instances:
-            print(f"tp {c.tensor_parallel} pp {c.pipeline_parallel}: KV capacity {c.kv_capacity_tokens} tokens; "
+            print(f"tp {c.tensor_parallel}: KV capacity {c.kv_capacity_tokens} tokens; "
                   f"decode step (batch 1, 1K context) "
                   f"{1e3 * c.target_pass.predict_pass(PassShape(1, 1024, 1)):.2f} ms")
         profile.save(args.out)

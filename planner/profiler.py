@@ -194,7 +194,7 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
     from modeling.checkpoint import load_model
 
     wanted = check_extension(config, profile, "--add-threads", threads)
-    have = {c.threads for c in profile.instances if c.shape[:2] == (1, 1)}
+    have = {c.threads for c in profile.instances if c.tensor_parallel == 1}
     added = [t for t in wanted if t not in have]
     loaded = load_model(config.model_path, config.model.dtype, "cpu") if added else None
     new = []
@@ -249,7 +249,7 @@ def extended_profile(profile: Profile, new: list[tuple[InstanceCosts, dict]], wh
 def instance_costs(config: ClusterConfig, fits: dict[str, FittedModel], tensor_parallel: int = 1,
                    threads: int = 1) -> InstanceCosts:
     return InstanceCosts(
-        tensor_parallel=tensor_parallel, pipeline_parallel=1, prefill=fits["prefill"], target_pass=fits["target_pass"],
+        tensor_parallel=tensor_parallel, prefill=fits["prefill"], target_pass=fits["target_pass"],
         draft_pass={name.split("/", 1)[1]: fm for name, fm in fits.items() if name.startswith("draft_pass/")},
         kv_capacity_tokens=config.decode.kv_cache_tokens, prefill_kv_capacity_tokens=config.prefill.kv_cache_tokens,
         threads=threads)

@@ -3,8 +3,8 @@ that maximise per-device goodput under TTFT/TPOT SLOs, by simulation.
 
 DistServe's algorithm, extended with speculation:
 
-1. Screen each prefill shape (tensor_parallel x pipeline_parallel) alone: the highest rate one instance
-   sustains with TTFT attainment >= target (decode made non-binding).
+1. Screen each prefill shape (tensor_parallel, and threads per rank on a CPU) alone: the highest rate one
+   instance sustains with TTFT attainment >= target (decode made non-binding).
 2. Screen each decode shape x speculation setting alone: the highest rate one instance sustains with
    attainment >= target on both SLOs (prefill made non-binding: many instances of the fastest prefill
    shape; decode admission control turns an overloaded decode instance into queueing before prefill,
@@ -83,14 +83,12 @@ class Workload:
 @dataclass(frozen=True)
 class SearchSpace:
     """What the planner may choose. Devices are GPUs, or cores on a CPU profile. Instance shapes are
-    (tensor_parallel, pipeline_parallel, threads per rank): ``shapes`` when given (a CPU profile's measured
-    shapes, e.g. one 2-thread process and two 1-thread ranks), else every tensor_parallel x
-    pipeline_parallel at 1 thread."""
+    (tensor_parallel, threads per rank): ``shapes`` when given (a CPU profile's measured shapes, e.g. one
+    2-thread process and two 1-thread ranks), else every tensor_parallel degree at 1 thread."""
 
     devices: int
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
-    pipeline_parallel: tuple[int, ...] = (1,)
-    shapes: tuple[tuple[int, int, int], ...] = ()
+    shapes: tuple[tuple[int, int], ...] = ()
     speculation: tuple[SpeculationConfig, ...] = (NO_SPECULATION,)
     include_colocated: bool = True
     prefill_token_budget: int = 512
@@ -98,11 +96,6 @@ class SearchSpace:
     decode_max_num_seqs: int = 64
     max_concurrent: int = 256
     block_size: int = 16
-
-    def __post_init__(self) -> None:
-        pps = sorted({s[1] for s in self.shapes} | ({*self.pipeline_parallel} if not self.shapes else set()))
-        if pps != [1]:
-            raise PlanError(f"pipeline_parallel: magicserve executes pipeline_parallel 1 only, got {pps}")
 
 
 @dataclass
@@ -190,11 +183,10 @@ class Planner:
 
     # -- shapes -----------------------------------------------------------------------------------------
 
-    def _shapes(self) -> list[tuple[int, int, int]]:
-        """(tp, pp, threads) shapes of the space that fit on the devices and hold the longest prompt; a shape
-        the profile lacks is an error."""
-        space = self.space.shapes or [(tp, pp, 1) for tp in self.space.tensor_parallel
-                                      for pp in self.space.pipeline_parallel]
+    def _shapes(self) -> list[tuple[int, int]]:
+        """(tp, threads) shapes of the space that fit on the devices and hold the longest prompt; a shape the
+        profile lacks is an error."""
+        space = self.space.shapes or [(tp, 1) for tp in self.space.tensor_parallel]
         shapes = []
         for shape in space:
             if math.prod(shape) > self.space.devices:
@@ -208,9 +200,9 @@ class Planner:
                             f"{self.space.devices} devices with room for a {self._max_prompt}-token prompt")
         return shapes
 
-    def _pool(self, instances: int, shape: tuple[int, int, int], budget: int, seqs: int) -> PoolPlan:
-        tp, pp, threads = shape
-        return PoolPlan(instances, tp, pp, self.profile.costs(*shape).kv_capacity_tokens, budget, seqs, threads)
+    def _pool(self, instances: int, shape: tuple[int, int], budget: int, seqs: int) -> PoolPlan:
+        tp, threads = shape
+        return PoolPlan(instances, tp, self.profile.costs(*shape).kv_capacity_tokens, budget, seqs, threads)
 
     def _disaggregated(self, pshape, np_, dshape, nd, spec) -> SimConfig:
         s = self.space
@@ -316,13 +308,3 @@ def speculation_settings(acceptance, max_ks: tuple[int, ...] = (4,), fixed_ks: t
 def spec_to_dict(spec: SpeculationConfig) -> dict:
     d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     return {k: v for k, v in d.items() if v is not None}
-
-
-def ensure_executable(cand: Candidate) -> None:
-    """Refuse a plan ``magicserve serve`` cannot run (the search space never proposes one; a hand-built
-    candidate might)."""
-    c = cand.config
-    pools = [c.colocated] if c.mode == "colocated" else [c.prefill, c.decode]
-    if any(p.pipeline_parallel > 1 for p in pools):
-        raise PlanError(f"pipeline_parallel: the plan ({cand.describe()}) uses pipeline parallelism, which "
-                        "magicserve does not execute")

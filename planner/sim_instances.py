@@ -118,9 +118,9 @@ class SimSequence:
 class StepCosts:
     """The simulator's one step-time interface: a step's profiled cost x the mode's calibration."""
 
-    def __init__(self, profile: Profile, calibration: Calibration, shape: tuple[int, int, int],
+    def __init__(self, profile: Profile, calibration: Calibration, shape: tuple[int, int],
                  drafter: str | None = None):
-        """``shape``: the instance's (tensor_parallel, pipeline_parallel, threads)."""
+        """``shape``: the instance's (tensor_parallel, threads)."""
         self.cal = calibration
         self.prefill = profile.costs(*shape).prefill  # None: a decode-only shape
         self.target = profile.target_model(*shape)

@@ -55,28 +55,26 @@ class SimConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """One pool: ``instances`` instances of ``tensor_parallel`` x ``pipeline_parallel`` rank processes of
-    ``threads`` torch threads each (a device per thread on a CPU; ``threads`` is 1 on GPUs)."""
+    """One pool: ``instances`` instances of ``tensor_parallel`` rank processes of ``threads`` torch threads
+    each (a device per thread on a CPU; ``threads`` is 1 on GPUs)."""
 
     instances: int
     tensor_parallel: int = 1
-    pipeline_parallel: int = 1
     kv_cache_tokens: int = 65536  # per instance
     token_budget: int = 512  # prefill / colocated: tokens per step
     max_num_seqs: int = 64
     threads: int = 1
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.tensor_parallel, self.pipeline_parallel, self.threads
+    def shape(self) -> tuple[int, int]:
+        return self.tensor_parallel, self.threads
 
     @property
     def devices(self) -> int:
-        return self.instances * self.tensor_parallel * self.pipeline_parallel * self.threads
+        return self.instances * self.tensor_parallel * self.threads
 
     def validate(self, name: str) -> None:
-        for f in ("instances", "tensor_parallel", "pipeline_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs",
-                  "threads"):
+        for f in ("instances", "tensor_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs", "threads"):
             if getattr(self, f) < 1:
                 raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
 
@@ -127,22 +125,26 @@ class SimConfig:
     def from_cluster_config(cfg) -> "SimConfig":
         """The simulation of a ``controller.config.ClusterConfig``. A CPU instance is ``tensor_parallel``
         rank processes of ``threads`` threads, a device per thread (so per-device goodput is per-core goodput
-        there, and a profile must hold costs measured for that shape)."""
+        there, and a profile must hold costs measured for that shape); a GPU instance is ``tensor_parallel``
+        GPUs, one per rank."""
 
-        def pool(section, budget: int, seqs: int) -> PoolPlan:
+        def pool(name: str, section, budget: int, seqs: int) -> PoolPlan:
             tp = section.tensor_parallel
             if not section.devices_per_instance:
-                return PoolPlan(section.instances, tp, 1, section.kv_cache_tokens, budget, seqs, section.threads)
-            return PoolPlan(section.instances, tp, max(1, section.devices_per_instance // tp), section.kv_cache_tokens,
-                            budget, seqs)
+                return PoolPlan(section.instances, tp, section.kv_cache_tokens, budget, seqs, section.threads)
+            if section.devices_per_instance != tp:
+                raise SimConfigError(f"{name}.devices_per_instance: the simulator models a GPU instance as one GPU "
+                                     f"per rank, so it must equal tensor_parallel ({tp}), got "
+                                     f"{section.devices_per_instance}")
+            return PoolPlan(section.instances, tp, section.kv_cache_tokens, budget, seqs)
 
         common = dict(block_size=cfg.decode.block_size, max_concurrent=cfg.limits.max_concurrent_requests)
         mig = getattr(cfg, "migration", None)
         if getattr(cfg, "mode", "disaggregated") == "colocated":
             c = cfg.colocated
-            return SimConfig("colocated", colocated=pool(c, c.chunk_tokens, c.max_num_seqs), **common)
-        prefill = pool(cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts)
-        decode = pool(cfg.decode, 1, cfg.decode.max_num_seqs)
+            return SimConfig("colocated", colocated=pool("colocated", c, c.chunk_tokens, c.max_num_seqs), **common)
+        prefill = pool("prefill", cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts)
+        decode = pool("decode", cfg.decode, 1, cfg.decode.max_num_seqs)
         migration = SimMigration(mig.policy(), mig.interval_s) if mig is not None and mig.enabled else None
         return SimConfig("disaggregated", prefill=prefill, decode=decode, speculation=cfg.decode.speculation,
                          migration=migration, **common)

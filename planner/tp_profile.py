@@ -6,7 +6,7 @@ exactly as ``controller/actors.py`` builds them: its runner broadcasts each pass
 every rank runs the pass on its shard, all-reduces over gloo included. Ranks 1.. are the workers'
 followers. Rank 0 times the same prefill steps and decode passes as ``profiler.measure_costs`` (minus the
 KV transfer, whose cost the profile already holds, and acceptance, which does not depend on the shape);
-the parent fits them into an :class:`InstanceCosts` of (tp t, pp 1, threads).
+the parent fits them into an :class:`InstanceCosts` of (tp t, threads).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def add_tensor_parallel(config: ClusterConfig, profile: Profile, degrees: Iterab
         raise ProfileError(f"--add-tensor-parallel: {max(wanted)} ranks of {threads} threads (prefill.threads) "
                            f"need {max(wanted) * threads} cores; this machine has {cores}")
     model = load_config(config.model_path)
-    have = {c.tensor_parallel for c in profile.instances if (c.pipeline_parallel, c.threads) == (1, threads)}
+    have = {c.tensor_parallel for c in profile.instances if c.threads == threads}
     added = [t for t in wanted if t not in have and t > 1]
     new = []
     for t in added:

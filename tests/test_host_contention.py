@@ -28,7 +28,7 @@ PREFILL_PER_TOKEN = 1e-4
 
 
 def profile() -> Profile:
-    costs = (InstanceCosts(1, 1, FittedModel(PREFILL_FEATURES, (0.0, 0.0, PREFILL_PER_TOKEN, 0.0, 0.0), 0.0, 0),
+    costs = (InstanceCosts(1, FittedModel(PREFILL_FEATURES, (0.0, 0.0, PREFILL_PER_TOKEN, 0.0, 0.0), 0.0, 0),
                            FittedModel(PASS, (DECODE_S, 0.0, 0.0, 0.0), 0.0, 0), {}, 1 << 20),)
     return Profile("test", "cpu", 1, "m", 1000, 64, "measured", costs,
                    FittedModel(TRANSFER_FEATURES, (0.0, 0.0), 0.0, 0), ())
@@ -188,7 +188,7 @@ def test_the_spread_of_passes_about_the_fit_is_kept_per_role():
 
 
 def colocated(instances=2, budget=512) -> SimConfig:
-    return SimConfig("colocated", colocated=PoolPlan(instances, 1, 1, 1 << 20, budget, 64))
+    return SimConfig("colocated", colocated=PoolPlan(instances, 1, 1 << 20, budget, 64))
 
 
 def test_contention_slows_the_steps_of_an_instance_while_another_is_busy():
@@ -218,7 +218,7 @@ def test_step_noise_spreads_step_times_at_the_same_mean_and_queues_grow_with_it(
     ones), while at low load it stays about the same; the same seed gives the same run."""
     prof = make_profile()
     noisy = HostContention("colocated", 1, step_noise={"colocated": (0.5, 1.5)})
-    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 64))
+    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1 << 20, 512, 64))
     alone = simulate(prof, cfg, [RequestSpec(0.0, 400, 2)]).records[0].ttft_s
     draws = {round(simulate(prof, cfg, [RequestSpec(0.0, 400, 2)], seed=s, host_contention=noisy).records[0].ttft_s
                    / alone, 6)

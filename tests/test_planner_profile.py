@@ -28,7 +28,7 @@ def _model(features, coefficients, err=0.05, points=10) -> FittedModel:
 
 
 def _profile(**changes) -> Profile:
-    costs = InstanceCosts(1, 1, _model(PREFILL_FEATURES, (1e-3, 1e-5, 2e-6, 1e-10, 1e-9)),
+    costs = InstanceCosts(1, _model(PREFILL_FEATURES, (1e-3, 1e-5, 2e-6, 1e-10, 1e-9)),
                           _model(PASS_FEATURES, (2e-3, 1e-5, 1e-8, 3e-6, 1e-9)),
                           {"self_sparse": _model(PASS_FEATURES, (1e-3, 1e-5, 1e-8, 3e-6, 0.0))}, 4096, 2048)
     p = Profile(hardware="cpu: test", device_type="cpu", devices_per_node=2, model="m", model_params=10,
@@ -168,7 +168,7 @@ def test_quick_measured_profile(tmp_path, llama_dir, capsys):
     p = Profile.load(str(out))
     assert p.source == "measured" and p.device_type == "cpu" and p.hardware.startswith("cpu: ")
     assert "1 thread(s) per prefill worker" in p.hardware
-    c = p.costs(1, 1)
+    c = p.costs(1)
     models = {"prefill": c.prefill, "target_pass": c.target_pass, "draft_pass/self_sparse": c.draft_pass["self_sparse"],
               "kv_transfer": p.kv_transfer}
     for name, fm in models.items():
@@ -204,15 +204,15 @@ def test_added_shapes_threads_and_tensor_parallel_ranks(tmp_path, llama_dir, cap
     printed = capsys.readouterr().out
     assert "2 threads: fit prefill" in printed and "tp 2 x 1 thread(s): fit prefill" in printed
     p = Profile.load(str(out))
-    assert [c.shape for c in p.instances] == [(1, 1, 1), (1, 1, 2), (2, 1, 1)]
-    for shape, prefix in (((1, 1, 2), "threads2"), ((2, 1, 1), "tp2x1")):
+    assert [c.shape for c in p.instances] == [(1, 1), (1, 2), (2, 1)]
+    for shape, prefix in (((1, 2), "threads2"), ((2, 1), "tp2x1")):
         c = p.costs(*shape)
         for name, fm in (("prefill", c.prefill), ("target_pass", c.target_pass),
                          ("draft_pass/self_sparse", c.draft_pass["self_sparse"])):
             assert any(x > 0 for x in fm.coefficients) and len(p.samples[f"{prefix}/{name}"]) == fm.points, name
         assert p.kv_capacity("decode", *shape) == 8192
     assert p.devices_per_node == os.cpu_count()
-    assert "instances of tp1 pp1, tp1 pp1 x 2 threads, tp2 pp1" in p.hardware
+    assert "instances of tp1, tp1 x 2 threads, tp2" in p.hardware
     assert cli_main(args) == 0 and "fit" not in capsys.readouterr().out  # nothing left to measure
     assert Profile.load(str(out)).instances == p.instances
     # what it refuses, by name
@@ -231,7 +231,7 @@ def test_added_shapes_threads_and_tensor_parallel_ranks(tmp_path, llama_dir, cap
                         for c in old["instances"] if c["tensor_parallel"] == 1]
     old["samples"] = {k.replace("threads2/", "tp2/"): v for k, v in old["samples"].items() if not k.startswith("tp2x1")}
     v1 = Profile.from_dict(old)
-    assert [c.shape for c in v1.instances] == [(1, 1, 1), (1, 1, 2)] and "threads2/prefill" in v1.samples
+    assert [c.shape for c in v1.instances] == [(1, 1), (1, 2)] and "threads2/prefill" in v1.samples
 
 
 def test_measured_profile_rejects_what_it_cannot_run(tmp_path, llama_dir):
@@ -263,7 +263,7 @@ def test_analytical_decode_step_is_the_weight_read():
 
 def test_analytical_tensor_parallel_is_faster_and_holds_more_kv():
     p = analytical.analytical_profile("H100-80GB-SXM", "llama-3.1-8b")
-    assert [(c.tensor_parallel, c.pipeline_parallel) for c in p.instances] == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert [c.tensor_parallel for c in p.instances] == [1, 2, 4, 8]
     shapes = [PassShape(1, 1024, 1), PassShape(32, 32 * 4096, 32 * 4), PassShape(128, 128 * 2048, 128)]
     for shape in shapes:
         assert p.target_model(2).predict_pass(shape) < p.target_model(1).predict_pass(shape)
@@ -276,9 +276,9 @@ def test_analytical_tensor_parallel_is_faster_and_holds_more_kv():
     assert p.prefill_model(1).predict(chunk) > 5 * p.target_model(1).predict_pass(shapes[0])
 
 
-def test_analytical_pipeline_parallel_only_where_needed(tmp_path):
+def test_analytical_lists_only_tensor_parallel_degrees_that_fit(tmp_path):
     p = analytical.analytical_profile("H200-141GB", "llama-3.1-70b", draft_model="llama-3.1-8b")
-    assert [(c.tensor_parallel, c.pipeline_parallel) for c in p.instances] == [(1, 2), (2, 1), (4, 1), (8, 1)]
+    assert [c.tensor_parallel for c in p.instances] == [2, 4, 8]  # 70B bf16 weights exceed one H200
     shape = PassShape(8, 8 * 4096, 8)
     assert p.draft_model("draft_model", 4).predict_pass(shape) < p.target_model(4).predict_pass(shape) / 4
     for gpu in analytical.GPUS:
@@ -391,5 +391,5 @@ def test_calibrations_are_kept_per_mode_and_thread_count():
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).calibration("colocated", 2) == two
     assert calibration_threads({"colocated": 2}) == 2 and calibration_threads({"prefill": 2, "decode": 2}) == 2
     assert calibration_threads({"prefill": 2, "decode": 1}) == 1  # unequal counts: the 1-thread calibration
-    colocated = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 4096, 256, 8, threads=2))
+    colocated = SimConfig("colocated", colocated=PoolPlan(1, 1, 4096, 256, 8, threads=2))
     assert colocated.calibration_threads() == 2

@@ -15,7 +15,7 @@ from controller.config import load_config
 from planner.plan_output import plan_config
 from planner.profile import (PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, Calibration,
                                         FittedModel, InstanceCosts, Profile, ProfileError)
-from planner.search import (NO_SPECULATION, Planner, PlanError, SearchSpace, SLOTarget, Workload,
+from planner.search import (NO_SPECULATION, Planner, SearchSpace, SLOTarget, Workload,
                                        speculation_space)
 from planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
 from planner.slo import AttainmentWatch, RequestOutcome, attainment, goodput
@@ -34,7 +34,7 @@ def make_profile(prefill_per_token=1e-4, step_s=0.01, rate=0.7, tps=(1,), transf
     """prefill: 5 ms + per-token cost; decode pass: ``step_s`` + ``per_seq_s`` per sequence; draft pass:
     ``draft_step_s`` flat; TP t divides every cost by t."""
     costs = tuple(InstanceCosts(
-        t, 1,
+        t,
         fitted(PREFILL_FEATURES, (5e-3 / t, 0.0, prefill_per_token / t, 0.0, 0.0)),
         fitted(PASS, (step_s / t, per_seq_s / t, 0.0, 0.0)),
         {"self_sparse": fitted(PASS, (draft_step_s / t, 0.0, 0.0, 0.0))},
@@ -45,8 +45,8 @@ def make_profile(prefill_per_token=1e-4, step_s=0.01, rate=0.7, tps=(1,), transf
 
 
 def disagg(spec=NO_SPECULATION, np_=1, nd=1, decode_capacity=1 << 20, budget=512, tp=1) -> SimConfig:
-    return SimConfig("disaggregated", prefill=PoolPlan(np_, tp, 1, 1 << 20, budget, 16),
-                     decode=PoolPlan(nd, tp, 1, decode_capacity, 1, 64), speculation=spec)
+    return SimConfig("disaggregated", prefill=PoolPlan(np_, tp, 1 << 20, budget, 16),
+                     decode=PoolPlan(nd, tp, decode_capacity, 1, 64), speculation=spec)
 
 
 def test_single_request_timings_match_the_cost_models():
@@ -75,7 +75,7 @@ def test_a_reservation_on_a_busy_decode_instance_waits_for_its_step_to_end():
 
 def test_colocated_single_request():
     prof = make_profile()
-    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 64))
+    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1 << 20, 512, 64))
     r = simulate(prof, cfg, [RequestSpec(0.0, 1000, 5)]).records[0]
     assert r.ttft_s == pytest.approx(2 * 5e-3 + 1000 * 1e-4)
     assert r.tpot_s == pytest.approx(0.01)
@@ -84,7 +84,7 @@ def test_colocated_single_request():
 def test_colocated_decode_shares_steps_with_prefill():
     """A decode running beside another request's prefill pays for the mixed steps (interference)."""
     prof = make_profile()
-    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 64))
+    cfg = SimConfig("colocated", colocated=PoolPlan(1, 1, 1 << 20, 512, 64))
     alone = simulate(prof, cfg, [RequestSpec(0.0, 100, 20)]).records[0]
     mixed = simulate(prof, cfg, [RequestSpec(0.0, 100, 20), RequestSpec(0.05, 4000, 2)]).records[0]
     assert mixed.tpot_s > alone.tpot_s * 1.5
@@ -141,7 +141,7 @@ def test_attainment_falls_with_rate_and_unfinished_requests_miss():
 def test_a_watched_simulation_stops_early_with_the_full_runs_verdict(mode, slo):
     prof = make_profile(prefill_per_token=1e-5, step_s=0.01, per_seq_s=0.002)
     cfg = disagg(SpeculationConfig(k=2), decode_capacity=400_000) if mode == "disaggregated" else SimConfig(
-        "colocated", colocated=PoolPlan(1, 1, 1, 40_000, 512, 64))
+        "colocated", colocated=PoolPlan(1, 1, 40_000, 512, 64))
     shape = workload_shape("long_doc")
     verdicts, stopped = [], 0
     for rate in (4.0, 8.0, 16.0, 32.0, 64.0):
@@ -254,7 +254,7 @@ def test_plan_config_is_a_valid_cluster_config(tmp_path):
     assert os.path.isdir(cfg.model_path)  # the model path was re-based to the output directory
     assert cfg.slo.tpot_ms == pytest.approx(50)
     if cfg.mode == "disaggregated":
-        assert cfg.prefill.devices_per_instance == cfg.prefill.tensor_parallel * 1
+        assert cfg.prefill.devices_per_instance == cfg.prefill.tensor_parallel
         assert cfg.prefill.instances == best.config.prefill.instances
     assert math.isfinite(best.per_device)
 
@@ -325,16 +325,26 @@ def test_a_cpu_pool_is_ranks_times_threads_both_ways():
 
     root = os.path.join(os.path.dirname(__file__), "..")
     config = SimConfig.from_cluster_config(load_config(os.path.join(root, "cluster_configs", "local-prefill2.yaml")))
-    assert config.prefill.shape == (1, 1, 2) and config.decode.shape == (1, 1, 1)
+    assert config.prefill.shape == (1, 2) and config.decode.shape == (1, 1)
     assert config.prefill.devices == 2
     assert _pool_fields(config.prefill, gpu=False) | {"kv_cache_tokens": 0} == {
         "instances": 1, "kv_cache_tokens": 0, "tensor_parallel": 1, "devices_per_instance": 0, "threads": 2,
         "cpus_per_instance": 2.0}
-    ranks = PoolPlan(1, 2, 1, 4096, 512, 16, threads=1)
+    ranks = PoolPlan(1, 2, 4096, 512, 16, threads=1)
     fields = _pool_fields(ranks, gpu=False)
     assert (fields["tensor_parallel"], fields["threads"], fields["cpus_per_instance"]) == (2, 1, 2.0)
     with pytest.raises(ProfileError, match="threads=2"):
         simulate(make_profile(), config, make_trace(workload_shape("long_doc"), 0.3, 3, seed=0))
+
+
+def test_a_gpu_pool_is_one_gpu_per_rank():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    cfg = load_config(os.path.join(root, "cluster_configs", "gpu-8xa100-llama3.1-8b.yaml"))
+    config = SimConfig.from_cluster_config(cfg)
+    assert config.prefill.shape == config.decode.shape == (1, 1) and config.devices == 8
+    spread = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, devices_per_instance=2))
+    with pytest.raises(SimConfigError, match="decode.devices_per_instance"):
+        SimConfig.from_cluster_config(spread)
 
 
 def test_cpu_search_compares_ranks_with_threads_and_picks_by_goodput():
@@ -354,19 +364,13 @@ def test_cpu_search_compares_ranks_with_threads_and_picks_by_goodput():
     for fast in ((2, 1), (1, 2)):
         slow = (1, 2) if fast == (2, 1) else (2, 1)
         prof = dataclasses.replace(base, device_type="cpu", instances=(one, shape(*fast, 1.9), shape(*slow, 1.2)))
-        space = SearchSpace(devices=3, shapes=((1, 1, 1), (2, 1, 1), (1, 1, 2)), include_colocated=False)
+        space = SearchSpace(devices=3, shapes=((1, 1), (2, 1), (1, 2)), include_colocated=False)
         result = Planner(prof, slo, wl, space, verify_top=2, bisect_steps=3, progress=False).run()
-        assert set(result.screening["prefill"]) == {"tp1 pp1", "tp2 pp1", "tp1 pp1 x 2 threads"}
+        assert set(result.screening["prefill"]) == {"tp1", "tp2", "tp1 x 2 threads"}
         best = result.best.config
-        assert best.decode.shape == (fast[0], 1, fast[1]) and best.prefill.shape == (1, 1, 1)
+        assert best.decode.shape == fast and best.prefill.shape == (1, 1)
         assert best.devices == 3
 
-
-def test_search_never_proposes_pipeline_parallelism():
-    with pytest.raises(PlanError, match="pipeline_parallel: magicserve executes pipeline_parallel 1 only"):
-        SearchSpace(devices=4, pipeline_parallel=(1, 2))
-    with pytest.raises(PlanError, match="pipeline_parallel"):
-        SearchSpace(devices=4, shapes=((1, 2, 1),))
 
 def _skewed_two_decode(migration):
     from planner.sim_migration import SimMigration
@@ -394,6 +398,6 @@ def test_migration_needs_disaggregated_mode_and_valid_settings():
     from planner.sim_migration import SimMigration
 
     with pytest.raises(SimConfigError, match="migration"):
-        SimConfig("colocated", colocated=PoolPlan(1, 1, 1, 1 << 20, 512, 16), migration=SimMigration())
+        SimConfig("colocated", colocated=PoolPlan(1, 1, 1 << 20, 512, 16), migration=SimMigration())
     with pytest.raises(ValueError, match="migration.interval_s"):
         SimMigration(interval_s=0)

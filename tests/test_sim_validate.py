@@ -32,7 +32,7 @@ def make_profile() -> Profile:
     token (a 100-token prompt: 105 ms), a decode pass 10 ms + 1 ms per sequence, a self-sparse draft pass
     2 ms; KV transfer 1 ms + 1 us per token; 70 % of draft tokens accepted. No calibration (the simulator then
     charges the profiled costs as they are)."""
-    costs = InstanceCosts(1, 1, _fitted(PREFILL_FEATURES, (5e-3, 0.0, 1e-3, 0.0, 0.0)),
+    costs = InstanceCosts(1, _fitted(PREFILL_FEATURES, (5e-3, 0.0, 1e-3, 0.0, 0.0)),
                           _fitted(PASS_FEATURES, (1e-2, 1e-3, 0.0, 0.0, 0.0)),
                           {"self_sparse": _fitted(PASS_FEATURES, (2e-3, 0.0, 0.0, 0.0, 0.0))}, 1 << 20, 1 << 20)
     return Profile(hardware="cpu: test", device_type="cpu", devices_per_node=2, model="test-model", model_params=10,
