@@ -60,7 +60,7 @@ def cluster_config(decode_kv_tokens: int, max_prompt: int, migration: bool, max_
     return {
         "model": {"path": MODEL, "dtype": "float32"},
         "ray": {"num_cpus": 4},
-        "prefill": {"instances": 1, "threads": 1, "chunk_tokens": 1024, "kv_cache_tokens": max(16384, max_prompt + 1024)},
+        "prefill": {"instances": 1, "threads": 1, "token_budget": 1024, "kv_cache_tokens": max(16384, max_prompt + 1024)},
         "decode": {"instances": 2, "threads": 1, "kv_cache_tokens": decode_kv_tokens, "max_num_seqs": max_num_seqs,
                    "speculation": {"drafter": "self_sparse", "budget": 256, "sink_tokens": 16,
                                    "k_policy": "adaptive", "max_k": 5, **(speculation or {})}},

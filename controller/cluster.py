@@ -23,12 +23,10 @@ from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFo
                                ray_actor_class)
 from controller.config import ClusterConfig
 from controller.routing import Instance
-from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import Rendezvous, TransferConfig
 from modeling.checkpoint import load_config
-from modeling.engine import EngineConfig
+from modeling.instance_config import InstanceConfig
 from modeling.tp import TPShard
-from prefill_worker.config import PrefillWorkerConfig
 
 log = logging.getLogger("magicserve.cluster")
 
@@ -71,46 +69,18 @@ def place_pool(role: str, pool, timeout_s: float | None = None):
 
 @dataclass(frozen=True)
 class _Launch:
-    """How one instance's ranks start: its pool, actor class and arguments, and its first bundle in the
-    pool's placement group (rank r takes bundle ``first_bundle + r``)."""
+    """How one instance's ranks start: its pool (the config its workers take), actor class and arguments, and
+    its first bundle in the pool's placement group (rank r takes bundle ``first_bundle + r``)."""
 
     role: str
-    pool: object
+    pool: InstanceConfig
     actor_cls: object
     model: str
-    worker_config: object
     args: Callable[[str], tuple]
     transfer: TransferConfig | None
     group: object
     first_bundle: int
     bundle: dict
-
-
-def _pool_settings(cfg: ClusterConfig, pool) -> dict:
-    """The worker settings every pool section gives the same way."""
-    return dict(dtype=cfg.model.dtype, device="cuda" if pool.devices_per_instance else "cpu",
-                block_size=pool.block_size, kv_cache_tokens=pool.kv_cache_tokens,
-                attention_backend=pool.attention_backend)
-
-
-def prefill_worker_config(cfg: ClusterConfig) -> PrefillWorkerConfig:
-    p = cfg.prefill
-    return PrefillWorkerConfig(**_pool_settings(cfg, p), token_budget=p.chunk_tokens, max_num_seqs=p.max_batch_prompts,
-                               transfer=transfer_config(cfg))
-
-
-def decode_worker_config(cfg: ClusterConfig) -> DecodeWorkerConfig:
-    d = cfg.decode
-    return DecodeWorkerConfig(**_pool_settings(cfg, d), max_num_seqs=d.max_num_seqs, speculation=d.speculation)
-
-
-def colocated_engine_config(cfg: ClusterConfig) -> EngineConfig:
-    c = cfg.colocated
-    return EngineConfig(**_pool_settings(cfg, c), token_budget=c.chunk_tokens, max_num_seqs=c.max_num_seqs)
-
-
-def transfer_config(cfg: ClusterConfig) -> TransferConfig:
-    return TransferConfig(timeout_s=cfg.kv_transfer.timeout_s, interface_host=cfg.kv_transfer.rendezvous_host)
 
 
 class Cluster:
@@ -164,19 +134,16 @@ class Cluster:
                 raise ClusterError(str(err)) from None
 
     def _start_disaggregated(self, model: str) -> None:
-        pcfg, dcfg = prefill_worker_config(self.config), decode_worker_config(self.config)
-        p, d = self.config.prefill, self.config.decode
-        transfer = transfer_config(self.config)
-        self.prefill = self._start_pool("prefill", p, PrefillActor, model, pcfg, lambda name: (name, p.threads))
-        self.decode = self._start_pool("decode", d, DecodeActor, model, dcfg,
-                                       lambda name: (name, d.threads, transfer), transfer)
+        p, d, transfer = self.config.prefill, self.config.decode, self.config.kv_transfer
+        self.prefill = self._start_pool("prefill", p, PrefillActor, model, lambda name: (name, p.threads))
+        self.decode = self._start_pool("decode", d, DecodeActor, model, lambda name: (name, d.threads, transfer),
+                                       transfer)
         self._wait_ready()
         self._connect_all()
 
     def _start_colocated(self, model: str) -> None:
-        ecfg = colocated_engine_config(self.config)
         c = self.config.colocated
-        self.colocated = self._start_pool("colocated", c, ColocatedActor, model, ecfg, lambda name: (name, c.threads))
+        self.colocated = self._start_pool("colocated", c, ColocatedActor, model, lambda name: (name, c.threads))
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -200,18 +167,18 @@ class Cluster:
                      namespace=rc.namespace, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
 
-    def _start_pool(self, role: str, pool, actor_cls, model: str, worker_config, args,
+    def _start_pool(self, role: str, pool: InstanceConfig, actor_cls, model: str, args,
                     transfer: TransferConfig | None = None) -> list[Instance]:
         """Place the pool (one bundle per rank: an instance of tensor_parallel t takes t consecutive bundles,
         each with 1/t of its CPUs and devices) and start each instance's rank 0 (``actor_cls``, with
-        ``model, worker_config, *args(name)``) and its followers."""
+        ``model, pool, *args(name)``: the pool's section is its workers' config) and its followers."""
         t = pool.tensor_parallel
         bundle = pool_bundle(pool)
         group = place_pool(role, pool)
         self._groups.append(group)
         instances = []
         for i in range(pool.instances):
-            launch = _Launch(role, pool, ray_actor_class(actor_cls), model, worker_config, args, transfer, group,
+            launch = _Launch(role, pool, ray_actor_class(actor_cls), model, args, transfer, group,
                              i * t, bundle)
             inst = Instance(f"{role}-{i}", role, None)
             self._launches[inst.name] = launch
@@ -235,11 +202,11 @@ class Cluster:
         timeout = launch.pool.collective_timeout_s
         specs = [RankSpec(r, t, host, port, gen, timeout) for r in range(t)] if t > 1 else [None]
         inst.handle = launch.actor_cls.options(**options(inst.name, 0)).remote(
-            launch.model, launch.worker_config, *launch.args(inst.name), tp=specs[0])
+            launch.model, launch.pool, *launch.args(inst.name), tp=specs[0])
         follower_cls = ray_actor_class(RankFollowerActor)
         self.followers[inst.name] = [
             follower_cls.options(**options(f"{inst.name}-rank{r}", r)).remote(
-                launch.role, launch.model, launch.worker_config, inst.name, launch.pool.threads, specs[r],
+                launch.role, launch.model, launch.pool, inst.name, launch.pool.threads, specs[r],
                 launch.transfer)
             for r in range(1, t)]
 

@@ -1,8 +1,11 @@
 """The cluster configuration: one frozen, typed tree loaded from YAML.
 
-Every component receives only its sub-config. Loading fails on the first problem with the field path
-and the reason, e.g. ``decode.speculation.k: must be in [0, 16], got -1`` or
-``prefill.instnaces: unknown field; allowed: instances, ...``. The schema is documented field by field
+Every component receives only its sub-config, and the pool sections are the workers' own configs
+(``prefill``: ``PrefillWorkerConfig``, ``decode``: ``DecodeWorkerConfig``, ``colocated``: ``EngineConfig``,
+``kv_transfer``: ``TransferConfig``): no layer translates them. Each config checks itself
+(``modeling/instance_config.py``); loading fails on the first problem with the field path and the reason, e.g.
+``decode.speculation.k: must be in [0, 16], got -1`` or ``prefill.instnaces: unknown field; allowed:
+instances, ...``. The schema is documented field by field
 in ``cluster_configs/README.md``; ``cluster_configs/local.yaml`` is the embedded default.
 
 ``mode`` picks the serving system: ``disaggregated`` (prefill and decode pools, KV transfer, speculative
@@ -23,8 +26,12 @@ from dataclasses import dataclass, field
 import yaml
 
 from controller.migration_policy import PolicyConfig
-from decode_worker.config import SpeculationConfig
+from decode_worker.config import DecodeWorkerConfig
+from kv_transfer.channel import TransferConfig
 from modeling.checkpoint import DTYPES
+from modeling.engine import EngineConfig
+from modeling.instance_config import InstanceConfig, Problems, integers, raise_first
+from prefill_worker.config import PrefillWorkerConfig
 
 MODES = ("disaggregated", "colocated")
 
@@ -36,17 +43,15 @@ class ConfigError(ValueError):
     """An invalid cluster config; the message starts with the field path."""
 
 
-def _at_least_one(section, names: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(field, reason) for each of ``names`` whose value is below 1."""
-    return [(n, f"must be >= 1, got {getattr(section, n)}") for n in names if getattr(section, n) < 1]
-
-
 @dataclass(frozen=True)
 class ModelSection:
     path: str = ""  # local HF checkpoint dir; relative paths resolve against the config file's directory
     dtype: str = "bfloat16"
 
-    def check(self) -> list[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
         errs = []
         if not self.path:
             errs.append(("path", "required (a local Hugging Face checkpoint directory)"))
@@ -64,7 +69,10 @@ class RaySection:
     resources: dict[str, float] = field(default_factory=dict)
     namespace: str = "magicserve"
 
-    def check(self) -> list[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
         errs = []
         for name in ("num_cpus", "num_gpus"):
             v = getattr(self, name)
@@ -79,99 +87,15 @@ class RaySection:
 
 
 @dataclass(frozen=True)
-class PoolSection:
-    """One pool of instances (prefill or decode)."""
-
-    instances: int = 1
-    tensor_parallel: int = 1
-    devices_per_instance: int = 0  # GPUs per instance; 0 = CPU
-    cpus_per_instance: float = 1.0
-    threads: int = 1  # torch threads per worker (keep workers from oversubscribing cores)
-    kv_cache_tokens: int = 65536
-    block_size: int = 16
-    attention_backend: str = "auto"
-    # the GPU type every instance of the pool runs on, as Ray names it (the ``accelerator_type:<name>`` resource
-    # Ray sets on nodes with that GPU, e.g. H100, A100-80G, L40S); empty: any GPU
-    accelerator_type: str = ""
-    # tensor parallel: the longest a rank waits in one all-reduce, and the longest a rank may go without
-    # answering the controller's health check; a hung rank fails and restarts its instance after this long
-    collective_timeout_s: float = 60.0
-
-    def check(self) -> list[tuple[str, str]]:
-        errs = _at_least_one(self, ("instances", "tensor_parallel", "threads", "kv_cache_tokens", "block_size"))
-        if not self.collective_timeout_s > 0:
-            errs.append(("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}"))
-        if self.devices_per_instance < 0:
-            errs.append(("devices_per_instance", f"must be >= 0, got {self.devices_per_instance}"))
-        if self.devices_per_instance and self.devices_per_instance % self.tensor_parallel:
-            errs.append(("devices_per_instance", f"must be a multiple of tensor_parallel ({self.tensor_parallel})"))
-        if self.cpus_per_instance <= 0:
-            errs.append(("cpus_per_instance", f"must be > 0, got {self.cpus_per_instance}"))
-        if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
-            errs.append(("attention_backend", f"must be one of auto, torch, cpu, flash, got {self.attention_backend!r}"))
-        if self.kv_cache_tokens < self.block_size:
-            errs.append(("kv_cache_tokens", f"must be >= block_size ({self.block_size})"))
-        if self.accelerator_type and not re.fullmatch(r"[\w.\-]+", self.accelerator_type):
-            errs.append(("accelerator_type", f"must be a Ray accelerator type name (letters, digits, '.', '-', '_'), "
-                                             f"got {self.accelerator_type!r}"))
-        if self.accelerator_type and not self.devices_per_instance:
-            errs.append(("accelerator_type", "needs devices_per_instance > 0 (a GPU pool)"))
-        return errs
-
-
-@dataclass(frozen=True)
-class PrefillSection(PoolSection):
-    chunk_tokens: int = 512  # token budget per prefill step (chunked prefill)
-    max_batch_prompts: int = 16
-
-    def check(self) -> list[tuple[str, str]]:
-        return super().check() + _at_least_one(self, ("chunk_tokens", "max_batch_prompts"))
-
-
-@dataclass(frozen=True)
-class DecodeSection(PoolSection):
-    kv_cache_tokens: int = 262144
-    max_num_seqs: int = 64
-    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-
-    def check(self) -> list[tuple[str, str]]:
-        return super().check() + _at_least_one(self, ("max_num_seqs",))
-
-
-@dataclass(frozen=True)
-class ColocatedSection(PoolSection):
-    """The pool of ``mode: colocated``: each instance runs chunked prefill and decode in one batch."""
-
-    kv_cache_tokens: int = 262144
-    chunk_tokens: int = 512  # token budget per step (decode tokens and prefill chunks together)
-    max_num_seqs: int = 64
-
-    def check(self) -> list[tuple[str, str]]:
-        return super().check() + _at_least_one(self, ("chunk_tokens", "max_num_seqs"))
-
-
-@dataclass(frozen=True)
-class KVTransferSection:
-    backend: str = "auto"  # auto | gloo | nccl
-    timeout_s: float = 30.0
-    rendezvous_host: str = "127.0.0.1"
-
-    def check(self) -> list[tuple[str, str]]:
-        errs = []
-        if self.backend not in ("auto", "gloo", "nccl"):
-            errs.append(("backend", f"must be one of auto, gloo, nccl, got {self.backend!r}"))
-        if self.timeout_s <= 0:
-            errs.append(("timeout_s", f"must be > 0, got {self.timeout_s}"))
-        return errs
-
-
-@dataclass(frozen=True)
 class SLOSection:
     ttft_ms: float = 2000.0
     tpot_ms: float = 200.0
     attainment: float = 0.9
 
-    def check(self) -> list[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
         errs = [(n, f"must be > 0, got {getattr(self, n)}") for n in ("ttft_ms", "tpot_ms") if getattr(self, n) <= 0]
         if not 0 < self.attainment <= 1:
             errs.append(("attainment", f"must be in (0, 1], got {self.attainment}"))
@@ -195,7 +119,10 @@ class ServerSection:
     # (benchmarks/slo_sweep.py). Off by default: a second reader would take records the first expects
     pass_log_rpc: bool = False
 
-    def check(self) -> list[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
         errs = []
         if not 0 <= self.port <= 65535:
             errs.append(("port", f"must be in [0, 65535], got {self.port}"))
@@ -240,8 +167,11 @@ class LimitsSection:
     max_queue_length: int = 256  # waiting beyond that; more get RESOURCE_EXHAUSTED
     request_timeout_s: float = 600.0
 
-    def check(self) -> list[tuple[str, str]]:
-        errs = _at_least_one(self, ("max_prompt_tokens", "max_tokens", "max_concurrent_requests"))
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = integers(self, ("max_prompt_tokens", "max_tokens", "max_concurrent_requests"))
         if self.max_queue_length < 0:
             errs.append(("max_queue_length", f"must be >= 0, got {self.max_queue_length}"))
         if self.request_timeout_s <= 0:
@@ -265,7 +195,10 @@ class MigrationSection:
     max_migrations_per_round: int = 4
     cooldown_s: float = 30.0
 
-    def check(self) -> list[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
         errs = [(n, f"must be > 0, got {getattr(self, n)}") for n in ("interval_s", "timeout_s")
                 if not getattr(self, n) > 0]
         try:
@@ -288,23 +221,37 @@ class ClusterConfig:
     mode: str = "disaggregated"
     model: ModelSection = field(default_factory=ModelSection)
     ray: RaySection = field(default_factory=RaySection)
-    prefill: PrefillSection = field(default_factory=PrefillSection)
-    decode: DecodeSection = field(default_factory=DecodeSection)
-    colocated: ColocatedSection = field(default_factory=ColocatedSection)
-    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
+    prefill: PrefillWorkerConfig = field(default_factory=PrefillWorkerConfig)
+    decode: DecodeWorkerConfig = field(default_factory=DecodeWorkerConfig)
+    colocated: EngineConfig = field(default_factory=EngineConfig)
+    kv_transfer: TransferConfig = field(default_factory=TransferConfig)
     slo: SLOSection = field(default_factory=SLOSection)
     server: ServerSection = field(default_factory=ServerSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     migration: MigrationSection = field(default_factory=MigrationSection)
     source: str = ""
 
-    def check(self) -> list[tuple[str, str]]:
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+        # the pools' workers run the model's dtype on the devices their placement gives them; the prefill
+        # workers send with the kv_transfer settings
+        for role in ("prefill", "decode", "colocated"):
+            pool = getattr(self, role)
+            object.__setattr__(self, role, dataclasses.replace(
+                pool, dtype=self.model.dtype, device="cuda" if pool.devices_per_instance else "cpu"))
+        object.__setattr__(self, "prefill", dataclasses.replace(self.prefill, transfer=self.kv_transfer))
+
+    def check(self) -> Problems:
         if self.mode not in MODES:
             return [("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")]
+        if self.mode == "disaggregated" and self.kv_transfer.backend == "nccl" and \
+                not (self.prefill.devices_per_instance and self.decode.devices_per_instance):
+            return [("kv_transfer.backend", "nccl needs both pools on GPUs (prefill and decode "
+                                            "devices_per_instance > 0); use auto or gloo")]
         return []
 
     @property
-    def pools(self) -> dict[str, PoolSection]:
+    def pools(self) -> dict[str, InstanceConfig]:
         """The pools this mode runs, by role: prefill and decode, or colocated."""
         if self.mode == "colocated":
             return {"colocated": self.colocated}
@@ -348,9 +295,13 @@ def parse_config(raw: dict) -> ClusterConfig:
 
 
 def to_dict(config) -> dict:
-    """The config as plain data (for YAML output, e.g. by the planner)."""
-    out = dataclasses.asdict(config)
-    out.pop("source", None)
+    """The config as plain data, as YAML holds it (for YAML output, e.g. by the planner)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.name == "source" or not f.metadata.get("yaml", True):
+            continue
+        value = getattr(config, f.name)
+        out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else value
     return out
 
 
@@ -366,23 +317,24 @@ def _build(cls, raw, path: str):
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source" and f.metadata.get("yaml", True)}
+    for f in dataclasses.fields(cls):
+        if f.name in raw and "set_by" in f.metadata:
+            raise ConfigError(f"{_join(path, f.name)}: not set here; it follows {f.metadata['set_by']}")
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"{_join(path, unknown[0])}: unknown field; allowed: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
     values = {name: _convert(hints[name], raw[name], _join(path, name)) for name in raw}
     try:
-        obj = cls(**values)
-    except ValueError as err:  # nested configs that validate themselves (SpeculationConfig)
-        msg = str(err)
-        leaf = path.rsplit(".", 1)[-1]
+        return cls(**values)
+    except ConfigError:
+        raise
+    except ValueError as err:  # "field: reason" from the config's own check() (a sub-section may name itself)
+        msg, leaf = str(err), path.rsplit(".", 1)[-1]
         if path and msg.startswith(leaf + "."):
-            msg = path[: len(path) - len(leaf)] + msg
-        raise ConfigError(msg) from None
-    for name, reason in getattr(obj, "check", lambda: [])():
-        raise ConfigError(f"{_join(path, name)}: {reason}")
-    return obj
+            msg = msg[len(leaf) + 1:]
+        raise ConfigError(_join(path, msg)) from None
 
 
 def _convert(hint, value, path: str):

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modeling.instance_config import InstanceConfig, Problems, integers, one_of, raise_first
+
 DRAFTERS = ("none", "self_sparse", "draft_model")
 K_POLICIES = ("fixed", "adaptive")
 DRAFT_POSITIONS = ("original", "reindexed")
-
-
-def _int(path: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{path}: must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{path}: must be {bound}, got {value}")
-
-
-def _choice(path: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{path}: must be one of {', '.join(allowed)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -47,20 +36,23 @@ class SpeculationConfig:
     draft_positions: str = "original"
 
     def __post_init__(self) -> None:
-        p = "speculation"
-        _choice(f"{p}.drafter", self.drafter, DRAFTERS)
-        _choice(f"{p}.k_policy", self.k_policy, K_POLICIES)
-        _choice(f"{p}.draft_positions", self.draft_positions, DRAFT_POSITIONS)
-        _int(f"{p}.k", self.k, 0, 16)
-        _int(f"{p}.max_k", self.max_k, 1, 16)
-        _int(f"{p}.sink_tokens", self.sink_tokens, 0)
-        _int(f"{p}.budget", self.budget, 1)
+        raise_first([(f"speculation.{name}", why) for name, why in self.check()])  # always that sub-section
+
+    def check(self) -> Problems:
+        errs = (one_of("drafter", self.drafter, DRAFTERS) + one_of("k_policy", self.k_policy, K_POLICIES)
+                + one_of("draft_positions", self.draft_positions, DRAFT_POSITIONS)
+                + integers(self, ("k",), 0, 16) + integers(self, ("max_k",), 1, 16)
+                + integers(self, ("sink_tokens",), 0) + integers(self, ("budget",)))
+        if errs:
+            return errs
         if self.sink_tokens >= self.budget:
-            raise ValueError(f"{p}.sink_tokens: must be < budget ({self.budget}), got {self.sink_tokens}")
-        if self.tpot_slo_ms is not None and (isinstance(self.tpot_slo_ms, bool) or not isinstance(self.tpot_slo_ms, (int, float)) or self.tpot_slo_ms <= 0):
-            raise ValueError(f"{p}.tpot_slo_ms: must be a positive number or null, got {self.tpot_slo_ms!r}")
+            errs.append(("sink_tokens", f"must be < budget ({self.budget}), got {self.sink_tokens}"))
+        slo = self.tpot_slo_ms
+        if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or slo <= 0):
+            errs.append(("tpot_slo_ms", f"must be a positive number or null, got {slo!r}"))
         if self.drafter == "draft_model" and not self.draft_model:
-            raise ValueError(f"{p}.draft_model: required when drafter is 'draft_model'")
+            errs.append(("draft_model", "required when drafter is 'draft_model'"))
+        return errs
 
     @property
     def enabled(self) -> bool:
@@ -73,21 +65,20 @@ class SpeculationConfig:
 
 
 @dataclass(frozen=True)
-class DecodeWorkerConfig:
-    """Settings of one decode worker instance."""
+class DecodeWorkerConfig(InstanceConfig):
+    """The decode pool and each of its workers (the ``decode:`` section of the cluster YAML):
+    ``max_num_seqs`` sequences decode at once; ``prefill_chunk`` is the chunk of a local (re)prefill (after a
+    preemption, and a request prefilled on the decode worker itself); ``profile_on_start`` measures the
+    worker's own step costs before it serves (the adaptive speculation length reads them)."""
 
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    block_size: int = 16
     kv_cache_tokens: int = 262144
     max_num_seqs: int = 64
-    attention_backend: str = "auto"
-    prefill_chunk: int = 1024  # chunk size for local (re)prefill: tests, recompute after preemption
+    prefill_chunk: int = 1024
     profile_on_start: bool = True
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
-    def __post_init__(self) -> None:
-        _int("decode.block_size", self.block_size, 1)
-        _int("decode.kv_cache_tokens", self.kv_cache_tokens, self.block_size)
-        _int("decode.max_num_seqs", self.max_num_seqs, 1)
-        _int("decode.prefill_chunk", self.prefill_chunk, 1)
+    def check(self) -> Problems:
+        errs = super().check() + integers(self, ("max_num_seqs", "prefill_chunk"))
+        if not isinstance(self.profile_on_start, bool):
+            errs.append(("profile_on_start", f"must be true or false, got {self.profile_on_start!r}"))
+        return errs

@@ -3,7 +3,8 @@
 A region is ``cache.kv[layer, kv_index]`` ([num_blocks, block_size, Hkv_local, D]) restricted to some
 blocks and a local head slice. When the blocks are consecutive and the slice covers every local head,
 the region is one contiguous slab and goes on the wire zero-copy; otherwise it is gathered into (on
-send) or scattered from (on receive) a staging tensor of shape [n, block_size, heads, D].
+send) or scattered from (on receive) a staging tensor of shape [n, block_size, heads, D]. A channel whose
+data path is gloo carries host tensors only: a CUDA cache's regions are always staged in host memory.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def region_for_send(kv: torch.Tensor, layer: int, kv_index: int, blocks: list[in
 
 def send_region(channel: PairChannel, kv: torch.Tensor, layer: int, kv_index: int, blocks: list[int],
                 heads: slice) -> PendingSend:
-    return channel.send_data(region_for_send(kv, layer, kv_index, blocks, heads))
+    return channel.send_data(region_for_send(kv, layer, kv_index, blocks, heads).to(channel.device))
 
 
 def post_recv_region(channel: PairChannel, kv: torch.Tensor, layer: int, kv_index: int, blocks: list[int],
@@ -42,21 +43,22 @@ def post_recv_region(channel: PairChannel, kv: torch.Tensor, layer: int, kv_inde
     call once it has completed (scatters a staged region into the cache; no-op for a direct one)."""
     t = kv[layer, kv_index]  # [num_blocks, block_size, H, D]
     full_heads = heads.start == 0 and heads.stop == t.shape[2]
-    if consecutive(blocks) and full_heads:
+    if consecutive(blocks) and full_heads and t.device == channel.device:
         return channel.post_recv(t[blocks[0] : blocks[0] + len(blocks)]), _nothing
     n_heads = heads.stop - heads.start
-    buf = torch.empty(len(blocks), t.shape[1], n_heads, t.shape[3], dtype=t.dtype, device=t.device)
+    buf = torch.empty(len(blocks), t.shape[1], n_heads, t.shape[3], dtype=t.dtype, device=channel.device)
 
     def scatter() -> None:
+        src = buf.to(t.device)
         if consecutive(blocks):
-            t[blocks[0] : blocks[0] + len(blocks), :, heads].copy_(buf)
+            t[blocks[0] : blocks[0] + len(blocks), :, heads].copy_(src)
             return
         idx = torch.tensor(blocks, dtype=torch.int64, device=t.device)
         if full_heads:
-            t.index_copy_(0, idx, buf)
+            t.index_copy_(0, idx, src)
         else:
             merged = t.index_select(0, idx)
-            merged[:, :, heads] = buf
+            merged[:, :, heads] = src
             t.index_copy_(0, idx, merged)
 
     return channel.post_recv(buf), scatter
@@ -66,7 +68,7 @@ def post_discard_region(channel: PairChannel, kv: torch.Tensor, num_blocks: int,
                         n_heads: int) -> tuple[dist.Work, Callable[[], None]]:
     """Post the receive of a region to drop (its reservation was released mid-transfer)."""
     shape = (num_blocks, kv.shape[3], n_heads, kv.shape[5])
-    return channel.post_recv(torch.empty(shape, dtype=kv.dtype, device=kv.device)), _nothing
+    return channel.post_recv(torch.empty(shape, dtype=kv.dtype, device=channel.device)), _nothing
 
 
 def _nothing() -> None:

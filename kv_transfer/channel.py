@@ -27,6 +27,9 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from kv_transfer.descriptors import PeerHello, decode_hello, encode
 from kv_transfer.errors import TransferError
+from modeling.instance_config import Problems, one_of, positive, raise_first
+
+BACKENDS = ("auto", "gloo", "nccl")
 
 PREFILL_RANK = 0
 DECODE_RANK = 1
@@ -69,23 +72,54 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """``timeout_s``: a transfer with no progress for this long fails (retryable) and both ends free
-    its blocks (it must exceed the longest prefill step); ``retry_interval_s``: how often a sender
-    re-asks a receiver that answered BUSY; ``connect_timeout_s``: how long forming a pair may wait for
-    the peer; ``handshake_wait_s``: how long a forward pass may wait for the ACCEPT of a prompt whose
-    blocks were reserved by the router, so that its KV streams during that very pass."""
+    """How KV moves between instances (the ``kv_transfer:`` section of the cluster YAML).
 
-    timeout_s: float = 10.0
+    ``backend``: what carries the KV bytes: ``nccl`` (GPU to GPU; both ends' caches must be on CUDA), ``gloo``
+    (over TCP; a CUDA cache is staged through host memory) or ``auto`` (NCCL when both caches are on CUDA, else
+    gloo); control frames always go over gloo. ``timeout_s``: a transfer with no progress for this long fails
+    (retryable) and both ends free its blocks (it must exceed the longest prefill step); ``retry_interval_s``:
+    how often a sender re-asks a receiver that answered BUSY; ``connect_timeout_s``: how long forming a pair may
+    wait for the peer; ``handshake_wait_s``: how long a forward pass may wait for the ACCEPT of a prompt whose
+    blocks were reserved by the router, so that its KV streams during that very pass. ``rendezvous_host``: where
+    the controller's store listens (pairs and tensor-parallel groups meet there); ``interface_host``: the
+    address this host's gloo binds to (empty: ``rendezvous_host``)."""
+
+    backend: str = "auto"
+    timeout_s: float = 30.0
     retry_interval_s: float = 0.05
     connect_timeout_s: float = 60.0
     handshake_wait_s: float = 0.05
-    interface_host: str = "127.0.0.1"  # address gloo binds to; the host's reachable address in a cluster
+    rendezvous_host: str = "127.0.0.1"
+    interface_host: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "retry_interval_s", "connect_timeout_s", "handshake_wait_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"kv_transfer.{name}: must be a number > 0, got {value!r}")
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = one_of("backend", self.backend, BACKENDS)
+        errs += positive(self, ("timeout_s", "retry_interval_s", "connect_timeout_s", "handshake_wait_s"))
+        if not self.rendezvous_host:
+            errs.append(("rendezvous_host", "must not be empty"))
+        return errs
+
+    @property
+    def bind_host(self) -> str:
+        return self.interface_host or self.rendezvous_host
+
+
+def data_backend(backend: str, peer_backend: str, device: str, peer_device: str) -> str:
+    """What carries a pair's KV bytes (``nccl`` or ``gloo``), given each end's ``kv_transfer.backend`` and
+    cache device type; TransferError (not retryable) when the ends disagree or NCCL cannot connect them."""
+    if {backend, peer_backend} == {"gloo", "nccl"}:
+        raise TransferError(f"kv_transfer.backend: this end says {backend}, its peer {peer_backend}", retryable=False)
+    if "nccl" in (backend, peer_backend):
+        if device != "cuda" or peer_device != "cuda":
+            raise TransferError(f"kv_transfer.backend: nccl needs both caches on CUDA; they are on {device} and "
+                                f"{peer_device} (use auto or gloo)", retryable=False)
+        return "nccl"
+    if "gloo" in (backend, peer_backend):
+        return "gloo"
+    return "nccl" if device == peer_device == "cuda" else "gloo"
 
 
 def pair_prefix(prefill_id: str, decode_id: str, generation: int = 0) -> str:
@@ -121,20 +155,17 @@ class PairChannel:
         Raises FingerprintMismatchError on both ends if their KV layouts differ."""
         prefix = PrefixStore(pair_prefix(prefill_id, decode_id, generation), store)
         device = torch.device(device)
-        prefix.set(f"device/{rank}", device.type)
+        prefix.set(f"device/{rank}", f"{device.type}/{config.backend}")
         prefix.wait([f"device/{1 - rank}"], datetime.timedelta(seconds=config.connect_timeout_s))
-        peer_device = prefix.get(f"device/{1 - rank}").decode()
+        peer_device, peer_backend = prefix.get(f"device/{1 - rank}").decode().split("/")
+        use_nccl = data_backend(config.backend, peer_backend, device.type, peer_device) == "nccl"
         opts = ProcessGroupGloo._Options()
         opts._timeout = _IDLE_TIMEOUT
-        opts._devices = [ProcessGroupGloo.create_device(hostname=config.interface_host)]
+        opts._devices = [ProcessGroupGloo.create_device(hostname=config.bind_host)]
         ctrl = ProcessGroupGloo(PrefixStore("gloo", prefix), rank, 2, opts)
-        data: dist.ProcessGroup = ctrl
-        if device.type == "cuda" and peer_device == "cuda":
-            data = _nccl_group(PrefixStore("nccl", prefix), rank, device)
-        elif device.type != "cpu":
-            raise TransferError(f"cache on {device} needs a CUDA peer for NCCL; peer is on {peer_device}",
-                                retryable=False)
-        chan = PairChannel(ctrl, data, rank, device if data is not ctrl else torch.device("cpu"), hello, config)
+        data: dist.ProcessGroup = _nccl_group(PrefixStore("nccl", prefix), rank, device) if use_nccl else ctrl
+        # gloo carries host tensors: a CUDA cache's regions are staged through host memory (kv_transfer/blocks.py)
+        chan = PairChannel(ctrl, data, rank, device if use_nccl else torch.device("cpu"), hello, config)
         chan.store = store
         # gloo: a send completes once the peer posts the matching recv, so post ours, then receive.
         sent = chan.send_frame(HELLO, encode(hello), wait=False)

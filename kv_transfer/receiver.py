@@ -359,6 +359,7 @@ class KVReceiver:
                     if end.extra_shape:  # the tensor follows the frame on the data path
                         extra = torch.empty(end.extra_shape, dtype=_DTYPES[end.extra_dtype], device=channel.device)
                         channel.recv_data(extra)
+                        extra = extra.to(self.cache.device)  # staged in host memory when gloo carried it
                     with self._lock:
                         if extra is not None:
                             self._extras[end.request_id] = extra

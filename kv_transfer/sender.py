@@ -277,7 +277,7 @@ class KVSender:
             try:
                 link.post(link.channel.send_frame(FIRST_TOKEN, encode(end), wait=False), None)
                 if extra is not None:
-                    link.post(link.channel.send_data(extra.contiguous()), leg)
+                    link.post(link.channel.send_data(extra.contiguous().to(link.channel.device)), leg)
             except TransferError as err:
                 self._events.put(("broken", leg.peer, err, link.channel))
 

@@ -17,9 +17,10 @@ from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.forks import sequence_id, split_sequence_id
 from modeling.runner import StepInput
+from modeling.instance_config import InstanceConfig, Problems, integers
 from modeling.logprobs import TokenLogprob
 from modeling.sampling import PromptLogprobs, RequestSampler, SamplingParams, token_logprobs
-from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
+from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
@@ -30,25 +31,21 @@ from modeling.tp_runner import (TPDriverRunner, TPFollower, build_runner, copy_k
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Settings of one engine instance. ``kv_cache_tokens`` sizes the block pool."""
+class EngineConfig(InstanceConfig):
+    """One engine instance, and the pool of ``mode: colocated`` (its ``colocated:`` section): chunked prefill
+    and decode in one batch of at most ``max_num_seqs`` sequences and ``token_budget`` tokens per step
+    (decode tokens first, then prefill chunks). ``max_model_len`` None: the model's
+    ``max_position_embeddings``."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_tokens: int = 65536
     token_budget: int = 512
     max_num_seqs: int = 64
-    attention_backend: str = "auto"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_model_len: int | None = None
 
-    def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_tokens", "token_budget", "max_num_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        if self.kv_cache_tokens < self.block_size:
-            raise ValueError(f"kv_cache_tokens: must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}")
+    def check(self) -> Problems:
+        errs = super().check() + integers(self, ("token_budget", "max_num_seqs"))
+        if self.max_model_len is not None:
+            errs += integers(self, ("max_model_len",))
+        return errs
 
 
 @dataclass
@@ -110,7 +107,7 @@ class ReferenceEngine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.runner = build_runner(self.loaded, num_blocks, config.block_size, config.attention_backend, tp)
         self.cache = self.runner.cache
-        self.scheduler = ChunkedPrefillScheduler(SchedulerConfig(config.token_budget, config.max_num_seqs), self.pool)
+        self.scheduler = ChunkedPrefillScheduler(config, self.pool)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.pass_log = PassLog()  # one "mixed" record per step

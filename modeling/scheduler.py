@@ -6,24 +6,19 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from modeling.block_pool import BlockPool
 from modeling.errors import OutOfBlocksError
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """token_budget: new tokens per step (decode tokens count too); max_num_seqs: running sequences."""
+class SchedulerLimits(Protocol):
+    """What a scheduler reads of its instance's config (``EngineConfig``, ``PrefillWorkerConfig``, validated
+    there): new tokens per step (decode tokens count too) and running sequences."""
 
-    token_budget: int = 512
-    max_num_seqs: int = 64
-
-    def __post_init__(self) -> None:
-        if self.token_budget < 1:
-            raise ValueError(f"token_budget: must be >= 1, got {self.token_budget}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+    token_budget: int
+    max_num_seqs: int
 
 
 @dataclass(frozen=True)
@@ -39,7 +34,7 @@ class ScheduledChunk:
 class ChunkedPrefillScheduler:
     """Chooses each step's work. Invariant: every RUNNING sequence holds blocks for its computed tokens."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+    def __init__(self, config: SchedulerLimits, pool: BlockPool):
         self.config = config
         self.pool = pool
         self.waiting: deque[Sequence] = deque()

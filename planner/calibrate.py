@@ -327,7 +327,7 @@ def with_pass_scales(profile: Profile, cal: Calibration, spec, passes: dict[str,
 
 
 def _chunk_of(run_config) -> int:
-    return run_config.colocated.chunk_tokens if run_config.mode == "colocated" else run_config.prefill.chunk_tokens
+    return run_config.colocated.token_budget if run_config.mode == "colocated" else run_config.prefill.token_budget
 
 
 def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS, seed: int = 0,

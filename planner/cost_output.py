@@ -37,12 +37,12 @@ def cost_plan_config(plan: CostPlan, space: CostSpace, base_config_path: str, ou
     raw["mode"] = plan.mode
     if plan.mode == "colocated":
         c = plan.pools["colocated"]
-        raw["colocated"].update(_pool_fields(c), chunk_tokens=space.prefill_token_budget,
+        raw["colocated"].update(_pool_fields(c), token_budget=space.prefill_token_budget,
                                 max_num_seqs=space.decode_max_num_seqs)
     else:
         p, d = plan.pools["prefill"], plan.pools["decode"]
-        raw["prefill"].update(_pool_fields(p), chunk_tokens=space.prefill_token_budget,
-                              max_batch_prompts=space.prefill_max_prompts)
+        raw["prefill"].update(_pool_fields(p), token_budget=space.prefill_token_budget,
+                              max_num_seqs=space.prefill_max_prompts)
         raw["decode"].update(_pool_fields(d), max_num_seqs=space.decode_max_num_seqs)
         if d.spec is not None:
             raw["decode"]["speculation"] = spec_to_dict(d.spec)

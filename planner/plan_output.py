@@ -35,11 +35,11 @@ def plan_config(best: Candidate, base_config_path: str, out_path: str, profile: 
     c = best.config
     raw["mode"] = c.mode
     if c.mode == "colocated":
-        raw["colocated"].update(_pool_fields(c.colocated, gpu), chunk_tokens=c.colocated.token_budget,
+        raw["colocated"].update(_pool_fields(c.colocated, gpu), token_budget=c.colocated.token_budget,
                                 max_num_seqs=c.colocated.max_num_seqs)
     else:
-        raw["prefill"].update(_pool_fields(c.prefill, gpu), chunk_tokens=c.prefill.token_budget,
-                              max_batch_prompts=c.prefill.max_num_seqs)
+        raw["prefill"].update(_pool_fields(c.prefill, gpu), token_budget=c.prefill.token_budget,
+                              max_num_seqs=c.prefill.max_num_seqs)
         raw["decode"].update(_pool_fields(c.decode, gpu), max_num_seqs=c.decode.max_num_seqs)
         raw["decode"]["speculation"] = spec_to_dict(c.speculation)
     raw["slo"] = {"ttft_ms": slo.ttft_s * 1e3, "tpot_ms": slo.tpot_s * 1e3, "attainment": slo.attainment}

@@ -77,7 +77,7 @@ class Grid:
     skipped; lengths are capped at what the config admits."""
 
     # prefill: single chunks (length, start); starts are capped at the longest prompt minus the length
-    # (the longest prompt's last chunk is always measured too); lengths may exceed prefill.chunk_tokens
+    # (the longest prompt's last chunk is always measured too); lengths may exceed prefill.token_budget
     # so plans can weigh other chunk sizes
     prefill_lengths: tuple[int, ...]
     prefill_starts: tuple[int, ...]
@@ -328,24 +328,20 @@ def _limits(config: ClusterConfig, max_model_len: int) -> Limits:
 
 def prefill_cache_tokens(config: ClusterConfig, grid: Grid, limits: Limits) -> tuple[list, int]:
     """The prefill steps to time and the KV tokens their worker's cache needs."""
-    steps = prefill_steps(grid, limits, config.prefill.max_batch_prompts)
+    steps = prefill_steps(grid, limits, config.prefill.max_num_seqs)
     bs = limits.block_size
     return steps, max([sum(s + n + bs for s, n in chunks) for chunks in steps] + [limits.max_prompt + bs])
 
 
 def profiled_prefill_config(config: ClusterConfig, tokens: int):
     """The config's PrefillWorkerConfig with a cache of ``tokens`` (at most the configured size)."""
-    from controller.cluster import prefill_worker_config
-
-    cfg = prefill_worker_config(config)
+    cfg = config.prefill
     return dataclasses.replace(cfg, kv_cache_tokens=max(cfg.block_size, min(cfg.kv_cache_tokens, tokens)))
 
 
 def profiled_decode_config(config: ClusterConfig, grid: Grid, limits: Limits):
     """The config's DecodeWorkerConfig with a cache for the grid's decode cells and the acceptance runs."""
-    from controller.cluster import decode_worker_config
-
-    cfg = decode_worker_config(config)
+    cfg = config.decode
     steps = grid.acceptance_steps + 4
     acceptance = grid.acceptance_batch * (limits.max_prompt + steps * (limits.max_k + 1) + 2 * cfg.block_size)
     tokens = min(cfg.kv_cache_tokens, max(grid.max_kv_tokens + 64 * (limits.max_k + 2) * cfg.block_size, acceptance))
@@ -517,17 +513,16 @@ def measure_transfer(prefill, config: ClusterConfig, grid: Grid, limits: Limits,
     """Send prompts' KV from ``prefill`` (this process) to a DecodeWorker in a spawned process."""
     import torch.multiprocessing as mp
 
-    from controller.cluster import decode_worker_config, transfer_config
     from kv_transfer.channel import Rendezvous
 
     sizes = sorted({min(n, limits.max_prompt) for n in grid.transfer_tokens})
     store, rdv = Rendezvous.host_store(config.kv_transfer.rendezvous_host)
     ctx = mp.get_context("spawn")
     cmds, replies = ctx.Queue(), ctx.Queue()
-    dcfg = dataclasses.replace(decode_worker_config(config), profile_on_start=False,
+    dcfg = dataclasses.replace(config.decode, profile_on_start=False,
                                kv_cache_tokens=min(config.decode.kv_cache_tokens,
                                                    2 * (max(sizes) + 4 * limits.block_size)))
-    args = (config.model_path, dcfg, config.decode.threads, transfer_config(config), rdv, cmds, replies)
+    args = (config.model_path, dcfg, config.decode.threads, config.kv_transfer, rdv, cmds, replies)
     child = ctx.Process(target=_decode_side, args=args, daemon=True)
     child.start()
     try:

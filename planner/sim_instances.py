@@ -34,7 +34,7 @@ from decode_worker.policy import CHOICE_REUSE_STEPS, AcceptanceEstimator, Adapti
 from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
-from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerConfig
+from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerLimits
 from modeling.sequence import FinishReason, SequenceStatus
 from prefill_worker.scheduler import PrefillScheduler
 
@@ -224,13 +224,13 @@ class PrefillSim(_Instance):
     role = "prefill"
 
     def __init__(self, sim, name: str, costs: StepCosts, transfer: FittedModel, capacity_tokens: int,
-                 block_size: int, token_budget: int, max_num_seqs: int):
+                 block_size: int, limits: SchedulerLimits):
         super().__init__(sim, name)
         self.costs = costs
         self.transfer = transfer
         self.block_size = block_size
         self.pool = CountingBlockPool(capacity_tokens // block_size, block_size)
-        self.scheduler = PrefillScheduler(SchedulerConfig(token_budget, max_num_seqs), self.pool)
+        self.scheduler = PrefillScheduler(limits, self.pool)  # the worker's own scheduler
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
 
     def add(self, req: SimRequest) -> None:
@@ -405,12 +405,12 @@ class ColocatedSim(_Instance):
     role = "colocated"
 
     def __init__(self, sim, name: str, costs: StepCosts, capacity_tokens: int, block_size: int,
-                 token_budget: int, max_num_seqs: int):
+                 limits: SchedulerLimits):
         super().__init__(sim, name)
         self.costs = costs
         self.block_size = block_size
         self.pool = CountingBlockPool(capacity_tokens // block_size, block_size)
-        self.scheduler = ChunkedPrefillScheduler(SchedulerConfig(token_budget, max_num_seqs), self.pool)
+        self.scheduler = ChunkedPrefillScheduler(limits, self.pool)  # the engine's own scheduler
         preempt = self.scheduler.preempt
 
         def preempt_and_count(seq: SimSequence) -> None:  # the scheduler's own preemption, counted per request

@@ -142,8 +142,8 @@ class SimConfig:
         mig = getattr(cfg, "migration", None)
         if getattr(cfg, "mode", "disaggregated") == "colocated":
             c = cfg.colocated
-            return SimConfig("colocated", colocated=pool("colocated", c, c.chunk_tokens, c.max_num_seqs), **common)
-        prefill = pool("prefill", cfg.prefill, cfg.prefill.chunk_tokens, cfg.prefill.max_batch_prompts)
+            return SimConfig("colocated", colocated=pool("colocated", c, c.token_budget, c.max_num_seqs), **common)
+        prefill = pool("prefill", cfg.prefill, cfg.prefill.token_budget, cfg.prefill.max_num_seqs)
         decode = pool("decode", cfg.decode, 1, cfg.decode.max_num_seqs)
         migration = SimMigration(mig.policy(), mig.interval_s) if mig is not None and mig.enabled else None
         return SimConfig("disaggregated", prefill=prefill, decode=decode, speculation=cfg.decode.speculation,
@@ -226,8 +226,8 @@ class Simulation:
         if c.mode == "colocated":
             p = c.colocated
             costs = StepCosts(profile, cal, p.shape)
-            self.colocated = [ColocatedSim(self, f"colocated-{i}", costs, p.kv_cache_tokens, bs, p.token_budget,
-                                           p.max_num_seqs) for i in range(p.instances)]
+            self.colocated = [ColocatedSim(self, f"colocated-{i}", costs, p.kv_cache_tokens, bs, p)
+                              for i in range(p.instances)]
         else:
             p, d = c.prefill, c.decode
             pcosts = StepCosts(profile, cal, p.shape)
@@ -235,8 +235,8 @@ class Simulation:
             drafter = c.speculation.drafter if c.speculation.enabled else None
             dprofile = decode_profile or profile
             dcosts = StepCosts(dprofile, cal, d.shape, drafter)
-            self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs,
-                                       p.token_budget, p.max_num_seqs) for i in range(p.instances)]
+            self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs, p)
+                            for i in range(p.instances)]
             self.decode = [DecodeSim(self, f"decode-{i}", dprofile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
                                      c.speculation, random.Random(rng.random())) for i in range(d.instances)]
         self.instances = self.prefill + self.decode + self.colocated

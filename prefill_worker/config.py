@@ -1,35 +1,27 @@
-"""Configuration of one prefill worker instance."""
+"""Configuration of the prefill pool and each of its workers (the ``prefill:`` section of the cluster YAML)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kv_transfer.channel import TransferConfig
+from modeling.instance_config import InstanceConfig, Problems, integers, set_by
 
 
 @dataclass(frozen=True)
-class PrefillWorkerConfig:
-    """``kv_cache_tokens`` sizes the block pool (blocks stay held until the receiver acknowledges
-    them); ``token_budget`` caps new tokens per forward pass (chunked prefill); ``layerwise_streaming``
-    sends each layer's KV as soon as it is written (False: send after the prompt's last chunk)."""
+class PrefillWorkerConfig(InstanceConfig):
+    """``kv_cache_tokens`` sizes the block pool (blocks stay held until the receiver acknowledges them);
+    ``token_budget`` caps new tokens per forward pass (chunked prefill) and ``max_num_seqs`` the prompts in
+    one; ``layerwise_streaming`` sends each layer's KV as soon as it is written (False: after the prompt's last
+    chunk). ``transfer`` is the cluster's ``kv_transfer`` section."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_tokens: int = 65536
-    token_budget: int = 2048
-    max_num_seqs: int = 64
-    attention_backend: str = "auto"
+    token_budget: int = 512
+    max_num_seqs: int = 16
     layerwise_streaming: bool = True
-    transfer: TransferConfig = field(default_factory=TransferConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig, metadata=set_by("kv_transfer"))
 
-    def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_tokens", "token_budget", "max_num_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"prefill.{name}: must be an integer >= 1, got {value!r}")
-        if self.kv_cache_tokens < self.block_size:
-            raise ValueError(f"prefill.kv_cache_tokens: must be >= block_size ({self.block_size}), "
-                             f"got {self.kv_cache_tokens}")
+    def check(self) -> Problems:
+        errs = super().check() + integers(self, ("token_budget", "max_num_seqs"))
         if not isinstance(self.layerwise_streaming, bool):
-            raise ValueError(f"prefill.layerwise_streaming: must be a boolean, got {self.layerwise_streaming!r}")
+            errs.append(("layerwise_streaming", f"must be true or false, got {self.layerwise_streaming!r}"))
+        return errs

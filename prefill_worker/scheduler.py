@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections import deque
 
 from modeling.block_pool import BlockPool
-from modeling.scheduler import ScheduledChunk, SchedulerConfig
+from modeling.scheduler import ScheduledChunk, SchedulerLimits
 from modeling.sequence import Sequence, SequenceStatus
 
 
 class PrefillScheduler:
     """Invariant: every sequence in ``running`` or ``handed_off`` holds blocks for its whole prompt."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+    def __init__(self, config: SchedulerLimits, pool: BlockPool):
         self.config = config
         self.pool = pool
         self.waiting: deque[Sequence] = deque()

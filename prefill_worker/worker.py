@@ -28,7 +28,7 @@ from modeling.forks import ForkStart, encode_forks, split_sequence_id
 from modeling.pass_log import PassLog
 from modeling.runner import StepInput
 from modeling.sampling import PromptLogprobs, RequestSampler, token_logprobs
-from modeling.scheduler import ScheduledChunk, SchedulerConfig
+from modeling.scheduler import ScheduledChunk
 from modeling.sequence import Sequence
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, load_for_rank
@@ -60,7 +60,7 @@ class PrefillWorker:
         self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp)
         self.cache, self.backend = self.runner.cache, self.runner.backend
         self.pass_log = PassLog()
-        self.scheduler = PrefillScheduler(SchedulerConfig(config.token_budget, config.max_num_seqs), self.pool)
+        self.scheduler = PrefillScheduler(config, self.pool)
         self.fingerprint = KVFingerprint.of(mc, config.block_size, self.loaded.dtype)
         self.tp = tp if tp is not None and tp.shard.sharded else None
         self.tp_size = 1 if self.tp is None else self.tp.size

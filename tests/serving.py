@@ -34,7 +34,7 @@ def migration_config(model_dir: str, decode_tp: int = 1, **sections) -> ClusterC
     return e2e_config(
         model_dir,
         ray={"num_cpus": 6, "num_gpus": 0},
-        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 128},
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 128},
         decode={"instances": 2, "tensor_parallel": decode_tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 5},

@@ -158,5 +158,5 @@ def test_invalid_sampling_params(engine, kwargs, message):
 
 
 def test_bad_engine_config():
-    with pytest.raises(ValueError, match="token_budget: must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="token_budget: must be >= 1, got 0"):
         EngineConfig(token_budget=0)

@@ -29,7 +29,7 @@ BLOCK = 16
 @pytest.mark.parametrize("raw,message", [
     ({"mode": "both"}, "mode: must be one of disaggregated, colocated, got 'both'"),
     ({"mode": 1}, "mode: must be a string, got 1"),
-    ({"mode": "colocated", "colocated": {"chunk_tokens": 0}}, "colocated.chunk_tokens: must be >= 1, got 0"),
+    ({"mode": "colocated", "colocated": {"token_budget": 0}}, "colocated.token_budget: must be >= 1, got 0"),
     ({"colocated": {"speculation": {}}}, "colocated.speculation: unknown field; allowed: instances,"),
 ])
 def test_bad_mode_and_colocated_fields_are_config_errors(raw, message):
@@ -63,7 +63,7 @@ def test_shipped_configs_load_and_the_prefill2_pair_reserves_the_cores_of_local_
         assert sum(p.instances * p.cpus_per_instance for p in cfg.pools.values()) == 2
     assert spec.decode.speculation == loaded["local.yaml"].decode.speculation
     assert no_spec.decode.speculation.drafter == "none"
-    assert spec.prefill.chunk_tokens == no_spec.prefill.chunk_tokens == loaded["local.yaml"].prefill.chunk_tokens
+    assert spec.prefill.token_budget == no_spec.prefill.token_budget == loaded["local.yaml"].prefill.token_budget
     one_by_two = loaded["local-colocated-1x2.yaml"].colocated
     assert (one_by_two.instances, one_by_two.threads, one_by_two.cpus_per_instance) == (1, 2, 2)
     f32, default = loaded["local-float32.yaml"], loaded["local.yaml"]
@@ -78,7 +78,7 @@ def server(llama_dir):
     """Two colocated instances, one torch thread each."""
     cfg = e2e_config(llama_dir, mode="colocated",
                      colocated={"instances": INSTANCES, "kv_cache_tokens": KV_TOKENS, "block_size": BLOCK,
-                                "attention_backend": "torch", "chunk_tokens": 64})
+                                "attention_backend": "torch", "token_budget": 64})
     with running_server(cfg) as address:
         yield address
 
@@ -122,7 +122,7 @@ def test_instances_hand_over_their_mixed_passes(server):
     assert len(ids) == 12
     records = [r for actor in actors for r in ray.get(actor.pass_log.remote())]
     assert {r["kind"] for r in records} == {"mixed"}
-    # chunk_tokens 64: [0, 64), [64, 100), then one decode token per step for the 11 tokens after the first
+    # token_budget 64: [0, 64), [64, 100), then one decode token per step for the 11 tokens after the first
     assert [c for r in records for c in r["shape"]["chunks"]] == [[0, 64], [64, 36]]
     assert [r["shape"]["decode_kv_tokens"] for r in records if r["shape"]["decode_seqs"]] == list(range(101, 112))
 

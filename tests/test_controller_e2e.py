@@ -24,7 +24,7 @@ def server(llama_dir):
     cfg = e2e_config(
         llama_dir,
         ray={"num_cpus": 6, "num_gpus": 0},
-        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 64},
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 64},
         decode={"instances": 2, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 5},
@@ -173,7 +173,7 @@ def test_workers_hand_over_their_timed_passes(server):
     passes = drained[0]["records"]
     assert {r["kind"] for r in passes} == {"prefill"} and all(r["seconds"] > 0 for r in passes)
     assert all(abs(r["end_s"] - time.time()) < 300 for r in passes)  # wall-clock ends
-    # chunk_tokens 64: the 100-token prompt is prefilled as [0, 64) then [64, 100)
+    # token_budget 64: the 100-token prompt is prefilled as [0, 64) then [64, 100)
     assert [c for r in passes for c in r["shape"]["chunks"]] == [[0, 64], [64, 36]]
     logs = [inst["records"] for inst in drained[1:]]
     records = [r for log in logs for r in log]

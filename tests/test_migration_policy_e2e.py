@@ -16,7 +16,7 @@ def test_rescheduling_policy_moves_load_off_a_crowded_instance(llama_dir, refere
     cfg = e2e_config(
         llama_dir,
         ray={"num_cpus": 6, "num_gpus": 0},
-        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "chunk_tokens": 256},
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 256},
         decode={"instances": 2, "kv_cache_tokens": 1024, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 2, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 5},

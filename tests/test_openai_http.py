@@ -44,7 +44,7 @@ def http(tmp_path_factory):
     cfg = parse_config({
         "model": {"path": MODEL_DIR, "dtype": "float32"},
         "ray": {"num_cpus": 4, "num_gpus": 0},
-        "prefill": {"kv_cache_tokens": 4096, "chunk_tokens": 256},
+        "prefill": {"kv_cache_tokens": 4096, "token_budget": 256},
         "decode": {"kv_cache_tokens": 8192,
                    "speculation": {"drafter": "self_sparse", "k_policy": "fixed", "k": 3, "budget": 64, "sink_tokens": 16}},
         "server": {"port": 0, "http_port": 0, "auth_token_env": TOKEN_ENV, "admin_token_env": ADMIN_TOKEN_ENV},

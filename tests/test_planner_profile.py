@@ -147,7 +147,7 @@ def test_fit_needs_enough_positive_points():
 
 TINY_CLUSTER = """
 model: {{path: {model}, dtype: bfloat16}}
-prefill: {{threads: 1, chunk_tokens: 128, kv_cache_tokens: 4096}}
+prefill: {{threads: 1, token_budget: 128, kv_cache_tokens: 4096}}
 decode:
   threads: 1
   kv_cache_tokens: 8192
@@ -352,7 +352,7 @@ def test_calibration_through_the_real_cluster(tmp_path, llama_dir, capsys):
     # a mode never calibrated has nothing to refit: an error naming the mode
     colocated = tmp_path / "colocated.yaml"
     colocated.write_text(f"mode: colocated\nmodel: {{path: {llama_dir}, dtype: bfloat16}}\n"
-                         "colocated: {instances: 2, threads: 1, chunk_tokens: 128, kv_cache_tokens: 4096}\n"
+                         "colocated: {instances: 2, threads: 1, token_budget: 128, kv_cache_tokens: 4096}\n"
                          "limits: {max_prompt_tokens: 512, max_tokens: 256}\nray: {num_cpus: 4}\n")
     assert cli_main(["profile", "--config", str(colocated), "--out", str(out), "--refit-calibration"]) == 2
     assert "'colocated'" in capsys.readouterr().err

@@ -9,7 +9,6 @@ from modeling.block_pool import BlockPool, BlockTable
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.errors import InvalidRequestError
 from modeling.sampling import RequestSampler, SamplingParams
-from modeling.scheduler import SchedulerConfig
 from modeling.sequence import Sequence
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -24,7 +23,7 @@ def _seq(rid: str, n: int) -> Sequence:
 
 def test_scheduler_batches_under_budget_and_holds_blocks_until_release():
     pool = BlockPool(12, 4)
-    sched = PrefillScheduler(SchedulerConfig(token_budget=10, max_num_seqs=8), pool)
+    sched = PrefillScheduler(PrefillWorkerConfig(token_budget=10, max_num_seqs=8), pool)
     a, b, c = _seq("a", 13), _seq("b", 6), _seq("c", 30)
     for s in (a, b, c):
         sched.add(s)
@@ -78,7 +77,7 @@ def test_request_validation_names_the_field(llama_dir):
     worker.add_request(PrefillRequest("a", (1, 2), SamplingParams(), dest))
     with pytest.raises(InvalidRequestError, match="request_id"):
         worker.add_request(PrefillRequest("a", (1, 2), SamplingParams(), dest))
-    with pytest.raises(ValueError, match="prefill.token_budget"):
+    with pytest.raises(ValueError, match="token_budget: must be >= 1, got 0"):
         PrefillWorkerConfig(token_budget=0)
     # no channel to decode-0: the request fails at its first step with a retryable error, blocks freed
     out = worker.step()

@@ -339,7 +339,7 @@ def served(llama_dir):
     cfg = parse_config({
         "model": {"path": llama_dir, "dtype": "float32"},
         "ray": {"num_cpus": 4, "num_gpus": 0},
-        "prefill": {"kv_cache_tokens": 2048, "attention_backend": "torch", "chunk_tokens": 64},
+        "prefill": {"kv_cache_tokens": 2048, "attention_backend": "torch", "token_budget": 64},
         "decode": {"kv_cache_tokens": 2048, "attention_backend": "torch",
                    "speculation": {"k_policy": "fixed", "k": 2, "budget": 32, "sink_tokens": 4}},
         "server": {"port": 0, "http_port": 0},

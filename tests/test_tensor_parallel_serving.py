@@ -27,7 +27,7 @@ def _config(path: str, prefill_tp: int, decode_tp: int):
         path,
         ray={"num_cpus": 6, "num_gpus": 0},
         prefill={"tensor_parallel": prefill_tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
-                 "chunk_tokens": 64},
+                 "token_budget": 64},
         decode={"tensor_parallel": decode_tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 10},

@@ -1,0 +1,109 @@
+"""What every instance of a pool is and runs with, and the one way configs are validated.
+
+The section of the cluster YAML a pool reads (``prefill:``, ``decode:``, ``colocated:``) is the very object
+its workers take (``PrefillWorkerConfig``, ``DecodeWorkerConfig``, ``EngineConfig``, all an
+:class:`InstanceConfig`): the controller places instances by its placement fields and hands the whole object to
+each worker, which reads the rest. Fields marked :func:`set_by` are set by the cluster config from other
+sections (``dtype`` from ``model.dtype``, ``device`` from ``devices_per_instance``: :func:`set_by`).
+
+Every config validates itself the same way: ``check()`` lists (field, reason) pairs and construction raises
+the first as ``ValueError("field: reason")`` (a config that is always the same sub-section names itself:
+``speculation.k``); the YAML loader prefixes the section's path (``decode.speculation.k: must be in [0, 16],
+got -1``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+def set_by(section_field: str) -> dict:
+    """Dataclass field metadata: a field the cluster config sets from ``section_field``, refused in YAML."""
+    return {"yaml": False, "set_by": section_field}
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash")
+DEVICES = ("cpu", "cuda")
+
+Problems = list[tuple[str, str]]
+
+
+def raise_first(problems: Problems) -> None:
+    """Raise the first (field, reason) as ``ValueError("field: reason")``."""
+    if problems:
+        name, reason = problems[0]
+        raise ValueError(f"{name}: {reason}")
+
+
+def integers(obj, names: tuple[str, ...], low: int = 1, high: int | None = None) -> Problems:
+    """(field, reason) for each of ``names`` that is not an integer in [low, high]."""
+    out = []
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            out.append((name, f"must be an integer, got {value!r}"))
+        elif value < low or (high is not None and value > high):
+            out.append((name, f"must be {f'>= {low}' if high is None else f'in [{low}, {high}]'}, got {value}"))
+    return out
+
+
+def positive(obj, names: tuple[str, ...]) -> Problems:
+    """(field, reason) for each of ``names`` that is not a number > 0."""
+    out = []
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            out.append((name, f"must be a number > 0, got {value!r}"))
+        elif not value > 0:
+            out.append((name, f"must be > 0, got {value}"))
+    return out
+
+
+def one_of(name: str, value, allowed: tuple[str, ...]) -> Problems:
+    return [] if value in allowed else [(name, f"must be one of {', '.join(allowed)}, got {value!r}")]
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """Placement (``instances`` of ``tensor_parallel`` ranks, each rank with its share of
+    ``devices_per_instance`` GPUs of ``accelerator_type`` and ``cpus_per_instance`` CPUs, ``threads`` torch
+    threads) and what every worker of the pool shares: the KV cache (``kv_cache_tokens`` positions in blocks of
+    ``block_size``), the attention kernels, and how long a tensor-parallel rank may wait in one collective."""
+
+    instances: int = 1
+    tensor_parallel: int = 1
+    devices_per_instance: int = 0  # GPUs per instance; 0 = CPU
+    cpus_per_instance: float = 1.0
+    threads: int = 1  # torch threads per worker (keep workers from oversubscribing cores)
+    # the GPU type every instance of the pool runs on, as Ray names it (the ``accelerator_type:<name>`` resource
+    # Ray sets on nodes with that GPU, e.g. H100, A100-80G, L40S); empty: any GPU
+    accelerator_type: str = ""
+    # tensor parallel: the longest a rank waits in one all-reduce, and the longest a rank may go without
+    # answering the controller's health check; a hung rank fails and restarts its instance after this long
+    collective_timeout_s: float = 60.0
+    kv_cache_tokens: int = 65536
+    block_size: int = 16
+    attention_backend: str = "auto"
+    dtype: str = field(default="float32", metadata=set_by("model.dtype"))
+    device: str = field(default="cpu", metadata=set_by("devices_per_instance (cuda when > 0)"))
+
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = integers(self, ("instances", "tensor_parallel", "threads", "kv_cache_tokens", "block_size"))
+        errs += integers(self, ("devices_per_instance",), low=0)
+        errs += positive(self, ("cpus_per_instance", "collective_timeout_s"))
+        if errs:
+            return errs
+        if self.devices_per_instance % self.tensor_parallel:
+            errs.append(("devices_per_instance", f"must be a multiple of tensor_parallel ({self.tensor_parallel})"))
+        errs += one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.kv_cache_tokens < self.block_size:
+            errs.append(("kv_cache_tokens", f"must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}"))
+        if self.accelerator_type and not re.fullmatch(r"[\w.\-]+", self.accelerator_type):
+            errs.append(("accelerator_type", f"must be a Ray accelerator type name (letters, digits, '.', '-', '_'), "
+                                             f"got {self.accelerator_type!r}"))
+        if self.accelerator_type and not self.devices_per_instance:
+            errs.append(("accelerator_type", "needs devices_per_instance > 0 (a GPU pool)"))
+        if self.device.split(":")[0] not in DEVICES:
+            errs.append(("device", f"must be cpu, cuda or cuda:<index>, got {self.device!r}"))
+        return errs
