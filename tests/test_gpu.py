@@ -521,18 +521,18 @@ def test_sampling_surface_on_cuda_matches_cpu(llama_dir):
     assert worker.pool.num_free == worker.pool.num_blocks
 
 
-# -- 4. KV transfer: refused between a CUDA and a CPU cache; byte-exact over NCCL on two GPUs -------------
+# -- 4. KV transfer: NCCL between two GPUs; gloo (staged through host memory) on one GPU or to a CPU cache -----
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16  # the llama_gqa checkpoint's KV layout
 
 
-def mixed_device_proc(role, device, rdv):
+def mixed_device_proc(role, device, rdv, backend):
     """One end of a pair whose caches sit on different device types; returns how connecting ended."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     fp = KVFingerprint("llama", 64, VOCAB, LAYERS, HEADS, HEAD_DIM, 16, "float32")
     cache = PagedKVCache(KVCacheSpec(LAYERS, HEADS, HEAD_DIM, 16, torch.float32), 8, device)
-    cfg = TransferConfig(timeout_s=5, connect_timeout_s=20)
+    cfg = TransferConfig(backend=backend, timeout_s=5, connect_timeout_s=20)
     t0 = time.monotonic()
     try:
         if role == "prefill":
@@ -545,19 +545,24 @@ def mixed_device_proc(role, device, rdv):
 
 
 @pytest.mark.parametrize("cuda_side", ["prefill", "decode"])
-def test_kv_pair_between_cuda_and_cpu_caches_is_refused(cuda_side):
-    """KV data moves over NCCL between two CUDA caches and over gloo between two CPU caches; a pair with a
-    CUDA cache on one end and a CPU cache on the other is refused on the CUDA end (not retryable: the
-    placement is wrong), and the CPU end fails promptly instead of waiting for a peer that left."""
-    store, rdv = Rendezvous.host_store()
+def test_kv_pair_between_cuda_and_cpu_caches_needs_gloo(cuda_side):
+    """A pair with a CUDA cache on one end and a CPU cache on the other forms over gloo with ``backend: auto``
+    (the CUDA end stages its regions through host memory); with ``backend: nccl`` on the CUDA end it is refused
+    there (not retryable: the placement is wrong), and the CPU end fails promptly instead of waiting."""
     devices = {"prefill": "cpu", "decode": "cpu", cuda_side: "cuda:0"}
-    out = run_procs({role: (mixed_device_proc, dict(role=role, device=devices[role], rdv=rdv))
-                     for role in ("prefill", "decode")}, timeout_s=90)
-    del store
-    cuda_end = out[cuda_side]
-    cpu_end = out["decode" if cuda_side == "prefill" else "prefill"]
-    assert cuda_end["error"] and "NCCL" in cuda_end["error"] and cuda_end["retryable"] is False, cuda_end
-    assert cpu_end["error"] is not None and cpu_end["elapsed"] < 20 + 10, cpu_end
+    for backend, refused in (("auto", False), ("nccl", True)):
+        store, rdv = Rendezvous.host_store()
+        out = run_procs({role: (mixed_device_proc, dict(role=role, device=devices[role], rdv=rdv,
+                                                        backend=backend if role == cuda_side else "auto"))
+                         for role in ("prefill", "decode")}, timeout_s=90)
+        del store
+        cuda_end = out[cuda_side]
+        cpu_end = out["decode" if cuda_side == "prefill" else "prefill"]
+        if not refused:
+            assert cuda_end["error"] is None and cpu_end["error"] is None, out
+            continue
+        assert cuda_end["error"] and "nccl" in cuda_end["error"] and cuda_end["retryable"] is False, cuda_end
+        assert cpu_end["error"] is not None and cpu_end["elapsed"] < 20 + 10, cpu_end
 
 
 NCCL_BLOCK, NCCL_BLOCKS, NCCL_HEADS = 16, 24, 4
@@ -578,10 +583,10 @@ def nccl_cache(device: str, fill: bool) -> PagedKVCache:
     return cache
 
 
-def nccl_sender_proc(rdv, dst_blocks_q, finished):
-    torch.cuda.set_device(0)
-    sender = KVSender(nccl_cache("cuda:0", fill=True), "p0", NCCL_FP, HeadRange(0, NCCL_HEADS),
-                      TransferConfig(timeout_s=30))
+def nccl_sender_proc(rdv, dst_blocks_q, finished, device, backend):
+    torch.cuda.set_device(torch.device(device))
+    sender = KVSender(nccl_cache(device, fill=True), "p0", NCCL_FP, HeadRange(0, NCCL_HEADS),
+                      TransferConfig(backend=backend, timeout_s=30))
     sender.connect("d0", rdv)
     for _ in NCCL_REQUESTS:  # the receiver has reserved for every request
         dst_blocks_q.get(timeout=60)
@@ -602,13 +607,13 @@ def nccl_sender_proc(rdv, dst_blocks_q, finished):
     return {"done": sorted(done), "failed": failed}
 
 
-def nccl_receiver_proc(rdv, dst_blocks_q, finished):
-    torch.cuda.set_device(1)
-    cache = nccl_cache("cuda:1", fill=False)
+def nccl_receiver_proc(rdv, dst_blocks_q, finished, device, backend):
+    torch.cuda.set_device(torch.device(device))
+    cache = nccl_cache(device, fill=False)
     pool = BlockPool(NCCL_BLOCKS, NCCL_BLOCK)
     pool.allocate(3)  # fragment the pool: reservations differ from the sender's block ids
     receiver = KVReceiver(cache, PoolReserver(pool), "d0", NCCL_FP, HeadRange(0, NCCL_HEADS),
-                          TransferConfig(timeout_s=30))
+                          TransferConfig(backend=backend, timeout_s=30))
     receiver.connect("p0", rdv)
     for rid, (n, _) in NCCL_REQUESTS.items():
         dst_blocks_q.put((rid, receiver.reserve(rid, n)))
@@ -630,20 +635,35 @@ def nccl_receiver_proc(rdv, dst_blocks_q, finished):
             "data_on": str(receiver._channels["p0"].device)}
 
 
-@two_gpus
-def test_kv_transfer_over_nccl_is_byte_exact():
-    """A bf16 cache on cuda:0 sends three prompts (contiguous and scattered blocks) to a cache on cuda:1
-    over NCCL; the receiver's reserved blocks hold exactly the sender's bytes."""
+def _transfer_cuda_caches(sender_device: str, receiver_device: str, backend: str) -> dict:
     store, rdv = Rendezvous.host_store()
     ctx = context()
-    args = dict(rdv=rdv, dst_blocks_q=ctx.Queue(), finished=ctx.Barrier(2))
-    out = run_procs({"p0": (nccl_sender_proc, args), "d0": (nccl_receiver_proc, args)}, timeout_s=180)
+    args = dict(rdv=rdv, dst_blocks_q=ctx.Queue(), finished=ctx.Barrier(2), backend=backend)
+    out = run_procs({"p0": (nccl_sender_proc, dict(args, device=sender_device)),
+                     "d0": (nccl_receiver_proc, dict(args, device=receiver_device))}, timeout_s=180)
     del store
     assert out["p0"] == {"done": sorted(NCCL_REQUESTS), "failed": []}
     assert out["d0"]["failed"] == []
     assert out["d0"]["exact"] == {rid: True for rid in NCCL_REQUESTS}
     assert out["d0"]["first_tokens"] == {rid: 7 for rid in NCCL_REQUESTS}
+    return out
+
+
+@two_gpus
+def test_kv_transfer_over_nccl_is_byte_exact():
+    """A bf16 cache on cuda:0 sends three prompts (contiguous and scattered blocks) to a cache on cuda:1
+    over NCCL; the receiver's reserved blocks hold exactly the sender's bytes."""
+    out = _transfer_cuda_caches("cuda:0", "cuda:1", "auto")
     assert out["d0"]["data_on"].startswith("cuda")  # the data path was NCCL, not gloo
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kv_transfer_over_gloo_between_cuda_caches_is_byte_exact():
+    """``kv_transfer.backend: gloo``: two processes whose bf16 caches share one GPU (where NCCL cannot pair
+    them) move the same prompts over gloo, each region staged through host memory; byte-exact."""
+    out = _transfer_cuda_caches("cuda:0", "cuda:0", "gloo")
+    assert out["d0"]["data_on"] == "cpu"  # the data path was gloo
 
 
 DISAGG_PROMPTS = prompts_of([5, 40, 300, 90], seed=13)
