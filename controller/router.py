@@ -2,11 +2,12 @@
 
 One request, end to end (``Router.generate``):
 
-    admit (bounded concurrency, bounded queue)  ->  hand the request to the least-loaded decode instance
-    with room, which reserves its KV blocks and holds it waiting for KV  ->  prefill on the least-loaded
-    prefill instance (KV and then the first token stream to that decode instance, which accepts them into
-    its reservation: no block id leaves it)  ->  first token streamed  ->  the decode instance starts it once
-    its KV and first token arrived  ->  deltas
+    admit (bounded concurrency, bounded queue)  ->  hand the request to the least-loaded decode instance,
+    which reserves its KV blocks and holds it waiting for KV, and at the same time the prompt to the
+    least-loaded prefill instance (KV and then the first token stream to that decode instance, which accepts
+    them into its reservation: no block id leaves it; a decode instance without room sends the request
+    through a decode-first placement that waits for room)  ->  first token streamed  ->  the decode
+    instance starts it once its KV and first token arrived  ->  deltas
 
 Output is numbered by position in its sequence, whoever reports it (the prefill instance's first token, the
 decode instance's deltas, both ends of a live migration): the router emits each position once, in order
@@ -182,20 +183,24 @@ class Router:
         await self._slots.acquire(priority)
 
     async def _place(self, active: _Active) -> None:
-        """Hand the request to a decode instance (which reserves its KV), then the prompt to a prefill instance.
-        A request that generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance
-        alone."""
+        """Hand the request to a decode instance (which reserves its KV) and the prompt to a prefill instance:
+        both at once when the decode instance is thought to have room (its last hold succeeded, or a request
+        has left it since), else the decode instance first, waiting for one with room. A request that
+        generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance alone."""
         rid = active.record.request_id
+        prefill = self._least_loaded(self.prefill)
+        if prefill is None:
+            raise RouterError("UNAVAILABLE", "no prefill instance is alive")
         if active.params.max_tokens == 0:
-            prefill = self._least_loaded(self.prefill)
-            if prefill is None:
-                raise RouterError("UNAVAILABLE", "no prefill instance is alive")
             active.prefill = prefill
             prefill.assigned.add(rid)
             await self._submit(active, prefill, PrefillRequest(rid, tuple(active.prompt_ids), active.params, None))
             return
-        deadline = time.monotonic() + self.request_timeout_s
         request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
+        decode = self._least_loaded(self._placeable())
+        if decode is not None and decode.room and await self._place_at_once(active, request, prefill, decode):
+            return
+        deadline = time.monotonic() + self.request_timeout_s
         while True:
             decode = await self._reserve_decode(request)
             if decode is not None:
@@ -207,12 +212,44 @@ class Router:
         if prefill is None:
             await self.abort_on(decode, rid)
             raise RouterError("UNAVAILABLE", "no prefill instance is alive")
-        active.decode, active.prefill = decode, prefill
-        active.decoders = {decode}
+        self._assign(active, prefill, decode)
+        await self._submit(active, prefill, self._prefill_request(active, decode))
+
+    async def _place_at_once(self, active: _Active, request: DecodeRequest, prefill: Instance,
+                             decode: Instance) -> bool:
+        """Contact both instances together (the prefill instance's transfer waits, answered BUSY, until the
+        decode instance holds the request); False, with neither holding it, when the decode instance had no
+        room or either call failed."""
+        rid = active.record.request_id
+        self._assign(active, prefill, decode)
+        held, submitted = await asyncio.gather(decode.handle.add_remote.remote(request),
+                                               prefill.handle.submit.remote(self._prefill_request(active, decode)),
+                                               return_exceptions=True)
+        if held is True and not isinstance(submitted, Exception):
+            active.record.to(RequestState.PREFILLING)
+            return True
+        decode.room = held is not False
+        undo = [self.abort_on(inst, rid) for inst, ok in ((decode, held is True), (prefill, submitted is None)) if ok]
+        await asyncio.gather(*undo)
+        for inst in (prefill, decode):
+            inst.assigned.discard(rid)
+        active.prefill = active.decode = None
+        active.decoders = set()
+        return False
+
+    def _assign(self, active: _Active, prefill: Instance, decode: Instance) -> None:
+        rid = active.record.request_id
+        active.decode, active.prefill, active.decoders = decode, prefill, {decode}
         decode.assigned.add(rid)
         prefill.assigned.add(rid)
-        request = PrefillRequest(rid, tuple(active.prompt_ids), active.params, KVDestination(decode.name, reserved=True))
-        await self._submit(active, prefill, request)
+
+    @staticmethod
+    def _prefill_request(active: _Active, decode: Instance) -> PrefillRequest:
+        return PrefillRequest(active.record.request_id, tuple(active.prompt_ids), active.params,
+                              KVDestination(decode.name, reserved=True))
+
+    def _placeable(self) -> list[Instance]:
+        return [d for d in self.decode if d.alive and not d.draining]
 
     async def _submit(self, active: _Active, inst: Instance, request) -> None:
         """Hand the request to the instance that prefills it (re-placed if the actor is gone)."""
@@ -224,9 +261,10 @@ class Router:
 
     async def _reserve_decode(self, request: DecodeRequest) -> Instance | None:
         """The least-loaded decode instance that holds the request with room for its KV (None: none has room)."""
-        for inst in sorted((d for d in self.decode if d.alive and not d.draining), key=lambda d: len(d.assigned)):
+        for inst in sorted(self._placeable(), key=lambda d: len(d.assigned)):
             try:
-                if await inst.handle.add_remote.remote(request):
+                inst.room = await inst.handle.add_remote.remote(request)
+                if inst.room:
                     return inst
             except Exception as err:
                 log.warning("decode %s unreachable: %s", inst.name, err)
@@ -389,7 +427,9 @@ class Router:
         if not active.record.state.terminal:
             self._cancel_active(active, "stream closed")
         for inst in self.instances:
-            inst.assigned.discard(rid)
+            if rid in inst.assigned:
+                inst.assigned.discard(rid)
+                inst.room = True  # what it held is freed
         self.active.pop(rid, None)
         self.migrations.forget(rid)
         self._slots.release()

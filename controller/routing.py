@@ -26,6 +26,8 @@ class Instance:
     assigned: set = field(default_factory=set)  # request ids currently placed here
     migrating_in: set = field(default_factory=set)  # request ids migrating here, not yet committed
     draining: bool = False  # takes no new requests (``Router.drain``)
+    room: bool = True  # decode: its last hold succeeded, or a request has left it since (new requests go to it
+    # and to a prefill instance at once)
 
 
 @dataclass(frozen=True)

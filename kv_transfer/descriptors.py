@@ -79,9 +79,10 @@ class PeerHello:
 class TransferDescriptor:
     """Handshake of one transfer leg (sender -> receiver).
 
-    ``reserved``: the receiving instance already holds room for this request (the owner reserved it when the
-    router placed the request there), which the receiver finds by the request id and accepts at once;
-    otherwise the receiver asks its owner for room when the descriptor arrives (BUSY when there is none).
+    ``reserved``: the receiving instance holds room for this request (its owner reserves it when the router
+    places the request there, possibly while this descriptor is on its way), which the receiver finds by the
+    request id and accepts at once (BUSY until the reservation exists); otherwise the receiver asks its owner
+    for room when the descriptor arrives (BUSY when there is none).
     Block ids never travel: each side addresses only its own blocks.
     ``heads``: the global KV heads this leg carries (a sub-range of the receiver's shard).
     ``live``: a running request's KV moving between decode instances while it keeps decoding (migration):

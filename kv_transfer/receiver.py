@@ -10,7 +10,7 @@ Threads: one per connected prefill instance reads its frames and writes KV strai
 blocks (gloo recv into the cache slab, or a staging copy when the blocks are scattered or the leg
 carries part of this shard's heads). It never touches the pool: a descriptor of a request the owner has
 reserved for (``TransferDescriptor.reserved``) is accepted at once into that reservation, found by the
-request id; reservations asked for in a handshake, completions and failures are applied by
+request id (one that comes before the reservation is answered BUSY by poll); reservations asked for in a handshake, completions and failures are applied by
 :meth:`KVReceiver.poll` in the owner's thread, which also enforces ``timeout_s``. Block ids never leave
 the instance: senders name requests, not blocks.
 """
@@ -160,7 +160,7 @@ class KVReceiver:
         self._handshakes: "queue.Queue[tuple[str, TransferDescriptor]]" = queue.Queue()
         self._ends: dict[str, tuple[PromptEnd, float]] = {}  # request id -> its PromptEnd, when it arrived
         self._extras: dict[str, torch.Tensor] = {}  # request id -> the tensor sent with its PromptEnd
-        self.num_busy = 0  # handshakes answered BUSY (back-pressure applied)
+        self.num_busy = 0  # handshakes answered BUSY (no room yet, or the owner's reservation not made yet)
 
     # -- owner API --------------------------------------------------------------------------------
 
@@ -276,11 +276,11 @@ class KVReceiver:
         except TransferError as err:
             self._reply(channel, Reply("refuse", desc.transfer_id, reason=str(err), retryable=err.retryable))
             return
-        if not desc.reserved:
-            self._handshakes.put((channel, desc))
-            return
         with self._lock:
             res = self._reservations.get(desc.request_id)
+            if not desc.reserved or res is None:  # poll() asks the owner for room, or says BUSY until it holds it
+                self._handshakes.put((channel, desc))
+                return
             problem = self._check_reservation(res, desc)
             if problem is None:
                 self._register_leg(channel, res, desc)
@@ -308,7 +308,9 @@ class KVReceiver:
         self._legs[(channel, desc.transfer_id)] = _RLeg(res, desc)
 
     def _answer_handshakes(self) -> None:
-        """Owner thread: reserve for descriptors of requests not reserved for yet (BUSY when full)."""
+        """Owner thread: reserve for descriptors of requests not reserved for yet (BUSY when full); a
+        descriptor that says the owner reserved for its request, but came before the reservation did (the
+        router contacts both instances at once), is answered BUSY: the sender asks again shortly."""
         while True:
             try:
                 channel, desc = self._handshakes.get_nowait()
@@ -316,6 +318,10 @@ class KVReceiver:
                 return
             with self._lock:
                 res = self._reservations.get(desc.request_id)
+            if res is None and desc.reserved:
+                self.num_busy += 1
+                self._reply(channel, Reply("busy", desc.transfer_id, retryable=True))
+                continue
             if res is None:
                 try:
                     blocks = self.reserve(desc.request_id, desc.num_tokens)

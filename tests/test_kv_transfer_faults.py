@@ -270,3 +270,51 @@ def test_long_control_frames_continue_in_a_second_message():
     for ch in ends.values():
         ch.abort("test over")
     del store
+
+
+def test_descriptor_before_the_reservation_waits_for_it():
+    """The router contacts the prefill and decode instances at once, so a transfer that names a reservation
+    (``reserved``) may reach the receiver before its owner reserved: the receiver answers BUSY until the
+    reservation exists, then accepts, and the KV lands in it byte for byte."""
+    import threading
+
+    store, rdv = Rendezvous.host_store()
+    cfg = TransferConfig(timeout_s=10, retry_interval_s=0.02)
+    pool = BlockPool(32, 4)
+    reserver = PoolReserver(pool)
+    receiver = KVReceiver(cache(), reserver, "d", fingerprint(), HeadRange(0, HEADS), cfg)
+    src = cache()
+    src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(3)))
+    sender = KVSender(src, "p", fingerprint(), HeadRange(0, HEADS), cfg)
+    t = threading.Thread(target=receiver.connect, args=("p", rdv))
+    t.start()
+    sender.connect("d", rdv)
+    t.join(timeout=30)
+    try:
+        sender.begin("r", 10, [5, 6, 7], [LegTarget("d", HeadRange(0, HEADS), reserved=True)])
+        group = sender.open_group({"r": 3})  # the forward pass: its KV waits for the ACCEPT
+        for layer in range(LAYERS):
+            group.send_layer(layer)
+        group.close()
+        sender.finish_prompt("r", 42)
+        deadline = time.monotonic() + 20
+        while receiver.num_busy < 2 and time.monotonic() < deadline:  # asked, and asked again
+            receiver.poll()
+            assert not sender.poll().failed
+            time.sleep(0.005)
+        assert receiver.num_busy >= 2 and receiver.reserved() == []
+        assert receiver.reserve("r", 10) is not None  # the owner's hold comes now
+        done, completed = [], []
+        while not (done and completed) and time.monotonic() < deadline:
+            completed += receiver.poll().completed
+            ev = sender.poll()
+            assert not ev.failed, ev.failed
+            done += ev.done
+            time.sleep(0.005)
+        assert done == ["r"] and [kv.first_token for kv in completed] == [42]
+        table = reserver.take("r")
+        assert torch.equal(receiver.cache.kv[:, :, table.blocks[:3]], src.kv[:, :, [5, 6, 7]])
+    finally:
+        sender.close()
+        receiver.close()
+    del store
