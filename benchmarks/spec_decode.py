@@ -1,7 +1,7 @@
 """MagicDec's table on the bundled model: speculative vs autoregressive decoding on one decode worker.
 
 For each batch x prefix cell the prompts (held-out standard-library source, never trained on) are
-prefilled once; every configuration then decodes from the same state (``decode_worker.replay.rewind``):
+prefilled once; every configuration then decodes from the same state (``planner.replay.rewind``):
 k = 0 (autoregressive), fixed k = 1..5 for each draft budget, and the adaptive policy, in interleaved rounds. Reported per
 configuration: throughput, per-token latency, acceptance rate, mean accepted length, draft/target and
 verify/target time ratios, and the speedup over k = 0 on the same worker and prompts.
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig  # noqa: E402
-from decode_worker.replay import rewind  # noqa: E402
+from planner.replay import rewind  # noqa: E402
 from decode_worker.worker import DecodeWorker  # noqa: E402
 from modeling.sampling import SamplingParams  # noqa: E402
 from modeling.tokenizer import TextTokenizer  # noqa: E402

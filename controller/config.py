@@ -6,7 +6,7 @@ Every component receives only its sub-config, and the pool sections are the work
 (``modeling/instance_config.py``); loading fails on the first problem with the field path and the reason, e.g.
 ``decode.speculation.k: must be in [0, 16], got -1`` or ``prefill.instnaces: unknown field; allowed:
 instances, ...``. The schema is documented field by field
-in ``cluster_configs/README.md``; ``cluster_configs/local.yaml`` is the embedded default.
+in ``docs/configuration.md``; ``cluster_configs/local.yaml`` is the embedded default.
 
 ``mode`` picks the serving system: ``disaggregated`` (prefill and decode pools, KV transfer, speculative
 decoding) or ``colocated`` (the ``colocated`` pool: instances of the single-process reference engine, the

@@ -31,8 +31,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+
+from decode_worker.config import SpeculationConfig
 
 FEATURES = ("passes", "seqs", "kv_tokens", "new_tokens", "kv_queries")
 
@@ -439,3 +442,37 @@ class AdaptiveK:
                 or kept.expected_tokens_per_s < (1.0 - self.STICK_MARGIN) * best.expected_tokens_per_s):
             return best
         return kept
+
+
+class StepK:
+    """Each step's speculation length, decided the same way by the decode worker and by its simulation
+    (``planner/sim_instances.py``): 0 without speculation, ``k`` under the fixed policy, else the adaptive
+    policy's choice for the batch, reused for CHOICE_REUSE_STEPS steps while the batch holds the same
+    sequences."""
+
+    def __init__(self, spec: SpeculationConfig, policy: AdaptiveK | None):
+        self.spec = spec
+        self.policy = policy
+        self._cached: tuple[tuple, int, KChoice] | None = None  # (batch key, reuses left, choice)
+
+    def choose(self, key: tuple, lens: list[int], draft_kv_tokens: Callable[[int, int], int]) -> tuple[int, KChoice | None]:
+        """(k, the adaptive policy's choice behind it or None) for a batch: ``key`` names its sequences in
+        admission order, ``lens`` are their lengths, ``draft_kv_tokens(n, step)`` the KV tokens draft step
+        ``step`` reads for a sequence of length n."""
+        if not self.spec.enabled:
+            return 0, None
+        if self.spec.k_policy == "fixed" or self.policy is None:
+            return self.spec.k, None
+        cached = self._cached
+        if cached is not None and cached[0] == key and cached[1] > 0:
+            self._cached = (key, cached[1] - 1, cached[2])
+            return cached[2].k, cached[2]
+        b, total = len(lens), sum(lens)
+        choice = self.policy.choose(lambda k: PassShape(b, total + b * k, b * (k + 1)),
+                                    lambda step: PassShape(b, sum(draft_kv_tokens(n, step) for n in lens), b))
+        self._cached = (key, CHOICE_REUSE_STEPS - 1, choice)
+        return choice.k, choice
+
+    def forget(self) -> None:
+        """The batch changed outside a step: decide afresh."""
+        self._cached = None

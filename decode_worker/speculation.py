@@ -15,8 +15,8 @@ import torch
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.drafters import DraftModelDrafter, Drafter, SelfSparseDrafter, window_start
 from decode_worker.metrics import WorkerMetrics
-from decode_worker.policy import (CHOICE_REUSE_STEPS, AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel,
-                                  PassShape, StepCorrection)
+from decode_worker.policy import (AcceptanceEstimator, AdaptiveK, KChoice, LinearCostModel, PassShape,
+                                  StepCorrection, StepK)
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import load_model
@@ -43,7 +43,7 @@ class Speculator:
         self.acceptance = AcceptanceEstimator()
         self.step_correction = StepCorrection()
         self.policy = self._make_policy()
-        self._cached_choice: tuple[tuple, int, KChoice] | None = None  # (request ids, reuses left, choice)
+        self.step_k = StepK(self.spec, self.policy)
 
     @property
     def spec(self) -> SpeculationConfig:
@@ -57,32 +57,12 @@ class Speculator:
 
     def choose_k(self, seqs: list[Sequence], key: tuple) -> tuple[int, KChoice | None]:
         """This step's k for the batch ``seqs`` (``key``: their request ids in admission order), and the
-        adaptive policy's choice behind it (None for fixed k or no speculation). A choice is reused for a
-        few steps while the batch stays the same."""
-        if not self.spec.enabled:
-            return 0, None
-        if self.spec.k_policy == "fixed":
-            return self.spec.k, None
-        cached = self._cached_choice
-        if cached is not None and cached[0] == key and cached[1] > 0:
-            self._cached_choice = (key, cached[1] - 1, cached[2])
-            return cached[2].k, cached[2]
-        lens = [len(s.tokens) for s in seqs]
-        b = len(seqs)
-
-        def target_pass(k: int) -> PassShape:
-            return PassShape(b, sum(lens) + b * k, b * (k + 1))
-
-        def draft_pass(step: int) -> PassShape:
-            return PassShape(b, sum(self.drafter.kv_tokens_read(n, step) for n in lens), b)
-
-        choice = self.policy.choose(target_pass, draft_pass)
-        self._cached_choice = (key, CHOICE_REUSE_STEPS - 1, choice)
-        return choice.k, choice
+        adaptive policy's choice behind it (None for fixed k or no speculation)."""
+        return self.step_k.choose(key, [len(s.tokens) for s in seqs], self.drafter.kv_tokens_read)
 
     def forget_choice(self) -> None:
         """The batch changed outside a step (a request stopped or resumed for a migration)."""
-        self._cached_choice = None
+        self.step_k.forget()
 
     # -- passes -----------------------------------------------------------------------------------
 
@@ -203,7 +183,7 @@ class Speculator:
         if view_changed:
             self.acceptance = AcceptanceEstimator()
         self.policy = self._make_policy()
-        self._cached_choice = None
+        self.step_k = StepK(self.spec, self.policy)
         for seq in seqs:
             self.drafter.admit(seq)
 

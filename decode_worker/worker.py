@@ -30,6 +30,7 @@ from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed
 from decode_worker.metrics import WorkerMetrics
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.speculation import Speculator
+from decode_worker.tp_rank import DecodeRankFollower
 from decode_worker.verify import Verdict
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
@@ -547,6 +548,4 @@ def follower(model_path: str, config: DecodeWorkerConfig, tp: TPGroup, instance_
                             config.block_size, config.attention_backend, tp)
     if transfer is None:
         return base
-    from decode_worker.tp_rank import DecodeRankFollower
-
     return DecodeRankFollower(base.runner, tp, instance_id, transfer)

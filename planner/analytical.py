@@ -111,7 +111,7 @@ def model_shape(name_or_dir: str) -> tuple[str, ModelConfig]:
     if name_or_dir in MODELS:
         return name_or_dir, ModelConfig.from_hf_dict(MODELS[name_or_dir])
     if os.path.isdir(name_or_dir):
-        from modeling.checkpoint import load_config
+        from modeling.checkpoint import load_config  # torch: the cost search's spawned workers run without it
 
         return os.path.basename(os.path.normpath(name_or_dir)), load_config(name_or_dir)
     raise ProfileError(f"model: {name_or_dir!r} is neither a built-in shape ({', '.join(MODELS)}) nor a directory "

@@ -29,9 +29,12 @@ import time
 
 from tqdm import tqdm
 
+from controller.client import Client
+from controller.config import parse_config, to_dict
 from planner.profile import (Calibration, Profile, ProfileError, mixed_pass_seconds, prefill_features,
                                         transfer_features)
 from decode_worker.policy import PassShape, fit_nonnegative_relative
+from modeling.checkpoint import load_config as load_model_config
 
 
 def config_threads(config) -> int:
@@ -99,8 +102,6 @@ def time_isolated(client, prompts: list[list[int]], output_tokens: tuple[int, ..
 
 def random_prompts(config, lengths: list[int], rng: random.Random) -> list[list[int]]:
     """Prompts of random token ids of the served model's vocabulary, of the given lengths."""
-    from modeling.checkpoint import load_config as load_model_config
-
     vocab = load_model_config(config.model_path).vocab_size
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
@@ -108,7 +109,7 @@ def random_prompts(config, lengths: list[int], rng: random.Random) -> list[list[
 def drain_passes(config) -> list[dict]:
     """The passes the workers of the cluster serving ``config`` timed since the last drain
     (``modeling/pass_log.py``), as ``pass_row`` rows whose ``worker`` is the worker's index."""
-    import ray
+    import ray  # Ray: profile_cli (so `magicserve --help`) imports this module; only a served cluster needs it
 
     names = [f"{role}-{i}" for role, pool in config.pools.items() for i in range(pool.instances)]
     actors = [ray.get_actor(f"magicserve-{n}", namespace=config.ray.namespace) for n in names]
@@ -162,8 +163,7 @@ def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: in
     """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths;
     output lengths cycle through ``output_tokens`` so the decode slope is identifiable. Returns the
     requests' rows and the workers' timed passes."""
-    from controller.client import Client
-    from controller.server import serve_in_thread
+    from controller.server import serve_in_thread  # Ray, starlette, the workers: only calibration serves
 
     prompts = random_prompts(config, [64, 64] + lengths, random.Random(seed))
     shift = 2 % len(output_tokens)  # the timed requests' outputs continue the warm-ups' cycle
@@ -185,8 +185,7 @@ MIN_REFERENCE_PASSES = 10  # plain decode passes of the speculating run needed t
 def measure_speculative_passes(config, lengths: list[int], seed: int, progress: bool) -> list[dict]:
     """Serve ``config`` with its speculation for real, isolated requests of the given prompt lengths
     (``SPECULATIVE_OUTPUT_TOKENS`` each); the workers' timed passes (``drain_passes``)."""
-    from controller.client import Client
-    from controller.server import serve_in_thread
+    from controller.server import serve_in_thread  # Ray, starlette, the workers: only calibration serves
 
     prompts = random_prompts(config, [64] + lengths, random.Random(seed + 5))
     with serve_in_thread(config) as address, Client(address) as client:
@@ -268,8 +267,6 @@ def max_calibration_prompt(config) -> int:
 def calibration_config(config, keep_speculation: bool = False):
     """``config`` as calibration serves it: a free port, speculation off (decode steps countable) unless
     ``keep_speculation``."""
-    from controller.config import parse_config, to_dict
-
     raw = to_dict(config)
     raw["model"]["path"] = config.model_path
     raw["server"]["port"], raw["server"]["http_port"] = 0, None

@@ -106,8 +106,7 @@ class Packing:
 
 def solve_packing(problem: PackingProblem, time_limit_s: float = 30.0) -> Packing | None:
     """The cheapest packing, or None when no allocation serves every slice (within the GPU limits)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
+    from scipy.optimize import Bounds, LinearConstraint, milp  # a third of a second: only the packing needs it
     slices, options = problem.slices, problem.options
     live = [s for s in range(len(slices)) if slices[s].rate > 0]
     pairs = [(o, s) for o, opt in enumerate(options) for s in live if opt.capacity[s] > 0]

@@ -9,6 +9,14 @@ import shlex
 import sys
 
 from controller.config import CONFIG_DIR, LOCAL_CONFIG
+from planner.analytical import acceptance_from_profile
+from planner.cost_output import cost_plan_config, write_cost_plan
+from planner.cost_search import CostPlanner, CostSpace
+from planner.gpu_catalog import CatalogError, load_catalog
+from planner.plan_output import plan_config, write_plan
+from planner.profile import Profile, ProfileError, describe_shape
+from planner.search import (NO_SPECULATION, Planner, PlanError, SearchSpace, SLOTarget, Workload, describe_spec,
+                            speculation_settings, speculation_space)
 from planner.workload import WORKLOADS, load_trace, workload_shape
 
 
@@ -73,10 +81,6 @@ def run(args: argparse.Namespace) -> int:
         return run_cost(args)
     if not args.profile:
         raise SystemExit("magicserve plan: --profile is required with --objective goodput")
-    from planner.plan_output import plan_config, write_plan
-    from planner.profile import Profile, describe_shape
-    from planner.search import Planner, SearchSpace, SLOTarget, Workload, describe_spec, speculation_space
-
     profile = Profile.load(args.profile)
     devices = args.nodes * (args.devices_per_node or profile.devices_per_node)
     for flag, value, lo in (("--nodes", args.nodes, 1), ("--num-requests", args.num_requests, 10),
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cv <= 0:
         raise SystemExit(f"magicserve plan: --cv must be > 0, got {args.cv}")
     slo = SLOTarget(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
-    workload = _workload(args, Workload)
+    workload = _workload(args)
     specs = speculation_space(profile) if not args.no_speculation else speculation_space(profile)[:1]
     shapes: tuple = ()
     if profile.device_type == "cpu":  # the instance shapes the profile measured (ranks x threads per rank)
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload(args, Workload):
+def _workload(args):
     if args.trace:
         return Workload(trace=tuple(load_trace(args.trace)), cv=args.cv, seed=args.seed)
     return Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
@@ -122,14 +126,6 @@ def _workload(args, Workload):
 
 def run_cost(args: argparse.Namespace) -> int:
     """``--objective cost``: the cheapest plan for ``--rate`` (``planner/cost_search.py``)."""
-    from planner.analytical import acceptance_from_profile
-    from planner.cost_output import cost_plan_config, write_cost_plan
-    from planner.cost_search import CostPlanner, CostSpace
-    from planner.gpu_catalog import CatalogError, load_catalog
-    from planner.profile import ProfileError
-    from planner.search import (NO_SPECULATION, PlanError, SLOTarget, Workload, describe_spec,
-                                           speculation_settings)
-
     def fail(msg: str) -> SystemExit:
         return SystemExit(f"magicserve plan: {msg}")
 
@@ -152,7 +148,7 @@ def run_cost(args: argparse.Namespace) -> int:
                           prompt_buckets=p_buckets, output_buckets=o_buckets, max_concurrent=args.max_concurrent,
                           workers=args.workers)
         slo = SLOTarget(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
-        workload = _workload(args, Workload)
+        workload = _workload(args)
         print(f"planning the cheapest cluster for {args.rate:g} req/s of {workload.describe()}: GPU types "
               + ", ".join(f"{t.name} ${t.price_per_gpu_hour:g}/h" for t in catalog.types)
               + f"; decode speculation: {'; '.join(describe_spec(s) for s in space.speculation)}", file=sys.stderr)

@@ -52,17 +52,30 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from controller.config import ClusterConfig
+from controller.defaults import REPO_ROOT
 from planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
     ProfileError, describe_shape, prefill_features, transfer_features)
 from decode_worker.config import SpeculationConfig
-from decode_worker.drafters import window_start
+from decode_worker.drafters import SelfSparseDrafter, window_start
 from decode_worker.policy import FEATURES as PASS_FEATURES
 from decode_worker.policy import PassShape
-from decode_worker.replay import rewind
+from decode_worker.worker import DecodeWorker
+from kv_transfer.channel import Rendezvous
+from kv_transfer.descriptors import KVFingerprint
+from kv_transfer.heads import HeadRange
+from kv_transfer.receiver import KVReceiver, PoolReserver
+from kv_transfer.sender import LegTarget
+from modeling.block_pool import BlockTable
+from modeling.checkpoint import load_model
+from modeling.runner import StepInput
+from modeling.sampling import SamplingParams
+from planner.replay import rewind
+from prefill_worker.worker import PrefillWorker
 
 # Must match scripts/train_default_model.py TrainConfig.holdout_permille (the held-out file split).
 HOLDOUT_PERMILLE = 40
@@ -146,8 +159,6 @@ def profile_cluster(config: ClusterConfig, grid: Grid = DEFAULT_GRID, progress: 
                     log: Callable[[str], None] = print) -> Profile:
     """Measure ``config``'s costs on this machine (see the module docstring). Raises ProfileError for a
     config it cannot profile."""
-    from modeling.checkpoint import load_model
-
     check_config(config)
     start = time.perf_counter()
     loaded = load_model(config.model_path, config.model.dtype, "cpu")
@@ -191,8 +202,6 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
     """``profile`` (measured on this machine with ``config``'s model) with single-process CPU instances of more
     thread counts: for each count t it lacks, the prefill, target-pass and draft-pass models measured at t
     threads (the KV transfer, acceptance and calibrations stay those of the profile). A few minutes per count."""
-    from modeling.checkpoint import load_model
-
     wanted = check_extension(config, profile, "--add-threads", threads)
     have = {c.threads for c in profile.instances if c.tensor_parallel == 1}
     added = [t for t in wanted if t not in have]
@@ -350,14 +359,10 @@ def profiled_decode_config(config: ClusterConfig, grid: Grid, limits: Limits):
 
 def _prefill_worker(loaded, config: ClusterConfig, tokens: int):
     """A PrefillWorker of the config whose cache holds ``tokens`` (at most the configured size)."""
-    from prefill_worker.worker import PrefillWorker
-
     return PrefillWorker(loaded, profiled_prefill_config(config, tokens), PREFILL_ID)
 
 
 def _decode_worker(loaded, config: ClusterConfig, grid: Grid, limits: Limits):
-    from decode_worker.worker import DecodeWorker
-
     return DecodeWorker(loaded, profiled_decode_config(config, grid, limits))
 
 
@@ -380,9 +385,6 @@ def prefill_steps(grid: Grid, limits: Limits, max_prompts: int) -> list[list[tup
 def measure_prefill(worker, steps: list[list[tuple[int, int]]], repeats: int,
                     progress: bool) -> tuple[FittedModel, list[dict]]:
     """Time each step (chunks as (start, length)) on the worker's runner; skip steps its cache can't hold."""
-    from modeling.block_pool import BlockTable
-    from modeling.runner import StepInput
-
     vocab = worker.loaded.config.vocab_size
     pool = worker.pool
     rows = []
@@ -418,8 +420,6 @@ def decode_cells(grid: Grid, limits: Limits, max_num_seqs: int, pool_tokens: int
 
 def measure_decode(worker, grid: Grid, limits: Limits, progress: bool) -> tuple[list[dict], dict[str, list[dict]]]:
     """Target passes (k = 0..max_k) and draft passes per cell; rows of PassShape features + seconds."""
-    from modeling.block_pool import BlockTable
-
     spec = worker.config.speculation
     pool = worker.pool
     cells = decode_cells(grid, limits, worker.config.max_num_seqs, pool.num_blocks * pool.block_size)
@@ -450,8 +450,6 @@ def measure_decode(worker, grid: Grid, limits: Limits, progress: bool) -> tuple[
 
 def _time_target(worker, tables, ctx: int, max_k: int, repeats: int) -> list[dict]:
     """Plain decode step (k = 0) and verify passes (k + 1 new tokens per sequence) at context ``ctx``."""
-    from modeling.runner import StepInput
-
     rows = []
     b = len(tables)
     for k in range(max_k + 1):
@@ -463,9 +461,6 @@ def _time_target(worker, tables, ctx: int, max_k: int, repeats: int) -> list[dic
 
 def _time_self_sparse(worker, tables, ctx: int, budget: int, spec: SpeculationConfig, repeats: int) -> dict:
     """One self-speculative draft step: the query at position ``ctx`` over the sink + window view."""
-    from decode_worker.drafters import SelfSparseDrafter
-    from modeling.runner import StepInput
-
     view = dataclasses.replace(spec, budget=budget, drafter="self_sparse")
     starts = [window_start(view, ctx)] * len(tables)
     inputs = [StepInput([1], ctx, t.blocks) for t in tables]
@@ -477,8 +472,6 @@ def _time_self_sparse(worker, tables, ctx: int, budget: int, spec: SpeculationCo
 def _draft_model_timer(worker, limits: Limits):
     """A timer of one draft-model step at (batch, context): the draft cache holds only the sink and
     the window (evicted table entries point at a sentinel block, as in DraftModelDrafter)."""
-    from modeling.runner import StepInput
-
     drafter = worker.drafter
     spec = worker.config.speculation
     pool, bs = drafter.pool, drafter.pool.block_size
@@ -511,10 +504,6 @@ def _draft_model_timer(worker, limits: Limits):
 def measure_transfer(prefill, config: ClusterConfig, grid: Grid, limits: Limits,
                      progress: bool) -> tuple[FittedModel, list[dict]]:
     """Send prompts' KV from ``prefill`` (this process) to a DecodeWorker in a spawned process."""
-    import torch.multiprocessing as mp
-
-    from kv_transfer.channel import Rendezvous
-
     sizes = sorted({min(n, limits.max_prompt) for n in grid.transfer_tokens})
     store, rdv = Rendezvous.host_store(config.kv_transfer.rendezvous_host)
     ctx = mp.get_context("spawn")
@@ -550,9 +539,6 @@ def measure_transfer(prefill, config: ClusterConfig, grid: Grid, limits: Limits,
 
 def _transfer_once(prefill, n: int, cmds, replies, child) -> float:
     """begin -> DONE of one prompt of ``n`` tokens whose KV is complete in the prefill cache."""
-    from kv_transfer.sender import LegTarget
-    from modeling.block_pool import BlockTable
-
     rid = f"profile-{next(_transfer_ids)}"
     cmds.put(("reserve", rid, n))
     dst = _reply(replies, child)
@@ -589,11 +575,6 @@ def _decode_side(model_path: str, config, threads: int, transfer, rdv, cmds, rep
     """Child process: a DecodeWorker's cache behind a KVReceiver over its block pool. Polls the receiver
     every millisecond while a transfer is pending (a decode worker polls once per step)."""
     try:
-        from decode_worker.worker import DecodeWorker
-        from kv_transfer.descriptors import KVFingerprint
-        from kv_transfer.heads import HeadRange
-        from kv_transfer.receiver import KVReceiver, PoolReserver
-
         torch.set_num_threads(threads)
         worker = DecodeWorker(model_path, config)
         mc = worker.loaded.config
@@ -708,8 +689,6 @@ def measure_acceptance(worker, config: ClusterConfig, grid: Grid, limits: Limits
 
 
 def _add_prompts(worker, corpus: list[int], batch: int, length: int) -> list[str]:
-    from modeling.sampling import SamplingParams
-
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     stride = max(1, (len(corpus) - length) // max(1, batch))
     ids = []
@@ -773,10 +752,8 @@ def heldout_tokens(tokenizer, need: int) -> list[int]:
 
 def _corpus_module():
     try:
-        from scripts import _corpus
+        from scripts import _corpus  # scripts/ is not installed (setup.py): found in the checkout, on use
     except ImportError:  # run from outside the repository: its root holds scripts/
-        from controller.defaults import REPO_ROOT
-
         sys.path.insert(0, REPO_ROOT)
         from scripts import _corpus
     return _corpus

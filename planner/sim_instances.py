@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
 from decode_worker.config import SpeculationConfig
-from decode_worker.policy import CHOICE_REUSE_STEPS, AcceptanceEstimator, AdaptiveK, PassShape
+from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape, StepK
 from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
@@ -317,7 +317,7 @@ class DecodeSim(_Instance):
                                  _FittedCost(costs.draft, cal.draft_pass_scale), self.acceptance,
                                  spec.tpot_slo_ms / 1000 if spec.tpot_slo_ms else None, explore=False)
                        if spec.enabled and spec.k_policy == "adaptive" else None)
-        self._cached_k: tuple[tuple, int, int] | None = None  # (running ids, reuses left, k), as the worker
+        self.step_k = StepK(spec, self.policy)
         self.seqs: dict[int, SimSequence] = {}  # request index -> its sequence here (reserved or live)
         self.ready: list[SimSequence] = []  # KV complete, joins at the next step
         self.k_counts: dict[int, int] = {}
@@ -357,24 +357,13 @@ class DecodeSim(_Instance):
         return duration, lambda: self._done(batch, k)
 
     def _choose_k(self) -> int:
-        if not self.spec.enabled:
-            return 0
-        if self.policy is None:
-            return self.spec.k
-        key = tuple(self.scheduler.running)  # a decision lasts CHOICE_REUSE_STEPS while the batch is unchanged
-        cached = self._cached_k
-        if cached is not None and cached[0] == key and cached[1] > 0:
-            self._cached_k = (key, cached[1] - 1, cached[2])
-            return cached[2]
+        """The worker's own decision (``StepK``), with the policy's acceptance belief set to the profile's
+        rates at the batch's contexts and the self-sparse draft's view (sink + window) modelled."""
         lens = [seq.num_tokens for seq in self.scheduler.running.values()]
-        self.acceptance.rate = sum(self._rate(n) for n in lens) / len(lens)
-        b, total = len(lens), sum(lens)
-        viewed = sum(min(n, self.spec.budget) for n in lens)
-        choice = self.policy.choose(
-            lambda k: PassShape(b, total + b * k, b * (k + 1)),
-            lambda step: PassShape(b, viewed + b * (step + 1), b))
-        self._cached_k = (key, CHOICE_REUSE_STEPS - 1, choice.k)
-        return choice.k
+        if self.policy is not None:
+            self.acceptance.rate = sum(self._rate(n) for n in lens) / len(lens)
+        budget = self.spec.budget
+        return self.step_k.choose(tuple(self.scheduler.running), lens, lambda n, step: min(n, budget) + step + 1)[0]
 
     def _rate(self, context: int) -> float:
         """The profile's acceptance rate at ``context``, looked up once per 64-token bucket."""

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 from controller.migration_policy import InstanceLoad, MigrationHistory, PolicyConfig, RequestLoad, plan_migrations
 from decode_worker.migration import headroom_tokens
 from modeling.errors import OutOfBlocksError
+from planner.sim_instances import DecodeSim, SimRequest, SimSequence
 
 if TYPE_CHECKING:
     from planner.profile import FittedModel
-    from planner.sim_instances import DecodeSim, SimRequest, SimSequence
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,6 @@ class MigrationSim:
                             max(0, used - sum(r.blocks for r in running)))
 
     def _begin(self, index: int, src: DecodeSim, dst: DecodeSim) -> None:
-        from planner.sim_instances import SimSequence
-
         seq = src.seqs.get(index)
         if seq is None or seq.request_id not in src.scheduler.running:
             return

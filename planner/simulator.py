@@ -31,7 +31,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from planner.profile import Profile, calibration_threads
 from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
@@ -40,8 +40,12 @@ from planner.slo import AttainmentWatch, RequestOutcome
 from planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
 
-if TYPE_CHECKING:
-    from planner.host_contention import HostContention
+
+
+class HostContention(Protocol):
+    """A plug-in slowing each step by instances sharing one small machine (``benchmarks/host_contention.py``)."""
+
+    def step_factor(self, inst, duration: float, instances: list, rng) -> float: ...
 
 MODES = ("disaggregated", "colocated")
 # a watched request misses once it is this much later than its SLO allows: far above float rounding of the

@@ -15,12 +15,23 @@ import os
 import traceback
 from typing import Callable, Iterable
 
+import torch
+import torch.multiprocessing as mp
+
 from controller.config import ClusterConfig
+from decode_worker.worker import DecodeWorker
+from decode_worker.worker import follower as decode_follower
+from kv_transfer.channel import Rendezvous
+from modeling.checkpoint import load_config
+from modeling.tp import TPShard
+from modeling.tp_group import TPGroup, TPGroupConfig
 from planner.profile import PREFILL_FEATURES, Profile, ProfileError
 from planner.profiler import (
     DEFAULT_GRID, PREFILL_ID, Grid, Limits, _describe, _fit, _limits, check_extension, extended_profile, fit_passes,
     instance_costs, measure_decode, measure_prefill, prefill_cache_tokens, profiled_decode_config,
     profiled_prefill_config)
+from prefill_worker.worker import PrefillWorker
+from prefill_worker.worker import follower as prefill_follower
 
 RANKS_TIMEOUT_S = 3600.0  # one shape's measurement on a slow machine; a rank that dies ends it at once
 _INSTANCE = "profile-tp"
@@ -30,9 +41,6 @@ def add_tensor_parallel(config: ClusterConfig, profile: Profile, degrees: Iterab
                         progress: bool = True, log: Callable[[str], None] = print) -> Profile:
     """``profile`` with CPU instances of each tensor_parallel degree in ``degrees`` it lacks (t rank processes
     of the config's threads each), measured as served. A few minutes per degree."""
-    from modeling.checkpoint import load_config
-    from modeling.tp import TPShard
-
     threads = config.prefill.threads
     wanted = check_extension(config, profile, "--add-tensor-parallel", degrees)
     cores = os.cpu_count() or 1
@@ -63,10 +71,6 @@ def add_tensor_parallel(config: ClusterConfig, profile: Profile, degrees: Iterab
 
 def measure_ranks(config: ClusterConfig, size: int, grid: Grid, limits: Limits, progress: bool) -> dict:
     """Start ``size`` rank processes, let rank 0 measure; its rows: prefill, target, drafts."""
-    import torch.multiprocessing as mp
-
-    from kv_transfer.channel import Rendezvous
-
     store, rdv = Rendezvous.host_store(config.kv_transfer.rendezvous_host)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -97,14 +101,9 @@ def measure_ranks(config: ClusterConfig, size: int, grid: Grid, limits: Limits, 
 def _rank_main(rank: int, size: int, rdv, config: ClusterConfig, grid: Grid, limits: Limits, progress: bool,
                results) -> None:
     """One rank process: form the instance's group, then measure (rank 0) or follow (the others)."""
-    import torch
-
     os.environ["OMP_NUM_THREADS"] = str(config.prefill.threads)
     torch.set_num_threads(config.prefill.threads)
     try:
-        from modeling.tp import TPShard
-        from modeling.tp_group import TPGroup, TPGroupConfig
-
         group = TPGroup.form(rdv.connect(), _INSTANCE, TPShard(rank, size), "cpu",
                              TPGroupConfig(interface_host=rdv.host))
         value = _measure(config, group, grid, limits, progress) if rank == 0 else _follow(config, group, grid, limits)
@@ -114,9 +113,6 @@ def _rank_main(rank: int, size: int, rdv, config: ClusterConfig, grid: Grid, lim
 
 
 def _measure(config: ClusterConfig, group, grid: Grid, limits: Limits, progress: bool) -> dict:
-    from decode_worker.worker import DecodeWorker
-    from prefill_worker.worker import PrefillWorker
-
     steps, need = prefill_cache_tokens(config, grid, limits)
     prefill = PrefillWorker(config.model_path, profiled_prefill_config(config, need), PREFILL_ID, tp=group)
     try:
@@ -132,9 +128,6 @@ def _measure(config: ClusterConfig, group, grid: Grid, limits: Limits, progress:
 
 
 def _follow(config: ClusterConfig, group, grid: Grid, limits: Limits) -> dict:
-    from decode_worker.worker import follower as decode_follower
-    from prefill_worker.worker import follower as prefill_follower
-
     _, need = prefill_cache_tokens(config, grid, limits)
     prefill_follower(config.model_path, profiled_prefill_config(config, need), group, PREFILL_ID).serve()
     decode_follower(config.model_path, profiled_decode_config(config, grid, limits), group).serve()

@@ -35,6 +35,7 @@ from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, load_fo
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.messages import FirstToken, PrefillFailure, PrefillRequest, PrefillStepOutput
 from prefill_worker.scheduler import PrefillScheduler
+from prefill_worker.tp_rank import PrefillRankFollower
 
 
 @dataclass
@@ -305,8 +306,6 @@ class PrefillWorker:
 def follower(model_path: str, config: PrefillWorkerConfig, tp: TPGroup, instance_id: str = "prefill-0") -> TPFollower:
     """A non-driver rank of a tensor-parallel prefill instance: its shard, its cache and a KV sender for its
     heads, ready to ``serve()``."""
-    from prefill_worker.tp_rank import PrefillRankFollower
-
     loaded = load_for_rank(model_path, config.dtype, config.device, tp)
     runner = build_runner(loaded, config.kv_cache_tokens // config.block_size, config.block_size,
                           config.attention_backend, tp)

@@ -12,6 +12,9 @@ from typing import Protocol
 
 import torch
 
+from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_available, cpu_kernel_error
+from modeling.attention.flash_backend import (FLASH_BLOCK_MULTIPLE, FLASH_DTYPES, FlashAttentionBackend,
+                                              flash_attn_available)
 from modeling.attention.metadata import AttentionMetadata, physical_runs
 from modeling.attention.torch_backend import TorchAttentionBackend
 from modeling.kv_cache import PagedKVCache
@@ -45,10 +48,6 @@ def make_backend(name: str, device: torch.device | str, block_size: int,
     'cpu' is the C++ CPU kernel (built by ``magicserve build``, else on first use); 'auto' picks flash on CUDA
     when installed and the block size and ``dtype`` (the KV cache's: flash-attn has half-precision kernels only)
     allow, the cpu kernel on CPU when it builds, else torch."""
-    from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_available, cpu_kernel_error
-    from modeling.attention.flash_backend import (FLASH_BLOCK_MULTIPLE, FLASH_DTYPES, FlashAttentionBackend,
-                                                  flash_attn_available)
-
     if name not in BACKENDS:
         raise ValueError(f"attention_backend: unknown {name!r}; allowed: {', '.join(BACKENDS)}")
     device = torch.device(device)

@@ -48,6 +48,11 @@ from types import ModuleType
 
 import torch
 
+try:  # the ninja package's binary, for a virtualenv whose bin/ is not on PATH (_ensure_ninja_on_path)
+    import ninja
+except ImportError:  # ninja from PATH only (a failed build then falls back to the torch backend)
+    ninja = None
+
 from modeling.attention.metadata import AttentionMetadata
 from modeling.attention.torch_backend import TorchAttentionBackend
 
@@ -101,11 +106,7 @@ def _extension_name() -> str:
 def _ensure_ninja_on_path() -> None:
     """torch runs ``ninja`` from PATH; when the ``ninja`` package is installed in a virtualenv that was not
     activated (``.venv/bin/magicserve demo``), put its binary's folder on this process's PATH."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
+    if shutil.which("ninja") or ninja is None:
         return
     folder = getattr(ninja, "BIN_DIR", None)
     if folder and os.path.exists(os.path.join(folder, "ninja")):
@@ -191,7 +192,7 @@ def load_cpu_kernel() -> ModuleType:
             return _module
         if _error is not None:
             raise RuntimeError(_error)
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # loads setuptools: only a build or a load of the kernel needs it
 
         t0 = time.perf_counter()
         name = _extension_name()
@@ -231,7 +232,7 @@ def build_cpu_kernel() -> bool:
 
 def cpu_kernel_library() -> str:
     """The shared library a build writes and every process with the same build inputs loads."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # loads setuptools: only the kernel's build paths need it
 
     name = _extension_name()
     return os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")

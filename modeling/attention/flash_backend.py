@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from modeling.attention.metadata import AttentionMetadata
+from modeling.attention.torch_backend import TorchAttentionBackend
 
 FLASH_BLOCK_MULTIPLE = 256
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn has no float32 kernels
@@ -30,7 +31,7 @@ def flash_attn_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn  # noqa: F401 - optional (the gpu extra), absent on CPU machines
     except ImportError:
         return False
     return True
@@ -47,12 +48,10 @@ class FlashAttentionBackend:
                 f"block_size: flash-attn paged KV needs a multiple of {FLASH_BLOCK_MULTIPLE}, got {block_size}"
             )
         try:
-            from flash_attn import flash_attn_varlen_func
+            from flash_attn import flash_attn_varlen_func  # optional (the gpu extra)
         except ImportError as err:
             raise RuntimeError("attention backend 'flash' needs the flash-attn package (pip install magicserve[gpu])") from err
         self._varlen = flash_attn_varlen_func
-        from modeling.attention.torch_backend import TorchAttentionBackend
-
         self._gather = TorchAttentionBackend()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
