@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -190,23 +191,27 @@ def test_sender_lost_mid_transfer_frees_receiver_blocks(mode):
 
 # -- a reservation released mid-transfer (request cancelled on the decode side) --------------------
 
-def test_release_during_transfer_drains_and_frees():
-    """Both ends in this process (two threads, a real gloo pair): the receiver drops the reservation
-    after accepting; the bytes still sent are drained (or land in blocks freed once they are in), the
-    sender gets its acknowledgement, and every block is back in both pools."""
-    import threading
-
+def _pair_in_process(cfg: TransferConfig, reserver: PoolReserver, src: PagedKVCache):
+    """A sender over ``src`` and a receiver into a fresh cache, both in this process (a real gloo pair formed
+    from two threads); returns (the store to keep alive, sender, receiver)."""
     store, rdv = Rendezvous.host_store()
-    cfg = TransferConfig(timeout_s=10, handshake_wait_s=10)
-    pool = BlockPool(32, 4)
-    receiver = KVReceiver(cache(), PoolReserver(pool), "d", fingerprint(), HeadRange(0, HEADS), cfg)
-    src = cache()
-    src.kv.fill_(1.0)
+    receiver = KVReceiver(cache(), reserver, "d", fingerprint(), HeadRange(0, HEADS), cfg)
     sender = KVSender(src, "p", fingerprint(), HeadRange(0, HEADS), cfg)
     t = threading.Thread(target=receiver.connect, args=("p", rdv))
     t.start()
     sender.connect("d", rdv)
     t.join(timeout=30)
+    return store, sender, receiver
+
+
+def test_release_during_transfer_drains_and_frees():
+    """Both ends in this process (two threads, a real gloo pair): the receiver drops the reservation
+    after accepting; the bytes still sent are drained (or land in blocks freed once they are in), the
+    sender gets its acknowledgement, and every block is back in both pools."""
+    pool = BlockPool(32, 4)
+    src = cache()
+    src.kv.fill_(1.0)
+    store, sender, receiver = _pair_in_process(TransferConfig(timeout_s=10, handshake_wait_s=10), PoolReserver(pool), src)
     try:
         assert receiver.reserve("r", 40) is not None
         sender.begin("r", 40, list(range(10)), [LegTarget("d", HeadRange(0, HEADS), reserved=True)])
@@ -239,8 +244,6 @@ def test_release_during_transfer_drains_and_frees():
 def test_long_control_frames_continue_in_a_second_message():
     """A control frame larger than the fixed frame (a migration's end: the request's state, its output
     tokens included) arrives whole, and the frame after it is read normally."""
-    import threading
-
     from kv_transfer.channel import FRAME_BYTES
 
     store, rdv = Rendezvous.host_store()
@@ -276,20 +279,10 @@ def test_descriptor_before_the_reservation_waits_for_it():
     """The router contacts the prefill and decode instances at once, so a transfer that names a reservation
     (``reserved``) may reach the receiver before its owner reserved: the receiver answers BUSY until the
     reservation exists, then accepts, and the KV lands in it byte for byte."""
-    import threading
-
-    store, rdv = Rendezvous.host_store()
-    cfg = TransferConfig(timeout_s=10, retry_interval_s=0.02)
-    pool = BlockPool(32, 4)
-    reserver = PoolReserver(pool)
-    receiver = KVReceiver(cache(), reserver, "d", fingerprint(), HeadRange(0, HEADS), cfg)
+    reserver = PoolReserver(BlockPool(32, 4))
     src = cache()
     src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(3)))
-    sender = KVSender(src, "p", fingerprint(), HeadRange(0, HEADS), cfg)
-    t = threading.Thread(target=receiver.connect, args=("p", rdv))
-    t.start()
-    sender.connect("d", rdv)
-    t.join(timeout=30)
+    store, sender, receiver = _pair_in_process(TransferConfig(timeout_s=10, retry_interval_s=0.02), reserver, src)
     try:
         sender.begin("r", 10, [5, 6, 7], [LegTarget("d", HeadRange(0, HEADS), reserved=True)])
         group = sender.open_group({"r": 3})  # the forward pass: its KV waits for the ACCEPT
