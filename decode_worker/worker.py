@@ -1,18 +1,16 @@
 """The decode worker: continuous-batching decode with MagicDec-style speculative decoding.
 
 A plain class (the controller wraps it as a Ray actor). It owns every request it holds from reservation to
-finish, in one of three states: ``waiting_for_kv`` (``add_remote``: blocks reserved, the prompt's KV and first
-token in transfer from a prefill worker through this worker's ``KVReceiver``), ``running``, or ``waiting``
-(preempted, to be recomputed), or ``migrating`` (live migration to or from another decode instance:
-stopped on its source, or arrived on its destination, until the router decides; see
-``decode_worker/migration.py``). Requests may also be prefilled here (``add_local``: tests, benchmarks).
-Each ``step``:
+finish, in one of four states: ``waiting_for_kv`` (``add_remote``: blocks reserved, the prompt's KV and first
+token in transfer from a prefill worker through this worker's ``KVReceiver``), ``running``, ``waiting``
+(preempted, to be recomputed) or ``migrating`` (live migration, stopped on its source or arrived on its
+destination until the router decides: ``decode_worker/live_migration.py``). Requests may also be prefilled
+here (``add_local``: tests, benchmarks). Each ``step``, then rounds of outgoing migrations:
 
     admit arrived KV  ->  choose k  ->  reserve room for k  ->  draft k tokens  ->  verify all k + 1 in one
     target pass  ->  accept / recover / bonus per sequence  ->  roll back rejected KV  ->  emit deltas
 
-then rounds of outgoing migrations go out. k = 0 is a plain decode step. Sequences join and leave at
-every step, each with its own sampling parameters and stop conditions.
+k = 0 is a plain decode step. Sequences join and leave at every step, each with its own sampling parameters.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ from modeling.tp_group import TPGroup
 from modeling.tp_runner import (TPDriverRunner, TPFollower, build_runner, copy_kv_blocks, forward_follower,
                                 load_for_rank)
 
+
 @dataclass
 class _Live:
     """A request this worker holds; ``seq.status`` says where it is."""
@@ -82,9 +81,7 @@ class DecodeWorker:
         self.metrics = WorkerMetrics()
         self.pass_log = PassLog()
         self.speculator = Speculator(self.runner, config, mc.vocab_size, self.metrics, self.pass_log)
-        # every request this worker holds, by id (``seq.status`` says where it is); the scheduler orders the
-        # running and preempted ones and gives them blocks
-        self.requests: dict[str, _Live] = {}
+        self.requests: dict[str, _Live] = {}  # all it holds; the scheduler orders the running and preempted
         self.scheduler = DecodeScheduler(self.pool, config.max_num_seqs)
         self.tp = tp if tp is not None and tp.shard.sharded else None
         size = 1 if self.tp is None else self.tp.size
