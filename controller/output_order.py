@@ -24,6 +24,7 @@ class OutputPiece(Protocol):
     index: int
     position: int
     text_offset: int
+    prompt_logprobs: tuple | None  # the prompt's, on the piece that carries them
 
 
 @dataclass
@@ -72,7 +73,7 @@ class OutputOrder:
         logprobs = tuple(p.logprobs[skip_ids:])
         seq.tokens = max(seq.tokens, p.position + len(p.token_ids))
         seq.chars = max(seq.chars, p.text_offset + len(p.text))
-        if not ids and not text and not p.finished and getattr(p, "prompt_logprobs", None) is None:
+        if not ids and not text and not p.finished and p.prompt_logprobs is None:
             return None
         if len(ids) == len(p.token_ids) and len(text) == len(p.text):
             return p

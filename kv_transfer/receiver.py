@@ -10,9 +10,9 @@ Threads: one per connected prefill instance reads its frames and writes KV strai
 blocks (gloo recv into the cache slab, or a staging copy when the blocks are scattered or the leg
 carries part of this shard's heads). It never touches the pool: a descriptor of a request the owner has
 reserved for (``TransferDescriptor.reserved``) is accepted at once into that reservation, found by the
-request id (one that comes before the reservation is answered BUSY by poll); reservations asked for in a handshake, completions and failures are applied by
-:meth:`KVReceiver.poll` in the owner's thread, which also enforces ``timeout_s``. Block ids never leave
-the instance: senders name requests, not blocks.
+request id (one that comes before the reservation is answered BUSY by poll); reservations asked for in a
+handshake, completions and failures are applied by :meth:`KVReceiver.poll` in the owner's thread, which
+also enforces ``timeout_s``. Block ids never leave the instance: senders name requests, not blocks.
 """
 
 from __future__ import annotations
