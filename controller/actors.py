@@ -41,6 +41,7 @@ log = logging.getLogger("magicserve.actors")
 
 # How long the loop thread sleeps when its worker has nothing to do.
 _IDLE_SLEEP_S = 0.002
+LOAD_REPORT_PERIOD_S = 0.1  # a decode instance's block counts alone are reported at most this often
 
 
 def _scheduler_status(instance_id: str, role: str, worker) -> dict:
@@ -143,8 +144,6 @@ class PrefillActor(_LoopActor):
     instance's rank 0 (the other ranks are :class:`RankFollowerActor`)."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
-
-
         torch.set_num_threads(threads)
         self.instance_id = instance_id
         self.worker = PrefillWorker(model_path, config, instance_id, tp=_driver_group(tp, instance_id, config.device))
@@ -180,16 +179,14 @@ class DecodeActor(_LoopActor):
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
                  tp: RankSpec | None = None):
-
-
         torch.set_num_threads(threads)
         self.instance_id = instance_id
         self.worker = DecodeWorker(model_path, config, instance_id, transfer_config or TransferConfig(),
                                    tp=_driver_group(tp, instance_id, config.device))
+        self._last_report, self._reported_at = None, 0.0
         self._start_loop(f"decode-loop-{instance_id}")
 
     def connect(self, prefill_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
-
         self.worker.connect(prefill_id, Rendezvous(host, port), generation, prefill_tp=peer_tp)
 
     def add_remote(self, request) -> bool:
@@ -232,9 +229,9 @@ class DecodeActor(_LoopActor):
         with self._gate.call():
             return self.worker.migrations.abort(request_id)
 
-    def request_loads(self) -> dict:
-        """Load report for the global rescheduling policy: each running request's KV blocks and the blocks the
-        pool holds in all (``controller/migration_policy.py``)."""
+    def request_loads(self):
+        """The pool's load report now (``PoolLoad``: each running request's KV blocks and the blocks held
+        otherwise), read by the global rescheduling policy (``controller/migration_policy.py``)."""
         with self._gate.call():
             return self.worker.request_loads()
 
@@ -251,7 +248,17 @@ class DecodeActor(_LoopActor):
                     "k_counts": m["k_counts"], "last_k": m["last_k"], "preemptions": m["preemptions"]}
 
     def _step(self) -> list:
-        return self.worker.step()  # polls the KV receiver even when idle: handshakes wait on it
+        out = self.worker.step()  # polls the KV receiver even when idle: handshakes wait on it
+        report = self.worker.request_loads()
+        now = time.monotonic()
+        # the router places new requests by these: a change in what the instance holds goes out at once,
+        # a change in block counts alone at most every LOAD_REPORT_PERIOD_S
+        last = self._last_report
+        if last is None or report.holds != last.holds or \
+                (report != last and now - self._reported_at >= LOAD_REPORT_PERIOD_S):
+            self._last_report, self._reported_at = report, now
+            out = [*out, report]
+        return out
 
 
 class ColocatedActor(_LoopActor):
@@ -260,8 +267,6 @@ class ColocatedActor(_LoopActor):
     request that sampled a token; a request's first delta carries its first token."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
-
-
         torch.set_num_threads(threads)
         self.instance_id = instance_id
         self.engine = ReferenceEngine(model_path, config, tp=_driver_group(tp, instance_id, config.device))
@@ -285,7 +290,6 @@ class ColocatedActor(_LoopActor):
         return self.engine.pass_log
 
     def _step(self) -> list:
-
         if not self.engine.has_unfinished():
             return []
         deltas = []
@@ -309,8 +313,6 @@ class RankFollowerActor:
 
     def __init__(self, role: str, model_path: str, config, instance_id: str, threads: int, tp: RankSpec,
                  transfer_config=None):
-
-
         torch.set_num_threads(threads)
         self.instance_id = rank_peer_id(instance_id, tp.rank, tp.size)
         group = tp.form(instance_id, config.device)
@@ -332,7 +334,6 @@ class RankFollowerActor:
             log.error("tensor-parallel rank stopped:\n%s", self._crashed)
 
     def connect(self, peer_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
-
         self.follower.connect(peer_id, Rendezvous(host, port), generation, peer_tp)
 
     def connect_migration(self, destination: str, host: str, port: int, generation: int,

@@ -13,7 +13,7 @@ the blocks its head-of-line waiting request needs. The policy then sees each ins
 * a draining instance counts as infinitely full: everything migrates away, and nothing is placed there.
 
 *Freeness* = (total blocks - virtual usage) / (running requests + 1): the decode steps of room per
-request. New requests go to the freest instance (:func:`pick_instance`). :func:`plan_migrations` pairs
+request. New requests go to the freest instance with room (:func:`placement_order`, :func:`pick_instance`). :func:`plan_migrations` pairs
 the least free instances (below ``migrate_out_freeness``, or draining) with the freest (above
 ``migrate_in_freeness``) and moves one request per pair: the cheapest to move (fewest blocks) of the
 lowest priority. Migrations are rate-limited (one out of and one into an instance per round, at most
@@ -122,15 +122,30 @@ def freeness(inst: InstanceLoad, cfg: PolicyConfig) -> float:
     return (inst.total_blocks - virtual_usage(inst, cfg)) / (len(inst.running) + 1)
 
 
-def pick_instance(instances: list[InstanceLoad], blocks: int, cfg: PolicyConfig, priority: int = 0) -> str | None:
-    """Where a new request needing ``blocks`` goes: the freest instance that is not draining and has the
-    blocks free (None: none has). A high-priority request counts its own headroom too."""
+def placement_order(instances: list[InstanceLoad], blocks: int, cfg: PolicyConfig, priority: int = 0) -> list[str]:
+    """The instances a new request needing ``blocks`` tries, in order, never a draining one: those with room
+    for it (a high-priority request counts its own headroom too) first, then those with the blocks free, then
+    the rest (a report may be stale: the instance's own reservation decides), each group freest first (ties: by
+    name)."""
     need = blocks + (cfg.priority_headroom_blocks if priority > 0 else 0)
-    fits = [i for i in instances if not i.draining and i.free_blocks >= blocks]
-    if not fits:
+
+    def group(inst: InstanceLoad) -> int:
+        if inst.free_blocks < blocks:
+            return 2
+        return 0 if inst.total_blocks - virtual_usage(inst, cfg) >= need else 1
+
+    ranked = sorted((i for i in instances if not i.draining), key=lambda i: (group(i), -freeness(i, cfg), i.name))
+    return [i.name for i in ranked]
+
+
+def pick_instance(instances: list[InstanceLoad], blocks: int, cfg: PolicyConfig, priority: int = 0) -> str | None:
+    """Where a new request needing ``blocks`` goes: the first of :func:`placement_order` when it has the
+    blocks free (None: no instance has)."""
+    order = placement_order(instances, blocks, cfg, priority)
+    if not order:
         return None
-    roomy = [i for i in fits if i.total_blocks - virtual_usage(i, cfg) >= need] or fits
-    return max(roomy, key=lambda i: (freeness(i, cfg), i.name)).name
+    first = next(i for i in instances if i.name == order[0])
+    return first.name if first.free_blocks >= blocks else None
 
 
 def _after(inst: InstanceLoad, delta: RequestLoad, cfg: PolicyConfig, adding: bool) -> float:

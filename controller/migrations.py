@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.migration_policy import (InstanceLoad, MigrationHistory, PolicyConfig, RequestLoad, pick_instance,
-                                         plan_migrations)
+from controller.migration_policy import InstanceLoad, MigrationHistory, PolicyConfig, pick_instance, plan_migrations
+from controller.placement import instance_load, record_report
 from controller.request_state import RequestState
 from controller.routing import Instance, RouterError
 from decode_worker.messages import DecodeRequest, MigrationArrived
@@ -180,8 +180,8 @@ class MigrationCoordinator:
         return pick_instance(others, blocks, self.policy, active.priority)
 
     async def instance_loads(self) -> list[InstanceLoad]:
-        """The live decode instances' load reports as the policy reads them: each decoding request placed
-        there (blocks, priority) may move; everything else the instance holds counts as held."""
+        """The live decode instances' loads as the policy reads them (``controller/placement.py``), each from a
+        report asked for now (it also refreshes the one new requests are placed by)."""
         async def report(inst: Instance):
             try:
                 return inst, await asyncio.wait_for(inst.handle.request_loads.remote(), 5.0)
@@ -191,18 +191,9 @@ class MigrationCoordinator:
 
         loads = []
         for inst, rep in await asyncio.gather(*(report(i) for i in self.router.decode if i.alive)):
-            if rep is None:
-                continue
-            movable, held = [], rep["held_blocks"]
-            for rid, blocks in rep["running"].items():
-                active = self.router.active.get(rid)
-                if active is not None and active.decode is inst and active.migration is None and \
-                        active.record.state is RequestState.DECODING:
-                    movable.append(RequestLoad(rid, blocks, active.priority))
-                else:
-                    held += blocks
-            loads.append(InstanceLoad(inst.name, rep["total_blocks"], tuple(movable), rep["waiting_blocks"],
-                                      inst.draining, held))
+            if rep is not None:
+                record_report(inst, rep)
+                loads.append(instance_load(inst, rep, self.router.active))
         return loads
 
     async def reschedule_once(self) -> list[MigrationOutcome]:

@@ -37,9 +37,11 @@ from controller.admission import PriorityGate
 from controller.metrics import FinishedRequest, ServingMetrics
 from controller.migrations import PendingMigration, MigrationCoordinator
 from controller.output_order import OutputOrder
+from controller.placement import decode_order, record_placement, record_report
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from controller.routing import Delta, Final, Instance, RouterError
-from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
+from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, PoolLoad,
+                                     TokenDelta)
 from modeling.params import SamplingParams
 from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, PrefillStepOutput
 
@@ -197,12 +199,12 @@ class Router:
             await self._submit(active, prefill, PrefillRequest(rid, tuple(active.prompt_ids), active.params, None))
             return
         request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
-        decode = self._least_loaded(self._placeable())
-        if decode is not None and decode.room and await self._place_at_once(active, request, prefill, decode):
+        order, has_room = self._decode_order(active)
+        if order and has_room and order[0].room and await self._place_at_once(active, request, prefill, order[0]):
             return
         deadline = time.monotonic() + self.request_timeout_s
         while True:
-            decode = await self._reserve_decode(request)
+            decode = await self._reserve_decode(request, self._decode_order(active)[0])
             if decode is not None:
                 break
             if time.monotonic() > deadline:
@@ -241,6 +243,7 @@ class Router:
         rid = active.record.request_id
         active.decode, active.prefill, active.decoders = decode, prefill, {decode}
         decode.assigned.add(rid)
+        record_placement(decode, rid, len(active.prompt_ids))
         prefill.assigned.add(rid)
 
     @staticmethod
@@ -248,8 +251,10 @@ class Router:
         return PrefillRequest(active.record.request_id, tuple(active.prompt_ids), active.params,
                               KVDestination(decode.name, reserved=True))
 
-    def _placeable(self) -> list[Instance]:
-        return [d for d in self.decode if d.alive and not d.draining]
+    def _decode_order(self, active: _Active) -> tuple[list[Instance], bool]:
+        """The decode instances in the order the request tries them, by the rescheduling policy (the one
+        that picks migration destinations), and whether the first has room by its last report."""
+        return decode_order(self.decode, len(active.prompt_ids), active.priority, self.migrations.policy, self.active)
 
     async def _submit(self, active: _Active, inst: Instance, request) -> None:
         """Hand the request to the instance that prefills it (re-placed if the actor is gone)."""
@@ -259,9 +264,9 @@ class Router:
         except Exception as err:  # the actor died between choosing and submitting
             await self._retry_or_fail(active, f"{inst.role} {inst.name} unreachable: {err}")
 
-    async def _reserve_decode(self, request: DecodeRequest) -> Instance | None:
-        """The least-loaded decode instance that holds the request with room for its KV (None: none has room)."""
-        for inst in sorted(self._placeable(), key=lambda d: len(d.assigned)):
+    async def _reserve_decode(self, request: DecodeRequest, order: list[Instance]) -> Instance | None:
+        """The first instance of ``order`` that holds the request with room for its KV (None: none has room)."""
+        for inst in order:
             try:
                 inst.room = await inst.handle.add_remote.remote(request)
                 if inst.room:
@@ -472,6 +477,8 @@ class Router:
                 self._send(f.request_id, "failed", (f.reason, f.retryable))
         elif isinstance(item, TokenDelta):
             self._send(item.request_id, "delta", item, inst)
+        elif isinstance(item, PoolLoad):
+            record_report(inst, item)
         elif isinstance(item, MigrationArrived):
             self.migrations.on_arrived(inst, item)
         elif isinstance(item, MigrationFailed):

@@ -28,6 +28,8 @@ class Instance:
     draining: bool = False  # takes no new requests (``Router.drain``)
     room: bool = True  # decode: its last hold succeeded, or a request has left it since (new requests go to it
     # and to a prefill instance at once)
+    load: object = None  # decode: its latest ``PoolLoad`` report (None until the first arrives)
+    placed: dict = field(default_factory=dict)  # decode: request id -> blocks, placed since that report
 
 
 @dataclass(frozen=True)

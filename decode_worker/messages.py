@@ -4,12 +4,13 @@ In: :class:`DecodeRequest`, sent once, before prefill: the decode worker reserve
 holds the request in ``waiting_for_kv`` until the prefill worker's transfer (KV and first token) completes.
 Out, per step: :class:`TokenDelta` per request that produced something, and :class:`DecodeFailure` for a
 request the worker gave up on (its KV never arrived). Migration (live, between decode instances):
-:class:`MigrationArrived` from the destination, :class:`MigrationFailed` from either end.
+:class:`MigrationArrived` from the destination, :class:`MigrationFailed` from either end. Load:
+:class:`PoolLoad`, whenever it changes (the router places new requests and migrations by it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
@@ -77,3 +78,19 @@ class MigrationFailed:
 
     request_id: str
     reason: str
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """A decode instance's KV pool as the rescheduling policy reads it (``controller/migration_policy.py``):
+    ``running``, the blocks of each running request that could migrate; ``held_blocks``, the blocks held
+    otherwise (KV arriving, migrating, preempted, shared by several sequences); ``waiting_blocks``, what the
+    head-of-line preempted request needs and cannot get (0: nothing waits, or it fits); ``holds``, every
+    request the instance holds in any state."""
+
+    total_blocks: int
+    block_size: int
+    running: dict[str, int] = field(default_factory=dict)
+    held_blocks: int = 0
+    waiting_blocks: int = 0
+    holds: frozenset[str] = frozenset()

@@ -12,8 +12,9 @@ Sequences are any objects with ``request_id``, ``num_tokens``, ``num_computed``,
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
 
+from decode_worker.messages import PoolLoad
 from modeling.block_pool import BlockPool
 from modeling.errors import OutOfBlocksError
 from modeling.sequence import SequenceStatus
@@ -51,6 +52,18 @@ class DecodeScheduler:
         if self.running.pop(seq.request_id, None) is None and seq in self.preempted:
             self.preempted.remove(seq)
         seq.block_table.release(self.pool)
+
+    def load(self, movable: Callable[[object], bool], holds: frozenset[str] = frozenset()) -> PoolLoad:
+        """The pool's load report: the running sequences ``movable`` accepts count as running, every other
+        used block as held."""
+        running = {rid: len(seq.block_table.blocks) for rid, seq in self.running.items() if movable(seq)}
+        used = self.pool.num_blocks - self.pool.num_free
+        waiting = 0
+        if self.preempted:
+            need = self.pool.blocks_for_tokens(self.preempted[0].num_tokens + 1)
+            waiting = 0 if self.pool.can_allocate(need) else need
+        return PoolLoad(self.pool.num_blocks, self.pool.block_size, running, max(0, used - sum(running.values())),
+                        waiting, holds)
 
     def make_room(self, k: int) -> tuple[int, list, list]:
         """(the step's k, its batch, the sequences preempted for it): blocks for positions up to

@@ -24,7 +24,7 @@ import torch
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.drafters import Drafter
 from decode_worker.live_migration import LiveMigrations
-from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed, TokenDelta
+from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed, PoolLoad, TokenDelta
 from decode_worker.metrics import WorkerMetrics
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.speculation import Speculator
@@ -261,22 +261,11 @@ class DecodeWorker:
         return sum(lv.seq.status is SequenceStatus.WAITING_FOR_KV and lv.seq.request_id not in self.migrations.incoming
                    for lv in self.requests.values())
 
-    def request_loads(self) -> dict:
-        """The load report the global rescheduling policy reads (``controller/migration_policy.py``): the
-        pool's blocks, each running request's blocks (those it could migrate), blocks held by requests that
-        cannot move now (KV arriving, migrating, preempted waiting), and what the head-of-line preempted
-        request needs and cannot get (0: nothing waits, or it fits)."""
-        # a request of several sequences shares its prompt's blocks among them and does not migrate
-        running = {rid: len(seq.block_table.blocks) for rid, seq in self.scheduler.running.items()
-                   if rid not in self.migrations.outgoing and seq.sampler.params.num_sequences == 1}
-        used = self.pool.num_blocks - self.pool.num_free
-        waiting = 0
-        if self.scheduler.preempted:
-            head = self.scheduler.preempted[0]
-            need = self.pool.blocks_for_tokens(head.num_tokens + 1)
-            waiting = 0 if self.pool.can_allocate(need) else need
-        return {"total_blocks": self.pool.num_blocks, "running": running,
-                "held_blocks": max(0, used - sum(running.values())), "waiting_blocks": waiting}
+    def request_loads(self) -> PoolLoad:
+        """The load report the global rescheduling policy reads (``controller/migration_policy.py``); a
+        request migrating away, or of several sequences (they share their prompt's blocks), cannot move."""
+        return self.scheduler.load(lambda seq: seq.request_id not in self.migrations.outgoing and
+                                   seq.sampler.params.num_sequences == 1, frozenset(self.requests))
 
     def hold(self, request: DecodeRequest, num_tokens: int) -> bool:
         """A new request waiting for its KV, with blocks for ``num_tokens`` positions (False: no room); on a

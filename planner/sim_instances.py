@@ -28,7 +28,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
+from controller.migration_policy import InstanceLoad, RequestLoad
 from decode_worker.config import SpeculationConfig
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape, StepK
 from decode_worker.scheduler import DecodeScheduler
@@ -36,6 +36,7 @@ from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerLimits
 from modeling.sequence import FinishReason, SequenceStatus
+from planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
 from prefill_worker.scheduler import PrefillScheduler
 
 
@@ -328,6 +329,13 @@ class DecodeSim(_Instance):
             return False
         self.seqs[req.index] = seq
         return True
+
+    def load(self, moving: frozenset[int] | set[int] = frozenset()) -> InstanceLoad:
+        """This instance as the rescheduling policy reads it, from the scheduler's report as the worker makes
+        it (``DecodeScheduler.load``); requests in ``moving`` (migrating away) count as held."""
+        report = self.scheduler.load(lambda seq: seq.req.index not in moving)
+        running = tuple(RequestLoad(rid, blocks) for rid, blocks in report.running.items())
+        return InstanceLoad(self.name, report.total_blocks, running, report.waiting_blocks, False, report.held_blocks)
 
     def admit(self, req: SimRequest) -> None:
         self.ready.append(self.seqs[req.index])

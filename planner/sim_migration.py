@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controller.migration_policy import InstanceLoad, MigrationHistory, PolicyConfig, RequestLoad, plan_migrations
+from controller.migration_policy import MigrationHistory, PolicyConfig, plan_migrations
 from decode_worker.migration import headroom_tokens
 from modeling.errors import OutOfBlocksError
 from planner.sim_instances import DecodeSim, SimRequest, SimSequence
@@ -74,23 +74,10 @@ class MigrationSim:
             return  # the trace is done: no more rounds (the event loop ends)
         now = self.sim.now
         by_name = {d.name: d for d in self.sim.decode}
-        for plan in plan_migrations([self._load(d) for d in self.sim.decode], self.config.policy, now, self.history):
+        for plan in plan_migrations([d.load(self.moving) for d in self.sim.decode], self.config.policy, now, self.history):
             self.history.record(plan.request_id, now)
             self._begin(int(plan.request_id), by_name[plan.source], by_name[plan.destination])
         self.sim.at(now + self.config.interval_s, self._round)
-
-    def _load(self, d: DecodeSim) -> InstanceLoad:
-        sched = d.scheduler
-        pool = sched.pool
-        running = tuple(RequestLoad(seq.request_id, len(seq.block_table.blocks)) for seq in sched.running.values()
-                        if seq.req.index not in self.moving)
-        used = pool.num_blocks - pool.num_free
-        waiting = 0
-        if sched.preempted:
-            need = pool.blocks_for_tokens(sched.preempted[0].num_tokens + 1)
-            waiting = 0 if pool.can_allocate(need) else need
-        return InstanceLoad(d.name, pool.num_blocks, running, waiting, False,
-                            max(0, used - sum(r.blocks for r in running)))
 
     def _begin(self, index: int, src: DecodeSim, dst: DecodeSim) -> None:
         seq = src.seqs.get(index)

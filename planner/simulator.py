@@ -4,11 +4,12 @@ profile's cost models, without running the model.
 What it models (and mirrors from the real router, ``controller/router.py``):
 
     arrival -> admission (at most ``max_concurrent`` in flight, FIFO queue beyond)
-            -> disaggregated: KV reservation (prompt + 1 tokens) on the decode instance with the fewest
-               assigned requests that has room (else wait until memory frees), answered when that
-               instance's step in progress ends (a call into a busy worker), prefill on the prefill
-               instance with the fewest assigned requests, KV streamed chunk by chunk, admission into
-               the decode batch at a step boundary, speculative decode steps
+            -> disaggregated: KV reservation (prompt + 1 tokens) on a decode instance in the rescheduling
+               policy's placement order (``controller/placement.py``): on the first, together with
+               prefill, when it has room; else each in turn, answered when that instance's step in
+               progress ends (a call into a busy worker), and when none has room, wait until memory frees;
+               prefill on the prefill instance with the fewest assigned requests, KV streamed chunk by
+               chunk, admission into the decode batch at a step boundary, speculative decode steps
             -> colocated: the instance with the fewest assigned requests runs chunked prefill and decode
                in the same steps (the reference engine)
             -> finish: the request's slot and memory free, the next queued request is admitted
@@ -33,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from controller.migration_policy import PolicyConfig, placement_order
+from controller.placement import blocks_for
 from planner.profile import Profile, calibration_threads
 from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
 from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
@@ -321,28 +324,45 @@ class Simulation:
         if self._unplaced:  # FIFO behind requests already waiting for decode memory
             self._unplaced.append(req)
             return
-        first = min(self.decode, key=lambda i: len(i.assigned))  # the router's first try
-        if first.busy:
-            # the reservation is a call into the decode worker, which answers it between steps
-            # (controller/step_gate.py): the prompt reaches a prefill instance once this step ends
+        first = self._decode_order(req)[0]  # the router's first try
+        if first.reserve(req):
+            # contacted together with a prefill instance: prefill starts now, and the hold (answered between
+            # decode steps) is in place before the KV can land, which joins the batch at a step boundary anyway
+            self._start(req, first)
+        elif first.busy:
+            # decode first: each hold is a call into the decode worker, answered between steps
+            # (controller/step_gate.py); the prompt reaches a prefill instance once one holds it
             first.after_step(lambda: self._reserve_or_queue(req))
         else:
             self._reserve_or_queue(req)
+
+    def _decode_order(self, req: SimRequest) -> list[DecodeSim]:
+        """The decode instances in the router's order (``controller/placement.py``): the rescheduling
+        policy's placement order over their loads (every simulated request has priority 0)."""
+        policy = self.config.migration.policy if self.config.migration is not None else PolicyConfig()
+        moving = self.migration.moving if self.migration is not None else frozenset()
+        by_name = {d.name: d for d in self.decode}
+        blocks = blocks_for(req.prompt_tokens + 1, self.config.block_size)
+        return [by_name[n] for n in placement_order([d.load(moving) for d in self.decode], blocks, policy)]
 
     def _reserve_or_queue(self, req: SimRequest) -> None:
         if self._unplaced or not self._reserve(req):
             self._unplaced.append(req)
 
     def _reserve(self, req: SimRequest) -> bool:
-        for d in sorted(self.decode, key=lambda i: len(i.assigned)):
+        for d in self._decode_order(req):
             if d.reserve(req):
-                req.decode = d
-                self._assign(req, d)
-                p = min(self.prefill, key=lambda i: len(i.assigned))
-                self._assign(req, p)
-                p.add(req)
+                self._start(req, d)
                 return True
         return False
+
+    def _start(self, req: SimRequest, decode: DecodeSim) -> None:
+        """``decode`` holds the request: it goes to the prefill instance with the fewest assigned requests."""
+        req.decode = decode
+        self._assign(req, decode)
+        p = min(self.prefill, key=lambda i: len(i.assigned))
+        self._assign(req, p)
+        p.add(req)
 
     @staticmethod
     def _assign(req: SimRequest, inst) -> None:
