@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from controller.chat_template import ChatTemplate, ChatTemplateError
 from modeling.errors import InvalidRequestError
 from modeling.params import MAX_LOGPROBS, SamplingParams
+from modeling.request_check import check_token_ids
 from modeling.tokenizer import TextTokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
@@ -227,10 +228,11 @@ class OpenAIProtocol:
                 raise invalid("prompt", "must not be empty")
             return self._limit(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), "prompt"), prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            for i, t in enumerate(prompt):
-                if not 0 <= t < self.vocab_size:
-                    raise invalid(f"prompt[{i}]", f"token ids must be in [0, {self.vocab_size}), got {t}")
-            ids = self._limit(list(prompt), "prompt")
+            try:
+                ids = check_token_ids(prompt, self.vocab_size, "prompt")
+            except InvalidRequestError as err:
+                raise invalid(err.field, err.reason) from None
+            ids = self._limit(ids, "prompt")
             return ids, self.tokenizer.decode(ids, skip_special_tokens=False)
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise invalid("prompt", "batches of several prompts are not supported; send one request per prompt")

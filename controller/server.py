@@ -39,6 +39,7 @@ from controller.routing import Delta, Final, RouterError
 from modeling.checkpoint import load_config as load_model_config
 from modeling.errors import InvalidRequestError
 from modeling.params import SamplingParams
+from modeling.request_check import check_token_ids
 from modeling.tokenizer import TextTokenizer
 from protos.magicserve.v1 import magicserve_pb2 as pb
 from protos.magicserve.v1 import magicserve_pb2_grpc as pb_grpc
@@ -68,14 +69,9 @@ class RequestValidator:
         if which == "prompt":
             if not req.prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
-            ids = self.tokenizer.encode(req.prompt)
+            ids = check_token_ids(self.tokenizer.encode(req.prompt), self.vocab_size, "prompt")
         else:
-            ids = list(req.prompt_token_ids.ids)
-            for i, t in enumerate(ids):
-                if t >= self.vocab_size:
-                    raise InvalidRequestError(f"prompt_token_ids.ids[{i}]", f"must be < {self.vocab_size}, got {t}")
-        if not ids:
-            raise InvalidRequestError("prompt_token_ids" if which != "prompt" else "prompt", "must not be empty")
+            ids = check_token_ids(req.prompt_token_ids.ids, self.vocab_size, "prompt_token_ids.ids", "prompt_token_ids")
         if len(ids) > self.max_prompt_tokens:
             raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed the limit of {self.max_prompt_tokens}")
         return ids

@@ -42,6 +42,7 @@ from modeling.forks import decode_forks, sequence_id, split_sequence_id
 from modeling.output import OutputStream
 from modeling.params import SamplingParams
 from modeling.pass_log import PassLog
+from modeling.request_check import check_request, check_room_to_generate
 from modeling.runner import StepInput
 from modeling.sampling import RequestSampler, token_logprobs
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
@@ -214,13 +215,10 @@ class DecodeWorker:
         return (n - 1) * (self.pool.blocks_for_tokens(num_prompt + 1) - num_prompt // self.config.block_size)
 
     def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not request_id or split_sequence_id(request_id)[1]:
-            raise InvalidRequestError("request_id", "must not be empty nor end in '#<number>'")
+        check_request(request_id, prompt_ids, params, self.loaded.config.vocab_size)
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already on this worker")
-        params.validate(self.loaded.config.vocab_size)
-        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"must have 1 to {self.max_model_len - 1} tokens, got {len(prompt_ids)}")
+        check_room_to_generate(len(prompt_ids), self.max_model_len, "prompt_ids")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (every sequence of it) and free its KV, whatever its state (a transfer in flight

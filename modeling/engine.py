@@ -23,6 +23,7 @@ from modeling.sampling import PromptLogprobs, RequestSampler, SamplingParams, to
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
+from modeling.request_check import check_request_id, check_room_to_generate, check_token_ids
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
@@ -118,20 +119,14 @@ class ReferenceEngine:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequestError naming the field."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        check_request_id(request_id)
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        if split_sequence_id(request_id)[1]:
-            raise InvalidRequestError("request_id", f"{request_id!r}: '#<number>' ends the ids of a request's "
-                                      "further sequences")
-        vocab = self.loaded.config.vocab_size
-        params.validate(vocab_size=vocab)
+        params.validate(vocab_size=self.loaded.config.vocab_size)
         prompt_ids = self._prompt_ids(prompt)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer.json in the model directory")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_ids)} tokens leave no room to generate within the context of {self.max_model_len}"
-            )
+        check_room_to_generate(len(prompt_ids), self.max_model_len)
         if self.pool.blocks_for_tokens(len(prompt_ids) + 1) > self.pool.num_blocks:
             raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens exceed the KV cache ({self.config.kv_cache_tokens} tokens)")
         eos = frozenset(self.loaded.eos_token_ids)
@@ -229,14 +224,8 @@ class ReferenceEngine:
                 raise InvalidRequestError("prompt", "text prompts need a tokenizer.json; pass token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt)
-            vocab = self.loaded.config.vocab_size
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError(f"prompt_token_ids[{i}]", f"must be an integer in [0, {vocab}), got {t!r}")
-        if not ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        return ids
+            ids = prompt
+        return check_token_ids(ids, self.loaded.config.vocab_size, "prompt_token_ids", empty_field="prompt")
 
     @staticmethod
     def _step_input(chunk: ScheduledChunk, req: _Request) -> StepInput:

@@ -24,8 +24,9 @@ from kv_transfer.streaming import forward_streaming, leg_targets
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError
-from modeling.forks import ForkStart, encode_forks, split_sequence_id
+from modeling.forks import ForkStart, encode_forks
 from modeling.pass_log import PassLog
+from modeling.request_check import check_request
 from modeling.runner import StepInput
 from modeling.sampling import PromptLogprobs, RequestSampler, token_logprobs
 from modeling.scheduler import ScheduledChunk
@@ -100,19 +101,11 @@ class PrefillWorker:
 
     def add_request(self, request: PrefillRequest) -> None:
         """Validate and queue a prompt. Raises InvalidRequestError naming the field."""
-        if not request.request_id or split_sequence_id(request.request_id)[1]:
-            raise InvalidRequestError("request_id", "must not be empty nor end in '#<number>'")
+        check_request(request.request_id, request.prompt_ids, request.params, self.loaded.config.vocab_size)
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        vocab = self.loaded.config.vocab_size
-        request.params.validate(vocab_size=vocab)
-        if not request.prompt_ids:
-            raise InvalidRequestError("prompt_ids", "must not be empty")
         if request.params.max_tokens == 0 and request.destination is not None:
             raise InvalidRequestError("destination", "a request that generates nothing (max_tokens 0) hands no KV off")
-        for i, t in enumerate(request.prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"prompt_ids[{i}]", f"must be an integer in [0, {vocab}), got {t!r}")
         if self.pool.blocks_for_tokens(len(request.prompt_ids)) > self.pool.num_blocks:
             raise InvalidRequestError("prompt_ids", f"{len(request.prompt_ids)} tokens exceed the KV cache "
                                                     f"({self.pool.num_blocks * self.pool.block_size} tokens)")
