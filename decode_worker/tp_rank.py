@@ -15,6 +15,8 @@ which failed.
 
 from __future__ import annotations
 
+import logging
+
 from decode_worker.migration_sender import MigrationLegs
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
@@ -25,6 +27,8 @@ from kv_transfer.receiver import KVReceiver
 from modeling.runner import ModelRunner
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import TPFollower
+
+log = logging.getLogger("magicserve.decode")
 
 
 class _DriverBlocks:
@@ -89,6 +93,8 @@ class DecodeRankFollower(TPFollower):
     def _sync(self) -> None:
         events = self.receiver.poll()
         self._done += [self._slots.pop(kv.request_id) for kv in events.completed if kv.request_id in self._slots]
+        for f in events.failed:  # the driver learns only that this rank failed; the reason is logged here
+            log.warning("decode rank %d: KV transfer of %s failed: %s", self.group.rank, f.request_id, f.error)
         self._failed += [self._slots.pop(f.request_id) for f in events.failed if f.request_id in self._slots]
         exchange_outcomes(self.group, self._done, self._failed)
 

@@ -7,7 +7,8 @@ Life of one transfer (one prompt; one *leg* per receiving decode rank):
     open_group()   -> PIECES frame per channel, then send_layer(i) after layer i is written
     flush()        -> pieces whose blocks were ready before the leg was accepted, all layers at once
     finish_prompt() -> FIRST_TOKEN frame to each receiver (the first token and the sampler's state)
-    reply DONE     -> every byte is in the receiver's cache  (leg: done); all legs done -> blocks may go
+    reply DONE     -> every byte is in the receiver's cache  (leg: done)
+    all legs done and every send of the transfer completed (FIRST_TOKEN frames too) -> done; blocks may go
 
 A *live* transfer (``begin(live=True)``: a running request migrating between decode instances) announces
 the capacity reserved at the receiver, then sends its blocks in rounds as the owner reports them final
@@ -60,7 +61,7 @@ class TransferFailure:
 
 @dataclass
 class SenderEvents:
-    done: list[str] = field(default_factory=list)  # request ids whose KV every receiver acknowledged
+    done: list[str] = field(default_factory=list)  # request ids every receiver acknowledged, every send completed
     failed: list[TransferFailure] = field(default_factory=list)
 
 
@@ -275,7 +276,8 @@ class KVSender:
                             () if extra is None else tuple(extra.shape),
                             "" if extra is None else _DTYPE_NAMES[extra.dtype])
             try:
-                link.post(link.channel.send_frame(FIRST_TOKEN, encode(end), wait=False), None)
+                # counted in the leg's pending sends: the transfer is done only once this frame is sent
+                link.post(link.channel.send_frame(FIRST_TOKEN, encode(end), wait=False), leg)
                 if extra is not None:
                     link.post(link.channel.send_data(extra.contiguous().to(link.channel.device)), leg)
             except TransferError as err:
@@ -298,6 +300,8 @@ class KVSender:
                 self._apply(self._events.get_nowait(), out)
             except queue.Empty:
                 break
+        for tr in list(self._transfers.values()):
+            self._complete_if_done(tr, out)
         self._check_deadlines(out)
         self._retry_busy()
         self.flush()
@@ -375,11 +379,18 @@ class KVSender:
                                                      leg.request_id), out)
         elif reply.kind == "done":
             leg.state = "done"
-            tr = self._transfers[leg.request_id]
-            if all(lg.state == "done" for lg in tr.legs):
-                del self._transfers[leg.request_id]
-                out.done.append(leg.request_id)
-                self._count_done(tr)
+            self._complete_if_done(self._transfers[leg.request_id], out)
+
+    def _complete_if_done(self, tr: _Transfer, out: SenderEvents) -> None:
+        """Report ``tr`` done once every receiver acknowledged its KV and every send of it has completed. A
+        receiver acknowledges the KV as soon as it is in its cache, which may be before the FIRST_TOKEN frame
+        has reached it (a frame longer than FRAME_BYTES takes a second message, which gloo sends only once
+        the receiver has read the first and posted a recv for the rest); and a send still posted when the
+        pair closes (this instance shutting down once its transfers are done) is lost."""
+        if all(lg.state == "done" and lg.sends_pending == 0 for lg in tr.legs):
+            del self._transfers[tr.request_id]
+            out.done.append(tr.request_id)
+            self._count_done(tr)
 
     def _on_broken(self, peer: str, err: TransferError, out: SenderEvents, channel: PairChannel) -> None:
         link = self._links.get(peer)
