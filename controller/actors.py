@@ -45,10 +45,13 @@ LOAD_REPORT_PERIOD_S = 0.1  # a decode instance's block counts alone are reporte
 
 
 def _scheduler_status(instance_id: str, role: str, worker) -> dict:
-    """Status of a worker with a chunked-prefill ``scheduler`` and a block ``pool``."""
+    """Status of a worker with a chunked-prefill ``scheduler``, a block ``pool`` and its ``prefix_cache``."""
+    stats, pool = worker.prefix_cache.stats, worker.pool
     return {"name": instance_id, "role": role, "device": str(worker.loaded.device),
             "queue_length": len(worker.scheduler.waiting), "running": len(worker.scheduler.running),
-            "free_kv_blocks": worker.pool.num_free, "total_kv_blocks": worker.pool.num_blocks}
+            "free_kv_blocks": pool.num_free, "total_kv_blocks": pool.num_blocks,
+            "cached_kv_blocks": pool.num_cached, "prefix_cache_queries": stats.queries,
+            "prefix_cache_hits": stats.hits, "prefix_cache_evictions": pool.num_evictions}
 
 
 class _LoopActor:

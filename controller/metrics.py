@@ -80,6 +80,9 @@ _INSTANCE_COUNTERS = {
     "kv_transfer_bytes": ("kv_transfer_bytes", "Bytes of KV cache sent by prefill instances (K and V, every layer)."),
     "kv_transfer_seconds": ("kv_transfer_seconds", "Seconds from a KV transfer's start to its last acknowledgement."),
     "preemptions": ("num_preemptions", "Sequences a decode instance preempted (KV dropped, recomputed later)."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the instance's prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the instance's prefix cache (not computed)."),
+    "prefix_cache_evictions": ("prefix_cache_evictions", "Cached KV blocks evicted to make room."),
 }
 
 

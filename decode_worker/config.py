@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modeling.instance_config import InstanceConfig, Problems, integers, one_of, raise_first
+from modeling.instance_config import InstanceConfig, Problems, booleans, integers, one_of, raise_first
 
 DRAFTERS = ("none", "self_sparse", "draft_model")
 K_POLICIES = ("fixed", "adaptive")
@@ -78,7 +78,5 @@ class DecodeWorkerConfig(InstanceConfig):
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def check(self) -> Problems:
-        errs = super().check() + integers(self, ("max_num_seqs", "prefill_chunk"))
-        if not isinstance(self.profile_on_start, bool):
-            errs.append(("profile_on_start", f"must be true or false, got {self.profile_on_start!r}"))
-        return errs
+        return super().check() + integers(self, ("max_num_seqs", "prefill_chunk")) + \
+            booleans(self, ("profile_on_start",))

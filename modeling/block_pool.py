@@ -6,20 +6,28 @@ live in :class:`modeling.kv_cache.PagedKVCache`.
 
 Allocation prefers low block ids and, when a sequence grows, the block right after its last one: long
 runs of physically contiguous blocks let attention read a sequence's KV as zero-copy views.
+
+Prefix caching: a full block whose KV is final can be *cached* under its content hash
+(:func:`modeling.prefix_hash.block_hashes`: chained over every token before and in it). A cached block
+keeps its KV when its last reference goes: it then counts as free but stays findable (``cached_prefix``)
+until the space is needed, when the least recently released of them is evicted first; blocks that were
+never cached are always taken before any cached one.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from modeling.errors import OutOfBlocksError
 
 
 class BlockPool:
-    """A fixed set of KV blocks: free list, reference counts.
+    """A fixed set of KV blocks: free list, reference counts, and the cached blocks' hashes.
 
-    Invariant: a block is free iff its reference count is 0; ``num_free`` counts exactly those.
+    Invariant: a block is free iff its reference count is 0; ``num_free`` counts exactly those, the cached
+    unreferenced blocks (evictable) among them.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -32,6 +40,10 @@ class BlockPool:
         self._fresh = 0
         self._heap: list[int] = []
         self._num_free = num_blocks
+        self._hash_of: dict[int, int] = {}  # cached block -> its content hash
+        self._block_of: dict[int, int] = {}  # content hash -> the cached block holding it
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, oldest first
+        self.num_evictions = 0
 
     @staticmethod
     def _check_size(num_blocks: int, block_size: int) -> None:
@@ -50,6 +62,45 @@ class BlockPool:
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by content hash (referenced or not)."""
+        return len(self._hash_of)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks no sequence references: free, but kept until the space is needed."""
+        return len(self._evictable)
+
+    def cache(self, block: int, block_hash: int) -> bool:
+        """Make a full, referenced block whose KV is final findable under ``block_hash``. False (nothing
+        changes) when another block already holds that content or this block is cached already."""
+        if self._refcount[block] <= 0:
+            raise ValueError(f"block {block} is free; only a referenced block can be cached")
+        if block_hash in self._block_of or block in self._hash_of:
+            return False
+        self._hash_of[block] = block_hash
+        self._block_of[block_hash] = block
+        return True
+
+    def cached_prefix(self, hashes: list[int]) -> list[int]:
+        """The cached blocks holding the longest leading run of ``hashes``, each with one more reference
+        (an unreferenced one is taken back from the evictable blocks)."""
+        out = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            if self._refcount[block] == 0:
+                del self._evictable[block]
+                self._num_free -= 1
+            self._refcount[block] += 1
+            out.append(block)
+        return out
+
+    def cached_hash(self, block: int) -> int | None:
+        return self._hash_of.get(block)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` positions."""
@@ -70,7 +121,7 @@ class BlockPool:
         out: list[int] = []
         nxt = None if after is None else after + 1
         while len(out) < num_blocks:
-            if nxt is not None and nxt < self._fresh and self._refcount[nxt] == 0:
+            if nxt is not None and nxt < self._fresh and self._refcount[nxt] == 0 and nxt not in self._evictable:
                 block = nxt
             elif nxt is not None and nxt == self._fresh < self.num_blocks:
                 block = nxt
@@ -100,17 +151,25 @@ class BlockPool:
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
                 self._num_free += 1
-                heapq.heappush(self._heap, b)
+                if b in self._hash_of:
+                    self._evictable[b] = None  # most recently released last
+                else:
+                    heapq.heappush(self._heap, b)
         if len(self._heap) > 4 * self.num_blocks:
-            self._heap = [b for b in range(self._fresh) if self._refcount[b] == 0]
+            self._heap = [b for b in range(self._fresh) if self._refcount[b] == 0 and b not in self._evictable]
 
     def _pop_lowest_free(self) -> int:
-        while self._heap and self._refcount[self._heap[0]] != 0:
-            heapq.heappop(self._heap)  # stale: allocated again since it was freed
+        while self._heap and (self._refcount[self._heap[0]] != 0 or self._heap[0] in self._evictable):
+            heapq.heappop(self._heap)  # stale: allocated (and maybe cached) again since it was freed
         if self._heap and self._heap[0] < self._fresh:
             return heapq.heappop(self._heap)
-        block = self._fresh  # every freed block is taken: the lowest never-allocated one
-        self._fresh += 1
+        if self._fresh < self.num_blocks:
+            block = self._fresh  # every freed block is taken: the lowest never-allocated one
+            self._fresh += 1
+            return block
+        block, _ = self._evictable.popitem(last=False)  # only cached blocks are left: the oldest goes
+        del self._block_of[self._hash_of.pop(block)]
+        self.num_evictions += 1
         return block
 
 

@@ -17,12 +17,14 @@ from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.forks import sequence_id, split_sequence_id
 from modeling.runner import StepInput
-from modeling.instance_config import InstanceConfig, Problems, integers
+from modeling.instance_config import InstanceConfig, Problems, booleans, integers
 from modeling.logprobs import TokenLogprob
 from modeling.sampling import PromptLogprobs, RequestSampler, SamplingParams, token_logprobs
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
+from modeling.prefix_cache import PrefixCache
+from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request_id, check_room_to_generate, check_token_ids
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import load_tokenizer_if_present
@@ -36,14 +38,16 @@ class EngineConfig(InstanceConfig):
     """One engine instance, and the pool of ``mode: colocated`` (its ``colocated:`` section): chunked prefill
     and decode in one batch of at most ``max_num_seqs`` sequences and ``token_budget`` tokens per step
     (decode tokens first, then prefill chunks). ``max_model_len`` None: the model's
-    ``max_position_embeddings``."""
+    ``max_position_embeddings``. ``prefix_caching``: keep full blocks' KV after their request ends and start
+    a prompt from its longest cached prefix (``modeling/prefix_cache.py``)."""
 
     token_budget: int = 512
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    prefix_caching: bool = True
 
     def check(self) -> Problems:
-        errs = super().check() + integers(self, ("token_budget", "max_num_seqs"))
+        errs = super().check() + integers(self, ("token_budget", "max_num_seqs")) + booleans(self, ("prefix_caching",))
         if self.max_model_len is not None:
             errs += integers(self, ("max_model_len",))
         return errs
@@ -108,7 +112,9 @@ class ReferenceEngine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.runner = build_runner(self.loaded, num_blocks, config.block_size, config.attention_backend, tp)
         self.cache = self.runner.cache
-        self.scheduler = ChunkedPrefillScheduler(config, self.pool)
+        self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
+                                        config.prefix_caching)
+        self.scheduler = ChunkedPrefillScheduler(config, self.pool, self.prefix_cache)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.pass_log = PassLog()  # one "mixed" record per step
@@ -142,6 +148,8 @@ class ReferenceEngine:
         scorer = None if params.prompt_logprobs is None else PromptLogprobs(prompt_ids, params.prompt_logprobs)
         self._requests[request_id] = _Request(seq, stream, arrival=time.perf_counter(), prompt_scorer=scorer,
                                               logprobs=None if params.logprobs is None else [])
+        if scorer is not None:  # scoring the prompt needs the logits of every position
+            self.prefix_cache.compute_in_full(request_id)
         self.scheduler.add(seq)
         return request_id
 
@@ -262,6 +270,7 @@ class ReferenceEngine:
             if rows > 1:
                 req.prompt_scorer.add(chunk_logits, chunk.start)
             seq.num_computed += chunk.num_tokens
+            self.prefix_cache.commit(seq, seq.num_computed)  # no speculation here: every computed token is final
             if not chunk.sample:
                 continue
             last = chunk_logits[-1]

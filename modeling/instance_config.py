@@ -45,6 +45,12 @@ def integers(obj, names: tuple[str, ...], low: int = 1, high: int | None = None)
     return out
 
 
+def booleans(obj, names: tuple[str, ...]) -> Problems:
+    """(field, reason) for each of ``names`` that is not true or false."""
+    return [(name, f"must be true or false, got {getattr(obj, name)!r}") for name in names
+            if not isinstance(getattr(obj, name), bool)]
+
+
 def positive(obj, names: tuple[str, ...]) -> Problems:
     """(field, reason) for each of ``names`` that is not a number > 0."""
     out = []

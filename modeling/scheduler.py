@@ -10,6 +10,7 @@ from typing import Protocol
 
 from modeling.block_pool import BlockPool
 from modeling.errors import OutOfBlocksError
+from modeling.prefix_cache import PrefixCache
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -34,9 +35,10 @@ class ScheduledChunk:
 class ChunkedPrefillScheduler:
     """Chooses each step's work. Invariant: every RUNNING sequence holds blocks for its computed tokens."""
 
-    def __init__(self, config: SchedulerLimits, pool: BlockPool):
+    def __init__(self, config: SchedulerLimits, pool: BlockPool, prefix_cache: PrefixCache | None = None):
         self.config = config
         self.pool = pool
+        self.prefix_cache = prefix_cache  # admitted sequences start from their cached prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -68,6 +70,8 @@ class ChunkedPrefillScheduler:
                 budget -= self._add_prefill_chunk(seq, budget, chunks)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.prefix_cache is not None:
+                self.prefix_cache.attach(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.pool.can_allocate(self.pool.blocks_for_tokens(seq.num_computed + n) - len(seq.block_table.blocks)):
                 break
@@ -115,6 +119,8 @@ class ChunkedPrefillScheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.block_table.release(self.pool)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

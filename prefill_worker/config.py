@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kv_transfer.channel import TransferConfig
-from modeling.instance_config import InstanceConfig, Problems, integers, set_by
+from modeling.instance_config import InstanceConfig, Problems, booleans, integers, set_by
 
 
 @dataclass(frozen=True)
@@ -13,15 +13,16 @@ class PrefillWorkerConfig(InstanceConfig):
     """``kv_cache_tokens`` sizes the block pool (blocks stay held until the receiver acknowledges them);
     ``token_budget`` caps new tokens per forward pass (chunked prefill) and ``max_num_seqs`` the prompts in
     one; ``layerwise_streaming`` sends each layer's KV as soon as it is written (False: after the prompt's last
-    chunk). ``transfer`` is the cluster's ``kv_transfer`` section."""
+    chunk); ``prefix_caching`` keeps prompts' full KV blocks once transferred and computes a prompt from its
+    longest cached prefix on (``modeling/prefix_cache.py``). ``transfer`` is the cluster's ``kv_transfer``
+    section."""
 
     token_budget: int = 512
     max_num_seqs: int = 16
     layerwise_streaming: bool = True
+    prefix_caching: bool = True
     transfer: TransferConfig = field(default_factory=TransferConfig, metadata=set_by("kv_transfer"))
 
     def check(self) -> Problems:
-        errs = super().check() + integers(self, ("token_budget", "max_num_seqs"))
-        if not isinstance(self.layerwise_streaming, bool):
-            errs.append(("layerwise_streaming", f"must be true or false, got {self.layerwise_streaming!r}"))
-        return errs
+        return super().check() + integers(self, ("token_budget", "max_num_seqs")) + \
+            booleans(self, ("layerwise_streaming", "prefix_caching"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 from modeling.block_pool import BlockPool
+from modeling.prefix_cache import PrefixCache
 from modeling.scheduler import ScheduledChunk, SchedulerLimits
 from modeling.sequence import Sequence, SequenceStatus
 
@@ -20,9 +21,10 @@ from modeling.sequence import Sequence, SequenceStatus
 class PrefillScheduler:
     """Invariant: every sequence in ``running`` or ``handed_off`` holds blocks for its whole prompt."""
 
-    def __init__(self, config: SchedulerLimits, pool: BlockPool):
+    def __init__(self, config: SchedulerLimits, pool: BlockPool, prefix_cache: PrefixCache | None = None):
         self.config = config
         self.pool = pool
+        self.prefix_cache = prefix_cache  # admitted prompts start from their cached prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.handed_off: dict[str, Sequence] = {}  # prefilled, KV in transfer
@@ -43,7 +45,9 @@ class PrefillScheduler:
             budget -= self._chunk(seq, budget, chunks)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            need = self.pool.blocks_for_tokens(seq.num_prompt)
+            if self.prefix_cache is not None:
+                self.prefix_cache.attach(seq)
+            need = self.pool.blocks_for_tokens(seq.num_prompt) - len(seq.block_table.blocks)
             if not self.pool.can_allocate(need):
                 break
             self.waiting.popleft()
@@ -76,5 +80,7 @@ class PrefillScheduler:
                     return None
                 self.waiting.remove(seq)
         seq.block_table.release(self.pool)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(request_id)
         seq.status = SequenceStatus.FINISHED
         return seq

@@ -26,6 +26,8 @@ from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError
 from modeling.forks import ForkStart, encode_forks
 from modeling.pass_log import PassLog
+from modeling.prefix_cache import PrefixCache
+from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request
 from modeling.runner import StepInput
 from modeling.sampling import PromptLogprobs, RequestSampler, token_logprobs
@@ -62,7 +64,9 @@ class PrefillWorker:
         self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp)
         self.cache, self.backend = self.runner.cache, self.runner.backend
         self.pass_log = PassLog()
-        self.scheduler = PrefillScheduler(config, self.pool)
+        self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
+                                        config.prefix_caching)
+        self.scheduler = PrefillScheduler(config, self.pool, self.prefix_cache)
         self.fingerprint = KVFingerprint.of(mc, config.block_size, self.loaded.dtype)
         self.tp = tp if tp is not None and tp.shard.sharded else None
         self.tp_size = 1 if self.tp is None else self.tp.size
@@ -116,6 +120,8 @@ class PrefillWorker:
         num = request.params.prompt_logprobs
         self._requests[request.request_id] = _Request(request, seq, arrival,
                                                       None if num is None else PromptLogprobs(prompt, num))
+        if num is not None:  # scoring the prompt needs the logits of every position
+            self.prefix_cache.compute_in_full(request.request_id)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -191,7 +197,7 @@ class PrefillWorker:
         kept = []
         for c in chunks:
             dest = self._requests[c.seq.request_id].request.destination
-            if c.start == 0 and dest is not None:
+            if dest is not None and not self.sender.transferring(c.seq.request_id):  # its first chunk
                 rid, decode_tp = c.seq.request_id, self._decode_tp.get(dest.decode_id, 1)
                 try:
                     self.sender.begin(rid, c.seq.num_prompt, c.seq.block_table.blocks,
@@ -253,6 +259,7 @@ class PrefillWorker:
             if rows > 1:
                 req.prompt_scorer.add(chunk_logits, c.start)
             seq.num_computed += c.num_tokens
+            self.prefix_cache.commit(seq, seq.num_computed)
             if not c.sample:
                 continue
             params = seq.sampler.params

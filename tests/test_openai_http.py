@@ -459,6 +459,22 @@ def test_a_client_that_leaves_before_the_response_cancels_its_request(http):
     assert sample(m, "magicserve:request_success_total") == sample(before, "magicserve:request_success_total")
 
 
+def test_a_repeated_prompt_is_prefilled_from_the_prefix_cache(client, http):
+    """The second time, the prompt's full blocks come from the prefill instance's prefix cache: only the rest is
+    computed (seen in the metrics), and the greedy output is the same."""
+    prompt = "".join(f"def add_{i}(x):\n    return x + {i}\n\n\n" for i in range(6))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    num_prompt = first.usage.prompt_tokens
+    assert num_prompt > 48
+    before = scrape(http[0])
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    after = scrape(http[0])
+    hits = sample(after, "magicserve:prefix_cache_hits_total", instance="prefill-0") - \
+        sample(before, "magicserve:prefix_cache_hits_total", instance="prefill-0")
+    assert hits == (num_prompt - 1) // 16 * 16  # every full block but the one holding the last prompt token
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_metrics_parse_and_count_what_was_served(client, http):
     before = scrape(http[0])
     n = 3
@@ -487,7 +503,8 @@ def test_metrics_parse_and_count_what_was_served(client, http):
                        ("magicserve:spec_decode_acceptance_rate", "gauge"),
                        ("magicserve:spec_decode_mean_accepted_length", "gauge"), ("magicserve:spec_decode_k", "gauge"),
                        ("magicserve:kv_transfer_bytes", "counter"), ("magicserve:kv_transfer_seconds", "counter"),
-                       ("magicserve:kv_transfer_failures", "counter")]:
+                       ("magicserve:kv_transfer_failures", "counter"),
+                       ("magicserve:prefix_cache_queries", "counter"), ("magicserve:prefix_cache_hits", "counter")]:
         assert types.get(name) == kind, name
 
     def grew(name, **labels):

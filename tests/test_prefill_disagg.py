@@ -33,7 +33,11 @@ CONFIG = TransferConfig(timeout_s=30.0)
 
 def prompts() -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(7)
-    return {f"p{i}": torch.randint(2, 384, (n,), generator=g).tolist() for i, n in enumerate(LENGTHS)}
+    out = {f"p{i}": torch.randint(2, 384, (n,), generator=g).tolist() for i, n in enumerate(LENGTHS)}
+    # p4's first 96 tokens and a question of its own: admitted once p4's first chunks are computed, it
+    # starts from p4's cached blocks (prefix caching) and still sends its whole prompt's KV
+    out["p6"] = out["p4"][:96] + torch.randint(2, 384, (12,), generator=g).tolist()
+    return out
 
 
 def prefill_proc(ckpt, rdv, reserved_q, first_q, finished):
@@ -63,7 +67,8 @@ def prefill_proc(ckpt, rdv, reserved_q, first_q, finished):
             time.sleep(0.002)
     finished.wait(timeout=30)  # both stay up until both are done (acknowledgements in flight)
     return {"firsts": firsts, "transferred": sorted(transferred), "failed": failed, "steps": steps,
-            "max_concurrent": max_concurrent, "free_after": worker.pool.num_free == worker.pool.num_blocks}
+            "max_concurrent": max_concurrent, "free_after": worker.pool.num_free == worker.pool.num_blocks,
+            "cached_tokens": worker.prefix_cache.stats.hits, "tracked": worker.prefix_cache.num_tracked}
 
 
 def decode_proc(ckpt, rdv, reserved_q, first_q, finished):
@@ -118,6 +123,7 @@ def test_disaggregated_greedy_matches_reference(llama_dir):
     assert pre["transferred"] == sorted(prompts())
     assert pre["free_after"] and dec["free_after"]  # every block released on both sides
     assert pre["max_concurrent"] >= 2  # several prompts in flight at once
+    assert pre["cached_tokens"] >= 16 * BLOCK and pre["tracked"] == 0  # p6 was not prefilled from its first token
     assert dec["busy"] >= 1  # the receiver ran out of room and pushed back...
     assert dec["max_used"] <= DECODE_BLOCKS  # ...without overflowing
 

@@ -46,7 +46,7 @@ def test_scheduler_batches_under_budget_and_holds_blocks_until_release():
 
 
 def test_first_tokens_match_reference_without_handoff(llama_dir):
-    prompts = [list(range(2, 2 + n)) for n in (5, 23, 40)]
+    prompts = [list(range(2 + 50 * i, 2 + 50 * i + n)) for i, n in enumerate((5, 23, 40))]  # no shared prefix
     params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.8, seed=11),
               SamplingParams(max_tokens=1, temperature=1.0, top_k=20, seed=3)]
     ref = ReferenceEngine(llama_dir, EngineConfig(block_size=4, attention_backend="torch")).generate(prompts, params)

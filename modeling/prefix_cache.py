@@ -1,0 +1,81 @@
+"""A worker's prefix cache over its block pool (``modeling/block_pool.py``): a new sequence starts from the
+cached blocks of its longest cached prefix, and each sequence's blocks are cached as they fill with final
+tokens. Pure Python (no torch).
+
+Only final tokens enter the cache: the caller says how many of a sequence's positions hold final KV
+(computed, and not a speculative draft that verification may reject), and only blocks those positions fill
+completely are cached, so a cancelled or failed request never leaves a half-written block behind. A prompt
+keeps at least its last token to compute: its logits sample the first output token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modeling.block_pool import BlockPool
+from modeling.prefix_hash import block_hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens)."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class PrefixCache:
+    """``enabled`` False: lookups find nothing and nothing is cached (the pool behaves as without caching)."""
+
+    def __init__(self, pool: BlockPool, salt: bytes, enabled: bool = True):
+        self.pool = pool
+        self.salt = salt
+        self.enabled = enabled
+        self.stats = PrefixCacheStats()
+        self._hashed: dict[str, list[int]] = {}  # sequence id -> hashes of its full blocks seen so far
+        self._computed_in_full: set[str] = set()  # sequences that must compute every prompt position
+
+    @property
+    def num_tracked(self) -> int:
+        """Sequences with per-sequence state here (0 once every one has ended)."""
+        return len(self._hashed.keys() | self._computed_in_full)
+
+    def compute_in_full(self, seq_id: str) -> None:
+        """The sequence needs every prompt position computed (its prompt's log-probabilities): no lookup."""
+        self._computed_in_full.add(seq_id)
+
+    def attach(self, seq) -> int:
+        """A sequence about to be scheduled with no blocks and nothing computed (new, or preempted) starts
+        from the cached blocks of its prompt's longest cached prefix, marked computed; returns how many prompt
+        tokens that covers (0 for any other sequence)."""
+        if not self.enabled or seq.block_table.blocks or seq.num_computed or seq.request_id in self._computed_in_full:
+            return 0
+        prompt = seq.prompt_ids
+        hashes = block_hashes(prompt[: len(prompt) - 1], self.pool.block_size, self.salt)
+        blocks = self.pool.cached_prefix(hashes)
+        seq.block_table.blocks = list(blocks)
+        seq.num_computed = len(blocks) * self.pool.block_size
+        self._hashed[seq.request_id] = hashes[: len(blocks)]
+        self.stats.queries += len(prompt)
+        self.stats.hits += seq.num_computed
+        return seq.num_computed
+
+    def commit(self, seq, num_final: int) -> None:
+        """Cache the blocks the sequence's first ``num_final`` positions fill completely (their KV is final)."""
+        if not self.enabled:
+            return
+        bs = self.pool.block_size
+        full = min(num_final, len(seq.tokens)) // bs
+        hashed = self._hashed.setdefault(seq.request_id, [])
+        if full <= len(hashed):
+            return
+        start = len(hashed)
+        hashed += block_hashes(seq.tokens[: full * bs], bs, self.salt, parent=hashed[-1] if hashed else 0,
+                               start_block=start)
+        for i in range(start, full):
+            self.pool.cache(seq.block_table.blocks[i], hashed[i])
+
+    def forget(self, seq_id: str) -> None:
+        """The sequence ended: drop what was kept for it (its cached blocks stay in the pool)."""
+        self._hashed.pop(seq_id, None)
+        self._computed_in_full.discard(seq_id)
