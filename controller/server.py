@@ -194,7 +194,9 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 queue_length=s.get("queue_length", 0), running=s.get("running", 0),
                 free_kv_blocks=s.get("free_kv_blocks", 0), total_kv_blocks=s.get("total_kv_blocks", 0),
                 acceptance_rate=s.get("acceptance_rate", 0.0), mean_accepted_length=s.get("mean_accepted_length", 0.0),
-                tokens_generated=s.get("tokens_generated", 0), preemptions=s.get("preemptions", 0))
+                tokens_generated=s.get("tokens_generated", 0), preemptions=s.get("preemptions", 0),
+                cached_kv_blocks=s.get("cached_kv_blocks", 0), prefix_cache_queries=s.get("prefix_cache_queries", 0),
+                prefix_cache_hits=s.get("prefix_cache_hits", 0))
                 for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name,
             migrations_committed=self.router.migrations.counts["committed"],

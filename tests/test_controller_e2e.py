@@ -59,8 +59,13 @@ def test_seeded_sampling_is_reproducible(server):
     prompt = prompts_of([40], seed=2)[0]
     kw = dict(max_tokens=30, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     a, _ = stream_ids(server, prompt, **kw)
-    b, _ = stream_ids(server, prompt, **kw)
+    with Client(server) as c:
+        before = {i.name: i for i in c.status().instances}["prefill-0"]
+        b, _ = stream_ids(server, prompt, **kw)  # prefilled from the prefix cache: 2 of its 3 blocks
+        after = {i.name: i for i in c.status().instances}["prefill-0"]
     assert a == b
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 40
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 32 and after.cached_kv_blocks >= 2
     c, _ = stream_ids(server, prompt, **{**kw, "seed": 4321})
     assert c != a
 

@@ -256,7 +256,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated", "preemptions")
+    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated", "preemptions", "cached_kv_blocks", "prefix_cache_queries", "prefix_cache_hits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,9 @@ class InstanceStatus(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     device: str
@@ -281,7 +284,10 @@ class InstanceStatus(_message.Message):
     mean_accepted_length: float
     tokens_generated: int
     preemptions: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    cached_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted")
