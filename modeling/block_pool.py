@@ -10,8 +10,9 @@ runs of physically contiguous blocks let attention read a sequence's KV as zero-
 Prefix caching: a full block whose KV is final can be *cached* under its content hash
 (:func:`modeling.prefix_hash.block_hashes`: chained over every token before and in it). A cached block
 keeps its KV when its last reference goes: it then counts as free but stays findable (``cached_prefix``)
-until the space is needed, when the least recently released of them is evicted first; blocks that were
-never cached are always taken before any cached one.
+until the space is needed, when the least recently released of them is evicted first (a sequence's
+blocks are released last to first, so its prefix's start is evicted last); blocks that were never cached
+are always taken before any cached one.
 """
 
 from __future__ import annotations
@@ -143,11 +144,13 @@ class BlockPool:
             self._refcount[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching 0 return to the free list."""
+        """Drop one reference to each block; blocks reaching 0 return to the free list. A table's blocks are
+        released last to first, so a cached prefix loses its end before its start (a chain is found only
+        from its first block: evicting that one first would strand the rest)."""
         for b in blocks:
             if self._refcount[b] <= 0:
                 raise ValueError(f"block {b} freed more often than allocated")
-        for b in blocks:
+        for b in reversed(blocks):
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
                 self._num_free += 1

@@ -38,15 +38,15 @@ def test_a_released_cached_block_stays_findable_until_space_is_needed():
     assert not pool.cache(1, h[1])  # cached already
     t.release(pool)
     assert pool.num_free == 4 and pool.num_evictable == 2 and pool.num_cached == 2
-    # never-cached blocks go first: 2 and 3, then the least recently released cached one (0)
+    # never-cached blocks go first (2 and 3), then the least recently released cached one
     other = pool.allocate(2)
     assert sorted(other) == [2, 3] and pool.num_cached == 2
     assert pool.cached_prefix(h) == [0, 1] and pool.num_free == 0 and pool.num_evictable == 0
-    pool.free([0, 1])
+    pool.free([0, 1])  # released last to first: block 1, the chain's end, is the older
     pool.free(other)
-    assert pool.allocate(3) == [2, 3, 0] and pool.num_evictions == 1 and pool.cached_hash(0) is None
-    assert pool.cached_prefix(h) == []  # block 0 (the first of the chain) is gone: nothing matches
-    assert pool.cached_hash(1) == h[1] and pool.num_evictable == 1
+    assert pool.allocate(3) == [2, 3, 1] and pool.num_evictions == 1 and pool.cached_hash(1) is None
+    assert pool.cached_hash(0) == h[0] and pool.num_evictable == 1
+    assert pool.cached_prefix(h) == [0]  # the chain's start is still found
 
 
 def test_a_referenced_block_is_never_evicted_and_sharing_counts_references():
