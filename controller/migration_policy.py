@@ -13,8 +13,8 @@ the blocks its head-of-line waiting request needs. The policy then sees each ins
 * a draining instance counts as infinitely full: everything migrates away, and nothing is placed there.
 
 *Freeness* = (total blocks - virtual usage) / (running requests + 1): the decode steps of room per
-request. New requests go to the freest instance with room (:func:`placement_order`, :func:`pick_instance`). :func:`plan_migrations` pairs
-the least free instances (below ``migrate_out_freeness``, or draining) with the freest (above
+request. New requests go to the freest instance with room (:func:`placement_order`, :func:`pick_instance`).
+:func:`plan_migrations` pairs the least free instances (below ``migrate_out_freeness``, or draining) with the freest (above
 ``migrate_in_freeness``) and moves one request per pair: the cheapest to move (fewest blocks) of the
 lowest priority. Migrations are rate-limited (one out of and one into an instance per round, at most
 ``max_migrations_per_round``) and never ping-pong: a request moved within ``cooldown_s`` stays put, and a

@@ -3,8 +3,9 @@
 One request, end to end (``Router.generate``):
 
     admit (bounded concurrency, bounded queue)  ->  hand the request to the decode instance the rescheduling
-    policy puts first (``controller/placement.py``, by the load each decode instance pushes), which reserves its KV blocks and holds it waiting for KV, and at the same time the prompt to the
-    least-loaded prefill instance (KV and then the first token stream to that decode instance, which accepts
+    policy puts first (``controller/placement.py``, by the load each decode instance pushes), which reserves
+    its KV blocks and holds it waiting for KV, and at the same time the prompt to the least-loaded prefill
+    instance (KV and then the first token stream to that decode instance, which accepts
     them into its reservation: no block id leaves it; a decode instance without room sends the request
     through a decode-first placement that waits for room)  ->  first token streamed  ->  the decode
     instance starts it once its KV and first token arrived  ->  deltas

@@ -74,7 +74,8 @@ class MigrationSim:
             return  # the trace is done: no more rounds (the event loop ends)
         now = self.sim.now
         by_name = {d.name: d for d in self.sim.decode}
-        for plan in plan_migrations([d.load(self.moving) for d in self.sim.decode], self.config.policy, now, self.history):
+        loads = [d.load(self.moving) for d in self.sim.decode]
+        for plan in plan_migrations(loads, self.config.policy, now, self.history):
             self.history.record(plan.request_id, now)
             self._begin(int(plan.request_id), by_name[plan.source], by_name[plan.destination])
         self.sim.at(now + self.config.interval_s, self._round)

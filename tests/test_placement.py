@@ -96,5 +96,4 @@ def test_until_every_instance_has_reported_the_order_is_by_fewest_assigned():
     order, has_room = decode_order([reported, fresh], 10, 0, CFG, {})
     assert [i.name for i in order] == ["decode-1", "decode-0"] and has_room
     fresh.draining = True
-    reported.alive = True
     assert [i.name for i in decode_order([reported, fresh], 10, 0, CFG, {})[0]] == ["decode-0"]
