@@ -44,14 +44,25 @@ _IDLE_SLEEP_S = 0.002
 LOAD_REPORT_PERIOD_S = 0.1  # a decode instance's block counts alone are reported at most this often
 
 
-def _scheduler_status(instance_id: str, role: str, worker) -> dict:
-    """Status of a worker with a chunked-prefill ``scheduler``, a block ``pool`` and its ``prefix_cache``."""
+def _cache_status(worker) -> dict:
+    """The KV blocks and prefix-cache counters of a worker with a block ``pool`` and its ``prefix_cache``."""
     stats, pool = worker.prefix_cache.stats, worker.pool
-    return {"name": instance_id, "role": role, "device": str(worker.loaded.device),
-            "queue_length": len(worker.scheduler.waiting), "running": len(worker.scheduler.running),
-            "free_kv_blocks": pool.num_free, "total_kv_blocks": pool.num_blocks,
+    return {"free_kv_blocks": pool.num_free, "total_kv_blocks": pool.num_blocks,
             "cached_kv_blocks": pool.num_cached, "prefix_cache_queries": stats.queries,
             "prefix_cache_hits": stats.hits, "prefix_cache_evictions": pool.num_evictions}
+
+
+def _scheduler_status(instance_id: str, role: str, worker) -> dict:
+    """Status of a worker with a chunked-prefill ``scheduler``, a block ``pool`` and its ``prefix_cache``."""
+    return {"name": instance_id, "role": role, "device": str(worker.loaded.device),
+            "queue_length": len(worker.scheduler.waiting), "running": len(worker.scheduler.running),
+            **_cache_status(worker)}
+
+
+def _with_cache_events(out: list, worker) -> list:
+    """``out`` and, when the worker's prefix cache changed, its events for the router's index."""
+    events = worker.prefix_cache.take_events()
+    return out if events is None else [*out, events]
 
 
 class _LoopActor:
@@ -172,9 +183,9 @@ class PrefillActor(_LoopActor):
 
     def _step(self) -> list:
         if not self.worker.has_work() and not self.worker.transfers_pending():
-            return []
+            return _with_cache_events([], self.worker)
         out = self.worker.step()
-        return [] if out.empty else [out]
+        return _with_cache_events([] if out.empty else [out], self.worker)
 
 
 class DecodeActor(_LoopActor):
@@ -196,6 +207,11 @@ class DecodeActor(_LoopActor):
         """Hold ``request`` (a ``DecodeRequest``) until its KV arrives, with room reserved; False: no room."""
         with self._gate.call():
             return self.worker.add_remote(request)
+
+    def add_prefill(self, request) -> bool:
+        """Prefill ``request`` here from its cached prefix, then decode it; False: no room."""
+        with self._gate.call():
+            return self.worker.add_prefill(request)
 
     def abort(self, request_id: str) -> bool:
         with self._gate.call():
@@ -243,8 +259,7 @@ class DecodeActor(_LoopActor):
             w = self.worker
             m = w.metrics.summary()
             return {"name": self.instance_id, "role": "decode", "device": str(w.loaded.device),
-                    "queue_length": w.num_waiting_for_kv, "running": w.num_running,
-                    "free_kv_blocks": w.pool.num_free, "total_kv_blocks": w.pool.num_blocks,
+                    "queue_length": w.num_waiting_for_kv, "running": w.num_running, **_cache_status(w),
                     "acceptance_rate": m["acceptance_rate"], "mean_accepted_length": m["mean_accepted_length"],
                     "tokens_generated": m["tokens"], "draft_tokens": m["draft_tokens"],
                     "accepted_tokens": m["accepted_tokens"], "spec_steps": m["seq_spec_steps"],
@@ -261,7 +276,7 @@ class DecodeActor(_LoopActor):
                 (report != last and now - self._reported_at >= LOAD_REPORT_PERIOD_S):
             self._last_report, self._reported_at = report, now
             out = [*out, report]
-        return out
+        return _with_cache_events(out, self.worker)
 
 
 class ColocatedActor(_LoopActor):
@@ -294,7 +309,7 @@ class ColocatedActor(_LoopActor):
 
     def _step(self) -> list:
         if not self.engine.has_unfinished():
-            return []
+            return _with_cache_events([], self.engine)
         deltas = []
         for out in self.engine.step():
             if out.finished:
@@ -306,7 +321,7 @@ class ColocatedActor(_LoopActor):
                                      logprobs=tuple(out.logprobs or ()),
                                      prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
                                      index=index, position=out.position, text_offset=out.text_offset))
-        return deltas
+        return _with_cache_events(deltas, self.engine)
 
 
 class RankFollowerActor:

@@ -4,6 +4,7 @@ transfer): everything is ``Router``'s but placement."""
 from __future__ import annotations
 
 from controller.actor_messages import ColocatedRequest
+from controller.kv_index import PrefixRouting
 from controller.metrics import ServingMetrics
 from controller.router import Router, _Active
 from controller.routing import Instance, RouterError
@@ -12,19 +13,21 @@ from controller.routing import Instance, RouterError
 class ColocatedRouter(Router):
     """Routes requests over colocated instances, each running prefill and decode (the reference engine):
     ``queued -> prefilling -> decoding -> finished``. Admission, streaming, cancellation, timeouts,
-    retries before anything was streamed and instance failover are ``Router``'s; placement is one
-    least-loaded pick, and the instance's first delta for a request carries its first token."""
+    retries before anything was streamed and instance failover are ``Router``'s; placement is one pick
+    (the fewest assigned requests, or the cheapest by cached prefix and load: ``Router._cheapest``), and the instance's first delta for a request carries its first token."""
 
     kv_transfer = False
 
     def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0,
-                 restart=None, check_ranks=None, metrics: ServingMetrics | None = None):
+                 restart=None, check_ranks=None, metrics: ServingMetrics | None = None,
+                 prefix_routing: PrefixRouting = PrefixRouting()):
         # the instances stand where decode instances do: each holds its requests' KV until they end
-        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s, restart, check_ranks, metrics)
+        super().__init__([], instances, max_concurrent, max_queue, request_timeout_s, restart, check_ranks, metrics,
+                         prefix_routing=prefix_routing)
 
     async def _place(self, active: _Active) -> None:
         rid = active.record.request_id
-        inst = self._least_loaded(self.decode)
+        inst = self._cheapest(active, self.decode)
         if inst is None:
             raise RouterError("UNAVAILABLE", "no colocated instance is alive")
         active.decode, active.decoders = inst, {inst}

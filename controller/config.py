@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from controller.kv_index import PrefixRouting
 from controller.migration_policy import PolicyConfig
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import TransferConfig
 from modeling.checkpoint import DTYPES
 from modeling.engine import EngineConfig
-from modeling.instance_config import InstanceConfig, Problems, integers, raise_first
+from modeling.instance_config import InstanceConfig, Problems, booleans, integers, raise_first
 from prefill_worker.config import PrefillWorkerConfig
 
 MODES = ("disaggregated", "colocated")
@@ -215,6 +216,36 @@ class MigrationSection:
 
 
 @dataclass(frozen=True)
+class PrefixCachingSection:
+    """Keeping computed KV and routing to it (``controller/kv_index.py``). ``enabled``: every pool keeps full
+    KV blocks after their requests end (prompts on prefill instances; prompts and generated tokens on decode
+    and colocated instances) and starts each prompt from its longest cached prefix, and the router places
+    requests where their prefix is cached. ``overlap_weight``: how much a block the request would have to
+    compute weighs against a block already in use on the instance when choosing one (Dynamo's
+    ``overlap_score_weight``; 0: load alone). ``local_prefill_tokens``: a request whose decode instance already
+    holds all of its prompt but at most this many tokens is prefilled there, with no prefill instance
+    involved (0: never)."""
+
+    enabled: bool = True
+    overlap_weight: float = 1.0
+    local_prefill_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = booleans(self, ("enabled",)) + integers(self, ("local_prefill_tokens",), low=0)
+        w = self.overlap_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
+            errs.append(("overlap_weight", f"must be a number >= 0, got {w!r}"))
+        return errs
+
+    def routing(self) -> PrefixRouting:
+        """What the router reads of it."""
+        return PrefixRouting(self.enabled, float(self.overlap_weight), self.local_prefill_tokens if self.enabled else 0)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """The whole tree. ``source`` is the file it came from (relative paths resolve against it)."""
 
@@ -229,16 +260,18 @@ class ClusterConfig:
     server: ServerSection = field(default_factory=ServerSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     migration: MigrationSection = field(default_factory=MigrationSection)
+    prefix_caching: PrefixCachingSection = field(default_factory=PrefixCachingSection)
     source: str = ""
 
     def __post_init__(self) -> None:
         raise_first(self.check())
-        # the pools' workers run the model's dtype on the devices their placement gives them; the prefill
-        # workers send with the kv_transfer settings
+        # the pools' workers run the model's dtype on the devices their placement gives them, and cache KV when
+        # prefix caching is on; the prefill workers send with the kv_transfer settings
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(self, role)
             object.__setattr__(self, role, dataclasses.replace(
-                pool, dtype=self.model.dtype, device="cuda" if pool.devices_per_instance else "cpu"))
+                pool, dtype=self.model.dtype, device="cuda" if pool.devices_per_instance else "cpu",
+                prefix_caching=self.prefix_caching.enabled))
         object.__setattr__(self, "prefill", dataclasses.replace(self.prefill, transfer=self.kv_transfer))
 
     def check(self) -> Problems:

@@ -116,6 +116,8 @@ class _InstanceCollector:
         used, total, usage = (gauge("kv_cache_blocks_used", "KV cache blocks in use on the instance."),
                               gauge("kv_cache_blocks_total", "KV cache blocks of the instance."),
                               gauge("kv_cache_usage_perc", "Fraction of the instance's KV cache blocks in use (0-1)."))
+        cached = gauge("kv_cache_blocks_cached", "KV blocks the instance holds under a prefix-cache hash (in use or "
+                       "kept for reuse).")
         alive = gauge("instance_alive", "1 while the instance serves, 0 while it is down or being replaced.")
         generation = gauge("instance_generation", "How many times the instance was replaced as a whole.")
         running = gauge("instance_running_requests", "Requests the instance is computing.")
@@ -135,6 +137,7 @@ class _InstanceCollector:
             used.add_metric(lv, blocks - free)
             total.add_metric(lv, blocks)
             usage.add_metric(lv, (blocks - free) / blocks if blocks else 0.0)
+            cached.add_metric(lv, st.get("cached_kv_blocks", 0))
             alive.add_metric(lv, 1.0 if st.get("alive") else 0.0)
             generation.add_metric(lv, st.get("generation", 0))
             running.add_metric(lv, st.get("running", 0))
@@ -149,7 +152,7 @@ class _InstanceCollector:
                     k_steps.add_metric(lv + [name.split("/", 1)[1]], o._totals.total(st["name"], name))
                 elif name in counters:
                     counters[name].add_metric(lv, o._totals.total(st["name"], name))
-        yield from (used, total, usage, alive, generation, running, *queues.values(), rate, mean_len, k_now, k_steps,
+        yield from (used, total, usage, cached, alive, generation, running, *queues.values(), rate, mean_len, k_now, k_steps,
                     *counters.values())
 
 
@@ -188,6 +191,9 @@ class ServingMetrics:
         self._migrations = Counter(PREFIX + "migrations", "Live migrations of decoding requests between decode "
                                    "instances, by outcome (committed: the request moved; aborted: it stayed).",
                                    m + ["outcome"], registry=reg)
+        self._local_prefills = Counter(PREFIX + "decode_local_prefills", "Requests prefilled on their decode "
+                                       "instance from the KV it held cached (no prefill instance, no transfer).",
+                                       m, registry=reg).labels(model_name)
         reg.register(_InstanceCollector(self))
 
     # -- the router's hooks (event loop thread) ----------------------------------------------------
@@ -215,6 +221,9 @@ class ServingMetrics:
 
     def migration(self, committed: bool) -> None:
         self._migrations.labels(self.model_name, "committed" if committed else "aborted").inc()
+
+    def local_prefill(self) -> None:
+        self._local_prefills.inc()
 
     def queue(self, running: int, waiting: int) -> None:
         self._running.set(running)

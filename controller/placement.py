@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from controller.kv_index import by_cost
 from controller.migration_policy import InstanceLoad, PolicyConfig, RequestLoad, placement_order
 from controller.request_state import RequestState
 from controller.routing import Instance
@@ -51,15 +52,24 @@ def instance_load(inst: Instance, report: PoolLoad, active: Mapping) -> Instance
 
 
 def decode_order(instances: list[Instance], num_tokens: int, priority: int, policy: PolicyConfig,
-                 active: Mapping) -> tuple[list[Instance], bool]:
+                 active: Mapping, cached: Mapping[str, int] | None = None,
+                 overlap_weight: float = 1.0) -> tuple[list[Instance], bool]:
     """The alive, not draining decode instances in the order a request of ``num_tokens`` prompt positions
     tries them, and whether the first has the blocks free by its report. Until every one has reported
-    (just started), the order is by fewest assigned requests."""
+    (just started), the order is by fewest assigned requests. ``cached``: prompt tokens each instance holds
+    cached (by name); where any does, the instances with room come first, cheapest first by
+    ``controller/kv_index.by_cost`` (blocks to compute against blocks in use)."""
+    cached = cached or {}
     open_ = [i for i in instances if i.alive and not i.draining]
     if not open_ or any(i.load is None for i in open_):
-        return sorted(open_, key=lambda i: len(i.assigned)), True
+        return sorted(open_, key=lambda i: (-cached.get(i.name, 0), len(i.assigned))), True
     loads = {i.name: instance_load(i, i.load, active) for i in open_}
-    blocks = blocks_for(num_tokens + 1, open_[0].load.block_size)
+    block_size = open_[0].load.block_size
+    blocks = blocks_for(num_tokens + 1, block_size)
     by_name = {i.name: i for i in open_}
     order = [by_name[n] for n in placement_order(list(loads.values()), blocks, policy, priority)]
+    if any(cached.get(i.name, 0) for i in order):
+        roomy = [i for i in order if loads[i.name].free_blocks >= blocks]
+        order = by_cost(roomy, num_tokens + 1, block_size, lambda i: cached.get(i.name, 0),
+                        lambda i: loads[i.name].used_blocks, overlap_weight) + [i for i in order if i not in roomy]
     return order, bool(order) and loads[order[0].name].free_blocks >= blocks

@@ -3,7 +3,7 @@
     queued -> prefilling -> transferring -> decoding [-> migrating -> decoding] -> finished | failed | cancelled
 
 (a request that generates nothing, ``max_tokens`` 0, goes from prefilling to finished once its prompt is
-scored; migrating: live migration to another decode instance; the request keeps decoding meanwhile and comes back
+scored; one prefilled on its decode instance, from KV cached there, goes from prefilling to decoding; migrating: live migration to another decode instance; the request keeps decoding meanwhile and comes back
 to decoding whether the migration commits or aborts)
 
 A colocated request (prefill and decode on one instance, ``kv_transfer=False``) has no hand-off:
@@ -44,8 +44,10 @@ class RequestState(str, enum.Enum):
 
 _FORWARD = {
     RequestState.QUEUED: {RequestState.PREFILLING},
-    # QUEUED: retried elsewhere; FINISHED: nothing to generate (max_tokens 0)
-    RequestState.PREFILLING: {RequestState.TRANSFERRING, RequestState.QUEUED, RequestState.FINISHED},
+    # QUEUED: retried elsewhere; FINISHED: nothing to generate (max_tokens 0); DECODING: prefilled on its
+    # decode instance (no transfer)
+    RequestState.PREFILLING: {RequestState.TRANSFERRING, RequestState.QUEUED, RequestState.FINISHED,
+                              RequestState.DECODING},
     RequestState.TRANSFERRING: {RequestState.DECODING, RequestState.QUEUED, RequestState.FINISHED},
     RequestState.DECODING: {RequestState.FINISHED, RequestState.QUEUED,  # QUEUED: re-run, nothing streamed
                             RequestState.MIGRATING},

@@ -3,12 +3,17 @@
 One request, end to end (``Router.generate``):
 
     admit (bounded concurrency, bounded queue)  ->  hand the request to the decode instance the rescheduling
-    policy puts first (``controller/placement.py``, by the load each decode instance pushes), which reserves
-    its KV blocks and holds it waiting for KV, and at the same time the prompt to the least-loaded prefill
-    instance (KV and then the first token stream to that decode instance, which accepts
+    policy puts first (``controller/placement.py``, by the load each decode instance pushes, and by the
+    prefix each holds cached: ``controller/kv_index.py``), which reserves its KV blocks and holds it waiting
+    for KV, and at the same time the prompt to the prefill instance with the cheapest mix of uncached blocks
+    and queued work (KV and then the first token stream to that decode instance, which accepts
     them into its reservation: no block id leaves it; a decode instance without room sends the request
     through a decode-first placement that waits for room)  ->  first token streamed  ->  the decode
     instance starts it once its KV and first token arrived  ->  deltas
+
+A request whose decode instance holds all of its prompt cached but a short suffix (a conversation's next
+turn, back on the instance that served the last one) is prefilled there instead, with no prefill instance
+and no transfer (``prefix_caching.local_prefill_tokens``).
 
 Output is numbered by position in its sequence, whoever reports it (the prefill instance's first token, the
 decode instance's deltas, both ends of a live migration): the router emits each position once, in order
@@ -35,6 +40,7 @@ from typing import AsyncIterator
 
 from controller.actor_messages import WorkerCrashed
 from controller.admission import PriorityGate
+from controller.kv_index import PrefixIndex, PrefixRouting, by_cost
 from controller.metrics import FinishedRequest, ServingMetrics
 from controller.migrations import PendingMigration, MigrationCoordinator
 from controller.output_order import OutputOrder
@@ -44,6 +50,7 @@ from controller.routing import Delta, Final, Instance, RouterError
 from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, PoolLoad,
                                      TokenDelta)
 from modeling.params import SamplingParams
+from modeling.prefix_cache import PrefixCacheEvents
 from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, PrefillStepOutput
 
 log = logging.getLogger("magicserve.router")
@@ -72,6 +79,7 @@ class _Active:
     priority: int = 0
     migration: PendingMigration | None = None  # in progress, undecided
     finished_sequences: set = field(default_factory=set)  # n > 1: the sequences that have ended
+    prompt_hashes: dict = field(default_factory=dict)  # the prompt's block hashes per way of hashing (kv_index)
 
     @property
     def tokens_streamed(self) -> int:
@@ -85,7 +93,8 @@ class Router:
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_concurrent: int, max_queue: int,
                  request_timeout_s: float = 600.0, restart=None, check_ranks=None,
-                 metrics: ServingMetrics | None = None, connect_pair=None):
+                 metrics: ServingMetrics | None = None, connect_pair=None,
+                 prefix_routing: PrefixRouting = PrefixRouting()):
         self.prefill = prefill
         self.decode = decode
         self.instances = prefill + decode  # every instance the router polls
@@ -107,6 +116,8 @@ class Router:
         # ``connect_pair``: async callable(source, destination) forming the migration channel between two
         # decode instances
         self.migrations = MigrationCoordinator(self, connect_pair)
+        self.prefix_routing = prefix_routing
+        self.kv_index = PrefixIndex()  # what each instance holds cached, from its events
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -188,35 +199,96 @@ class Router:
     async def _place(self, active: _Active) -> None:
         """Hand the request to a decode instance (which reserves its KV) and the prompt to a prefill instance:
         both at once when the decode instance is thought to have room (its last hold succeeded, or a request
-        has left it since), else the decode instance first, waiting for one with room. A request that
+        has left it since), else the decode instance first, waiting for one with room. A request whose decode
+        instance holds all its prompt cached but a short suffix is prefilled there alone. A request that
         generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance alone."""
         rid = active.record.request_id
-        prefill = self._least_loaded(self.prefill)
-        if prefill is None:
-            raise RouterError("UNAVAILABLE", "no prefill instance is alive")
         if active.params.max_tokens == 0:
+            prefill = self._cheapest(active, self.prefill)
+            if prefill is None:
+                raise RouterError("UNAVAILABLE", "no prefill instance is alive")
             active.prefill = prefill
             prefill.assigned.add(rid)
             await self._submit(active, prefill, PrefillRequest(rid, tuple(active.prompt_ids), active.params, None))
             return
         request = DecodeRequest(rid, tuple(active.prompt_ids), active.params)
-        order, has_room = self._decode_order(active)
-        if order and has_room and order[0].room and await self._place_at_once(active, request, prefill, order[0]):
+        cached = {i.name: self._cached(active, i) for i in self.decode}
+        order, has_room = self._decode_order(active, cached)
+        first = order[0] if order and has_room and order[0].room else None
+        if first is not None and self._prefills_there(active, cached[first.name]) and \
+                await self._hold_prefill(active, request, first):
+            return
+        prefill = self._cheapest(active, self.prefill)
+        if prefill is None:
+            raise RouterError("UNAVAILABLE", "no prefill instance is alive")
+        if first is not None and await self._place_at_once(active, request, prefill, first):
             return
         deadline = time.monotonic() + self.request_timeout_s
         while True:
-            decode = await self._reserve_decode(request, self._decode_order(active)[0])
+            decode = await self._reserve_decode(request, self._decode_order(active, cached)[0])
             if decode is not None:
                 break
             if time.monotonic() > deadline:
                 raise RouterError("RESOURCE_EXHAUSTED", "no decode instance had room for the prompt's KV in time")
             await asyncio.sleep(_PLACEMENT_RETRY_S)  # back-pressure: wait for KV to free up
-        prefill = self._least_loaded(self.prefill)
+        prefill = self._cheapest(active, self.prefill)
         if prefill is None:
             await self.abort_on(decode, rid)
             raise RouterError("UNAVAILABLE", "no prefill instance is alive")
         self._assign(active, prefill, decode)
         await self._submit(active, prefill, self._prefill_request(active, decode))
+
+    def _cached(self, active: _Active, inst: Instance) -> int:
+        """Prompt tokens ``inst`` holds cached, by the index (0 with prefix routing off)."""
+        if not self.prefix_routing.enabled:
+            return 0
+        return self.kv_index.cached_tokens(inst.name, active.prompt_ids, active.prompt_hashes)
+
+    def _prefills_there(self, active: _Active, cached: int) -> bool:
+        """Whether a decode instance holding ``cached`` prompt tokens prefills the rest itself: a cache hit
+        leaving at most ``local_prefill_tokens`` to compute, for a request that needs nothing only a prefill
+        instance gives (the prompt's log-probabilities)."""
+        missing = len(active.prompt_ids) - cached
+        return cached > 0 and missing <= self.prefix_routing.local_prefill_tokens and \
+            active.params.prompt_logprobs is None
+
+    async def _hold_prefill(self, active: _Active, request: DecodeRequest, decode: Instance) -> bool:
+        """Have ``decode`` prefill the request from its cache; False (it holds nothing) when it has no room
+        or cannot be reached."""
+        rid = active.record.request_id
+        active.decode, active.prefill, active.decoders = decode, None, {decode}
+        decode.assigned.add(rid)
+        record_placement(decode, rid, len(active.prompt_ids))
+        try:
+            held = await decode.handle.add_prefill.remote(request)
+        except Exception as err:
+            log.warning("decode %s unreachable: %s", decode.name, err)
+            held = None
+        if held:
+            active.record.to(RequestState.PREFILLING)
+            if self.metrics is not None:
+                self.metrics.local_prefill()
+            return True
+        decode.room = held is not False
+        decode.assigned.discard(rid)
+        active.decode, active.decoders = None, set()
+        return False
+
+    def _cheapest(self, active: _Active, pool: list[Instance]) -> Instance | None:
+        """The alive instance of ``pool`` to compute the prompt: the fewest assigned requests, unless some
+        hold part of the prompt cached; then the cheapest by ``kv_index.by_cost`` (uncached blocks against
+        the prompt blocks of the requests already assigned there)."""
+        alive = [i for i in pool if i.alive]
+        cached = {i.name: self._cached(active, i) for i in alive}
+        if not any(cached.values()):
+            return min(alive, key=lambda i: len(i.assigned)) if alive else None
+        bs = next(self.kv_index.block_size(name) for name, c in cached.items() if c)
+
+        def queued(inst: Instance) -> int:
+            return sum(-(-len(self.active[r].prompt_ids) // bs) for r in inst.assigned if r in self.active)
+
+        return by_cost(alive, len(active.prompt_ids), bs, lambda i: cached[i.name], queued,
+                       self.prefix_routing.overlap_weight)[0]
 
     async def _place_at_once(self, active: _Active, request: DecodeRequest, prefill: Instance,
                              decode: Instance) -> bool:
@@ -252,10 +324,12 @@ class Router:
         return PrefillRequest(active.record.request_id, tuple(active.prompt_ids), active.params,
                               KVDestination(decode.name, reserved=True))
 
-    def _decode_order(self, active: _Active) -> tuple[list[Instance], bool]:
+    def _decode_order(self, active: _Active, cached: dict[str, int]) -> tuple[list[Instance], bool]:
         """The decode instances in the order the request tries them, by the rescheduling policy (the one
-        that picks migration destinations), and whether the first has room by its last report."""
-        return decode_order(self.decode, len(active.prompt_ids), active.priority, self.migrations.policy, self.active)
+        that picks migration destinations) and the prompt tokens each holds cached, and whether the first has
+        room by its last report."""
+        return decode_order(self.decode, len(active.prompt_ids), active.priority, self.migrations.policy, self.active,
+                            cached, self.prefix_routing.overlap_weight)
 
     async def _submit(self, active: _Active, inst: Instance, request) -> None:
         """Hand the request to the instance that prefills it (re-placed if the actor is gone)."""
@@ -275,11 +349,6 @@ class Router:
             except Exception as err:
                 log.warning("decode %s unreachable: %s", inst.name, err)
         return None
-
-    @staticmethod
-    def _least_loaded(pool: list[Instance]) -> Instance | None:
-        alive = [i for i in pool if i.alive]
-        return min(alive, key=lambda i: len(i.assigned)) if alive else None
 
     # -- streaming --------------------------------------------------------------------------------
 
@@ -349,7 +418,7 @@ class Router:
     def _decoding(self, active: _Active) -> None:
         """A decode instance reported output: the request decodes (its transfer, if any, is complete)."""
         state = active.record.state
-        if state is RequestState.PREFILLING and self.kv_transfer:
+        if state is RequestState.PREFILLING and self.kv_transfer and active.prefill is not None:
             active.record.to(state := RequestState.TRANSFERRING)
         if state in (RequestState.PREFILLING, RequestState.TRANSFERRING):
             active.record.to(RequestState.DECODING)
@@ -480,6 +549,8 @@ class Router:
             self._send(item.request_id, "delta", item, inst)
         elif isinstance(item, PoolLoad):
             record_report(inst, item)
+        elif isinstance(item, PrefixCacheEvents):
+            self.kv_index.apply(inst.name, item)
         elif isinstance(item, MigrationArrived):
             self.migrations.on_arrived(inst, item)
         elif isinstance(item, MigrationFailed):
@@ -502,6 +573,7 @@ class Router:
         ``_stream`` decides)."""
         if inst.alive:
             inst.alive = False
+            self.kv_index.drop(inst.name)
             log.error("%s", reason)
             for rid in list(inst.assigned):
                 self._send(rid, "failed", (reason, True))

@@ -381,10 +381,10 @@ def build_router(config: ClusterConfig, cluster, metrics=None) -> Router:
     if config.mode == "colocated":
         return ColocatedRouter(cluster.colocated, lim.max_concurrent_requests, lim.max_queue_length,
                                lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks,
-                               metrics=metrics)
+                               metrics=metrics, prefix_routing=config.prefix_caching.routing())
     router = Router(cluster.prefill, cluster.decode, lim.max_concurrent_requests, lim.max_queue_length,
                     lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks, metrics=metrics,
-                    connect_pair=cluster.connect_migration_pair)
+                    connect_pair=cluster.connect_migration_pair, prefix_routing=config.prefix_caching.routing())
     mig = config.migration
     router.migrations.configure(mig.policy(), mig.timeout_s, mig.interval_s if mig.enabled else None)
     return router

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modeling.instance_config import InstanceConfig, Problems, booleans, integers, one_of, raise_first
+from modeling.instance_config import InstanceConfig, Problems, booleans, integers, one_of, raise_first, set_by
 
 DRAFTERS = ("none", "self_sparse", "draft_model")
 K_POLICIES = ("fixed", "adaptive")
@@ -69,14 +69,17 @@ class DecodeWorkerConfig(InstanceConfig):
     """The decode pool and each of its workers (the ``decode:`` section of the cluster YAML):
     ``max_num_seqs`` sequences decode at once; ``prefill_chunk`` is the chunk of a local (re)prefill (after a
     preemption, and a request prefilled on the decode worker itself); ``profile_on_start`` measures the
-    worker's own step costs before it serves (the adaptive speculation length reads them)."""
+    worker's own step costs before it serves (the adaptive speculation length reads them); ``prefix_caching``
+    keeps finished requests' full KV blocks (prompt and generated tokens) so that a request prefilled here
+    starts from its longest cached prefix (``modeling/prefix_cache.py``)."""
 
     kv_cache_tokens: int = 262144
     max_num_seqs: int = 64
     prefill_chunk: int = 1024
     profile_on_start: bool = True
+    prefix_caching: bool = field(default=True, metadata=set_by("prefix_caching.enabled"))
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def check(self) -> Problems:
         return super().check() + integers(self, ("max_num_seqs", "prefill_chunk")) + \
-            booleans(self, ("profile_on_start",))
+            booleans(self, ("profile_on_start", "prefix_caching"))

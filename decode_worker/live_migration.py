@@ -142,7 +142,8 @@ class LiveMigrations:
             self.worker.runner.call("mig_cancel", request_id=request_id)
         del self.worker.requests[request_id]
         self.worker.drafter.release(live.seq)
-        live.seq.block_table.release(self.worker.pool)
+        live.seq.block_table.release(self.worker.pool)  # its cached blocks stay cached here
+        self.worker.prefix_cache.forget(request_id)
         live.seq.status = SequenceStatus.FINISHED
         return True
 

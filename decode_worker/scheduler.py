@@ -6,7 +6,9 @@ pool runs short, k drops to 0 first (a plain decode step needs the least), then 
 preempted: their KV is dropped and they wait, first in first out, to be recomputed once there is room.
 
 Sequences are any objects with ``request_id``, ``num_tokens``, ``num_computed``, ``block_table`` and
-``status`` (``modeling.sequence.Sequence``, or the simulator's stand-in).
+``status`` (``modeling.sequence.Sequence``, or the simulator's stand-in); with a prefix cache, also ``tokens``
+and ``prompt_ids``: a preempted sequence resumes from its longest cached prefix, and a sequence that leaves
+is forgotten there (its cached blocks stay in the pool).
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from typing import Callable, Iterator
 from decode_worker.messages import PoolLoad
 from modeling.block_pool import BlockPool
 from modeling.errors import OutOfBlocksError
+from modeling.prefix_cache import PrefixCache
 from modeling.sequence import SequenceStatus
 
 
 class DecodeScheduler:
     """Invariant: every running sequence holds blocks for its computed tokens; a preempted one holds none."""
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, prefix_cache: PrefixCache | None = None):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
+        self.prefix_cache = prefix_cache
         self.running: dict[str, object] = {}  # request id -> sequence, in admission order
         self.preempted: deque = deque()  # FIFO
         self.num_preemptions = 0
@@ -36,8 +40,10 @@ class DecodeScheduler:
             self.pool.can_allocate(self.pool.blocks_for_tokens(num_tokens + 1))
 
     def reserve(self, seq, num_tokens: int) -> bool:
-        """Give ``seq`` blocks for ``num_tokens`` positions and its first decode step, if ``can_reserve``."""
-        if not self.can_reserve(num_tokens):
+        """Give ``seq`` blocks for ``num_tokens`` positions and its first decode step (on top of the blocks it
+        holds already: a cached prefix), if there is room for them beside the running ones."""
+        need = self.pool.blocks_for_tokens(num_tokens + 1) - len(seq.block_table.blocks)
+        if len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need):
             return False
         seq.block_table.ensure_capacity(self.pool, num_tokens + 1)
         return True
@@ -52,6 +58,8 @@ class DecodeScheduler:
         if self.running.pop(seq.request_id, None) is None and seq in self.preempted:
             self.preempted.remove(seq)
         seq.block_table.release(self.pool)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq.request_id)
 
     def load(self, movable: Callable[[object], bool], holds: frozenset[str] = frozenset()) -> PoolLoad:
         """The pool's load report: the running sequences ``movable`` accepts count as running, every other
@@ -85,13 +93,16 @@ class DecodeScheduler:
 
     def resumable(self) -> Iterator:
         """Preempted sequences, first in first out, while the next fits (blocks for its tokens and a step)
-        under ``max_num_seqs``: each is given blocks for its tokens and joins the running batch; the
-        caller recomputes its KV before the next step."""
+        under ``max_num_seqs``: each is given blocks for its tokens (from the longest cached prefix of its
+        tokens but the last, those marked computed) and joins the running batch; the caller recomputes the
+        rest of its KV (from ``num_computed``) before the next step."""
         while self.preempted:
             seq = self.preempted[0]
             if not self.can_reserve(seq.num_tokens):
                 return
             self.preempted.popleft()
+            if self.prefix_cache is not None:
+                self.prefix_cache.attach(seq, seq.num_tokens - 1)
             seq.block_table.ensure_capacity(self.pool, seq.num_tokens)
             self.start(seq)
             yield seq

@@ -1,14 +1,21 @@
 """The decode worker: continuous-batching decode with MagicDec-style speculative decoding.
 
 A plain class (the controller wraps it as a Ray actor). It owns every request it holds from reservation to
-finish, in one of four states: ``waiting_for_kv`` (``add_remote``: blocks reserved, the prompt's KV and first
-token in transfer from a prefill worker through this worker's ``KVReceiver``), ``running``, ``waiting``
-(preempted, to be recomputed) or ``migrating`` (live migration, stopped on its source or arrived on its
-destination until the router decides: ``decode_worker/live_migration.py``). Requests may also be prefilled
-here (``add_local``: tests, benchmarks). Each ``step``, then rounds of outgoing migrations:
+finish, in one of five states: ``waiting_for_kv`` (``add_remote``: blocks reserved, the prompt's KV and first
+token in transfer from a prefill worker through this worker's ``KVReceiver``), ``prefilling`` (``add_prefill``:
+the prompt starts from its longest cached prefix here and the rest is computed by this worker's steps, a
+chunk at a time, with no prefill instance involved), ``running``, ``waiting`` (preempted, to be recomputed)
+or ``migrating`` (live migration, stopped on its source or arrived on its destination until the router
+decides: ``decode_worker/live_migration.py``). ``add_local`` prefills at once (tests, benchmarks). Each
+``step``, then rounds of outgoing migrations:
 
-    admit arrived KV  ->  choose k  ->  reserve room for k  ->  draft k tokens  ->  verify all k + 1 in one
-    target pass  ->  accept / recover / bonus per sequence  ->  roll back rejected KV  ->  emit deltas
+    admit arrived KV  ->  a chunk of local prefill  ->  choose k  ->  reserve room for k  ->  draft k tokens
+    ->  verify all k + 1 in one target pass  ->  accept / recover / bonus per sequence  ->  roll back
+    rejected KV  ->  cache the blocks now final  ->  emit deltas
+
+Prefix caching: every full block whose KV is final (received, prefilled, or verified: never a draft position)
+is cached under its content hash, so a finished request leaves its prompt and generated tokens' KV behind
+for the conversation's next turn (evicted least recently used first, only when the space is needed).
 
 k = 0 is a plain decode step. Sequences join and leave at every step, each with its own sampling parameters.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +50,8 @@ from modeling.forks import decode_forks, sequence_id, split_sequence_id
 from modeling.output import OutputStream
 from modeling.params import SamplingParams
 from modeling.pass_log import PassLog
+from modeling.prefix_cache import PrefixCache
+from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request, check_room_to_generate
 from modeling.runner import StepInput
 from modeling.sampling import RequestSampler, token_logprobs
@@ -83,7 +93,10 @@ class DecodeWorker:
         self.pass_log = PassLog()
         self.speculator = Speculator(self.runner, config, mc.vocab_size, self.metrics, self.pass_log)
         self.requests: dict[str, _Live] = {}  # all it holds; the scheduler orders the running and preempted
-        self.scheduler = DecodeScheduler(self.pool, config.max_num_seqs)
+        self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
+                                        config.prefix_caching)
+        self.scheduler = DecodeScheduler(self.pool, config.max_num_seqs, self.prefix_cache)
+        self._prefilling: deque[str] = deque()  # requests prefilled here (``add_prefill``), first come first served
         self.tp = tp if tp is not None and tp.shard.sharded else None
         size = 1 if self.tp is None else self.tp.size
         self.receiver = None if transfer is None else KVReceiver(
@@ -159,6 +172,7 @@ class DecodeWorker:
             raise InvalidRequestError("state", f"{len(starts)} further sequences arrived for a request of "
                                       f"{seq.sampler.params.num_sequences}")
         seq.num_computed = seq.num_prompt
+        self.prefix_cache.commit(seq, seq.num_prompt)
         forks = []
         for f in starts:
             sampler = seq.sampler.for_sequence(f.index)
@@ -172,19 +186,83 @@ class DecodeWorker:
         return [dataclasses.replace(d, token_ids=[], position=1) for d in deltas]
 
     def add_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[TokenDelta]:
-        """Prefill on this worker, then decode (tests, benchmarks, single-process use)."""
+        """Prefill on this worker at once (from the prompt's longest cached prefix), then decode (tests,
+        benchmarks, single-process use)."""
         self._check_new(request_id, list(prompt_ids), params)
         seq = self._new_sequence(request_id, list(prompt_ids), params, BlockTable(self.config.block_size))
+        self.prefix_cache.attach(seq)
         if not self.scheduler.reserve(seq, len(prompt_ids)):
+            self._drop_unstarted(seq)
             raise OutOfBlocksError(f"no room for a {len(prompt_ids)}-token prompt")
         live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
         self.requests[request_id] = live
         logits = self._prefill(seq, len(prompt_ids), want_logits=True)
+        self.prefix_cache.commit(seq, seq.num_prompt)
+        return self._start_prefilled(live, logits)
+
+    def add_prefill(self, request: DecodeRequest) -> bool:
+        """Hold ``request`` to be prefilled here: it starts from its prompt's longest cached prefix (a
+        conversation's earlier turns, left by the requests that served them) and this worker's steps compute
+        the rest, ``prefill_chunk`` tokens per step, before it decodes (its first delta carries its first
+        token). False when there is no room (for its blocks and every sequence's). Raises
+        InvalidRequestError naming the field."""
+        rid, params = request.request_id, request.params
+        self._check_new(rid, list(request.prompt_ids), params)
+        n = params.num_sequences
+        fork_room = self._fork_room(len(request.prompt_ids), n)
+        seq = self._new_sequence(rid, list(request.prompt_ids), params, BlockTable(self.config.block_size))
+        self.prefix_cache.attach(seq)
+        need = self.pool.blocks_for_tokens(seq.num_prompt + 1) - len(seq.block_table.blocks) + fork_room
+        if len(self.scheduler.running) + n > self.config.max_num_seqs or not self.pool.can_allocate(need) or \
+                not self.scheduler.reserve(seq, seq.num_prompt):
+            self._drop_unstarted(seq)
+            return False
+        if fork_room:
+            self._fork_blocks[rid] = self.pool.allocate(fork_room)
+        seq.status = SequenceStatus.PREFILLING
+        self.requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
+        self._prefilling.append(rid)
+        return True
+
+    def _drop_unstarted(self, seq: Sequence) -> None:
+        """Free a sequence that never started (its cached blocks stay cached)."""
+        seq.block_table.release(self.pool)
+        self.pool.free(self._fork_blocks.pop(seq.request_id, []))
+        self.prefix_cache.forget(seq.request_id)
+
+    def _prefill_step(self) -> list[TokenDelta]:
+        """Compute up to ``prefill_chunk`` prompt tokens of the requests prefilled here, oldest first; those
+        whose prompt is complete sample their first token and start decoding."""
+        budget, out = self.config.prefill_chunk, []
+        while self._prefilling and budget > 0:
+            live = self.requests[self._prefilling[0]]
+            seq = live.seq
+            start = time.perf_counter()
+            end = min(seq.num_prompt, seq.num_computed + budget)
+            done = end == seq.num_prompt
+            logits = self.runner.run([StepInput(seq.tokens[seq.num_computed:end], seq.num_computed,
+                                                seq.block_table.blocks, num_logits=int(done))])
+            self.pass_log.record("prefill", time.perf_counter() - start,
+                                 chunks=[[seq.num_computed, end - seq.num_computed]])
+            budget -= end - seq.num_computed
+            seq.num_computed = end
+            if not done:
+                break
+            self._prefilling.popleft()
+            self.prefix_cache.commit(seq, seq.num_prompt)
+            out += self._start_prefilled(live, logits)
+        return out
+
+    def _start_prefilled(self, live: _Live, logits: torch.Tensor) -> list[TokenDelta]:
+        """Start every sequence of a request whose prompt was computed here, from the last position's logits
+        [1, V]: each samples its first token (the further ones take their blocks from those reserved with the
+        request, or the pool)."""
+        seq = live.seq
         forks = []
-        for i in range(1, params.num_sequences):
+        for i in range(1, seq.sampler.params.num_sequences):
             sampler = seq.sampler.for_sequence(i)
             forks.append((i, sampler.choose(logits[0], seq.tokens), sampler))
-        children = self._fork(live, forks, None)
+        children = self._fork(live, forks, self._fork_blocks.pop(seq.request_id, None))
         token = seq.sampler.choose(logits[0], seq.tokens)
         pairs = [(live, token)] + [(c, f[1]) for c, f in zip(children, forks)]
         return [self._start(lv, tok, self._logprobs(lv.seq, logits[:1], [tok])) for lv, tok in pairs]
@@ -234,6 +312,10 @@ class DecodeWorker:
         status = live.seq.status
         if status is SequenceStatus.WAITING_FOR_KV:
             self._drop_transfer(request_id)
+        elif status is SequenceStatus.PREFILLING:  # nothing of it was cached: its blocks were never complete
+            self._prefilling.remove(request_id)
+            del self.requests[request_id]
+            self._drop_unstarted(live.seq)
         elif status is SequenceStatus.WAITING:
             self.scheduler.finish(live.seq)
             del self.requests[request_id]
@@ -363,6 +445,7 @@ class DecodeWorker:
         ``k`` overrides the policy."""
         received = self._receive() + self.migrations.poll()
         self._resume_preempted()
+        received += self._prefill_step()
         lives = [self.requests[rid] for rid in self.scheduler.running]
         if not lives:
             return received + self._take_events()
@@ -397,6 +480,8 @@ class DecodeWorker:
             if reason is not None:
                 break
         logprobs = self._logprobs(seq, logits, appended)
+        # verification computed target KV at positions n-1 .. n-1+accepted: final wherever a token was kept
+        self.prefix_cache.commit(seq, n + verdict.num_accepted)
         text, reason = live.stream.push(appended, reason)
         if k > 0:
             self.metrics.draft_tokens += k
@@ -440,16 +525,18 @@ class DecodeWorker:
         return k, [self.requests[seq.request_id] for seq in batch]
 
     def _resume_preempted(self) -> None:
-        """Recompute the KV of the preempted sequences that fit again (all tokens but the last)."""
+        """Recompute the KV of the preempted sequences that fit again (all tokens but the last, from their
+        longest cached prefix on)."""
         for seq in self.scheduler.resumable():
             self._prefill(seq, seq.num_tokens - 1, want_logits=False)
+            self.prefix_cache.commit(seq, seq.num_computed)
             self.drafter.admit(seq)
 
     def _prefill(self, seq: Sequence, upto: int, want_logits: bool) -> torch.Tensor:
-        """Compute the KV of tokens[:upto] in chunks; logits of the last one if wanted."""
+        """Compute the KV of tokens[num_computed:upto] in chunks; logits of the last one if wanted."""
         logits = torch.empty(0)
         chunk = self.config.prefill_chunk
-        for start in range(0, upto, chunk):
+        for start in range(seq.num_computed, upto, chunk):
             end = min(upto, start + chunk)
             last = end == upto and want_logits
             logits = self.runner.run([StepInput(seq.tokens[start:end], start, seq.block_table.blocks, num_logits=int(last))])
@@ -511,8 +598,10 @@ class DecodeWorker:
             "migrating_out": len(self.migrations.outgoing),
             "migrating_in": len(self.migrations.incoming),
             "preempted": len(self.scheduler.preempted),
+            "prefilling": len(self._prefilling),
             "free_blocks": self.pool.num_free,
             "total_blocks": self.pool.num_blocks,
+            "cached_blocks": self.pool.num_cached,
             "metrics": self.metrics.summary(),
             **self.speculator.status(),
         }

@@ -12,7 +12,9 @@ Prefix caching: a full block whose KV is final can be *cached* under its content
 keeps its KV when its last reference goes: it then counts as free but stays findable (``cached_prefix``)
 until the space is needed, when the least recently released of them is evicted first (a sequence's
 blocks are released last to first, so its prefix's start is evicted last); blocks that were never cached
-are always taken before any cached one.
+are always taken before any cached one. With :meth:`BlockPool.record_events` on, the pool logs each hash it
+starts and stops holding (``take_events``): instances report them so the router knows where each prefix is
+cached (``controller/kv_index.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BlockPool:
         self._block_of: dict[int, int] = {}  # content hash -> the cached block holding it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, oldest first
         self.num_evictions = 0
+        self._events: list[tuple[int, bool]] | None = None  # (hash, stored) in order; None: not recorded
 
     @staticmethod
     def _check_size(num_blocks: int, block_size: int) -> None:
@@ -74,6 +77,23 @@ class BlockPool:
         """Cached blocks no sequence references: free, but kept until the space is needed."""
         return len(self._evictable)
 
+    def record_events(self) -> None:
+        """From now on, log every hash the pool starts (stored) or stops (evicted) holding."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[tuple[int, bool]]:
+        """The (hash, stored) events since the last call, oldest first (stored False: evicted)."""
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
+    @property
+    def cached_hashes(self) -> list[int]:
+        """Every hash the pool holds now (an instance's whole index, for a router that starts afresh)."""
+        return list(self._block_of)
+
     def cache(self, block: int, block_hash: int) -> bool:
         """Make a full, referenced block whose KV is final findable under ``block_hash``. False (nothing
         changes) when another block already holds that content or this block is cached already."""
@@ -83,6 +103,8 @@ class BlockPool:
             return False
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
+        if self._events is not None:
+            self._events.append((block_hash, True))
         return True
 
     def cached_prefix(self, hashes: list[int]) -> list[int]:
@@ -171,8 +193,11 @@ class BlockPool:
             self._fresh += 1
             return block
         block, _ = self._evictable.popitem(last=False)  # only cached blocks are left: the oldest goes
-        del self._block_of[self._hash_of.pop(block)]
+        evicted = self._hash_of.pop(block)
+        del self._block_of[evicted]
         self.num_evictions += 1
+        if self._events is not None:
+            self._events.append((evicted, False))
         return block
 
 

@@ -17,7 +17,7 @@ from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.forks import sequence_id, split_sequence_id
 from modeling.runner import StepInput
-from modeling.instance_config import InstanceConfig, Problems, booleans, integers
+from modeling.instance_config import InstanceConfig, Problems, booleans, integers, set_by
 from modeling.logprobs import TokenLogprob
 from modeling.sampling import PromptLogprobs, RequestSampler, SamplingParams, token_logprobs
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk
@@ -44,7 +44,7 @@ class EngineConfig(InstanceConfig):
     token_budget: int = 512
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    prefix_caching: bool = True
+    prefix_caching: bool = field(default=True, metadata=set_by("prefix_caching.enabled"))
 
     def check(self) -> Problems:
         errs = super().check() + integers(self, ("token_budget", "max_num_seqs")) + booleans(self, ("prefix_caching",))

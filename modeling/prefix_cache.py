@@ -16,6 +16,19 @@ from modeling.block_pool import BlockPool
 from modeling.prefix_hash import block_hashes
 
 
+@dataclass(frozen=True)
+class PrefixCacheEvents:
+    """What an instance's cache started and stopped holding, for the router's index (``controller/kv_index.py``):
+    ``events`` are (block hash, stored) in order (stored False: evicted). ``reset``: the events list everything
+    held now and replace whatever the router knew of the instance. ``salt`` and ``block_size`` say how the
+    instance hashes a prompt (``modeling/prefix_hash.py``)."""
+
+    salt: bytes
+    block_size: int
+    events: tuple[tuple[int, bool], ...]
+    reset: bool = False
+
+
 @dataclass
 class PrefixCacheStats:
     """Prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens)."""
@@ -34,29 +47,43 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._hashed: dict[str, list[int]] = {}  # sequence id -> hashes of its full blocks seen so far
         self._computed_in_full: set[str] = set()  # sequences that must compute every prompt position
+        self._publishing = False
 
     @property
     def num_tracked(self) -> int:
         """Sequences with per-sequence state here (0 once every one has ended)."""
         return len(self._hashed.keys() | self._computed_in_full)
 
+    def take_events(self) -> PrefixCacheEvents | None:
+        """The cache's changes since the last call (None: none, or caching is off). The first call lists
+        everything cached so far (``reset``) and starts the pool recording its changes."""
+        if not self.enabled:
+            return None
+        bs = self.pool.block_size
+        if not self._publishing:
+            self._publishing = True
+            self.pool.record_events()
+            return PrefixCacheEvents(self.salt, bs, tuple((h, True) for h in self.pool.cached_hashes), reset=True)
+        events = self.pool.take_events()
+        return PrefixCacheEvents(self.salt, bs, tuple(events)) if events else None
+
     def compute_in_full(self, seq_id: str) -> None:
         """The sequence needs every prompt position computed (its prompt's log-probabilities): no lookup."""
         self._computed_in_full.add(seq_id)
 
-    def attach(self, seq) -> int:
+    def attach(self, seq, upto: int | None = None) -> int:
         """A sequence about to be scheduled with no blocks and nothing computed (new, or preempted) starts
-        from the cached blocks of its prompt's longest cached prefix, marked computed; returns how many prompt
-        tokens that covers (0 for any other sequence)."""
+        from the cached blocks of the longest cached prefix of its first ``upto`` tokens (default: its prompt
+        but the last token), marked computed; returns how many tokens that covers (0 for any other sequence)."""
         if not self.enabled or seq.block_table.blocks or seq.num_computed or seq.request_id in self._computed_in_full:
             return 0
-        prompt = seq.prompt_ids
-        hashes = block_hashes(prompt[: len(prompt) - 1], self.pool.block_size, self.salt)
+        upto = len(seq.prompt_ids) - 1 if upto is None else upto
+        hashes = block_hashes(seq.tokens[:upto], self.pool.block_size, self.salt)
         blocks = self.pool.cached_prefix(hashes)
         seq.block_table.blocks = list(blocks)
         seq.num_computed = len(blocks) * self.pool.block_size
         self._hashed[seq.request_id] = hashes[: len(blocks)]
-        self.stats.queries += len(prompt)
+        self.stats.queries += upto + 1
         self.stats.hits += seq.num_computed
         return seq.num_computed
 

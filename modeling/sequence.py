@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted (its KV dropped, to be recomputed)
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved on a decode worker; the prompt's KV is in transfer
+    PREFILLING = "prefilling"  # on a decode worker: the prompt's uncached rest is computed there, no transfer
     RUNNING = "running"
     MIGRATING = "migrating"  # live migration: stopped on its source, or arrived on its destination, holding its KV
     FINISHED = "finished"

@@ -20,7 +20,7 @@ class PrefillWorkerConfig(InstanceConfig):
     token_budget: int = 512
     max_num_seqs: int = 16
     layerwise_streaming: bool = True
-    prefix_caching: bool = True
+    prefix_caching: bool = field(default=True, metadata=set_by("prefix_caching.enabled"))
     transfer: TransferConfig = field(default_factory=TransferConfig, metadata=set_by("kv_transfer"))
 
     def check(self) -> Problems:

@@ -53,21 +53,63 @@ def test_text_prompt_unary_and_stream_agree(server):
     assert unary.text == "".join(ch.text for ch in streamed)
 
 
+def _instances(address):
+    with Client(address) as c:
+        return {i.name: i for i in c.status().instances}
+
+
+def _grew(before, after, field):
+    """{instance: how much ``field`` grew} for the instances where it did."""
+    return {n: getattr(after[n], field) - getattr(before[n], field) for n in after
+            if getattr(after[n], field) != getattr(before[n], field)}
+
+
 def test_seeded_sampling_is_reproducible(server):
     """Same seed, same output (speculative sampling draws its randomness from the request's seeded
-    generator, continued across the prefill -> decode hand-off)."""
+    generator, continued across the prefill -> decode hand-off), also when the repeat is prefilled on the
+    decode instance from the KV the first run left there (no prefill instance involved)."""
     prompt = prompts_of([40], seed=2)[0]
     kw = dict(max_tokens=30, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     a, _ = stream_ids(server, prompt, **kw)
-    with Client(server) as c:
-        before = {i.name: i for i in c.status().instances}["prefill-0"]
-        b, _ = stream_ids(server, prompt, **kw)  # prefilled from the prefix cache: 2 of its 3 blocks
-        after = {i.name: i for i in c.status().instances}["prefill-0"]
+    before = _instances(server)
+    b, _ = stream_ids(server, prompt, **kw)  # 2 of its 3 blocks cached where a decoded
+    after = _instances(server)
     assert a == b
-    assert after.prefix_cache_queries - before.prefix_cache_queries == 40
-    assert after.prefix_cache_hits - before.prefix_cache_hits == 32 and after.cached_kv_blocks >= 2
+    assert _grew(before, after, "prefix_cache_queries") == {name: 40 for name in _grew(before, after, "prefix_cache_hits")}
+    assert list(_grew(before, after, "prefix_cache_hits").values()) == [32]
+    assert "prefill-0" not in _grew(before, after, "prefix_cache_queries")
     c, _ = stream_ids(server, prompt, **{**kw, "seed": 4321})
     assert c != a
+
+
+def test_a_conversations_next_turn_is_prefilled_where_the_last_one_decoded(server, reference):
+    """Turn 2 (turn 1's prompt + its output + a new message) goes back to the decode instance that served turn 1
+    and is prefilled there from the KV turn 1 left, computing only the new tokens: the prefill instance sees
+    nothing of it, and the tokens equal the reference engine's. A turn whose new part is longer than
+    ``local_prefill_tokens`` goes through the prefill instance, which computes it from its own cached prefix."""
+    p1, question, long_question = prompts_of([100, 30, 300], seed=12)
+    greedy = dict(max_tokens=40, ignore_eos=True)
+    before = _instances(server)
+    out1, _ = stream_ids(server, p1, **greedy)
+    assert out1 == reference.generate([p1], SamplingParams(**greedy))[0].token_ids
+    served = list(_grew(before, _instances(server), "tokens_generated"))
+    p2 = p1 + out1 + question
+    before = _instances(server)
+    out2, _ = stream_ids(server, p2, **greedy)
+    after = _instances(server)
+    assert out2 == reference.generate([p2], SamplingParams(**greedy))[0].token_ids
+    hits = _grew(before, after, "prefix_cache_hits")
+    assert list(hits) == served[:1] and len(served) == 1  # where turn 1 decoded
+    assert hits[served[0]] == (len(p1) + len(out1) - 1) // 16 * 16  # every final block of turn 1
+    assert "prefill-0" not in _grew(before, after, "prefix_cache_queries")
+
+    p3 = p1 + out1 + long_question
+    before = _instances(server)
+    out3, _ = stream_ids(server, p3, **greedy)
+    after = _instances(server)
+    assert out3 == reference.generate([p3], SamplingParams(**greedy))[0].token_ids
+    assert _grew(before, after, "prefix_cache_queries")["prefill-0"] == len(p3)
+    assert _grew(before, after, "prefix_cache_hits")["prefill-0"] == len(p1) // 16 * 16  # turn 1's prompt
 
 
 def test_cancellation_frees_kv_on_both_workers(server):

@@ -460,8 +460,9 @@ def test_a_client_that_leaves_before_the_response_cancels_its_request(http):
 
 
 def test_a_repeated_prompt_is_prefilled_from_the_prefix_cache(client, http):
-    """The second time, the prompt's full blocks come from the prefill instance's prefix cache: only the rest is
-    computed (seen in the metrics), and the greedy output is the same."""
+    """The second time, the prompt's full blocks are cached on the decode instance that served the first (its
+    prompt and output stay there): the router has that instance prefill the rest itself, with no prefill
+    instance involved (seen in the metrics), and the greedy output is the same."""
     prompt = "".join(f"def add_{i}(x):\n    return x + {i}\n\n\n" for i in range(6))
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     num_prompt = first.usage.prompt_tokens
@@ -469,9 +470,15 @@ def test_a_repeated_prompt_is_prefilled_from_the_prefix_cache(client, http):
     before = scrape(http[0])
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     after = scrape(http[0])
-    hits = sample(after, "magicserve:prefix_cache_hits_total", instance="prefill-0") - \
-        sample(before, "magicserve:prefix_cache_hits_total", instance="prefill-0")
-    assert hits == (num_prompt - 1) // 16 * 16  # every full block but the one holding the last prompt token
+
+    def grew(name, **labels):
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    # every full block but the one holding the last prompt token
+    assert grew("magicserve:prefix_cache_hits_total", instance="decode-0") == (num_prompt - 1) // 16 * 16
+    assert grew("magicserve:prefix_cache_queries_total", instance="prefill-0") == 0
+    assert grew("magicserve:decode_local_prefills_total") == 1
+    assert sample(after, "magicserve:kv_cache_blocks_cached", instance="decode-0") >= (num_prompt - 1) // 16
     assert again.choices[0].text == first.choices[0].text
 
 

@@ -37,7 +37,14 @@ def test_migration_round_trip_and_finish_while_migrating():
     assert r.state is S.FINISHED
 
 
-@pytest.mark.parametrize("path", [[S.DECODING], [S.PREFILLING, S.DECODING], [S.FINISHED],
+def test_prefilled_on_the_decode_instance_skips_the_transfer():
+    r = RequestRecord("local", StateCounters())
+    for s in (S.PREFILLING, S.DECODING, S.FINISHED):
+        r.to(s)
+    assert [s for s, _ in r.history] == [S.QUEUED, S.PREFILLING, S.DECODING, S.FINISHED]
+
+
+@pytest.mark.parametrize("path", [[S.DECODING], [S.QUEUED, S.TRANSFERRING], [S.FINISHED],
                                   [S.PREFILLING, S.TRANSFERRING, S.MIGRATING],
                                   [S.PREFILLING, S.TRANSFERRING, S.DECODING, S.MIGRATING, S.QUEUED]])
 def test_illegal_moves_refused(path):

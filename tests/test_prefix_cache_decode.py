@@ -1,0 +1,151 @@
+"""Prefix caching on the decode worker: a finished request leaves its prompt and generated tokens' KV cached,
+a conversation's next turn is prefilled here from it (``add_prefill``) with the tokens of a cold run, only
+final KV is ever cached (never a draft position or a half-computed prompt), and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
+from decode_worker.messages import DecodeRequest
+from decode_worker.worker import DecodeWorker
+from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.sampling import SamplingParams
+from tests.test_decode_worker import prompts_of
+
+BS = 16
+
+
+def cold_reference(directory, prompts, params):
+    """Outputs of the colocated engine with caching off: every prompt computed from its first token."""
+    engine = ReferenceEngine(directory, EngineConfig(kv_cache_tokens=16384, attention_backend="torch",
+                                                     prefix_caching=False))
+    return [c.token_ids for c in engine.generate(prompts, params)]
+
+
+def decode_worker(directory, kv_cache_tokens=16384, prefill_chunk=1024, **spec):
+    spec = {"drafter": "self_sparse", "k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4, **spec}
+    cfg = DecodeWorkerConfig(dtype="float32", kv_cache_tokens=kv_cache_tokens, attention_backend="torch",
+                             profile_on_start=False, prefill_chunk=prefill_chunk,
+                             speculation=SpeculationConfig(**spec))
+    return DecodeWorker(directory, cfg)
+
+
+def drain(worker, outs=None):
+    """Step until idle; returns {request id: every token id its deltas carried} (a further sequence of
+    a request under ``"<id>/<index>"``)."""
+    outs = {} if outs is None else outs
+    while worker.has_work():
+        for d in worker.step():
+            outs.setdefault(d.request_id if d.index == 0 else f"{d.request_id}/{d.index}", []).extend(d.token_ids)
+    return outs
+
+
+def assert_idle(worker):
+    """Nothing held: every block free (cached ones among them) and no per-request cache state left."""
+    assert not worker.has_work()
+    assert worker.pool.num_free == worker.pool.num_blocks
+    assert worker.pool.num_evictable == worker.pool.num_cached
+    assert worker.prefix_cache.num_tracked == 0
+
+
+@pytest.mark.parametrize("drafter", ["self_sparse", "none"])
+def test_next_turn_is_prefilled_from_the_previous_turns_kv(llama_dir, drafter):
+    """Turn 2 = turn 1's prompt + its output + a new message: prefilled on the decode worker from the KV turn 1
+    left (prompt and generated blocks), with the tokens of a cold run on the reference engine."""
+    p1, question = prompts_of([70, 37], seed=3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    worker = decode_worker(llama_dir, drafter=drafter)
+    outs = {"t1": []}
+    for d in worker.add_local("t1", p1, params):
+        outs["t1"].extend(d.token_ids)
+    drain(worker, outs)
+    out1 = outs["t1"]
+    assert out1 == cold_reference(llama_dir, [p1], params)[0]
+    assert_idle(worker)
+    # turn 1's last token has no KV: the final positions are its prompt and every output token but the last
+    final = len(p1) + len(out1) - 1
+    assert worker.pool.num_cached == final // BS
+
+    p2 = p1 + out1 + question
+    before = (worker.prefix_cache.stats.queries, worker.prefix_cache.stats.hits)
+    assert worker.add_prefill(DecodeRequest("t2", tuple(p2), params))
+    assert worker.requests["t2"].seq.num_computed == final // BS * BS  # found cached, marked computed
+    out2 = drain(worker)["t2"]
+    assert out2 == cold_reference(llama_dir, [p2], params)[0]
+    assert worker.prefix_cache.stats.queries - before[0] == len(p2)
+    assert worker.prefix_cache.stats.hits - before[1] == final // BS * BS
+    assert_idle(worker)
+
+
+def test_only_verified_positions_are_cached(llama_dir):
+    """With speculation, a block is cached only once every position in it holds verified target KV: the
+    blocks cached while a request runs never reach past its computed positions."""
+    prompt = prompts_of([50], seed=4)[0]
+    worker = decode_worker(llama_dir, k=5)
+    worker.add_local("a", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+    seq = worker.requests["a"].seq
+    while worker.has_work():
+        worker.step()
+        if worker.has_work():
+            cached = [b for b in seq.block_table.blocks if worker.pool.cached_hash(b) is not None]
+            assert cached == seq.block_table.blocks[:len(cached)]
+            assert len(cached) * BS <= seq.num_computed
+    assert worker.metrics.draft_tokens > worker.metrics.accepted_tokens  # drafts were rejected along the way
+
+
+def test_an_aborted_local_prefill_leaves_no_block_cached(llama_dir):
+    """A request aborted halfway through its local prefill caches nothing of what it computed; the cached
+    prefix it started from stays cached, and every block is free again."""
+    base = prompts_of([64], seed=5)[0]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    worker = decode_worker(llama_dir, prefill_chunk=32)
+    worker.add_local("warm", base + [5], params)  # caches the first 4 blocks of base
+    drain(worker)
+    cached = worker.pool.num_cached
+    long = base + prompts_of([200], seed=6)[0]
+    assert worker.add_prefill(DecodeRequest("b", tuple(long), params))
+    assert worker.requests["b"].seq.num_computed == 64
+    worker.step()  # one 32-token chunk of the 200 uncached tokens
+    assert worker.requests["b"].seq.num_computed == 96
+    assert worker.abort("b")
+    assert worker.pool.num_cached == cached
+    assert_idle(worker)
+
+
+def test_preempted_requests_resume_from_their_cached_blocks(llama_dir):
+    """A preempted request recomputes only what is no longer cached (here, its blocks were not needed by
+    anyone else): outputs unchanged, hits counted."""
+    prompts = prompts_of([100, 120, 90, 110], seed=9)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = cold_reference(llama_dir, prompts, params)
+    worker = decode_worker(llama_dir, kv_cache_tokens=640)
+    outs = {}
+    for i, p in enumerate(prompts):
+        for d in worker.add_local(f"r{i}", p, params):
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+        for d in worker.step():
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+    drain(worker, outs)
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+    assert worker.metrics.preemptions > 0 and worker.prefix_cache.stats.hits > 0
+    assert_idle(worker)
+
+
+def test_several_sequences_and_no_room(llama_dir):
+    """n = 2 prefilled here: both sequences start from the cached prefix (greedy: the same tokens); a
+    request with no room is refused without holding a block."""
+    base = prompts_of([80], seed=7)[0]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    worker = decode_worker(llama_dir, kv_cache_tokens=320)
+    worker.add_local("warm", base, params)
+    drain(worker)
+    prompt = base + [9, 10, 11]
+    assert worker.add_prefill(DecodeRequest("two", tuple(prompt), SamplingParams(max_tokens=12, n=2, ignore_eos=True)))
+    outs = drain(worker)
+    expected = cold_reference(llama_dir, [prompt], params)[0]
+    assert outs["two"] == outs["two/1"] == expected
+    assert_idle(worker)
+    assert not worker.add_prefill(DecodeRequest("big", tuple(prompts_of([400], seed=8)[0]), params))
+    assert "big" not in worker.requests
+    assert_idle(worker)
