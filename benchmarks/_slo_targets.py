@@ -59,6 +59,7 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     _last_token_s: float | None = field(default=None, repr=False)  # not serialised (see to_json)
+    _output_ids: list = field(default_factory=list, repr=False)  # the output's token ids, where the target sends them
 
     def start(self, now: float) -> None:
         self.sent_s = now
@@ -378,6 +379,7 @@ class OpenAITarget:
             for choice in msg.get("choices") or ():
                 ids = choice.get("token_ids")
                 record.add_tokens(len(ids) if ids is not None else int(bool(choice.get("text"))), now)
+                record._output_ids.extend(ids or ())
                 finish = choice.get("finish_reason") or finish
             if msg.get("usage"):
                 usage_tokens = msg["usage"].get("completion_tokens")
