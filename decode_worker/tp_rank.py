@@ -80,9 +80,9 @@ class DecodeRankFollower(TPFollower):
         migrates there (called by the controller beside the serving loop, as the driver's is)."""
         self.migration.connect(destination, destination_tp, rendezvous, generation)
 
-    def _reserve(self, request_id: str, slot: int, num_tokens: int, blocks: list[int]) -> None:
+    def _reserve(self, request_id: str, slot: int, num_tokens: int, blocks: list[int], have_blocks: int = 0) -> None:
         self._blocks.given[request_id] = list(blocks)
-        self.receiver.reserve(request_id, num_tokens)
+        self.receiver.reserve(request_id, num_tokens, have_blocks)
         self._slots[request_id] = slot
         self.group.barrier()  # the driver hands out the block ids only once every rank expects them
 

@@ -136,9 +136,11 @@ class DecodeWorker:
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """``BlockReserver`` for this worker's receiver: blocks for a request waiting for its KV (prompt and
-        the first decode step); None when there is no room. Only requests added by ``add_remote`` get any."""
+        the first decode step, after the cached prefix it holds already); None when there is no room. Only
+        requests added by ``add_remote`` get any."""
         live = self.requests.get(request_id)
-        if live is None or live.seq.status is not SequenceStatus.WAITING_FOR_KV or live.seq.block_table.blocks:
+        if live is None or live.seq.status is not SequenceStatus.WAITING_FOR_KV or \
+                live.seq.block_table.capacity >= num_tokens:
             raise InvalidRequestError("request_id", f"{request_id!r} is not waiting for KV on this worker")
         if not self.scheduler.reserve(live.seq, num_tokens):
             return None
@@ -150,8 +152,7 @@ class DecodeWorker:
         live = self.requests.get(request_id)
         if live is not None and live.seq.status is SequenceStatus.WAITING_FOR_KV:
             del self.requests[request_id]
-            live.seq.block_table.release(self.pool)
-            self.pool.free(self._fork_blocks.pop(request_id, []))
+            self._drop_unstarted(live.seq)
 
     def kv_received(self, kv: ReceivedKV) -> list[TokenDelta]:
         """The prompt's KV and first token arrived: the request starts decoding from the first token (the
@@ -348,8 +349,9 @@ class DecodeWorker:
                                    seq.sampler.params.num_sequences == 1, frozenset(self.requests))
 
     def hold(self, request: DecodeRequest, num_tokens: int) -> bool:
-        """A new request waiting for its KV, with blocks for ``num_tokens`` positions (False: no room); on a
-        tensor-parallel instance every rank expects its heads in the same blocks."""
+        """A new request waiting for its KV, with blocks for ``num_tokens`` positions (False: no room): its
+        prompt's longest cached prefix here, whose KV the sender then skips, and new blocks for the rest. On
+        a tensor-parallel instance every rank expects its heads in the same blocks."""
         rid = request.request_id
         self._check_new(rid, list(request.prompt_ids), request.params)
         n = request.params.num_sequences
@@ -359,15 +361,19 @@ class DecodeWorker:
             return False  # room for every sequence of the request, or none
         seq = self._new_sequence(rid, list(request.prompt_ids), request.params, BlockTable(self.config.block_size))
         seq.status = SequenceStatus.WAITING_FOR_KV
+        self.prefix_cache.attach(seq)
+        have = len(seq.block_table.blocks)
         self.requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
-        blocks = self.receiver.reserve(rid, num_tokens)  # -> self.reserve, which takes the blocks
+        blocks = self.receiver.reserve(rid, num_tokens, have)  # -> self.reserve, which takes the blocks
         if blocks is not None and fork_room:
             self._fork_blocks[rid] = self.pool.allocate(fork_room)
         if blocks is None:
             del self.requests[rid]
+            self._drop_unstarted(seq)
         elif self.tp is not None:
             slot = self._rank_outcomes.track(rid)
-            self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=num_tokens, blocks=blocks)
+            self.runner.call("kv_reserve", request_id=rid, slot=slot, num_tokens=num_tokens, blocks=blocks,
+                             have_blocks=have)
             self.tp.barrier()
         return blocks is not None
 
@@ -388,9 +394,7 @@ class DecodeWorker:
             try:
                 out.extend(self.kv_received(kv))
             except InvalidRequestError as err:  # a transfer without a first token: nothing to decode from
-                live = self.requests.pop(kv.request_id)
-                live.seq.block_table.release(self.pool)
-                self.pool.free(self._fork_blocks.pop(kv.request_id, []))
+                self._drop_unstarted(self.requests.pop(kv.request_id).seq)
                 if kv.request_id in self.migrations.incoming:  # a migration whose state does not fit: it stays on its source
                     self.migrations.incoming.discard(kv.request_id)
                     out.append(MigrationFailed(kv.request_id, str(err)))

@@ -139,14 +139,16 @@ class PromptEnd:
 
 @dataclass(frozen=True)
 class Reply:
-    """Receiver -> sender about one transfer: ACCEPT (room is there: send), BUSY (no room now: retry later
-    or elsewhere), REFUSE (with the reason), DONE (all bytes are in the cache: the sender may free its
-    blocks)."""
+    """Receiver -> sender about one transfer: ACCEPT (room is there: send; ``skip_blocks``: the receiver
+    holds the KV of the first that many blocks already, from its prefix cache, so the sender starts after
+    them), BUSY (no room now: retry later or elsewhere), REFUSE (with the reason), DONE (all bytes are in the
+    cache: the sender may free its blocks)."""
 
     kind: str
     transfer_id: int
     reason: str = ""
     retryable: bool = False
+    skip_blocks: int = 0
 
     KINDS = ("accept", "busy", "refuse", "done")
 
@@ -203,4 +205,5 @@ def decode_prompt_end(data: bytes) -> PromptEnd:
 
 def decode_reply(data: bytes) -> Reply:
     raw = json.loads(data)
-    return Reply(raw["kind"], int(raw["transfer_id"]), raw.get("reason", ""), bool(raw.get("retryable", False)))
+    return Reply(raw["kind"], int(raw["transfer_id"]), raw.get("reason", ""), bool(raw.get("retryable", False)),
+                 int(raw.get("skip_blocks", 0)))

@@ -114,6 +114,7 @@ class _Reservation:
     request_id: str
     num_tokens: int
     block_ids: list[int]
+    have_blocks: int = 0  # leading blocks whose KV is here already (a cached prefix): not sent
     heads_done: int = 0  # KV heads of this shard whose legs completed
     state: str = "reserved"  # reserved | receiving | complete | failed | cancelled
     inflight: int = 0  # piece groups with receives posted into these blocks: never free while > 0
@@ -137,8 +138,9 @@ class KVReceiver:
     API for the decode worker (all from its own thread):
 
     * ``connect(prefill_id, rendezvous)`` — form the pair with a prefill instance (blocks until it joins);
-    * ``reserve(request_id, num_tokens) -> list[int] | None`` — reserve via the BlockReserver and expect
-      this request's KV there (None: no room; the router waits or picks another instance);
+    * ``reserve(request_id, num_tokens, have_blocks=0) -> list[int] | None`` — reserve via the BlockReserver
+      and expect this request's KV there (None: no room; the router waits or picks another instance); the
+      first ``have_blocks`` blocks already hold their KV (a cached prefix): senders start after them;
     * ``poll() -> ReceiverEvents`` — completed prompts (KV and first token: admit them) and failed ones
       (already released);
     * ``release(request_id)`` — drop a reservation (cancelled request); bytes still in flight are drained.
@@ -175,19 +177,21 @@ class KVReceiver:
                          daemon=True).start()
         return channel.peer
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def reserve(self, request_id: str, num_tokens: int, have_blocks: int = 0) -> list[int] | None:
         with self._lock:
             if request_id in self._reservations:
                 raise ValueError(f"request_id: {request_id!r} already holds a reservation")
+        need = -(-num_tokens // self.fingerprint.block_size)
+        if not 0 <= have_blocks < need:
+            raise ValueError(f"have_blocks: must be in [0, {need}) for {num_tokens} tokens, got {have_blocks}")
         blocks = self.reserver.reserve(request_id, num_tokens)
         if blocks is None:
             return None
-        need = -(-num_tokens // self.fingerprint.block_size)
         if len(blocks) < need:
             self.reserver.release_reservation(request_id)
             raise ValueError(f"reserver returned {len(blocks)} blocks, {num_tokens} tokens need {need}")
         with self._lock:
-            self._reservations[request_id] = _Reservation(request_id, num_tokens, list(blocks))
+            self._reservations[request_id] = _Reservation(request_id, num_tokens, list(blocks), have_blocks)
         return list(blocks)
 
     def release(self, request_id: str) -> None:
@@ -287,7 +291,7 @@ class KVReceiver:
         if problem is not None:
             self._reply(channel, Reply("refuse", desc.transfer_id, reason=problem, retryable=False))
         else:
-            self._reply(channel, Reply("accept", desc.transfer_id))
+            self._reply(channel, Reply("accept", desc.transfer_id, skip_blocks=res.have_blocks))
 
     def _check_reservation(self, res: _Reservation | None, desc: TransferDescriptor) -> str | None:
         if res is None or res.state not in ("reserved", "receiving"):
@@ -305,7 +309,7 @@ class KVReceiver:
         res.state = "receiving"
         res.last_progress = time.monotonic()
         res.legs.add((channel, desc.transfer_id))
-        self._legs[(channel, desc.transfer_id)] = _RLeg(res, desc)
+        self._legs[(channel, desc.transfer_id)] = _RLeg(res, desc, blocks_received=res.have_blocks)
 
     def _answer_handshakes(self) -> None:
         """Owner thread: reserve for descriptors of requests not reserved for yet (BUSY when full); a
@@ -339,7 +343,7 @@ class KVReceiver:
                 if problem is None:
                     self._register_leg(channel, res, desc)
             if problem is None:
-                self._reply(channel, Reply("accept", desc.transfer_id))
+                self._reply(channel, Reply("accept", desc.transfer_id, skip_blocks=res.have_blocks))
             else:
                 self._reply(channel, Reply("refuse", desc.transfer_id, reason=problem))
 

@@ -3,7 +3,8 @@
 Life of one transfer (one prompt; one *leg* per receiving decode rank):
 
     begin()        -> DESCRIPTOR to each receiver            (leg: hello)
-    reply ACCEPT   -> pieces may flow                        (leg: accepted)   BUSY -> re-ask later
+    reply ACCEPT   -> pieces may flow, from the first block the receiver does not hold already
+                                                             (leg: accepted)   BUSY -> re-ask later
     open_group()   -> PIECES frame per channel, then send_layer(i) after layer i is written
     flush()        -> pieces whose blocks were ready before the leg was accepted, all layers at once
     finish_prompt() -> FIRST_TOKEN frame to each receiver (the first token and the sampler's state)
@@ -85,7 +86,8 @@ class _Leg:
     descriptor: TransferDescriptor
     heads_local: slice
     state: str = "hello"  # hello | busy | accepted | done | failed
-    blocks_sent: int = 0
+    blocks_sent: int = 0  # counts the leading blocks the receiver held already (``skipped``)
+    skipped: int = 0
     sends_pending: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     retry_at: float = 0.0
@@ -245,7 +247,7 @@ class KVSender:
         between rounds: what is left to send is only what was written since)."""
         tr = self._transfers.get(request_id)
         return tr is not None and all(leg.state == "accepted" and leg.sends_pending == 0 and
-                                      leg.blocks_sent == tr.ready_blocks for leg in tr.legs)
+                                      leg.blocks_sent >= tr.ready_blocks for leg in tr.legs)
 
     def cancel(self, request_id: str) -> bool:
         """Forget a transfer here (its receivers are told by their owner, who drains what is in flight);
@@ -370,6 +372,10 @@ class KVSender:
             return  # a transfer that already failed here
         leg.last_progress = time.monotonic()
         if reply.kind == "accept":
+            if leg.state != "accepted":  # the receiver's cached prefix: those blocks are not sent
+                tr = self._transfers[leg.request_id]
+                leg.skipped = min(max(0, reply.skip_blocks), len(tr.src_blocks) - 1)
+                leg.blocks_sent = max(leg.blocks_sent, leg.skipped)
             leg.state = "accepted"
         elif reply.kind == "busy":
             leg.state = "busy"
@@ -431,10 +437,10 @@ class KVSender:
     def _count_done(self, tr: _Transfer) -> None:
         kv = self.cache.kv  # [layers, 2, num_blocks, block_size, heads, D]
         per_block_head = kv.shape[3] * kv.shape[5] * kv.element_size() * 2 * kv.shape[0]  # K and V, every layer
-        heads = sum(leg.heads_local.stop - leg.heads_local.start for leg in tr.legs)
         self.stats.completed += 1
         blocks = tr.ready_blocks if tr.live else len(tr.src_blocks)  # a live transfer sent only its ready blocks
-        self.stats.bytes += blocks * heads * per_block_head
+        self.stats.bytes += sum((blocks - leg.skipped) * (leg.heads_local.stop - leg.heads_local.start)
+                                for leg in tr.legs) * per_block_head
         self.stats.seconds += time.monotonic() - tr.started
 
     def _find_leg(self, peer: str, transfer_id: int) -> _Leg | None:

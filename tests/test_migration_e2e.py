@@ -33,9 +33,12 @@ def test_request_migrates_there_and_back_mid_stream_with_identical_output(server
         assert there.source != there.destination and there.destination.startswith("decode")
         mid = len(stream.tokens)
         stream.wait_tokens(mid + 20)
+        hits = {i.name: i.prefix_cache_hits for i in c.status().instances}[there.source]
         back = c.migrate("mig-1", there.source)
         assert back.committed, back.reason
         assert (back.source, back.destination) == (there.destination, there.source)
+        # the request's prompt blocks stayed cached where it started: the way back sends only the rest
+        assert {i.name: i.prefix_cache_hits for i in c.status().instances}[there.source] - hits == 144
         assert c.status().migrations_committed >= 2
     assert stream.join() == want
     assert stream.final.usage["completion_tokens"] == len(want)

@@ -52,6 +52,13 @@ def test_tp_pools_serve_the_reference_output(llama_dir, prefill_tp, decode_tp):
             results = list(pool.map(lambda p: stream_ids(address, p, max_tokens=30, ignore_eos=True), prompts))
         assert [ids for ids, _ in results] == expected
         assert all(final.usage["draft_tokens"] > 0 for _, final in results)  # speculation ran on TP ranks
+        # next turns from the KV the decode instance kept: a short one prefilled there (every rank computes
+        # its heads), a long one transferred without the blocks it holds (each rank skips its heads of them)
+        short, long = prompts_of([20, 300], seed=8)
+        for new in (short, long):
+            turn = prompts[2] + expected[2] + new
+            want = reference.generate([turn], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+            assert stream_ids(address, turn, max_tokens=30, ignore_eos=True)[0] == want
         assert wait_all_free(address)  # the drivers' pools; followers mirror them
 
 
