@@ -122,6 +122,15 @@ class BlockPool:
             out.append(block)
         return out
 
+    def cached_run(self, hashes: list[int]) -> int:
+        """How many of ``hashes``, from the first, the pool holds cached (a lookup: no reference taken)."""
+        n = 0
+        for h in hashes:
+            if h not in self._block_of:
+                break
+            n += 1
+        return n
+
     def cached_hash(self, block: int) -> int | None:
         return self._hash_of.get(block)
 

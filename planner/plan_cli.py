@@ -17,6 +17,7 @@ from planner.plan_output import plan_config, write_plan
 from planner.profile import Profile, ProfileError, describe_shape
 from planner.search import (NO_SPECULATION, Planner, PlanError, SearchSpace, SLOTarget, Workload, describe_spec,
                             speculation_settings, speculation_space)
+from planner.reuse_workload import REUSE_WORKLOADS
 from planner.workload import WORKLOADS, load_trace, workload_shape
 
 
@@ -56,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-ms", type=float, required=True, help="TPOT SLO (mean per output token after the first)")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", default="long_doc", choices=sorted(WORKLOADS), help="synthetic workload shape")
+    src.add_argument("--workload", default="long_doc", choices=sorted(WORKLOADS) + sorted(REUSE_WORKLOADS),
+                     help="synthetic workload shape (multi_turn, shared_docs: prompts that repeat earlier ones, "
+                          "planned with prefix caching on)")
     src.add_argument("--trace", default=None, help="JSON-lines trace (arrival_s, prompt_tokens, output_tokens)")
     p.add_argument("--num-requests", type=int, default=200, help="requests per simulation (synthetic workloads)")
     p.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1 = Poisson)")
@@ -121,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
 def _workload(args):
     if args.trace:
         return Workload(trace=tuple(load_trace(args.trace)), cv=args.cv, seed=args.seed)
+    if args.workload in REUSE_WORKLOADS:
+        return Workload(reuse=args.workload, num_requests=args.num_requests, seed=args.seed)
     return Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
 
 
@@ -131,6 +136,9 @@ def run_cost(args: argparse.Namespace) -> int:
 
     if args.rate is None or not (args.rate > 0 and math.isfinite(args.rate)):
         raise fail(f"--rate: required with --objective cost, must be > 0 req/s, got {args.rate}")
+    if not args.trace and args.workload in REUSE_WORKLOADS:
+        raise fail(f"--workload {args.workload}: --objective cost plans request sizes by slices, which a workload "
+                   f"with reuse does not split into; plan it with --objective goodput")
     if not args.model:
         raise fail("--model: required with --objective cost (llama-3.1-8b, llama-3.1-70b or an HF checkpoint dir)")
     try:

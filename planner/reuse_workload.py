@@ -12,8 +12,9 @@ A trace is a list of :class:`ReuseRequest`; :func:`prompt_lengths` gives each re
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.workload import LengthDist, WorkloadError, arrival_times
 
@@ -111,6 +112,29 @@ def shared_docs_trace(shape: SharedDocsShape, rate: float, seed: int = 0) -> lis
     times = arrival_times(rate, len(asks), seed + 1)
     return [ReuseRequest(t, d, q, docs[d], shape.question.sample(rng), shape.output.sample(rng))
             for t, (d, q) in zip(times, asks)]
+
+
+REUSE_WORKLOADS: dict[str, MultiTurnShape | SharedDocsShape] = {
+    "multi_turn": MultiTurnShape(),
+    "shared_docs": SharedDocsShape(),
+}
+
+
+def reuse_trace(name: str, rate: float, num_requests: int, seed: int = 0,
+                min_duration_s: float = 0.0) -> list[ReuseRequest]:
+    """About ``max(num_requests, rate * min_duration_s)`` requests of the named shape at ``rate`` requests/s:
+    multi_turn starts conversations at ``rate`` / (mean turns) per second; shared_docs asks enough
+    questions per document."""
+    if name not in REUSE_WORKLOADS:
+        raise WorkloadError(f"workload: unknown {name!r}; choose one of {sorted(REUSE_WORKLOADS)}")
+    if not rate > 0:
+        raise WorkloadError(f"rate: must be > 0 requests/s, got {rate}")
+    shape = REUSE_WORKLOADS[name]
+    n = max(num_requests, math.ceil(rate * min_duration_s))
+    if isinstance(shape, MultiTurnShape):
+        turns = sum(shape.turns) / 2
+        return multi_turn_trace(shape, max(1, math.ceil(n / turns)), rate / turns, seed)
+    return shared_docs_trace(replace(shape, questions=max(1, math.ceil(n / shape.documents))), rate, seed)
 
 
 def prompt_lengths(trace: list[ReuseRequest]) -> list[int]:

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
+from controller.kv_index import PrefixRouting
 from planner.profile import Profile, describe_shape
+from planner.reuse_workload import ReuseRequest, prompt_lengths, reuse_trace
 from planner.simulator import PoolPlan, SimConfig, simulate
 from planner.slo import attainment
 from planner.workload import RequestSpec, WorkloadShape, make_trace, scale_trace
@@ -66,16 +68,28 @@ class Workload:
     # whatever the rate: arrivals must span at least this long to measure a sustained rate.
     min_duration_s: float = 30.0
     max_requests: int = 20000  # bound on simulation cost
+    # a workload with reuse (``planner/reuse_workload.REUSE_WORKLOADS``) instead of a shape: simulated with
+    # prefix caching, conversations' later turns sent as the earlier ones end
+    reuse: str = ""
 
-    def at_rate(self, rate: float) -> list[RequestSpec]:
+    def at_rate(self, rate: float) -> list[RequestSpec] | list[ReuseRequest]:
         if self.trace:
             return scale_trace(list(self.trace), rate)
+        if self.reuse:
+            return reuse_trace(self.reuse, rate, self.num_requests, self.seed, self.min_duration_s)
         n = min(self.max_requests, max(self.num_requests, math.ceil(rate * self.min_duration_s)))
         return make_trace(self.shape, rate, n, self.seed, self.cv)
+
+    def prompt_lengths(self, rate: float = 1.0) -> list[int]:
+        trace = self.at_rate(rate)
+        return prompt_lengths(trace) if self.reuse else [r.prompt_tokens for r in trace]
 
     def describe(self) -> str:
         if self.trace:
             return f"trace of {len(self.trace)} requests"
+        if self.reuse:
+            return (f"{self.reuse} (at least {self.num_requests} requests and {self.min_duration_s:g} s of arrivals, "
+                    f"seed {self.seed}; prefix caching on)")
         return (f"{self.shape.name} (at least {self.num_requests} requests and {self.min_duration_s:g} s of arrivals, "
                 f"arrival cv {self.cv}, seed {self.seed})")
 
@@ -149,7 +163,9 @@ class Planner:
         self.bisect_steps = bisect_steps
         self.time_limit_s = time_limit_s
         self.progress = progress
-        self._max_prompt = max(r.prompt_tokens for r in workload.at_rate(1.0))
+        self._max_prompt = max(workload.prompt_lengths())
+        # workloads with reuse are planned for the cluster as it serves them: prefix caching on
+        self._caching = PrefixRouting() if workload.reuse else None
 
     # -- goodput by simulation -------------------------------------------------------------------------
 
@@ -208,7 +224,8 @@ class Planner:
         s = self.space
         return SimConfig("disaggregated", prefill=self._pool(np_, pshape, s.prefill_token_budget, s.prefill_max_prompts),
                          decode=self._pool(nd, dshape, 1, s.decode_max_num_seqs),
-                         speculation=spec, block_size=s.block_size, max_concurrent=s.max_concurrent)
+                         speculation=spec, block_size=s.block_size, max_concurrent=s.max_concurrent,
+                         prefix_caching=self._caching)
 
     # -- the search ---------------------------------------------------------------------------------------
 
@@ -247,7 +264,8 @@ class Planner:
             colocated = [Candidate(SimConfig("colocated", colocated=self._pool(self.space.devices // math.prod(shape),
                                                                                   shape, self.space.prefill_token_budget,
                                                                                   self.space.decode_max_num_seqs),
-                                             block_size=self.space.block_size, max_concurrent=self.space.max_concurrent),
+                                             block_size=self.space.block_size, max_concurrent=self.space.max_concurrent,
+                                             prefix_caching=self._caching),
                                    note="colocated baseline")
                          for shape in shapes]
             candidates += colocated

@@ -19,6 +19,12 @@ Step times come from one interface, ``StepCosts``: the profile's fitted cost of 
 mode's calibration (``profile.Calibration``); the simulation may multiply each step by a plug-in's factor
 (``Simulation.step_factor``: host contention, off by default).
 
+Prefix caching (``SimConfig.prefix_caching``): the instances run the real block pool and prefix cache
+(``modeling/prefix_cache.py``) over the requests' token ids (synthetic ones: ``planner/sim_reuse.py``), so a
+prompt starts from its longest cached prefix on every pool, a decode instance keeps finished requests' KV, a
+transfer carries only what the decode instance lacks, and a decode instance prefills a request itself when
+it holds all of it but a short suffix (``DecodeSim.hold_prefill``).
+
 Times are seconds of simulated time. No torch, no real work: each step is one event.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 from controller.migration_policy import InstanceLoad, RequestLoad
@@ -34,6 +41,8 @@ from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape, Step
 from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
+from modeling.prefix_cache import PrefixCache
+from modeling.prefix_hash import block_hashes
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerLimits
 from modeling.sequence import FinishReason, SequenceStatus
 from planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
@@ -57,6 +66,13 @@ class SimRequest:
     preemptions: int = 0
     placed: list = field(default_factory=list)  # instances whose ``assigned`` holds this request
     decode: "DecodeSim | None" = None  # disaggregated: the decode instance holding its KV reservation
+    # with prefix caching: the token ids of the prompt and of the output the model will produce (synthetic)
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+    next_turn: "SimRequest | None" = None  # multi_turn: sent ``next_turn.think_s`` after this one ends
+    think_s: float = 0.0
+    hashes: dict = field(default_factory=dict)  # block size -> the prompt's block hashes (cache lookups)
+    decode_cached: int = 0  # prompt tokens its decode instance held cached when it took the request
 
     @property
     def context(self) -> int:
@@ -99,7 +115,8 @@ class CountingBlockPool(BlockPool):
 
 class SimSequence:
     """A request on one instance as the real schedulers see a ``Sequence``: its token count, computed
-    tokens, block table and status (no token ids: the simulator never runs the model)."""
+    tokens, block table and status; with prefix caching, its token ids too (the simulator never runs the
+    model: they only identify the KV)."""
 
     def __init__(self, req: SimRequest, block_size: int):
         self.req = req
@@ -110,10 +127,40 @@ class SimSequence:
         self.block_table = BlockTable(block_size)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.prompt_ids = req.prompt_ids
+        self.tokens = None if req.prompt_ids is None else list(req.prompt_ids)
 
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def sync_tokens(self) -> None:
+        """Extend ``tokens`` (where kept) to the ``num_tokens`` the sequence has now."""
+        if self.tokens is not None and len(self.tokens) < self.num_tokens:
+            done = len(self.tokens) - self.num_prompt
+            self.tokens.extend(self.req.output_ids[done:self.num_tokens - self.num_prompt])
+
+
+SIM_SALT = b"simulated"
+
+
+def pool_and_cache(capacity_tokens: int, block_size: int, caching: bool) -> tuple[BlockPool, PrefixCache | None]:
+    """An instance's block pool: the counting one, or with caching the real one and its prefix cache."""
+    if not caching:
+        return CountingBlockPool(capacity_tokens // block_size, block_size), None
+    pool = BlockPool(capacity_tokens // block_size, block_size)
+    return pool, PrefixCache(pool, SIM_SALT)
+
+
+def cached_tokens(pool: BlockPool, cache: PrefixCache | None, req: SimRequest) -> int:
+    """Prompt tokens (all but the last) whose KV ``pool`` holds cached, as the router's index would see it."""
+    if cache is None or req.prompt_ids is None:
+        return 0
+    bs = pool.block_size
+    hashes = req.hashes.get(bs)
+    if hashes is None:
+        hashes = req.hashes[bs] = block_hashes(req.prompt_ids[:-1], bs, SIM_SALT)
+    return pool.cached_run(hashes) * bs
 
 
 class StepCosts:
@@ -149,9 +196,14 @@ class StepCosts:
 
     def recompute(self, context: int) -> float:
         """Prefilling a preempted sequence's ``context`` tokens again on a decode instance."""
+        return self.prefill_chunk(0, context)
+
+    def prefill_chunk(self, start: int, length: int) -> float:
+        """Prefilling positions ``start .. start + length`` of one sequence on a decode instance."""
         if self.prefill is not None:
-            return self.prefill.predict(prefill_features([(0, context)]))
-        return self.target.predict_pass(PassShape(1, context, context, kv_queries=context ** 2 // 2))
+            return self.prefill.predict(prefill_features([(start, length)]))
+        return self.target.predict_pass(PassShape(1, start + length, length,
+                                                  kv_queries=length * start + length * length // 2))
 
     def mixed_step(self, chunks: list[tuple[int, int]], decode_kv_tokens: list[int]) -> float:
         """A colocated step: prefill chunks and decode tokens (each reading ``decode_kv_tokens`` positions) in
@@ -166,6 +218,7 @@ class _Instance:
     (duration, completion callback) or None when nothing can run now."""
 
     role = ""
+    prefix_cache: PrefixCache | None = None
 
     def __init__(self, sim, name: str):
         self.sim = sim
@@ -215,6 +268,10 @@ class _Instance:
         else:
             fn()
 
+    def cached_tokens(self, req: SimRequest) -> int:
+        """Prompt tokens of ``req`` this instance holds cached (0 without caching)."""
+        return cached_tokens(self.scheduler.pool, self.prefix_cache, req)
+
     def _plan_step(self):
         raise NotImplementedError
 
@@ -225,13 +282,13 @@ class PrefillSim(_Instance):
     role = "prefill"
 
     def __init__(self, sim, name: str, costs: StepCosts, transfer: FittedModel, capacity_tokens: int,
-                 block_size: int, limits: SchedulerLimits):
+                 block_size: int, limits: SchedulerLimits, caching: bool = False):
         super().__init__(sim, name)
         self.costs = costs
         self.transfer = transfer
         self.block_size = block_size
-        self.pool = CountingBlockPool(capacity_tokens // block_size, block_size)
-        self.scheduler = PrefillScheduler(limits, self.pool)  # the worker's own scheduler
+        self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching)
+        self.scheduler = PrefillScheduler(limits, self.pool, self.prefix_cache)  # the worker's own scheduler
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
 
     def add(self, req: SimRequest) -> None:
@@ -255,9 +312,12 @@ class PrefillSim(_Instance):
         for c in chunks:
             seq, req = c.seq, c.seq.req
             seq.num_computed += c.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(seq, seq.num_computed)
             dest = req.decode.name
             begin = max(now, self.channel_free_at.get(dest, 0.0))
-            end = begin + self.transfer.predict({"passes": 1.0 if c.sample else 0.0, "tokens": float(c.num_tokens)})
+            sent = max(0, c.start + c.num_tokens - max(c.start, req.decode_cached))  # the decode side's cache: skipped
+            end = begin + self.transfer.predict({"passes": 1.0 if c.sample else 0.0, "tokens": float(sent)})
             self.channel_free_at[dest] = end
             if c.sample:
                 self.scheduler.hand_off(seq)
@@ -299,12 +359,16 @@ class DecodeSim(_Instance):
     role = "decode"
 
     def __init__(self, sim, name: str, profile: Profile, costs: StepCosts, capacity_tokens: int, block_size: int,
-                 max_num_seqs: int, spec: SpeculationConfig, rng: random.Random):
+                 max_num_seqs: int, spec: SpeculationConfig, rng: random.Random, caching: bool = False,
+                 prefill_chunk: int = 1024):
         super().__init__(sim, name)
         self.profile = profile
         self.costs = costs
         self.block_size = block_size
-        self.scheduler = DecodeScheduler(CountingBlockPool(capacity_tokens // block_size, block_size), max_num_seqs)
+        pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching)
+        self.scheduler = DecodeScheduler(pool, max_num_seqs, self.prefix_cache)
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: deque[SimSequence] = deque()  # requests prefilled here from their cached prefix
         self.spec = spec
         self.rng = rng
         self._rates: dict[int, float] = {}  # context bucket (64 tokens) -> acceptance rate
@@ -324,10 +388,26 @@ class DecodeSim(_Instance):
         self.k_counts: dict[int, int] = {}
 
     def reserve(self, req: SimRequest) -> bool:
+        """Hold the request with blocks for its prompt and a step, from its cached prefix on."""
         seq = SimSequence(req, self.block_size)
+        if self.prefix_cache is not None:
+            self.prefix_cache.attach(seq)
         if not self.scheduler.reserve(seq, req.prompt_tokens):
+            seq.block_table.release(self.scheduler.pool)
+            if self.prefix_cache is not None:
+                self.prefix_cache.forget(seq.request_id)
             return False
+        req.decode_cached = seq.num_computed
         self.seqs[req.index] = seq
+        return True
+
+    def hold_prefill(self, req: SimRequest) -> bool:
+        """Hold the request and prefill the rest of its prompt here (``DecodeWorker.add_prefill``)."""
+        if not self.reserve(req):
+            return False
+        req.decode = self
+        self.prefilling.append(self.seqs[req.index])
+        self.kick()
         return True
 
     def load(self, moving: frozenset[int] | set[int] = frozenset()) -> InstanceLoad:
@@ -345,24 +425,50 @@ class DecodeSim(_Instance):
         """Free the request's blocks (reserved or live)."""
         self.scheduler.finish(self.seqs.pop(req.index))
 
+    def _commit(self, seq: SimSequence, num_final: int) -> None:
+        if self.prefix_cache is not None:
+            seq.sync_tokens()
+            self.prefix_cache.commit(seq, num_final)
+
     def _plan_step(self):
         for seq in self.ready:  # as the worker's step: arrived KV first, then the preempted that fit
             seq.num_computed = seq.num_tokens = seq.req.context
+            self._commit(seq, seq.num_prompt)
             self.scheduler.start(seq)
         self.ready.clear()
-        recompute_s = sum(self.costs.recompute(seq.num_tokens) for seq in self.scheduler.resumable())
-        if not self.scheduler.running:
+        recompute_s = 0.0
+        for seq in self.scheduler.resumable():  # from its cached prefix on, with caching
+            recompute_s += self.costs.prefill_chunk(seq.num_computed, seq.num_tokens - seq.num_computed)
+        prefill_s, prefilled = self._plan_prefill()
+        batch, k = [], 0
+        if self.scheduler.running:
+            k, batch, preempted = self.scheduler.make_room(self._choose_k())
+            for seq in preempted:
+                seq.req.preemptions += 1
+        if not batch and not prefill_s:
             return None
-        k, batch, preempted = self.scheduler.make_room(self._choose_k())
-        for seq in preempted:
-            seq.req.preemptions += 1
-        if not batch:
-            return None
-        self.k_counts[k] = self.k_counts.get(k, 0) + 1
-        self.step_outputs = len(batch)
-        duration = recompute_s * self.costs.cal.decode_scale + \
-            self.costs.decode_step([seq.num_tokens for seq in batch], k, self.spec.budget)
-        return duration, lambda: self._done(batch, k)
+        if batch:
+            self.k_counts[k] = self.k_counts.get(k, 0) + 1
+        self.step_outputs = len(batch) + len(prefilled)
+        duration = (recompute_s + prefill_s) * self.costs.cal.decode_scale
+        if batch:
+            duration += self.costs.decode_step([seq.num_tokens for seq in batch], k, self.spec.budget)
+        return duration, lambda: self._done(batch, k, prefilled)
+
+    def _plan_prefill(self) -> tuple[float, list[SimSequence]]:
+        """This step's chunk of the requests prefilled here (``prefill_chunk`` tokens, oldest first): its
+        time, and the requests whose prompt it completes (they sample their first token at its end)."""
+        seconds, done, budget = 0.0, [], self.prefill_chunk
+        while self.prefilling and budget > 0:
+            seq = self.prefilling[0]
+            n = min(seq.num_prompt - seq.num_computed, budget)
+            seconds += self.costs.prefill_chunk(seq.num_computed, n)
+            seq.num_computed += n
+            budget -= n
+            if seq.num_computed < seq.num_prompt:
+                break
+            done.append(self.prefilling.popleft())
+        return seconds, done
 
     def _choose_k(self) -> int:
         """The worker's own decision (``StepK``), with the policy's acceptance belief set to the profile's
@@ -380,7 +486,7 @@ class DecodeSim(_Instance):
             self._rates[bucket] = self.profile.acceptance_rate(self.spec.drafter, self.spec.budget, bucket << 6)
         return self._rates[bucket]
 
-    def _done(self, batch: list[SimSequence], k: int) -> None:
+    def _done(self, batch: list[SimSequence], k: int, prefilled: list[SimSequence] = ()) -> None:
         now = self.sim.now
         for seq in batch:  # nothing leaves the running batch between planning a step and its end
             req = seq.req
@@ -391,9 +497,16 @@ class DecodeSim(_Instance):
                 req.accepted_tokens += accepted
             req.generated += min(accepted + 1, req.remaining)
             seq.num_computed = seq.num_tokens = req.context  # verified positions; the last token's KV comes next
+            self._commit(seq, seq.num_computed)
             if req.remaining <= 0:
                 self.release(req)
                 self.sim.on_finish(req, now)
+        for seq in prefilled:  # their first token; they join the batch from the next step
+            self._commit(seq, seq.num_prompt)
+            self.sim.on_first_token(seq.req, now)
+            if not math.isnan(seq.req.finish_s):
+                continue
+            self.ready.append(seq)
 
 
 class ColocatedSim(_Instance):
@@ -402,12 +515,12 @@ class ColocatedSim(_Instance):
     role = "colocated"
 
     def __init__(self, sim, name: str, costs: StepCosts, capacity_tokens: int, block_size: int,
-                 limits: SchedulerLimits):
+                 limits: SchedulerLimits, caching: bool = False):
         super().__init__(sim, name)
         self.costs = costs
         self.block_size = block_size
-        self.pool = CountingBlockPool(capacity_tokens // block_size, block_size)
-        self.scheduler = ChunkedPrefillScheduler(limits, self.pool)  # the engine's own scheduler
+        self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching)
+        self.scheduler = ChunkedPrefillScheduler(limits, self.pool, self.prefix_cache)  # the engine's own scheduler
         preempt = self.scheduler.preempt
 
         def preempt_and_count(seq: SimSequence) -> None:  # the scheduler's own preemption, counted per request
@@ -435,6 +548,9 @@ class ColocatedSim(_Instance):
         for c in chunks:  # as ReferenceEngine._process: computed tokens, then a token where the chunk samples
             seq, req = c.seq, c.seq.req
             seq.num_computed += c.num_tokens
+            if self.prefix_cache is not None:
+                seq.sync_tokens()
+                self.prefix_cache.commit(seq, seq.num_computed)
             if not c.sample:
                 continue
             seq.num_tokens += 1

@@ -15,6 +15,12 @@ What it models (and mirrors from the real router, ``controller/router.py``):
             -> finish: the request's slot and memory free, the next queued request is admitted
             -> with ``SimConfig.migration``: the global rescheduling policy's rounds live-migrate decoding
                requests between decode instances (``sim_migration``)
+            -> with ``SimConfig.prefix_caching``: every pool keeps computed KV (the real prefix cache over the
+               requests' token ids), instances are chosen by cached prefix against load
+               (``controller/kv_index.by_cost``, with a perfect index), and a decode instance holding all of
+               a prompt but ``local_prefill_tokens`` prefills it itself; a trace with reuse
+               (``planner/reuse_workload.py``) sends a conversation's next turn a think time after the
+               previous one ends
 
 Instance behaviour lives in ``sim_instances`` (the real schedulers, run on plain objects). A step's time is
 its profiled cost times the mode's calibration (``sim_instances.StepCosts``): the serving path's own costs
@@ -34,11 +40,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from controller.kv_index import PrefixRouting, by_cost
 from controller.migration_policy import PolicyConfig, placement_order
 from controller.placement import blocks_for
 from planner.profile import Profile, calibration_threads
 from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
+from planner.reuse_workload import ReuseRequest
 from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
+from planner.sim_reuse import distinct_requests, reuse_requests
 from planner.slo import AttainmentWatch, RequestOutcome
 from planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
@@ -99,6 +108,8 @@ class SimConfig:
     max_concurrent: int = 64
     overhead_s: float = 0.0  # added to every TTFT (request path latency outside the workers)
     migration: SimMigration | None = None  # the global rescheduling policy (disaggregated); None: off
+    prefix_caching: PrefixRouting | None = None  # keep computed KV and route to it; None: off
+    decode_prefill_chunk: int = 1024  # tokens per step a decode instance prefills itself
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -114,6 +125,10 @@ class SimConfig:
         if self.migration is not None and self.mode != "disaggregated":
             raise SimConfigError("migration: live migration moves requests between decode instances "
                                  "(disaggregated mode only)")
+        if self.migration is not None and self.prefix_caching is not None:
+            raise SimConfigError("prefix_caching: not simulated together with migration")
+        if self.decode_prefill_chunk < 1:
+            raise SimConfigError(f"decode_prefill_chunk: must be >= 1, got {self.decode_prefill_chunk}")
 
     @property
     def devices(self) -> int:
@@ -227,13 +242,14 @@ class Simulation:
         rng = random.Random(seed)
         self.noise_rng = random.Random(seed + 104729)  # the plug-in's draws: a stream apart from acceptance
         c, bs, cal = config, config.block_size, self.calibration
+        caching = c.prefix_caching is not None
         self.prefill: list[PrefillSim] = []
         self.decode: list[DecodeSim] = []
         self.colocated: list[ColocatedSim] = []
         if c.mode == "colocated":
             p = c.colocated
             costs = StepCosts(profile, cal, p.shape)
-            self.colocated = [ColocatedSim(self, f"colocated-{i}", costs, p.kv_cache_tokens, bs, p)
+            self.colocated = [ColocatedSim(self, f"colocated-{i}", costs, p.kv_cache_tokens, bs, p, caching)
                               for i in range(p.instances)]
         else:
             p, d = c.prefill, c.decode
@@ -242,10 +258,11 @@ class Simulation:
             drafter = c.speculation.drafter if c.speculation.enabled else None
             dprofile = decode_profile or profile
             dcosts = StepCosts(dprofile, cal, d.shape, drafter)
-            self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs, p)
-                            for i in range(p.instances)]
+            self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs, p,
+                                       caching) for i in range(p.instances)]
             self.decode = [DecodeSim(self, f"decode-{i}", dprofile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
-                                     c.speculation, random.Random(rng.random())) for i in range(d.instances)]
+                                     c.speculation, random.Random(rng.random()), caching, c.decode_prefill_chunk)
+                           for i in range(d.instances)]
         self.instances = self.prefill + self.decode + self.colocated
         self.open_requests = 0  # arrived or to arrive, not finished
         self.watch: AttainmentWatch | None = None
@@ -266,17 +283,29 @@ class Simulation:
     def at(self, t: float, fn) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn))
 
-    def run(self, trace: list[RequestSpec], time_limit_s: float | None = None,
+    def run(self, trace: list[RequestSpec] | list[ReuseRequest], time_limit_s: float | None = None,
             watch: AttainmentWatch | None = None) -> SimResult:
         """Simulate ``trace``; requests unfinished at ``time_limit_s`` after the last arrival count as
         unfinished (they never attain the SLO). With ``watch`` (for the trace's length), the run stops as soon
         as the requests settled so far decide whether the trace attains the watch's target (a request settles
-        when it finishes, or misses once its first token or its last is later than its SLO allows)."""
-        reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
+        when it finishes, or misses once its first token or its last is later than its SLO allows). A trace
+        with reuse (``ReuseRequest``) sends a conversation's later turns as the earlier ones end (no watch)."""
+        if trace and isinstance(trace[0], ReuseRequest):
+            if watch is not None:
+                raise ValueError("watch: not supported on a trace with reuse (its later turns' arrivals are not "
+                                 "known in advance)")
+            reqs = reuse_requests(trace)
+        else:
+            reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
+            if self.config.prefix_caching is not None:
+                distinct_requests(reqs)
+        self._requests = reqs
         if watch is not None and watch.requests != len(reqs):
             raise ValueError(f"watch: made for {watch.requests} requests, the trace has {len(reqs)}")
         self.watch = watch
         for req in reqs:
+            if math.isnan(req.arrival_s):
+                continue  # a conversation's later turn: sent when the turn before it ends
             self.at(req.arrival_s, lambda req=req: self._arrive(req))
             if watch is not None and watch.checks_ttft:
                 self.at(req.arrival_s + watch.ttft_slo_s - self.client_delay_s + DEADLINE_MARGIN_S,
@@ -284,7 +313,8 @@ class Simulation:
         self.open_requests = len(reqs)
         if self.migration is not None:
             self.migration.start()
-        end = (max(r.arrival_s for r in reqs) + time_limit_s) if (reqs and time_limit_s is not None) else math.inf
+        arrivals = [r.arrival_s for r in reqs if not math.isnan(r.arrival_s)]
+        end = (max(arrivals) + time_limit_s) if (arrivals and time_limit_s is not None) else math.inf
         while self._events and self._events[0][0] <= end and (watch is None or watch.verdict is None):
             t, _, fn = heapq.heappop(self._events)
             self.now = t
@@ -317,7 +347,7 @@ class Simulation:
 
     def _place(self, req: SimRequest) -> None:
         if self.config.mode == "colocated":
-            inst = min(self.colocated, key=lambda i: len(i.assigned))
+            inst = self._cheapest(req, self.colocated)
             self._assign(req, inst)
             inst.add(req)
             return
@@ -325,6 +355,12 @@ class Simulation:
             self._unplaced.append(req)
             return
         first = self._decode_order(req)[0]  # the router's first try
+        routing = self.config.prefix_caching
+        cached = first.cached_tokens(req)
+        if routing is not None and 0 < cached and req.prompt_tokens - cached <= routing.local_prefill_tokens \
+                and first.hold_prefill(req):  # prefilled there, from its cache: no prefill instance
+            self._assign(req, first)
+            return
         if first.reserve(req):
             # contacted together with a prefill instance: prefill starts now, and the hold (answered between
             # decode steps) is in place before the KV can land, which joins the batch at a step boundary anyway
@@ -343,7 +379,32 @@ class Simulation:
         moving = self.migration.moving if self.migration is not None else frozenset()
         by_name = {d.name: d for d in self.decode}
         blocks = blocks_for(req.prompt_tokens + 1, self.config.block_size)
-        return [by_name[n] for n in placement_order([d.load(moving) for d in self.decode], blocks, policy)]
+        loads = {d.name: d.load(moving) for d in self.decode}
+        order = [by_name[n] for n in placement_order(list(loads.values()), blocks, policy)]
+        routing = self.config.prefix_caching
+        if routing is None or not routing.enabled:
+            return order
+        cached = {d.name: d.cached_tokens(req) for d in order}
+        if not any(cached.values()):
+            return order
+        roomy = [d for d in order if loads[d.name].free_blocks >= blocks]
+        return by_cost(roomy, req.prompt_tokens + 1, self.config.block_size, lambda d: cached[d.name],
+                       lambda d: loads[d.name].used_blocks, routing.overlap_weight) + [d for d in order if d not in roomy]
+
+    def _cheapest(self, req: SimRequest, pool: list):
+        """The instance to compute the prompt on (``Router._cheapest``): the fewest assigned requests, or with
+        a cached prefix somewhere the cheapest by blocks to compute against the prompt blocks queued there."""
+        routing = self.config.prefix_caching
+        cached = {i.name: i.cached_tokens(req) for i in pool} if routing is not None and routing.enabled else {}
+        if not any(cached.values()):
+            return min(pool, key=lambda i: len(i.assigned))
+        bs = self.config.block_size
+        reqs = self._requests
+
+        def queued(inst) -> int:
+            return sum(blocks_for(reqs[r].prompt_tokens, bs) for r in inst.assigned)
+
+        return by_cost(pool, req.prompt_tokens, bs, lambda i: cached[i.name], queued, routing.overlap_weight)[0]
 
     def _reserve_or_queue(self, req: SimRequest) -> None:
         if self._unplaced or not self._reserve(req):
@@ -360,7 +421,7 @@ class Simulation:
         """``decode`` holds the request: it goes to the prefill instance with the fewest assigned requests."""
         req.decode = decode
         self._assign(req, decode)
-        p = min(self.prefill, key=lambda i: len(i.assigned))
+        p = self._cheapest(req, self.prefill)
         self._assign(req, p)
         p.add(req)
 
@@ -400,6 +461,10 @@ class Simulation:
         for inst in req.placed:
             inst.assigned.discard(req.index)
         self._in_flight -= 1
+        nxt = req.next_turn
+        if nxt is not None:  # the client reads the last token, thinks, and sends the conversation's next turn
+            nxt.arrival_s = t + self.client_delay_s + nxt.think_s
+            self.at(nxt.arrival_s, lambda: self._arrive(nxt))
         while self._unplaced and self._reserve(self._unplaced[0]):
             self._unplaced.popleft()
         while self._queue and self._in_flight < self.config.max_concurrent:

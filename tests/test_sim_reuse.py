@@ -1,0 +1,116 @@
+"""The simulator with prefix caching, on hand-made profiles: a conversation's next turn is prefilled on the
+decode instance that holds the last one (its TTFT computable by hand), shared documents are computed once per
+instance, later turns arrive a think time after the turn before ends, and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.kv_index import PrefixRouting
+from planner.reuse_workload import MultiTurnShape, SharedDocsShape, multi_turn_trace, shared_docs_trace
+from planner.search import NO_SPECULATION, Planner, SearchSpace, SLOTarget, Workload
+from planner.simulator import PoolPlan, SimConfig, SimConfigError, Simulation
+from planner.sim_migration import SimMigration
+from planner.reuse_workload import ReuseRequest
+from planner.workload import LengthDist, WorkloadError, make_trace, workload_shape
+from tests.test_planner_sim import make_profile
+
+
+def config(caching: bool, decode: int = 1, overlap_weight: float = 1.0) -> SimConfig:
+    return SimConfig("disaggregated", prefill=PoolPlan(1, 1, 1 << 20, 512, 16), decode=PoolPlan(decode, 1, 1 << 20, 1, 64),
+                     speculation=NO_SPECULATION, prefix_caching=PrefixRouting(True, overlap_weight) if caching else None)
+
+
+def run(caching: bool, trace, decode: int = 1, overlap_weight: float = 1.0) -> Simulation:
+    sim = Simulation(make_profile(), config(caching, decode, overlap_weight))
+    sim.result = sim.run(trace)
+    return sim
+
+
+def assert_idle(sim: Simulation) -> None:
+    for inst in sim.instances:
+        assert inst.scheduler.pool.num_free == inst.scheduler.pool.num_blocks, inst.name
+        if inst.prefix_cache is not None:
+            assert inst.prefix_cache.num_tracked == 0, inst.name
+
+
+def test_the_next_turn_is_prefilled_where_the_last_one_decoded():
+    # turn 1: 1000 tokens, 11 out; turn 2, 1 s after: its 1000 + 11 + 100 = 1111-token prompt
+    trace = [ReuseRequest(0.0, 0, 0, 0, 1000, 11), ReuseRequest(0.0, 0, 1, 0, 100, 11, think_s=1.0)]
+    cold, warm = run(False, trace), run(True, trace)
+    for sim in (cold, warm):
+        t1, t2 = sim.result.records
+        assert t1.ttft_s == pytest.approx(2 * 5e-3 + 1000 * 1e-4)  # 512 + 488 tokens on the prefill instance
+        assert t2.arrival_s == pytest.approx(t1.finish_s + 1.0)
+        assert t2.completion_tokens == 11
+        assert_idle(sim)
+    # without caching: 512 + 512 + 87 tokens again on the prefill instance
+    assert cold.result.records[1].ttft_s == pytest.approx(3 * 5e-3 + 1111 * 1e-4)
+    # with it: turn 1 left its final positions cached on the decode instance (1010: 63 full blocks), which
+    # prefills the other 1111 - 1008 = 103 tokens itself in one chunk; the prefill instance never sees turn 2
+    assert warm.result.records[1].ttft_s == pytest.approx(5e-3 + 103 * 1e-4)
+    assert warm.prefill[0].steps == 2 and cold.prefill[0].steps == 5
+    assert warm.decode[0].prefix_cache.stats.hits == 1008
+
+
+@pytest.mark.parametrize("question,where", [(300, "prefill"), (100, "decode")])
+def test_shared_documents_are_computed_once_per_instance(question, where):
+    """Later questions on a document start from its cached KV: on the prefill instance when the question is
+    longer than ``local_prefill_tokens`` (256), else on the decode instance, which prefills the question itself."""
+    shape = SharedDocsShape(documents=2, questions=4, document=LengthDist(2000, 0.0, 2000, 2000),
+                            question=LengthDist(question, 0.0, question, question))
+    trace = shared_docs_trace(shape, rate=0.5, seed=2)
+    cold, warm = run(False, trace), run(True, trace)
+    first_seen = {}
+    for spec, rec in zip(trace, warm.result.records):
+        first_seen.setdefault(spec.group, rec)
+    later = [rec for spec, rec in zip(trace, warm.result.records) if first_seen[spec.group] is not rec]
+    assert all(rec.finished for rec in warm.result.records)
+    assert max(r.ttft_s for r in later) < min(r.ttft_s for r in first_seen.values()) / 3
+    hits = {"prefill": warm.prefill[0].prefix_cache.stats.hits, "decode": warm.decode[0].prefix_cache.stats.hits}
+    assert hits[where] == len(later) * 2000  # the document's 125 blocks, each time
+    # the first question on each document: 5 steps of up to 512 tokens; a later one on the prefill instance
+    # computes its 300 new tokens in one step, one on the decode instance none there
+    assert warm.prefill[0].steps == 2 * 5 + (len(later) if where == "prefill" else 0) < cold.prefill[0].steps
+    assert sum(r.ttft_s for r in warm.result.records) < sum(r.ttft_s for r in cold.result.records) / 2
+    assert_idle(warm)
+
+
+def test_conversations_go_back_to_the_instance_that_holds_them():
+    shape = MultiTurnShape(turns=(4, 4), first=LengthDist(800, 0.0, 800, 800), message=LengthDist(50, 0.0, 50, 50),
+                           output=LengthDist(20, 0.0, 20, 20), think_s=0.5, max_context=4096)
+    trace = multi_turn_trace(shape, conversations=6, rate=2.0, seed=1)
+    # a block to compute weighs 10 blocks in use: a turn goes back to the instance holding its conversation
+    # even when the other one is less loaded (with weight 1 a few turns go to the freer instance instead)
+    sim = run(True, trace, decode=2, overlap_weight=10.0)
+    assert all(rec.finished for rec in sim.result.records)
+    # every later turn was prefilled on a decode instance from the turn before: none reached the prefill pool
+    assert sim.prefill[0].prefix_cache.stats.queries == 6 * 800  # the first turns only
+    assert sum(d.prefix_cache.stats.hits for d in sim.decode) > 6 * 3 * 800
+    assert_idle(sim)
+
+
+def test_a_trace_without_reuse_simulates_the_same_with_caching_on():
+    trace = make_trace(workload_shape("chat"), rate=4.0, n=60, seed=3)
+    a, b = run(False, trace, decode=2), run(True, trace, decode=2)
+    assert [(r.first_token_s, r.finish_s) for r in a.result.records] == \
+        [(r.first_token_s, r.finish_s) for r in b.result.records]
+
+
+def test_caching_with_migration_is_refused():
+    with pytest.raises(SimConfigError, match="prefix_caching: not simulated together with migration"):
+        SimConfig("disaggregated", prefill=PoolPlan(1), decode=PoolPlan(2), prefix_caching=PrefixRouting(),
+                  migration=SimMigration())
+
+
+def test_the_planner_plans_a_workload_with_reuse_with_caching_on():
+    workload = Workload(reuse="shared_docs", num_requests=24, min_duration_s=1.0)
+    trace = workload.at_rate(2.0)
+    assert len(trace) >= 24 and all(isinstance(r, ReuseRequest) for r in trace)
+    assert max(workload.prompt_lengths()) == 3200 and "prefix caching on" in workload.describe()
+    planner = Planner(make_profile(prefill_per_token=5e-4), SLOTarget(3.0, 0.05), workload, SearchSpace(devices=2, tensor_parallel=(1,)),
+                      verify_top=1, bisect_steps=2, progress=False)
+    result = planner.run()
+    assert result.best.goodput > 0 and result.best.config.prefix_caching == PrefixRouting()
+    with pytest.raises(WorkloadError, match="workload: unknown 'chats'"):
+        Workload(reuse="chats").at_rate(1.0)
