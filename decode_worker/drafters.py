@@ -9,7 +9,9 @@ draft step costs O(budget) KV reads per sequence whatever the context length.
   verification pass then overwrites those positions with target-quality KV, so the view always holds
   target-quality KV for accepted tokens, and the window slides with every step.
 * :class:`DraftModelDrafter` runs a separate small model with its own cache; blocks that fall out of the
-  window are freed, so its memory stays at about ``budget`` tokens per sequence.
+  window are freed, so its memory stays at about ``budget`` tokens per sequence, and a sequence's cache is
+  built from its sink and last two windows only (a long prompt, or one the target prefilled from its
+  prefix cache, costs the draft O(budget) tokens).
 
 Sliding-window layers: the view is a property of the step, the layer's window one of the model, and the
 attention backends apply both (:mod:`modeling.attention.metadata`): on a layer with window ``W`` a draft
@@ -149,6 +151,7 @@ class _DraftState:
     table: BlockTable
     computed: int = 0  # leading tokens whose draft KV is cached
     evicted: set[int] = field(default_factory=set)  # indices of table entries already freed
+    floor: int = 0  # no view reaches below this position past the sink: the blocks there are freed
 
 
 class DraftModelDrafter:
@@ -171,13 +174,32 @@ class DraftModelDrafter:
         return min(seq_len, self.config.budget) + step + 1
 
     def admit(self, seq: Sequence) -> None:
+        """Streaming prefill of the sink and of the last two windows of tokens but the last (each chunk sees the
+        sink, the window and itself): no view reaches further back than one window, so the tokens in between
+        are skipped and the cache is built from O(budget) tokens whatever the context (a long prompt, or one
+        prefilled from the target's prefix cache). The first window after the skip sees only what was
+        computed; the next ones see full views."""
         state = _DraftState(BlockTable(self.pool.block_size))
         self._states[seq.request_id] = state
-        # Streaming prefill of everything but the last token: each chunk sees sink + window + itself.
         target = len(seq.tokens) - 1
+        bs = self.pool.block_size
+        sink_end = min(target, -(-self.config.sink_tokens // bs) * bs)  # the sink's blocks, whole
+        resume = max(sink_end, (target - 2 * self.config.window) // bs * bs)
         while state.computed < target:
-            n = min(self.prefill_chunk, target - state.computed)
+            if state.computed == sink_end and resume > sink_end:
+                self._skip(state, resume)
+            end = sink_end if state.computed < sink_end else target
+            n = min(self.prefill_chunk, end - state.computed)
             self._forward([seq], [seq.tokens[state.computed : state.computed + n]], num_logits=0)
+
+    def _skip(self, state: _DraftState, position: int) -> None:
+        """Go on from block-aligned ``position``: the table's entries below it, past the sink's, are marked
+        evicted without ever holding a block."""
+        bs = self.pool.block_size
+        first = len(state.table.blocks)
+        state.table.blocks.extend([self._EVICTED] * (position // bs - first))
+        state.evicted.update(range(first, position // bs))
+        state.computed = state.floor = position
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq.request_id, None)
@@ -206,7 +228,9 @@ class DraftModelDrafter:
         if tuple(kv.shape) != expect:
             raise ValueError(f"draft cache: expected a tensor of shape {expect}, got {tuple(kv.shape)}")
         blocks = self.pool.allocate(len(live))
-        state = _DraftState(BlockTable(self.pool.block_size), layout.computed, set(layout.evicted))
+        evicted = set(layout.evicted)
+        state = _DraftState(BlockTable(self.pool.block_size), layout.computed, evicted,
+                            (max(evicted) + 1) * self.pool.block_size if evicted else 0)
         state.table.blocks = [self._EVICTED] * layout.entries
         for i, b in zip(live, blocks):
             state.table.blocks[i] = b
@@ -230,7 +254,7 @@ class DraftModelDrafter:
         inputs, starts = [], []
         for seq, feed in zip(seqs, feeds):
             state = self._states[seq.request_id]
-            start = window_start(self.config, state.computed)
+            start = max(window_start(self.config, state.computed), state.floor)
             state.table.ensure_capacity(self.pool, state.computed + len(feed))
             self._evict_before(state, start)
             inputs.append(StepInput(feed, state.computed, state.table.blocks, num_logits=num_logits))
@@ -254,3 +278,4 @@ class DraftModelDrafter:
             for i in doomed:
                 state.table.blocks[i] = self._EVICTED
                 state.evicted.add(i)
+            state.floor = max(state.floor, (max(doomed) + 1) * self.pool.block_size)

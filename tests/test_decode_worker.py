@@ -97,6 +97,31 @@ def test_greedy_draft_model_is_lossless(checkpoint_dir):
     assert worker.drafter.pool.num_free == worker.drafter.pool.num_blocks
 
 
+def test_a_draft_model_admits_a_long_context_from_its_sink_and_last_windows(checkpoint_dir):
+    """Building a sequence's draft cache computes the sink and the last two windows only, whatever the context
+    (a view never reaches further back), and speculation stays lossless from there."""
+    target, draft = checkpoint_dir("llama_gqa"), checkpoint_dir("llama_tied")
+    worker = worker_for(target, drafter="draft_model", draft_model=draft, k_policy="fixed", k=3, budget=48)
+    fed = []
+    run = worker.drafter.runner.run
+
+    def counting(inputs, **kw):
+        fed.append(sum(len(i.token_ids) for i in inputs))
+        return run(inputs, **kw)
+
+    worker.drafter.runner.run = counting
+    prompt = prompts_of([900], seed=12)[0]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    out = [t for d in worker.add_local("long", prompt, params) for t in d.token_ids]  # the target's prefill, then admit
+    window = 48 - 4
+    assert sum(fed) <= 16 + 2 * window + 16  # the sink's block, two windows, a block of rounding
+    while worker.has_work():
+        out += [t for d in worker.step() for t in d.token_ids]
+    assert out == reference(target, [prompt], params)[0]
+    assert worker.metrics.draft_tokens > 0
+    assert worker.drafter.pool.num_free == worker.drafter.pool.num_blocks
+
+
 def test_draft_model_with_same_weights_accepts_everything(llama_dir):
     """Sanity of the draft pipeline: a draft identical to the target with a view covering the whole
     context must have every greedy draft accepted."""
