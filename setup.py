@@ -35,6 +35,8 @@ setup(
         "pyyaml>=6.0",
         "safetensors>=0.4",
         "tokenizers>=0.15",
+        # structured output: grammar matchers with token masks and rollback (modeling/grammar.py)
+        "llguidance>=1.7",
         "tqdm>=4.60",
         "numpy>=1.24",
         # the cost-aware planner's integer program (scipy.optimize.milp: HiGHS)
@@ -47,7 +49,8 @@ setup(
     ],
     extras_require={
         "gpu": ["flash-attn>=2.5"],
-        "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5", "openai>=1.40"],
+        "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5", "openai>=1.40",
+                 "jsonschema>=4"],
     },
     entry_points={"console_scripts": ["magicserve=controller.cli:main"]},
 )
