@@ -445,9 +445,11 @@ def test_a_client_that_leaves_before_the_response_cancels_its_request(http):
     """A non-streamed request whose client times out is cancelled, not finished: no success is counted
     and its KV comes back."""
     before = scrape(http[0])
-    impatient = openai.OpenAI(base_url=http[0] + "/v1", api_key=TOKEN, max_retries=0, timeout=0.5)
+    impatient = openai.OpenAI(base_url=http[0] + "/v1", api_key=TOKEN, max_retries=0, timeout=0.3)
+    # a long prompt no earlier request sent (nothing of it cached): the client leaves well before the last token
+    prompt = PROMPT + "".join(f"    # step {i}: visit node {i * 7919 % 1000}\n" for i in range(50))
     with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=256, temperature=0,
+        impatient.completions.create(model=MODEL, prompt=prompt, max_tokens=256, temperature=0,
                                      extra_body={"ignore_eos": True})
     deadline = time.time() + 30
     while time.time() < deadline:
