@@ -127,6 +127,28 @@ def test_instances_hand_over_their_mixed_passes(server):
     assert [r["shape"]["decode_kv_tokens"] for r in records if r["shape"]["decode_seqs"]] == list(range(101, 112))
 
 
+def test_a_repeated_prompt_goes_to_the_instance_that_holds_it_cached(server, reference):
+    """The colocated router places by cached prefix: the second and third time, the prompt goes to the instance
+    the first run left it on (even with the other one idle), starts from its cached blocks, and the tokens are
+    the reference's."""
+    prompt = prompts_of([90], seed=11)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+
+    def counters():
+        with Client(server) as c:
+            return {i.name: (i.prefix_cache_queries, i.prefix_cache_hits) for i in c.status().instances}
+
+    before = counters()
+    assert stream_ids(server, prompt, max_tokens=10, ignore_eos=True)[0] == want
+    first = counters()
+    holder = next(n for n in first if first[n][0] != before[n][0])
+    for _ in range(2):
+        assert stream_ids(server, prompt, max_tokens=10, ignore_eos=True)[0] == want
+    after = counters()
+    assert after[holder][1] - first[holder][1] == 2 * 80  # 5 of its 6 blocks, both times
+    assert all(after[n] == first[n] for n in after if n != holder)
+
+
 def test_pass_log_rpc_is_off_unless_configured(server):
     with Client(server) as c, pytest.raises(grpc.RpcError) as info:
         c.drain_pass_log()
