@@ -157,6 +157,24 @@ class GrammarMatcher:
         logits.masked_fill_(~mask.view(*([1] * (logits.dim() - 1)), -1), float("-inf"))
         return logits
 
+    def path_masks(self, tokens: list[int]) -> torch.Tensor:
+        """Bool [len(tokens) + 1, vocab_size]: the mask before each of ``tokens`` and after the last, as if each
+        were kept in turn (a verification pass's k + 1 positions over k drafts: the drafts are checked, and
+        the recovered or bonus token sampled, under the masks of their positions). From the first token the
+        grammar forbids on, the later masks are all False (nothing after it can be kept). The matcher ends
+        where it started."""
+        masks = torch.zeros(len(tokens) + 1, self.vocab_size, dtype=torch.bool)
+        kept = 0
+        for i, token in enumerate(tokens):
+            masks[i] = self.allowed()
+            if not masks[i][token] or not self._m.consume_token(int(token)):
+                break
+            kept += 1
+        else:
+            masks[len(tokens)] = self.allowed()
+        self.rollback(kept)
+        return masks
+
     def advance(self, token: int) -> None:
         """Keep ``token``; raises ValueError (naming the grammar's complaint) for one it forbids."""
         if not self._m.consume_token(int(token)):

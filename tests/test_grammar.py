@@ -114,6 +114,36 @@ def test_a_matcher_rolls_back_to_the_mask_it_had(model):
         matcher.advance(bad) if not matcher.allowed()[bad] else pytest.fail("'}' should be forbidden here")
 
 
+def test_masks_along_a_draft_path_are_those_of_keeping_each_draft(model):
+    """Grammar-aware verification: the masks at a draft path's positions equal a fresh matcher's after
+    keeping the drafts before each; a forbidden draft ends the path (nothing after it can be kept); the
+    matcher is left as it was."""
+    _, compiler, tokenizer, _ = model
+    spec = StructuredOutput.json_schema(SCHEMAS["enum_and_array"])
+    matcher = compiler.matcher(spec)
+    prefix, drafts = tokenizer.encode('{"level"'), tokenizer.encode(': "info", "')
+    for t in prefix:
+        matcher.advance(t)
+    start = matcher.allowed()
+    masks = matcher.path_masks(drafts)
+    assert torch.equal(matcher.allowed(), start)  # rolled back
+    fresh = compiler.matcher(spec)
+    for t in prefix:
+        fresh.advance(t)
+    for i, t in enumerate(drafts):
+        assert torch.equal(masks[i], fresh.allowed()), i
+        fresh.advance(t)
+    assert torch.equal(masks[-1], fresh.allowed())
+    bad = tokenizer.encode("}")[0]
+    cut = matcher.path_masks(drafts[:2] + [bad] + drafts[2:])
+    assert torch.equal(cut[:3], masks[:3]) and not cut[2][bad] and not cut[3:].any()
+    assert torch.equal(matcher.allowed(), start)
+    # a token the mask leaves out ends the path even where the grammar could go on (here "co", a prefix of
+    # the key "codes" the mask offers whole): decoding never samples it, so verification never keeps it
+    co = tokenizer.encode("co")
+    assert len(co) == 1 and not masks[-1][co[0]] and not matcher.path_masks(drafts + co)[-1].any()
+
+
 def test_grammars_are_compiled_once_and_bad_ones_name_the_field(model):
     _, compiler, _, _ = model
     before = compiler.compiled
