@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from modeling.prefix_cache import PrefixCacheEvents
-from modeling.prefix_hash import block_hashes
+from modeling.prefix_hash import block_hashes, leading_run
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,7 @@ class PrefixIndex:
         hashes = memo.get(hashing)
         if hashes is None:
             hashes = memo[hashing] = block_hashes(prompt_ids[: len(prompt_ids) - 1], block_size, salt)
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n * block_size
+        return leading_run(hashes, held) * block_size
 
 
 def blocks_of(num_tokens: int, block_size: int) -> int:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from modeling.errors import OutOfBlocksError
+from modeling.prefix_hash import leading_run
 
 
 class BlockPool:
@@ -111,10 +112,8 @@ class BlockPool:
         """The cached blocks holding the longest leading run of ``hashes``, each with one more reference
         (an unreferenced one is taken back from the evictable blocks)."""
         out = []
-        for h in hashes:
-            block = self._block_of.get(h)
-            if block is None:
-                break
+        for h in hashes[:self.cached_run(hashes)]:
+            block = self._block_of[h]
             if self._refcount[block] == 0:
                 del self._evictable[block]
                 self._num_free -= 1
@@ -124,12 +123,7 @@ class BlockPool:
 
     def cached_run(self, hashes: list[int]) -> int:
         """How many of ``hashes``, from the first, the pool holds cached (a lookup: no reference taken)."""
-        n = 0
-        for h in hashes:
-            if h not in self._block_of:
-                break
-            n += 1
-        return n
+        return leading_run(hashes, self._block_of)
 
     def cached_hash(self, block: int) -> int | None:
         return self._hash_of.get(block)

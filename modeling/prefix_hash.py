@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 
 def kv_salt(*parts: object) -> bytes:
@@ -29,3 +29,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"", p
         h = int.from_bytes(hashlib.sha256(h.to_bytes(8, "little") + salt + tokens).digest()[:8], "little")
         out.append(h)
     return out
+
+
+def leading_run(hashes: Sequence[int], held: Container[int]) -> int:
+    """How many of ``hashes``, from the first, ``held`` contains: the blocks of the longest cached prefix."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n

@@ -72,12 +72,11 @@ def test_a_reset_replaces_what_the_index_knew():
 def test_cost_weighs_blocks_to_compute_against_blocks_in_use():
     cached = {"hot": 64, "cold": 0}
     used = {"hot": 3, "cold": 0}
-    names = lambda order: [i for i in order]  # noqa: E731
     # 80 tokens = 5 blocks of 16: hot computes 1 and has 3 in use (cost 4), cold computes 5 (cost 5)
-    assert names(by_cost(["cold", "hot"], 80, 16, cached.get, used.get, 1.0)) == ["hot", "cold"]
+    assert by_cost(["cold", "hot"], 80, 16, cached.get, used.get, 1.0) == ["hot", "cold"]
     used["hot"] = 10  # now the load outweighs the 4 cached blocks
-    assert names(by_cost(["cold", "hot"], 80, 16, cached.get, used.get, 1.0)) == ["cold", "hot"]
-    assert names(by_cost(["cold", "hot"], 80, 16, cached.get, used.get, 4.0)) == ["hot", "cold"]
+    assert by_cost(["cold", "hot"], 80, 16, cached.get, used.get, 1.0) == ["cold", "hot"]
+    assert by_cost(["cold", "hot"], 80, 16, cached.get, used.get, 4.0) == ["hot", "cold"]
 
 
 def _decode(name, total_blocks, running=None):
