@@ -439,13 +439,14 @@ class DecodeSim(_Instance):
         recompute_s = 0.0
         for seq in self.scheduler.resumable():  # from its cached prefix on, with caching
             recompute_s += self.costs.prefill_chunk(seq.num_computed, seq.num_tokens - seq.num_computed)
+        prefilling = bool(self.prefilling)  # a chunk of it is computed this step
         prefill_s, prefilled = self._plan_prefill()
         batch, k = [], 0
         if self.scheduler.running:
             k, batch, preempted = self.scheduler.make_room(self._choose_k())
             for seq in preempted:
                 seq.req.preemptions += 1
-        if not batch and not prefill_s:
+        if not batch and not prefilling:
             return None
         if batch:
             self.k_counts[k] = self.k_counts.get(k, 0) + 1
