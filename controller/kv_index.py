@@ -88,3 +88,29 @@ def by_cost(candidates: list, num_tokens: int, block_size: int, cached: Callable
     blocks of a ``num_tokens``-position request not cached there + the blocks in use there."""
     total = blocks_of(num_tokens, block_size)
     return sorted(candidates, key=lambda i: overlap_weight * (total - cached(i) // block_size) + load_blocks(i))
+
+
+def cached_first(order: list, num_tokens: int, block_size: int, cached: Callable[[object], int],
+                 used_blocks: Callable[[object], int], free_blocks: Callable[[object], int],
+                 overlap_weight: float) -> list:
+    """A load-only ``order`` of decode instances with the ones that have room for ``num_tokens`` positions
+    first, cheapest first (:func:`by_cost`), then the rest as they were; unchanged when none holds a cached
+    prefix."""
+    if not any(cached(i) for i in order):
+        return order
+    blocks = blocks_of(num_tokens, block_size)
+    roomy = [i for i in order if free_blocks(i) >= blocks]
+    return by_cost(roomy, num_tokens, block_size, cached, used_blocks, overlap_weight) + \
+        [i for i in order if i not in roomy]
+
+
+def cheapest(pool: list, num_tokens: int, block_size: int, cached: Callable[[object], int],
+             queued_blocks: Callable[[object], int], overlap_weight: float):
+    """The instance of ``pool`` (objects with ``assigned``) to compute a ``num_tokens``-token prompt: the fewest
+    assigned requests when none holds a cached prefix of it, else the cheapest by :func:`by_cost` against the
+    prompt blocks queued there. None for an empty pool."""
+    if not pool:
+        return None
+    if not any(cached(i) for i in pool):
+        return min(pool, key=lambda i: len(i.assigned))
+    return by_cost(pool, num_tokens, block_size, cached, queued_blocks, overlap_weight)[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from controller.kv_index import by_cost
+from controller.kv_index import cached_first
 from controller.migration_policy import InstanceLoad, PolicyConfig, RequestLoad, placement_order
 from controller.request_state import RequestState
 from controller.routing import Instance
@@ -58,7 +58,7 @@ def decode_order(instances: list[Instance], num_tokens: int, priority: int, poli
     tries them, and whether the first has the blocks free by its report. Until every one has reported
     (just started), the order is by fewest assigned requests. ``cached``: prompt tokens each instance holds
     cached (by name); where any does, the instances with room come first, cheapest first by
-    ``controller/kv_index.by_cost`` (blocks to compute against blocks in use)."""
+    ``controller/kv_index.cached_first`` (blocks to compute against blocks in use)."""
     cached = cached or {}
     open_ = [i for i in instances if i.alive and not i.draining]
     if not open_ or any(i.load is None for i in open_):
@@ -68,8 +68,6 @@ def decode_order(instances: list[Instance], num_tokens: int, priority: int, poli
     blocks = blocks_for(num_tokens + 1, block_size)
     by_name = {i.name: i for i in open_}
     order = [by_name[n] for n in placement_order(list(loads.values()), blocks, policy, priority)]
-    if any(cached.get(i.name, 0) for i in order):
-        roomy = [i for i in order if loads[i.name].free_blocks >= blocks]
-        order = by_cost(roomy, num_tokens + 1, block_size, lambda i: cached.get(i.name, 0),
-                        lambda i: loads[i.name].used_blocks, overlap_weight) + [i for i in order if i not in roomy]
+    order = cached_first(order, num_tokens + 1, block_size, lambda i: cached.get(i.name, 0),
+                         lambda i: loads[i.name].used_blocks, lambda i: loads[i.name].free_blocks, overlap_weight)
     return order, bool(order) and loads[order[0].name].free_blocks >= blocks

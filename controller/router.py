@@ -40,7 +40,7 @@ from typing import AsyncIterator
 
 from controller.actor_messages import WorkerCrashed
 from controller.admission import PriorityGate
-from controller.kv_index import PrefixIndex, PrefixRouting, by_cost
+from controller.kv_index import PrefixIndex, PrefixRouting, blocks_of, cheapest
 from controller.metrics import FinishedRequest, ServingMetrics
 from controller.migrations import PendingMigration, MigrationCoordinator
 from controller.output_order import OutputOrder
@@ -276,19 +276,17 @@ class Router:
 
     def _cheapest(self, active: _Active, pool: list[Instance]) -> Instance | None:
         """The alive instance of ``pool`` to compute the prompt: the fewest assigned requests, unless some
-        hold part of the prompt cached; then the cheapest by ``kv_index.by_cost`` (uncached blocks against
+        hold part of the prompt cached; then the cheapest by ``kv_index.cheapest`` (uncached blocks against
         the prompt blocks of the requests already assigned there)."""
         alive = [i for i in pool if i.alive]
         cached = {i.name: self._cached(active, i) for i in alive}
-        if not any(cached.values()):
-            return min(alive, key=lambda i: len(i.assigned)) if alive else None
-        bs = next(self.kv_index.block_size(name) for name, c in cached.items() if c)
+        bs = next((self.kv_index.block_size(name) for name, c in cached.items() if c), 1)
 
         def queued(inst: Instance) -> int:
-            return sum(-(-len(self.active[r].prompt_ids) // bs) for r in inst.assigned if r in self.active)
+            return sum(blocks_of(len(self.active[r].prompt_ids), bs) for r in inst.assigned if r in self.active)
 
-        return by_cost(alive, len(active.prompt_ids), bs, lambda i: cached[i.name], queued,
-                       self.prefix_routing.overlap_weight)[0]
+        return cheapest(alive, len(active.prompt_ids), bs, lambda i: cached[i.name], queued,
+                        self.prefix_routing.overlap_weight)
 
     async def _place_at_once(self, active: _Active, request: DecodeRequest, prefill: Instance,
                              decode: Instance) -> bool:

@@ -17,8 +17,8 @@ What it models (and mirrors from the real router, ``controller/router.py``):
                requests between decode instances (``sim_migration``)
             -> with ``SimConfig.prefix_caching``: every pool keeps computed KV (the real prefix cache over the
                requests' token ids), instances are chosen by cached prefix against load
-               (``controller/kv_index.by_cost``, with a perfect index), and a decode instance holding all of
-               a prompt but ``local_prefill_tokens`` prefills it itself; a trace with reuse
+               (``controller/kv_index.cached_first`` and ``cheapest``, with a perfect index), and a decode
+               instance holding all of a prompt but ``local_prefill_tokens`` prefills it itself; a trace with reuse
                (``planner/reuse_workload.py``) sends a conversation's next turn a think time after the
                previous one ends
 
@@ -40,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from controller.kv_index import PrefixRouting, by_cost
+from controller.kv_index import PrefixRouting, cached_first, cheapest
 from controller.migration_policy import PolicyConfig, placement_order
 from controller.placement import blocks_for
 from planner.profile import Profile, calibration_threads
@@ -385,26 +385,24 @@ class Simulation:
         if routing is None or not routing.enabled:
             return order
         cached = {d.name: d.cached_tokens(req) for d in order}
-        if not any(cached.values()):
-            return order
-        roomy = [d for d in order if loads[d.name].free_blocks >= blocks]
-        return by_cost(roomy, req.prompt_tokens + 1, self.config.block_size, lambda d: cached[d.name],
-                       lambda d: loads[d.name].used_blocks, routing.overlap_weight) + [d for d in order if d not in roomy]
+        return cached_first(order, req.prompt_tokens + 1, self.config.block_size, lambda d: cached[d.name],
+                            lambda d: loads[d.name].used_blocks, lambda d: loads[d.name].free_blocks,
+                            routing.overlap_weight)
 
     def _cheapest(self, req: SimRequest, pool: list):
         """The instance to compute the prompt on (``Router._cheapest``): the fewest assigned requests, or with
         a cached prefix somewhere the cheapest by blocks to compute against the prompt blocks queued there."""
         routing = self.config.prefix_caching
-        cached = {i.name: i.cached_tokens(req) for i in pool} if routing is not None and routing.enabled else {}
-        if not any(cached.values()):
-            return min(pool, key=lambda i: len(i.assigned))
+        on = routing is not None and routing.enabled
+        cached = {i.name: i.cached_tokens(req) if on else 0 for i in pool}
         bs = self.config.block_size
         reqs = self._requests
 
         def queued(inst) -> int:
             return sum(blocks_for(reqs[r].prompt_tokens, bs) for r in inst.assigned)
 
-        return by_cost(pool, req.prompt_tokens, bs, lambda i: cached[i.name], queued, routing.overlap_weight)[0]
+        return cheapest(pool, req.prompt_tokens, bs, lambda i: cached[i.name], queued,
+                        routing.overlap_weight if on else 1.0)
 
     def _reserve_or_queue(self, req: SimRequest) -> None:
         if self._unplaced or not self._reserve(req):
