@@ -208,7 +208,7 @@ def write_markdown(result: dict, path: str) -> None:
     s = result["settings"]
     lines = ["# Prefix reuse: magicserve with and without prefix caching, and vLLM (CPU build, prefix caching on)",
              "", f"Command: `{result['command']}`", "",
-             f"Machine: {result['machine']}. Model: `{os.path.relpath(s['model'], ROOT)}` (bf16). SLOs: TTFT "
+             f"Machine: {result['machine']}. Model: `{s['model']}` (bf16). SLOs: TTFT "
              f"{s['ttft_slo_s']} s, TPOT {s['tpot_slo_s'] * 1000:.0f} ms; goodput = requests meeting both / second "
              "of the run (`vllm bench serve`'s definition).", ""]
     for name in result["workloads"]:
@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     take = token_source(corpus)
     result = {"command": "python benchmarks/prefix_reuse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "settings": {k: v for k, v in vars(args).items() if k != "out"},
+              "settings": {**{k: v for k, v in vars(args).items() if k != "out"},
+                           "model": os.path.relpath(os.path.abspath(args.model), ROOT)},
               "workloads": {name: describe(name, trace, args) for name, trace in workload.items()},
               "systems": {}}
     with tempfile.TemporaryDirectory() as workdir:
