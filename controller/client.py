@@ -62,9 +62,12 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, temperature: fl
                   request_id: str = "", ttft_target_ms: float | None = None, tpot_target_ms: float | None = None,
                   priority: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   min_p: float = 0.0, min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
-                  include_stop_str_in_output: bool = False, n: int = 1, **optional) -> pb.GenerateRequest:
+                  include_stop_str_in_output: bool = False, n: int = 1, structured_output: dict | None = None,
+                  **optional) -> pb.GenerateRequest:
     """A GenerateRequest; ``optional`` takes the fields unset unless given: top_p, seed, repetition_penalty,
-    logprobs, prompt_logprobs, skip_special_tokens, spaces_between_special_tokens, best_of."""
+    logprobs, prompt_logprobs, skip_special_tokens, spaces_between_special_tokens, best_of.
+    ``structured_output``: one of ``{"json_schema": <schema dict>}``, ``{"json_object": True}``,
+    ``{"regex": str}``, ``{"choice": [str, ...]}``, ``{"grammar": str}``."""
     unknown = set(optional) - set(_OPTIONAL)
     if unknown:
         raise TypeError(f"build_request: unknown argument {sorted(unknown)[0]!r}")
@@ -76,6 +79,16 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, temperature: fl
     for name, value in optional.items():
         if value is not None:
             setattr(sampling, name, value)
+    for kind, value in (structured_output or {}).items():
+        if kind == "json_schema":
+            sampling.json_schema = json.dumps(value)
+        elif kind == "choice":
+            sampling.choice.options.extend(value)
+        elif kind in ("json_object", "regex", "grammar"):
+            setattr(sampling, kind, value)
+        else:
+            raise TypeError(f"build_request: structured_output {kind!r}; allowed: json_schema, json_object, regex, "
+                            "choice, grammar")
     req = pb.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority)
     if isinstance(prompt, str):
         req.prompt = prompt

@@ -27,6 +27,7 @@ import yaml
 
 from controller.kv_index import PrefixRouting
 from controller.migration_policy import PolicyConfig
+from controller.tool_calls import TOOL_PARSERS
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import TransferConfig
 from modeling.checkpoint import DTYPES
@@ -119,12 +120,18 @@ class ServerSection:
     # DrainPassLog: hand out (and forget) the workers' timed passes, for measuring the cluster in place
     # (benchmarks/slo_sweep.py). Off by default: a second reader would take records the first expects
     pass_log_rpc: bool = False
+    # how chat completions with tool_choice "auto" find tool calls in the model's output: "hermes"
+    # (<tool_call>{...}</tool_call> blocks: Qwen, Hermes), "llama3_json" (Llama 3.1 / 3.2), or null (auto refused)
+    tool_call_parser: str | None = "hermes"
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
         errs = []
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            errs.append(("tool_call_parser", f"must be one of {', '.join(TOOL_PARSERS)} or null, got "
+                                             f"{self.tool_call_parser!r}"))
         if not 0 <= self.port <= 65535:
             errs.append(("port", f"must be in [0, 65535], got {self.port}"))
         if self.http_port is not None and not 0 <= self.http_port <= 65535:

@@ -141,19 +141,25 @@ class OpenAIServer:
                     prompt_logprobs = item.prompt_logprobs if item.prompt_logprobs is not None else prompt_logprobs
                     completion_tokens += len(item.token_ids)
                     fresh = item.index not in started
-                    if item.text or item.token_ids or (fresh and (req.kind == "chat" or req.echo)):
+                    if req.tools is not None:
+                        for chunk in self._tool_chunks(req, out, item, fresh, completion_tokens):
+                            started.add(item.index)
+                            yield _event(chunk)
+                    elif item.text or item.token_ids or (fresh and (req.kind == "chat" or req.echo)):
                         started.add(item.index)
                         yield _event(out.chunk(item.index, item.text, item.token_ids, item.logprobs, first=fresh,
                                                prompt_logprobs=prompt_logprobs,
                                                usage_so_far=self._usage_so_far(req, completion_tokens)))
                     if item.finish_reason is not None:
-                        yield _event(self._last_chunk(req, out, item.index, item.finish_reason, started,
-                                                      prompt_logprobs, completion_tokens))
+                        for chunk in self._last_chunks(req, out, item.index, item.finish_reason, started,
+                                                       prompt_logprobs, completion_tokens):
+                            yield _event(chunk)
                 else:
                     for index in range(req.n):  # choices that ended without a delta of their own
                         if index not in item.finished_choices:
-                            yield _event(self._last_chunk(req, out, index, item.finish_reason, started,
-                                                          prompt_logprobs, completion_tokens))
+                            for chunk in self._last_chunks(req, out, index, item.finish_reason, started,
+                                                           prompt_logprobs, completion_tokens):
+                                yield _event(chunk)
                     if req.include_usage:
                         yield _event(out.usage_chunk(item.prompt_tokens, item.completion_tokens))
                     break
@@ -166,15 +172,37 @@ class OpenAIServer:
             await items.aclose()  # a disconnected client cancels the request
         yield b"data: [DONE]\n\n"
 
-    def _last_chunk(self, req: ParsedRequest, out: ResponseBuilder, index: int, reason: str, started: set[int],
-                    prompt_logprobs, completion_tokens: int) -> dict:
-        """A choice's closing chunk (its finish reason); a choice that never sent a chunk sends its role
-        (chat) or its echoed prompt (completions) in it."""
+    def _tool_chunks(self, req: ParsedRequest, out: ResponseBuilder, item: Delta, fresh: bool,
+                     completion_tokens: int) -> list[dict]:
+        """A chat delta's chunks when the request has tools: the content and tool-call deltas its text makes
+        (text that may begin a call is held); the token ids and log-probabilities ride on the first, or on an
+        empty delta when everything is held."""
+        deltas = out.tool_deltas(item.index, item.text or "")
+        if not deltas and (fresh or (item.token_ids and (req.return_token_ids or req.logprobs is not None))):
+            deltas = [{}]
+        usage_so_far = self._usage_so_far(req, completion_tokens)
+        return [out.chunk(item.index, None, item.token_ids if j == 0 else (), item.logprobs if j == 0 else (),
+                          first=fresh and j == 0, usage_so_far=usage_so_far, delta=delta)
+                for j, delta in enumerate(deltas)]
+
+    def _last_chunks(self, req: ParsedRequest, out: ResponseBuilder, index: int, reason: str, started: set[int],
+                     prompt_logprobs, completion_tokens: int) -> list[dict]:
+        """A choice's closing chunk (its finish reason), after what a tool-call stream still held; a choice
+        that never sent a chunk sends its role (chat) or its echoed prompt (completions) in the first."""
+        usage_so_far = self._usage_so_far(req, completion_tokens)
+        chunks = []
+        if req.tools is not None:
+            deltas, reason = out.tool_finish(index, reason)
+            for delta in deltas:
+                chunks.append(out.chunk(index, None, first=index not in started, usage_so_far=usage_so_far,
+                                        delta=delta))
+                started.add(index)
         fresh = index not in started
         started.add(index)
         text = None if req.kind == "chat" and not fresh else ""
-        return out.chunk(index, text, reason=reason, first=fresh, prompt_logprobs=prompt_logprobs,
-                         usage_so_far=self._usage_so_far(req, completion_tokens))
+        chunks.append(out.chunk(index, text, reason=reason, first=fresh, prompt_logprobs=prompt_logprobs,
+                                usage_so_far=usage_so_far))
+        return chunks
 
     @staticmethod
     def _usage_so_far(req: ParsedRequest, completion_tokens: int) -> dict | None:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from controller.openai_protocol import ParsedRequest
+from controller.tool_calls import ToolStream, parse_output, to_openai, tool_parser
 from modeling.logprobs import TokenLogprob, cumulative
 from modeling.tokenizer import TextTokenizer
 
@@ -65,6 +66,11 @@ def best_choices(choices: list[ChoiceResult], n: int) -> list[ChoiceResult]:
     return best
 
 
+def _with_calls(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason for a choice that stopped having made tool calls."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 def _clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
@@ -80,6 +86,8 @@ class ResponseBuilder:
         self.created = created
         self._offsets: dict[int, int] = {}
         self._echoed: set[int] = set()
+        self._parser = tool_parser(req.tool_parser) if req.tools is not None and req.tool_parser else None
+        self._tool_streams: dict[int, ToolStream] = {}
 
     @property
     def _object(self) -> str:
@@ -103,8 +111,9 @@ class ResponseBuilder:
                 if req.return_prompt_logprobs:
                     choice["prompt_logprobs"] = self.prompt_logprobs(prompt_logprobs)
             else:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": self._chat_logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
+                message, reason = self._message(c)
+                choice = {"index": c.index, "message": message,
+                          "logprobs": self._chat_logprobs(c.token_ids, c.logprobs), "finish_reason": reason}
             if req.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             out_choices.append(choice)
@@ -114,13 +123,41 @@ class ResponseBuilder:
             body["prompt_logprobs"] = self.prompt_logprobs(prompt_logprobs)
         return body
 
+    def _message(self, c: ChoiceResult) -> tuple[dict, str | None]:
+        """A chat choice's message and finish reason: with tools, the calls found in (or forced on) the
+        output, and ``"tool_calls"`` for a choice that stopped with calls."""
+        if self.req.tools is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        parsed = parse_output(self.req.tools, c.text, self._parser)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [to_openai(call) for call in parsed.calls]
+        return message, _with_calls(c.finish_reason, bool(parsed.calls))
+
     # -- streams ----------------------------------------------------------------------------------
 
+    def tool_deltas(self, index: int, text: str) -> list[dict]:
+        """A chat choice's stream deltas for its next text, with tools (content, tool-call pieces)."""
+        return self._tool_stream(index).feed(text)
+
+    def tool_finish(self, index: int, reason: str) -> tuple[list[dict], str]:
+        """The deltas still held when a chat choice ends, and its finish reason."""
+        stream = self._tool_stream(index)
+        deltas = stream.finish()
+        return deltas, _with_calls(reason, stream.called)
+
+    def _tool_stream(self, index: int) -> ToolStream:
+        if index not in self._tool_streams:
+            self._tool_streams[index] = ToolStream(self.req.tools, self._parser)
+        return self._tool_streams[index]
+
     def chunk(self, index: int, text: str | None, token_ids: list[int] = (), logprobs=(), reason: str | None = None,
-              first: bool = False, prompt_logprobs=None, usage_so_far: dict | None = None) -> dict:
+              first: bool = False, prompt_logprobs=None, usage_so_far: dict | None = None,
+              delta: dict | None = None) -> dict:
         """One streamed chunk of choice ``index``: a text delta with its token ids and log-probabilities, or
         (``reason`` set) the choice's last chunk. The chat stream's first chunk of a choice carries the
-        assistant role; with ``echo``, the completion stream's first chunk of a choice carries the prompt."""
+        assistant role; with ``echo``, the completion stream's first chunk of a choice carries the prompt.
+        ``delta`` (chat): the delta object itself, in place of the text's (tool calls)."""
         req = self.req
         if req.kind == "completion":
             ids, lps, text = list(token_ids), list(logprobs), text or ""
@@ -132,7 +169,8 @@ class ResponseBuilder:
                       "finish_reason": reason}
             obj = "text_completion"
         else:
-            delta = {} if text is None else {"content": text}
+            if delta is None:
+                delta = {} if text is None else {"content": text}
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(list(token_ids), list(logprobs)),

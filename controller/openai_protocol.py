@@ -11,14 +11,19 @@ them. No torch, no HTTP here (``controller/http_server.py`` serves it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from controller.chat_template import ChatTemplate, ChatTemplateError
+from controller.tool_calls import ToolRequest, history_message, parse_tools
 from modeling.errors import InvalidRequestError
 from modeling.params import MAX_LOGPROBS, SamplingParams
 from modeling.request_check import check_token_ids
+from modeling.structured_output import (GUIDED_PARAMS, StructuredOutput, constraint_of, from_response_format,
+                                        from_structured_outputs)
 from modeling.tokenizer import TextTokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
@@ -30,7 +35,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_k", "min_p",
            "min_tokens", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
            "spaces_between_special_tokens", "prompt_logprobs", "add_special_tokens", "return_token_ids",
-           "return_tokens_as_token_ids", "priority"}
+           "return_tokens_as_token_ids", "priority", "structured_outputs", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar"}
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "response_format"}
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "response_format", "add_generation_prompt"}
@@ -38,8 +44,7 @@ CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 UNSUPPORTED = {
     "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
     "truncate_prompt_tokens": None, "truncation_side": None, "logprob_token_ids": None, "prompt_embeds": None,
-    "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "watermarking": None, "request_id": None, "session_id": None, "return_token_offsets": False,
     "routed_experts_prompt_start": None, "mm_payload": None, "return_mm_kwargs": False, "cache_salt": None,
     "kv_transfer_params": None, "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
@@ -97,6 +102,8 @@ class ParsedRequest:
     logprobs: int | None = None  # top log-probabilities per output position (chat: top_logprobs); None: off
     return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs extension, returned as asked
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: log-probability tokens as "token_id:N"
+    tools: ToolRequest | None = None  # chat: the request's tools and tool_choice (None: no tool calling)
+    tool_parser: str | None = None  # chat with tool_choice auto: how calls are found in the output
 
     @property
     def n(self) -> int:
@@ -153,31 +160,33 @@ class OpenAIProtocol:
     max_prompt_tokens: int
     max_tokens: int
     max_model_len: int
+    # compiles (validates) a grammar against the model's vocabulary, raising InvalidRequestError; None: the
+    # workers alone check it (a bad grammar then fails the request when it is admitted)
+    grammar_check: Callable[[StructuredOutput], object] | None = None
+    # how tool calls are found in free output (tool_choice auto; controller/tool_calls.py); None: auto refused
+    tool_parser: str | None = "hermes"
 
     # -- requests ---------------------------------------------------------------------------------
 
     def completion(self, body) -> ParsedRequest:
         body = self._check_body(body, COMPLETION_PARAMS)
         _refuse_unless(body, "suffix", ("",), "suffix (insertion) is not supported")
-        _refuse_unless(body, "response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} "
-                                                                     "is supported")
         echo = _flag(body, "echo")
         ids, text = self._completion_prompt(body.get("prompt"), _flag(body, "add_special_tokens", True))
         logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS)
         max_tokens = _integer(body, "max_tokens")
         if max_tokens == 0 and not echo:
             raise invalid("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
-        extras = {"logprobs": logprobs, "echo": echo, "prompt_text": text if echo else ""}
+        extras = {"logprobs": logprobs, "echo": echo, "prompt_text": text if echo else "",
+                  "structured": self._structured(body)}
         return self._parsed("completion", body, ids, max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, extras)
 
     def chat(self, body) -> ParsedRequest:
         body = self._check_body(body, CHAT_PARAMS)
-        _refuse_unless(body, "tools", ([],), "tool calling is not supported")
-        _refuse_unless(body, "tool_choice", ("none",), "tool calling is not supported")
-        _refuse_unless(body, "response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} "
-                                                                     "is supported")
-        if body.get("parallel_tool_calls") is not None:
-            _flag(body, "parallel_tool_calls")
+        structured = self._structured(body)
+        tools = self._tools(body, structured)
+        if tools is not None and tools.constraint() is not None:
+            structured = self._checked(tools.constraint())
         logprobs = _flag(body, "logprobs")
         top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
         if top is not None and not logprobs:
@@ -187,7 +196,8 @@ class OpenAIProtocol:
             raise invalid("messages", "the model has no chat template (chat_template in tokenizer_config.json or "
                                       "chat_template.jinja); use /v1/completions")
         try:
-            text = self.chat_template.render(messages, _flag(body, "add_generation_prompt", True))
+            text = self.chat_template.render(messages, _flag(body, "add_generation_prompt", True),
+                                             tools=tools.template_tools() if tools is not None else None)
         except ChatTemplateError as err:
             raise invalid("messages", str(err).split(": ", 1)[-1]) from None
         # the rendered template writes its own special tokens (add_special_tokens false, as vLLM's default)
@@ -197,7 +207,25 @@ class OpenAIProtocol:
                        if body.get("max_completion_tokens") is not None else ("max_tokens", body.get("max_tokens")))
         default = max(1, min(self.max_tokens, self.max_model_len - len(ids)))
         value = _integer({name: value}, name)
-        return self._parsed("chat", body, ids, value, name, default, {"logprobs": (top or 0) if logprobs else None})
+        parsed = self._parsed("chat", body, ids, value, name, default,
+                              {"logprobs": (top or 0) if logprobs else None, "structured": structured})
+        return dataclasses.replace(parsed, tools=tools, tool_parser=self.tool_parser) if tools is not None else parsed
+
+    def _tools(self, body: dict, structured: StructuredOutput | None) -> ToolRequest | None:
+        """``tools``, ``tool_choice`` and ``parallel_tool_calls``: the request's tool calling, or None."""
+        try:
+            tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+        except InvalidRequestError as err:
+            raise invalid(err.field, err.reason) from None
+        if tools is None:
+            return None
+        if tools.choice == "auto" and self.tool_parser is None:
+            raise invalid("tool_choice", "\"auto\" needs a tool-call parser (server.tool_call_parser); use "
+                                         "\"required\", a named function, or \"none\"")
+        if tools.constraint() is not None and structured is not None:
+            raise invalid("tool_choice", f"\"{tools.choice}\" constrains the output to a tool call: it cannot be "
+                                         "combined with response_format or structured_outputs")
+        return tools
 
     def _check_body(self, body, allowed: set[str]) -> dict:
         if not isinstance(body, dict):
@@ -249,6 +277,12 @@ class OpenAIProtocol:
             role = m.get("role")
             if role not in CHAT_ROLES:
                 raise invalid(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+            if role == "tool" or (role == "assistant" and m.get("tool_calls")):
+                try:
+                    out.append(history_message(m, where))
+                except InvalidRequestError as err:
+                    raise invalid(err.field, err.reason) from None
+                continue
             content = m.get("content")
             if isinstance(content, list):  # content parts: text only
                 texts = []
@@ -322,7 +356,7 @@ class OpenAIProtocol:
             prompt_logprobs=internal_prompt_logprobs,
             skip_special_tokens=_flag(body, "skip_special_tokens", True),
             spaces_between_special_tokens=_flag(body, "spaces_between_special_tokens", True),
-            n=n, best_of=best_of)
+            n=n, best_of=best_of, structured=extras.get("structured"))
         try:
             params = params.validate(self.vocab_size)
         except InvalidRequestError as err:
@@ -333,6 +367,37 @@ class OpenAIProtocol:
         return ParsedRequest(kind, body["model"], ids, params, stream, include_usage, _flag(body, "return_token_ids"),
                              -priority, continuous, echo, extras.get("prompt_text", ""), logprobs,
                              prompt_logprobs is not None, _flag(body, "return_tokens_as_token_ids"))
+
+    def _structured(self, body: dict) -> StructuredOutput | None:
+        """The output constraint of ``response_format``, ``structured_outputs`` or a ``guided_*`` parameter
+        (at most one of them), compiled once here so that a grammar the engine refuses is a 400 naming the
+        part of it before anything is admitted."""
+        given = [name for name in ("response_format", "structured_outputs", *GUIDED_PARAMS)
+                 if body.get(name) is not None and body[name] != {"type": "text"}]
+        if len(given) > 1:
+            raise invalid(given[1], f"cannot be combined with {given[0]}: give one output constraint")
+        if not given:
+            return None
+        name = given[0]
+        try:
+            if name == "response_format":
+                out = from_response_format(body[name])
+            elif name == "structured_outputs":
+                out = from_structured_outputs(body[name])
+            else:
+                out = constraint_of(GUIDED_PARAMS[name], body[name], name)
+        except InvalidRequestError as err:
+            raise invalid(err.field, err.reason) from None
+        return None if out is None else self._checked(out)
+
+    def _checked(self, out: StructuredOutput) -> StructuredOutput:
+        """``out`` once the engine compiled it (a 400 naming where it was given otherwise)."""
+        if self.grammar_check is not None:
+            try:
+                self.grammar_check(out)
+            except InvalidRequestError as err:
+                raise invalid(err.field, err.reason) from None
+        return out
 
     @staticmethod
     def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -37,9 +38,11 @@ from controller.openai_protocol import OpenAIProtocol
 from controller.router import Router
 from controller.routing import Delta, Final, RouterError
 from modeling.checkpoint import load_config as load_model_config
+from modeling.checkpoint import read_eos_token_ids
 from modeling.errors import InvalidRequestError
 from modeling.params import SamplingParams
 from modeling.request_check import check_token_ids
+from modeling.structured_output import StructuredOutput, constraint_of
 from modeling.tokenizer import TextTokenizer
 from protos.magicserve.v1 import magicserve_pb2 as pb
 from protos.magicserve.v1 import magicserve_pb2_grpc as pb_grpc
@@ -56,8 +59,10 @@ DRAIN_TIMEOUT_S = 600.0  # DrainInstance without a timeout waits this long for t
 class RequestValidator:
     """Turns a GenerateRequest into (prompt ids, SamplingParams) or raises InvalidRequestError."""
 
-    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, max_prompt_tokens: int, max_tokens: int):
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, max_prompt_tokens: int, max_tokens: int,
+                 grammar_check: Callable[[StructuredOutput], object] | None = None):
         self.tokenizer = tokenizer
+        self.grammar_check = grammar_check
         self.vocab_size = vocab_size
         self.max_prompt_tokens = max_prompt_tokens
         self.max_tokens = max_tokens
@@ -105,7 +110,7 @@ class RequestValidator:
             skip_special_tokens=bool(s.skip_special_tokens) if s.HasField("skip_special_tokens") else True,
             spaces_between_special_tokens=bool(s.spaces_between_special_tokens)
             if s.HasField("spaces_between_special_tokens") else True,
-            n=n, best_of=best_of,
+            n=n, best_of=best_of, structured=self.structured(s),
         )
         if best_of is not None and best_of > n and params.logprobs is None:  # ranking needs them
             params = dataclasses.replace(params, logprobs=0)
@@ -113,6 +118,26 @@ class RequestValidator:
             return params.validate(self.vocab_size)
         except InvalidRequestError as err:
             raise InvalidRequestError(f"sampling.{err.field}", err.reason) from None
+
+    def structured(self, s: pb.SamplingParameters) -> StructuredOutput | None:
+        """The ``structured_output`` oneof (compiled here: a grammar the engine refuses is an error naming it)."""
+        kind = s.WhichOneof("structured_output")
+        if kind is None:
+            return None
+        field = f"sampling.{kind}"
+        if kind == "json_schema":
+            out = constraint_of("json", s.json_schema, field)
+        elif kind == "json_object":
+            if not s.json_object:
+                return None
+            out = StructuredOutput("json_object", "", field)
+        elif kind == "choice":
+            out = StructuredOutput.choice(list(s.choice.options), f"{field}.options")
+        else:
+            out = StructuredOutput(kind, getattr(s, kind), field)
+        if self.grammar_check is not None:
+            self.grammar_check(out)
+        return out
 
     def targets(self, req: pb.GenerateRequest) -> None:
         for name in ("ttft_target_ms", "tpot_target_ms"):
@@ -398,10 +423,24 @@ class BoundPorts:
     http: int | None
 
 
+def grammar_check(model_path: str, mc) -> Callable[[StructuredOutput], object]:
+    """Compiles a request's grammar against the served model's vocabulary (cached per distinct grammar),
+    raising InvalidRequestError naming the part the engine refuses: checked before the request is admitted."""
+    eos = tuple(sorted(read_eos_token_ids(model_path, mc)))
+
+    def check(output: StructuredOutput):
+        from modeling.grammar import compiler_for
+
+        return compiler_for(model_path, mc.vocab_size, eos).compile(output)
+
+    return check
+
+
 def _openai_server(config: ClusterConfig, router: Router, metrics, tokenizer: TextTokenizer, mc, status_fn):
     lim = config.limits
     protocol = OpenAIProtocol(metrics.model_name, tokenizer, ChatTemplate.from_checkpoint(config.model_path),
-                              mc.vocab_size, lim.max_prompt_tokens, lim.max_tokens, mc.max_position_embeddings)
+                              mc.vocab_size, lim.max_prompt_tokens, lim.max_tokens, mc.max_position_embeddings,
+                              grammar_check(config.model_path, mc), config.server.tool_call_parser)
     return OpenAIServer(router, protocol, metrics, status_fn, token=config.server.token())
 
 
@@ -419,7 +458,8 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         metrics = ServingMetrics(model_name)
         router = build_router(config, cluster, metrics)
         router.start()
-        validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens)
+        validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens,
+                                     grammar_check(config.model_path, mc))
         servicer = MagicServeServicer(router, validator, cluster.statuses, model_name,
                                       cluster.drain_pass_logs if config.server.pass_log_rpc else None)
         server, port, health_servicer = await start_server(config, servicer)

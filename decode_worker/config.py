@@ -23,6 +23,9 @@ class SpeculationConfig:
     draft_positions: RoPE positions of draft queries, ``original`` (true positions; required for correct
     relative distances to keys cached at their true positions) or ``reindexed`` (positions counted within
     the sparse view, as StreamingLLM does for caches it re-encodes; kept for the measurement).
+    grammar_drafts: a request with structured output drafts only tokens its grammar allows (the matcher
+    walked along the draft path); false masks the verification alone, as most servers do (kept to measure
+    the acceptance it loses). Either way the output is the same: verification applies the grammar.
     """
 
     drafter: str = "self_sparse"
@@ -34,6 +37,7 @@ class SpeculationConfig:
     tpot_slo_ms: float | None = None
     draft_model: str | None = None
     draft_positions: str = "original"
+    grammar_drafts: bool = True
 
     def __post_init__(self) -> None:
         raise_first([(f"speculation.{name}", why) for name, why in self.check()])  # always that sub-section
@@ -42,7 +46,8 @@ class SpeculationConfig:
         errs = (one_of("drafter", self.drafter, DRAFTERS) + one_of("k_policy", self.k_policy, K_POLICIES)
                 + one_of("draft_positions", self.draft_positions, DRAFT_POSITIONS)
                 + integers(self, ("k",), 0, 16) + integers(self, ("max_k",), 1, 16)
-                + integers(self, ("sink_tokens",), 0) + integers(self, ("budget",)))
+                + integers(self, ("sink_tokens",), 0) + integers(self, ("budget",))
+                + booleans(self, ("grammar_drafts",)))
         if errs:
             return errs
         if self.sink_tokens >= self.budget:

@@ -33,6 +33,7 @@ import torch
 
 from decode_worker.config import SpeculationConfig
 from modeling.block_pool import BlockPool, BlockTable
+from modeling.grammar import DraftPath, constrain
 from modeling.runner import ModelRunner, StepInput
 from modeling.sampling import processed_logits, sample_from, target_probs
 from modeling.sequence import Sequence
@@ -40,10 +41,19 @@ from modeling.sequence import Sequence
 
 @dataclass
 class Proposal:
-    """k draft tokens per sequence and, for sampling requests, the draft distributions q [k, V]."""
+    """k draft tokens per sequence and, for sampling requests, the draft distributions q [k, V]; for requests
+    with structured output drafted under their grammar, the grammar's walk along the drafts (``paths``: its
+    masks were applied to the draft's logits; ``close`` gives the masks the verification applies)."""
 
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
+    paths: list[DraftPath | None] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], grammar_drafts: bool) -> "Proposal":
+        paths = [DraftPath(s.sampler.grammar) if grammar_drafts and s.sampler.grammar is not None else None
+                 for s in seqs]
+        return cls([[] for _ in seqs], [None] * len(seqs), paths)
 
 
 class Drafter(Protocol):
@@ -74,14 +84,19 @@ def window_start(config: SpeculationConfig, context: int) -> int:
 
 def choose_draft_tokens(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal, step: int) -> list[int]:
     """Pick one draft token per sequence from draft logits [B, V], processed as the target's are at that
-    position (penalties over the output and the drafts before it, bias, min_tokens): the argmax for greedy
-    requests, a sample from the request's distribution otherwise (recorded for rejection sampling)."""
+    position (penalties over the output and the drafts before it, bias, min_tokens, the grammar's mask where
+    the request drafts under its grammar): the argmax for greedy requests, a sample from the request's
+    distribution otherwise (recorded for rejection sampling)."""
     greedy = torch.argmax(logits, dim=-1).tolist()
     out = []
     for b, seq in enumerate(seqs):
         params = seq.sampler.params
         raw = logits[b : b + 1]
         row = processed_logits(seq.sampler, raw, seq.tokens, proposal.tokens[b])
+        path = proposal.paths[b] if proposal.paths else None
+        mask = path.next_mask() if path is not None else None
+        if mask is not None:
+            row = constrain(row, mask.unsqueeze(0))
         if params.greedy:
             tok = greedy[b] if row is raw else int(torch.argmax(row[0]).item())
         else:
@@ -90,6 +105,8 @@ def choose_draft_tokens(seqs: list[Sequence], logits: torch.Tensor, proposal: Pr
             prev = proposal.probs[b]
             proposal.probs[b] = q.unsqueeze(0) if prev is None else torch.cat([prev, q.unsqueeze(0)])
         proposal.tokens[b].append(tok)
+        if path is not None:
+            path.keep(tok)
         out.append(tok)
     return out
 
@@ -116,7 +133,7 @@ class SelfSparseDrafter:
         return min(seq_len, self.config.budget) + step + 1
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        proposal = Proposal([[] for _ in seqs], [None] * len(seqs))
+        proposal = Proposal.start(seqs, self.config.grammar_drafts)
         first = [len(s.tokens) - 1 for s in seqs]  # position of each sequence's last (uncomputed) token
         starts = [window_start(self.config, p) for p in first]
         last = [s.tokens[-1] for s in seqs]
@@ -242,7 +259,7 @@ class DraftModelDrafter:
         state.computed = min(state.computed, num_valid)
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        proposal = Proposal([[] for _ in seqs], [None] * len(seqs))
+        proposal = Proposal.start(seqs, self.config.grammar_drafts)
         # first step catches each sequence up on tokens the draft has not seen (accepted + new token)
         feeds = [s.tokens[self._states[s.request_id].computed :] for s in seqs]
         for step in range(k):

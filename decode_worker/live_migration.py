@@ -176,6 +176,7 @@ class LiveMigrations:
         if seq.block_table.capacity < len(tokens):
             raise InvalidRequestError("state", f"{len(tokens)} tokens exceed the room reserved")
         seq.tokens = tokens
+        seq.sampler.catch_up(state.output_ids)
         seq.num_computed = state.num_computed
         if state.sampler_state:
             seq.sampler.generator.set_state(torch.frombuffer(bytearray.fromhex(state.sampler_state), dtype=torch.uint8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,4 +39,11 @@ class WorkerMetrics:
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
             "preemptions": self.preemptions,
+            "grammar_mask_s": _grammar_mask_seconds(),
         }
+
+
+def _grammar_mask_seconds() -> float:
+    """Time this process spent on grammar masks (0 until a request with structured output came)."""
+    grammar = sys.modules.get("modeling.grammar")
+    return grammar.mask_seconds() if grammar is not None else 0.0

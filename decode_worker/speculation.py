@@ -20,6 +20,7 @@ from decode_worker.policy import (AcceptanceEstimator, AdaptiveK, KChoice, Linea
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import load_model
+from modeling.grammar import constrain
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.pass_log import PassLog
 from modeling.runner import ModelRunner, StepInput
@@ -115,6 +116,9 @@ class Speculator:
             params, drafts = s.sampler.params, proposal.tokens[i]
             raw = logits[i]
             processed = processed_logits(s.sampler, raw, s.tokens, drafts)
+            masks = self._grammar_masks(s, proposal, i)
+            if masks is not None:
+                processed = constrain(processed, masks)
             if params.greedy:
                 best = raw_argmax[i] if processed is raw else torch.argmax(processed, dim=-1).tolist()
                 verdicts.append(verify_greedy(drafts, best))
@@ -122,6 +126,15 @@ class Speculator:
                 p = target_probs(processed, params)
                 verdicts.append(verify_sampled(drafts, proposal.probs[i], p, s.sampler.generator))
         return verdicts, logits
+
+    @staticmethod
+    def _grammar_masks(seq: Sequence, proposal, i: int) -> torch.Tensor | None:
+        """The grammar's masks [k + 1, V] at a sequence's verified positions (None without structured output):
+        those its drafts were chosen under, or, with ``grammar_drafts`` off, the walk along its drafts now."""
+        if seq.sampler.grammar is None:
+            return None
+        path = proposal.paths[i] if proposal.paths else None
+        return path.close() if path is not None else seq.sampler.grammar.path_masks(proposal.tokens[i])
 
     def _observe_target(self, seqs: list[Sequence], k: int, seconds: float) -> None:
         b = len(seqs)

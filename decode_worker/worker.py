@@ -54,7 +54,7 @@ from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request, check_room_to_generate
 from modeling.runner import StepInput
-from modeling.sampling import RequestSampler, token_logprobs
+from modeling.sampling import sampler_for, token_logprobs
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
@@ -552,7 +552,7 @@ class DecodeWorker:
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, table: BlockTable) -> Sequence:
         eos = frozenset(self.loaded.eos_token_ids)
         return Sequence(
-            request_id=request_id, prompt_ids=prompt, sampler=RequestSampler(params, prompt_ids=prompt, eos_token_ids=eos),
+            request_id=request_id, prompt_ids=prompt, sampler=sampler_for(self.loaded, params, prompt),
             eos_token_ids=eos, block_table=table,
             max_model_len=self.max_model_len, status=SequenceStatus.RUNNING,
         )

@@ -19,7 +19,7 @@ from modeling.forks import sequence_id, split_sequence_id
 from modeling.runner import StepInput
 from modeling.instance_config import InstanceConfig, Problems, booleans, integers, set_by
 from modeling.logprobs import TokenLogprob
-from modeling.sampling import PromptLogprobs, RequestSampler, SamplingParams, token_logprobs
+from modeling.sampling import PromptLogprobs, SamplingParams, sampler_for, token_logprobs
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
@@ -139,7 +139,7 @@ class ReferenceEngine:
         seq = Sequence(
             request_id=request_id,
             prompt_ids=prompt_ids,
-            sampler=RequestSampler(params, prompt_ids=prompt_ids, eos_token_ids=eos),
+            sampler=sampler_for(self.loaded, params, prompt_ids),
             eos_token_ids=eos,
             block_table=BlockTable(self.config.block_size),
             max_model_len=min(self.max_model_len, self.pool.num_blocks * self.config.block_size),

@@ -20,72 +20,22 @@ requests that ask for structured output.
 
 from __future__ import annotations
 
-import json
-import re
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from modeling.errors import InvalidRequestError
-
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-# JSON as ``json.dumps`` writes it (", " and ": ", no other whitespace): a model free to put whitespace between
-# tokens can loop on it forever (a small one does); a schema's own "x-guidance" options override these
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from modeling.structured_output import StructuredOutput  # noqa: F401 - re-exported (the grammars' input)
 
 
-@dataclass(frozen=True)
-class StructuredOutput:
-    """What a request's output must match: ``kind`` (one of ``KINDS``) and its ``spec`` as text (the JSON
-    schema serialised, the regex, the choices as a JSON list, the grammar; empty for ``json_object``).
-    ``field`` names where the request gave it, for errors (e.g. ``response_format.json_schema.schema``)."""
+_mask_seconds = [0.0]  # this process's time computing masks (a worker process serves one instance)
 
-    kind: str
-    spec: str = ""
-    field: str = "structured_outputs"
 
-    @staticmethod
-    def json_schema(schema: dict, field: str = "response_format.json_schema.schema") -> "StructuredOutput":
-        if not isinstance(schema, dict):
-            raise InvalidRequestError(field, f"must be a JSON object (a JSON schema), got {type(schema).__name__}")
-        # key order kept: properties are generated in the order the schema lists them
-        return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")), field)
-
-    @staticmethod
-    def choice(options: list, field: str = "structured_outputs.choice") -> "StructuredOutput":
-        if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
-            raise InvalidRequestError(field, f"must be a non-empty list of non-empty strings, got {options!r}")
-        return StructuredOutput("choice", json.dumps(options), field)
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise InvalidRequestError(self.field, f"unknown kind {self.kind!r}; allowed: {', '.join(KINDS)}")
-        if self.kind != "json_object" and not self.spec:
-            raise InvalidRequestError(self.field, f"a {self.kind} needs its specification")
-
-    def grammar(self) -> str:
-        """The llguidance grammar text."""
-        from llguidance import LLMatcher, gbnf_to_lark
-
-        if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
-        if self.kind == "json_schema":
-            try:
-                return LLMatcher.grammar_from_json_schema(self.spec, JSON_LAYOUT)
-            except ValueError as err:
-                raise InvalidRequestError(self.field, f"not a JSON schema: {err}") from None
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.spec)
-        if self.kind == "choice":
-            return LLMatcher.grammar_from_regex("|".join(re.escape(o) for o in json.loads(self.spec)))
-        lark = self.spec
-        if "::=" in lark:  # GBNF (llama.cpp's, vLLM's default grammar syntax)
-            try:
-                lark = gbnf_to_lark(lark)
-            except Exception as err:  # noqa: BLE001 - any conversion failure is the request's grammar
-                raise InvalidRequestError(self.field, f"not a valid GBNF grammar: {err}") from None
-        return LLMatcher.grammar_from_lark(lark)
+def mask_seconds() -> float:
+    """Seconds this process has spent computing grammar masks (``GrammarMatcher.allowed``)."""
+    return _mask_seconds[0]
 
 
 class GrammarCompiler:
@@ -129,16 +79,22 @@ class GrammarCompiler:
 
 class GrammarMatcher:
     """One sequence's position in its grammar. ``allowed`` / ``apply``: the tokens that may come next;
-    ``advance``: a token was kept; ``rollback``: the last n kept tokens were undone (rejected drafts)."""
+    ``advance``: a token was kept; ``rollback``: the last n kept tokens were undone (rejected drafts).
+    A token is consumed only after the mask allowed it: a refused one would leave the engine in an error
+    state that no rollback undoes."""
 
     def __init__(self, matcher, vocab_size: int):
         self._m = matcher
         self.vocab_size = vocab_size
         self._bits = torch.arange(32, dtype=torch.int32)
 
+    def copy(self) -> "GrammarMatcher":
+        """An independent matcher at the same position (a forked sequence, ``n`` > 1)."""
+        return GrammarMatcher(self._m.deep_copy(), self.vocab_size)
+
     @property
     def finished(self) -> bool:
-        """The grammar is complete and allows nothing more (the sequence ends)."""
+        """The grammar is complete and allows nothing more than EOS (the sequence ends)."""
         return self._m.is_stopped()
 
     @property
@@ -146,10 +102,12 @@ class GrammarMatcher:
         return self._m.get_error() if self._m.is_error() else ""
 
     def allowed(self) -> torch.Tensor:
-        """Bool [vocab_size]: the tokens the grammar allows next (EOS once it may end)."""
+        """Bool [vocab_size]: the tokens the grammar allows next (EOS once it may end; EOS alone once finished)."""
+        t0 = time.perf_counter()
         words = torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
-        bits = ((words.unsqueeze(1) >> self._bits) & 1).flatten()
-        return bits[: self.vocab_size].bool()
+        bits = ((words.unsqueeze(1) >> self._bits) & 1).flatten()[: self.vocab_size].bool()
+        _mask_seconds[0] += time.perf_counter() - t0
+        return bits
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [V] (or [1, V]) with every token the grammar forbids next at -inf (in place)."""
@@ -160,23 +118,16 @@ class GrammarMatcher:
     def path_masks(self, tokens: list[int]) -> torch.Tensor:
         """Bool [len(tokens) + 1, vocab_size]: the mask before each of ``tokens`` and after the last, as if each
         were kept in turn (a verification pass's k + 1 positions over k drafts: the drafts are checked, and
-        the recovered or bonus token sampled, under the masks of their positions). From the first token the
-        grammar forbids on, the later masks are all False (nothing after it can be kept). The matcher ends
-        where it started."""
-        masks = torch.zeros(len(tokens) + 1, self.vocab_size, dtype=torch.bool)
-        kept = 0
-        for i, token in enumerate(tokens):
-            masks[i] = self.allowed()
-            if not masks[i][token] or not self._m.consume_token(int(token)):
-                break
-            kept += 1
-        else:
-            masks[len(tokens)] = self.allowed()
-        self.rollback(kept)
-        return masks
+        the recovered or bonus token sampled, under the masks of their positions). The matcher ends where it
+        started. See :class:`DraftPath` for the rows past a token the grammar forbids."""
+        path = DraftPath(self)
+        for token in tokens:
+            path.next_mask()
+            path.keep(token)
+        return path.close()
 
     def advance(self, token: int) -> None:
-        """Keep ``token``; raises ValueError (naming the grammar's complaint) for one it forbids."""
+        """Keep ``token``; raises ValueError for one the grammar forbids here (the matcher is then unusable)."""
         if not self._m.consume_token(int(token)):
             raise ValueError(f"token {token} is not allowed here: {self._m.get_error()}")
 
@@ -184,3 +135,60 @@ class GrammarMatcher:
         """Undo the last ``num_tokens`` kept tokens."""
         if num_tokens and not self._m.rollback(int(num_tokens)):
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+
+
+class DraftPath:
+    """A matcher walked along one sequence's speculated tokens during a step, then returned to where it
+    started. Call ``next_mask`` before each position's token is chosen (or checked) and ``keep`` with it;
+    ``close`` adds the mask after the last token and gives all of them, [positions + 1, V].
+
+    Rows after a token the grammar forbids (a target-only-masked draft), or after the grammar finished, are
+    all True: nothing at or after such a position is ever kept (the forbidden draft is rejected there; a
+    finished grammar ends the sequence), and an all-allowed row keeps the arithmetic on them finite."""
+
+    def __init__(self, matcher: GrammarMatcher):
+        self.matcher = matcher
+        self._rows: list[torch.Tensor | None] = []
+        self._kept = 0
+        self._off = False  # the path left the grammar (a forbidden token) or the grammar finished
+
+    def next_mask(self) -> torch.Tensor | None:
+        """The mask at the next position, or None past the grammar."""
+        row = None if self._off else self.matcher.allowed()
+        self._rows.append(row)
+        return row
+
+    def keep(self, token: int) -> None:
+        """``token`` is the path's token at the position of the last ``next_mask``."""
+        row = self._rows[-1]
+        if row is None or self.matcher.finished or not bool(row[token]):
+            self._off = True
+            return
+        self.matcher.advance(token)
+        self._kept += 1
+
+    def close(self) -> torch.Tensor:
+        self.next_mask()
+        self.matcher.rollback(self._kept)
+        everything = torch.ones(self.matcher.vocab_size, dtype=torch.bool)
+        return torch.stack([everything if r is None else r for r in self._rows])
+
+
+def constrain(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """``logits`` [N, V] with the tokens ``masks`` [N, V] forbids at -inf (a new tensor). A row whose allowed
+    tokens were all at -inf already (``min_tokens`` holding back the EOS that alone ends a grammar) keeps the
+    grammar's tokens at equal logits: the grammar wins, and no row is left without a token to pick."""
+    masks = masks.to(logits.device)
+    out = logits.masked_fill(~masks, float("-inf"))
+    dead = torch.isneginf(out).all(dim=-1)
+    if bool(dead.any()):
+        out[dead] = torch.zeros_like(out[dead]).masked_fill(~masks[dead], float("-inf"))
+    return out
+
+
+@lru_cache(maxsize=8)
+def compiler_for(directory: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler:
+    """The process's compiler for the checkpoint at ``directory`` (its tokenizer as magicserve loads it)."""
+    from modeling.tokenizer import TextTokenizer
+
+    return GrammarCompiler(TextTokenizer(directory).backend_json(), vocab_size, list(eos_token_ids))

@@ -17,6 +17,10 @@ off; N in 0..20: the chosen token's log-probability and the N most likely) repor
 log-softmax before any of the processing above (vLLM's default, "raw" log-probabilities). ``n`` sequences
 are returned per request; ``best_of`` (>= n) are generated and the n with the highest cumulative
 log-probability returned. ``max_tokens`` 0 generates nothing (the prompt alone is scored).
+
+``structured`` constrains the output to a grammar (``modeling/structured_output.py``): after the stages
+above, every token the grammar forbids at a position is masked, drafts and verified positions alike, and the
+sequence stops when the grammar is complete.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from modeling.errors import InvalidRequestError
+from modeling.structured_output import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -59,6 +64,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     best_of: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers but store tuples (frozen, hashable).
@@ -123,6 +129,8 @@ class SamplingParams:
         _check_int("n", self.n, low=1, high=MAX_SEQUENCES)
         if self.best_of is not None:
             _check_int("best_of", self.best_of, low=self.n, high=MAX_SEQUENCES)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured_outputs", f"must be a StructuredOutput, got {self.structured!r}")
         return self
 
 

@@ -8,6 +8,11 @@ whether it is decoded plainly, drafted or verified (so speculation is lossless u
 * greedy selection is the argmax of the processed logits;
 * :func:`target_probs`: temperature, min_p, top-k, top-p: the exact distribution a sampled token is drawn from.
 
+A request with structured output also carries its grammar matcher (``modeling/grammar.py``): its mask is
+applied to the processed logits before the argmax or the temperature, at every position (a speculation step
+takes the masks along its draft path: ``grammar.DraftPath``). The matcher advances with every token the
+sequence keeps (``Sequence.append_token``).
+
 Randomness comes from one ``torch.Generator`` per request, seeded from ``seed`` when given: the same seed
 gives the same output whatever else is in the batch. :func:`token_logprobs` reports log-probabilities of
 the raw logits (``modeling/logprobs.py``).
@@ -16,6 +21,7 @@ the raw logits (``modeling/logprobs.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from typing import Sequence as Seq
 
 import torch
@@ -23,6 +29,10 @@ import torch
 from modeling.forks import fork_seed
 from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from modeling.checkpoint import LoadedModel
+    from modeling.grammar import GrammarMatcher
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -42,6 +52,7 @@ class RequestSampler:
     generator: torch.Generator = field(repr=False, default=None)
     prompt_ids: Seq[int] = field(repr=False, default=())
     eos_token_ids: frozenset[int] = frozenset()
+    grammar: GrammarMatcher | None = field(repr=False, default=None)
     _prompt_ids_tensor: torch.Tensor | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
@@ -68,15 +79,39 @@ class RequestSampler:
         if index == 0:
             return self
         gen = make_generator(fork_seed(self.params.seed, index), self.generator.device)
-        return RequestSampler(self.params, gen, self.prompt_ids, self.eos_token_ids)
+        grammar = None if self.grammar is None else self.grammar.copy()
+        return RequestSampler(self.params, gen, self.prompt_ids, self.eos_token_ids, grammar)
+
+    def catch_up(self, output_ids: Seq[int]) -> None:
+        """The sequence was given ``output_ids`` at once (a migration's arrival): the grammar follows them."""
+        if self.grammar is not None:
+            for token in output_ids:
+                self.grammar.advance(token)
 
     def choose(self, logits: torch.Tensor, tokens: Seq[int]) -> int:
         """logits: float32 [V] at the position after ``tokens`` (the sequence so far, prompt first) -> the next
         token id."""
         row = processed_logits(self, logits.unsqueeze(0), tokens)
+        if self.grammar is not None:
+            from modeling.grammar import constrain
+
+            row = constrain(row, self.grammar.allowed().unsqueeze(0))
         if self.params.greedy:
             return int(torch.argmax(row[0]).item())
         return sample_from(target_probs(row, self.params)[0], self.generator)
+
+
+def sampler_for(loaded: LoadedModel, params: SamplingParams, prompt_ids: Seq[int]) -> RequestSampler:
+    """A new request's sampler on a worker serving ``loaded``, with its grammar's matcher when the request
+    asks for structured output (compiled once per distinct grammar in this process)."""
+    eos = frozenset(loaded.eos_token_ids)
+    grammar = None
+    if params.structured is not None:
+        from modeling.grammar import compiler_for
+
+        compiler = compiler_for(loaded.path, loaded.config.vocab_size, tuple(sorted(eos)))
+        grammar = compiler.matcher(params.structured)
+    return RequestSampler(params, prompt_ids=prompt_ids, eos_token_ids=eos, grammar=grammar)
 
 
 def processed_logits(sampler: RequestSampler, logits: torch.Tensor, tokens: Seq[int],

@@ -72,6 +72,11 @@ class Sequence:
         """Record a sampled token; return why the sequence must stop, if it must."""
         self.tokens.append(token)
         params = self.sampler.params
+        grammar = self.sampler.grammar
+        if grammar is not None:
+            grammar.advance(token)
+            if grammar.finished:  # the output is complete: nothing but EOS could follow
+                return FinishReason.STOP
         if token in params.stop_token_ids:
             return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:

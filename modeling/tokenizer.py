@@ -75,6 +75,11 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def backend_json(self) -> str:
+        """The tokenizer as loaded (``tokenizer.json`` after the adjustments above), serialised: what a grammar
+        engine builds its token trie from."""
+        return self._tok.to_str()
+
     @property
     def add_bos(self) -> bool:
         """Whether ``encode(text)`` (add_special_tokens=True) starts with the BOS token."""

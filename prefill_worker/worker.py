@@ -30,7 +30,7 @@ from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request
 from modeling.runner import StepInput
-from modeling.sampling import PromptLogprobs, RequestSampler, token_logprobs
+from modeling.sampling import PromptLogprobs, sampler_for, token_logprobs
 from modeling.scheduler import ScheduledChunk
 from modeling.sequence import Sequence
 from modeling.tp_group import TPGroup
@@ -114,7 +114,7 @@ class PrefillWorker:
             raise InvalidRequestError("prompt_ids", f"{len(request.prompt_ids)} tokens exceed the KV cache "
                                                     f"({self.pool.num_blocks * self.pool.block_size} tokens)")
         prompt, eos = list(request.prompt_ids), frozenset(self.loaded.eos_token_ids)
-        seq = Sequence(request.request_id, prompt, RequestSampler(request.params, prompt_ids=prompt, eos_token_ids=eos),
+        seq = Sequence(request.request_id, prompt, sampler_for(self.loaded, request.params, prompt),
                        eos, BlockTable(self.config.block_size), max_model_len=self.loaded.config.max_position_embeddings)
         arrival = request.arrival_time if request.arrival_time is not None else time.perf_counter()
         num = request.params.prompt_logprobs
@@ -272,9 +272,10 @@ class PrefillWorker:
                 del self._requests[seq.request_id]
                 continue
             last = chunk_logits[-1:]
+            # the further sequences first: they start where the first one starts (its grammar included)
+            forks = [self._fork_start(seq, i, last[0]) for i in range(1, params.num_sequences)]
             token = seq.sampler.choose(last[0], seq.tokens)
             seq.append_token(token)
-            forks = [self._fork_start(seq, i, last[0]) for i in range(1, params.num_sequences)]
             firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt,
                                      self._logprob(params, last, token), prompt_logprobs,
                                      tuple((f.index, f.token, self._logprob(params, last, f.token)) for f in forks)))

@@ -196,6 +196,152 @@ def test_chat_applies_the_models_template_as_transformers_does(client, reference
     assert all(c.object == "chat.completion.chunk" for c in stream)
 
 
+RECORD_SCHEMA = {"type": "object", "properties": {
+    "path": {"type": "string", "maxLength": 24},
+    "kind": {"enum": ["file", "dir", "link"]},
+    "size": {"type": "integer", "minimum": 0, "maximum": 1 << 20},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+    "required": ["path", "kind", "size", "tags"], "additionalProperties": False}
+
+
+def test_response_format_gives_schema_valid_json_through_prefill_and_speculation(client, reference, hf_tokenizer):
+    """The official client's ``response_format`` on chat (whole and streamed) and vLLM's ``structured_outputs``
+    on completions: the model, which writes Python otherwise, answers with JSON that validates; the first
+    token (sampled on the prefill instance) and the speculated rest follow the grammar, token for token as
+    the reference engine under the same grammar."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from modeling.structured_output import StructuredOutput
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "entry", "schema": RECORD_SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=120, temperature=0,
+                                       response_format=fmt)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), RECORD_SCHEMA)
+    assert r.choices[0].finish_reason == "stop"
+    ids = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    ref = reference.generate([ids], SamplingParams(max_tokens=120, structured=StructuredOutput.json_schema(RECORD_SCHEMA)))
+    assert text == ref[0].text
+    stream = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=120, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+    parsed = client.beta.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=120, temperature=0,
+                                                response_format={"type": "json_object"}) \
+        if hasattr(client, "beta") and hasattr(client.beta, "chat") else None
+    if parsed is not None:
+        assert isinstance(json.loads(parsed.choices[0].message.content), dict)
+    many = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0.8, seed=3, n=3,
+                                     extra_body={"structured_outputs": {"json": RECORD_SCHEMA}})
+    for choice in many.choices:
+        jsonschema.validate(json.loads(choice.text), RECORD_SCHEMA)
+    picked = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert picked.choices[0].text in ("yes", "no", "maybe")
+
+
+def test_grpc_structured_output(http):
+    """The gRPC surface's ``structured_output``: a JSON schema's output validates, a choice picks one of its
+    options, and a grammar the engine cannot compile is INVALID_ARGUMENT naming the field."""
+    grpc = pytest.importorskip("grpc")
+    jsonschema = pytest.importorskip("jsonschema")
+    from controller.client import Client
+
+    with Client(f"127.0.0.1:{http[1].grpc}", token=TOKEN) as c:
+        r = c.generate(PROMPT, max_tokens=100, structured_output={"json_schema": RECORD_SCHEMA})
+        jsonschema.validate(json.loads(r.text), RECORD_SCHEMA)
+        assert r.finish_reason == "stop"
+        r = c.generate(PROMPT, max_tokens=8, temperature=1.0, structured_output={"choice": ["os.walk", "os.scandir"]})
+        assert r.text in ("os.walk", "os.scandir")
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(PROMPT, max_tokens=8, structured_output={"regex": "(unclosed"})
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("sampling.regex")
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "stat_file", "description": "Size and kind of a path",
+                                      "parameters": {"type": "object", "properties": {
+                                          "path": {"type": "string", "maxLength": 20},
+                                          "follow_links": {"type": "boolean"}},
+                                          "required": ["path", "follow_links"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "list_dir", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string", "maxLength": 20}, "depth": {"type": "integer", "minimum": 1, "maximum": 3}},
+        "required": ["path", "depth"], "additionalProperties": False}}},
+]
+TOOL_MESSAGES = [{"role": "user", "content": "How big is setup.py?"}]
+
+
+def streamed_calls(stream) -> tuple[dict[int, dict], str | None, str]:
+    """The tool calls a stream's ``delta.tool_calls`` add up to (as the openai client accumulates them),
+    the last finish reason and the content."""
+    calls: dict[int, dict] = {}
+    reason, content = None, ""
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = d.id or call["id"]
+            call["name"] += (d.function.name or "") if d.function else ""
+            call["arguments"] += (d.function.arguments or "") if d.function else ""
+        reason = choice.finish_reason or reason
+    return calls, reason, content
+
+
+def test_forced_tool_calls_parse_whole_and_streamed(client):
+    """``tool_choice`` naming a function or ``required``: the call is generated under its schema, so its
+    arguments always parse and validate; streamed as OpenAI's ``delta.tool_calls`` pieces that add up to
+    the same call; finish reason ``tool_calls``."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    named = {"type": "function", "function": {"name": "stat_file"}}
+    r = client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=named,
+                                       max_tokens=60, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "stat_file" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schemas["stat_file"])
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    calls, reason, content = streamed_calls(client.chat.completions.create(
+        model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=60, temperature=0,
+        stream=True))
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("stat_file", call.function.arguments)]
+    assert reason == "tool_calls" and content == ""
+    for seed in (1, 2):  # one call (parallel_tool_calls false): the array closes after it
+        r = client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice="required",
+                                           max_tokens=120, temperature=1.0, seed=seed, parallel_tool_calls=False)
+        whole = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        assert whole and r.choices[0].finish_reason == "tool_calls"
+        for name, arguments in whole:
+            jsonschema.validate(json.loads(arguments), schemas[name])
+        calls, reason, _ = streamed_calls(client.chat.completions.create(
+            model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120,
+            temperature=1.0, seed=seed, parallel_tool_calls=False, stream=True))
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == whole and reason == "tool_calls"
+
+
+def test_a_conversation_with_tool_results_and_auto_tool_choice(client, reference, hf_tokenizer):
+    """The tools and the tool messages reach the chat template as transformers passes them (the prompt is
+    the one ``apply_chat_template(tools=...)`` makes); with ``auto`` the model's free answer is content."""
+    history = TOOL_MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "stat_file", "arguments": json.dumps({"path": "setup.py", "follow_links": False})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"size\": 5120, \"kind\": \"file\"}"}]
+    template_history = [dict(m) for m in history]
+    template_history[1] = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                           "function": {"name": "stat_file", "arguments": {"path": "setup.py", "follow_links": False}}}]}
+    ids = hf_tokenizer.apply_chat_template(template_history, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    ref = greedy(reference, ids, 24)
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.content == ref.text and not r.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "rm_rf"}})
+    assert err.value.body["param"] == "tool_choice.function.name"
+
+
 def test_seeded_sampling_repeats(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=7,
               extra_body={"top_k": 50, "ignore_eos": True})
@@ -397,8 +543,8 @@ def test_chat_refusals(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, top_logprobs=2)
     assert err.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert err.value.body["param"] == "tools"
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f g"}}])
+    assert err.value.body["param"] == "tools[0].function.name"
 
 
 def test_unknown_model_auth_and_bad_json(client, http):

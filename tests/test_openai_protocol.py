@@ -4,6 +4,7 @@ config fields of the HTTP front."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -152,7 +153,13 @@ def test_chat_parsing_defaults_to_the_room_left(protocol):
     ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ({"model": "m", "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
-    ({"model": "m", "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ({"model": "m", "prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
+    ({"model": "m", "prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"xml": "a"}}, 400, "structured_outputs.xml"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400,
+     "guided_regex"),
+    ({"model": "m", "prompt": "x", "guided_decoding_backend": "xgrammar"}, 400, "guided_decoding_backend"),
     ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"x": 1}}, 400, "stream_options"),
     ({"model": "m", "prompt": "x", "messages": []}, 400, "messages"),
 ])
@@ -167,13 +174,23 @@ def test_completion_refusals_name_the_parameter(protocol, body, status, param):
     ({"model": "m", "messages": "hi"}, "messages"),
     ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format.type"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": []}}},
+     "response_format.json_schema.schema"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
 ])
 def test_chat_refusals_name_the_parameter(protocol, body, param):
@@ -298,3 +315,35 @@ def test_http_port_config():
     for bad, why in [(70000, "must be in"), (50051, "must differ from port"), ("80", "must be an integer")]:
         with pytest.raises(ConfigError, match=f"server.http_port: {why}"):
             parse_config({**base, "server": {"http_port": bad}})
+
+
+def test_output_constraints_from_each_surface(protocol):
+    """response_format, vLLM's structured_outputs and the guided_* parameters give the same constraints; a
+    grammar the engine cannot compile is refused naming where it was given."""
+    from modeling.structured_output import StructuredOutput
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    by_format = protocol.chat({**chat, "response_format": {"type": "json_schema",
+                                                           "json_schema": {"name": "s", "schema": schema}}})
+    by_vllm = protocol.chat({**chat, "structured_outputs": {"json": schema}})
+    by_guided = protocol.completion({"model": "m", "prompt": "x", "guided_json": json.dumps(schema)})
+    assert by_format.params.structured.spec == by_vllm.params.structured.spec == by_guided.params.structured.spec
+    assert list(json.loads(by_format.params.structured.spec)["properties"]) == ["b", "a"]  # order kept
+    assert protocol.chat({**chat, "response_format": {"type": "text"}}).params.structured is None
+    assert protocol.chat({**chat, "response_format": {"type": "json_object"}}).params.structured.kind == "json_object"
+    choice = protocol.completion({"model": "m", "prompt": "x", "structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.params.structured == StructuredOutput.choice(["yes", "no"])
+    pytest.importorskip("llguidance")
+    from controller.server import grammar_check
+    from modeling.checkpoint import load_config
+
+    checked = dataclasses.replace(protocol, grammar_check=grammar_check(MODEL_DIR, load_config(MODEL_DIR)))
+    for body, param in [({"guided_regex": "(unclosed"}, "guided_regex"),
+                        ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {
+                            "name": "s", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}},
+                         "response_format.json_schema.schema")]:
+        err = refused(checked.completion, {"model": "m", "prompt": "x", **body})
+        assert err.param == param and err.status == 400, (err.param, err.message)
+    assert checked.completion({"model": "m", "prompt": "x", "guided_regex": "[0-9]+"}).params.structured.kind == "regex"
