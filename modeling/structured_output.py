@@ -22,6 +22,24 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # JSON as ``json.dumps`` writes it (", " and ": ", no other whitespace): a model free to put whitespace between
 # tokens can loop on it forever (a small one does); a schema's own "x-guidance" options override these
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A number the schema gives no multipleOf is written with at most this many decimal places (and no exponent):
+# a model can otherwise extend a fraction without end ("0.56666..." until max_tokens), and digits past a
+# double's precision carry nothing. A schema's own multipleOf wins.
+NUMBER_STEP = 1e-9
+_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")  # keys whose values are data, not schemas
+
+
+def bounded_numbers(schema):
+    """``schema`` (parsed JSON) with ``multipleOf: NUMBER_STEP`` on every number schema that has none."""
+    if isinstance(schema, list):
+        return [bounded_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _NOT_SCHEMAS else bounded_numbers(v)) for k, v in schema.items()}
+    kinds = out.get("type")
+    if (kinds == "number" or (isinstance(kinds, list) and "number" in kinds)) and "multipleOf" not in out:
+        out["multipleOf"] = NUMBER_STEP
+    return out
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,7 @@ class StructuredOutput:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
         if self.kind == "json_schema":
             try:
-                return LLMatcher.grammar_from_json_schema(self.spec, JSON_LAYOUT)
+                return LLMatcher.grammar_from_json_schema(bounded_numbers(json.loads(self.spec)), JSON_LAYOUT)
             except ValueError as err:
                 raise InvalidRequestError(self.field, f"not a JSON schema: {err}") from None
         if self.kind == "regex":

@@ -5,6 +5,7 @@ compiled once per distinct spec, and a spec the engine cannot compile is an erro
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -159,3 +160,24 @@ def test_grammars_are_compiled_once_and_bad_ones_name_the_field(model):
         StructuredOutput("yaml", "a: 1")
     with pytest.raises(InvalidRequestError, match="structured_outputs.choice: must be a non-empty list"):
         StructuredOutput.choice([])
+
+
+def test_a_number_ends_after_a_bounded_fraction(model):
+    """A number schema without multipleOf is written with at most NUMBER_STEP's decimal places (a model that
+    would extend "0.5666..." to max_tokens has to stop); a schema's own multipleOf wins."""
+    from modeling.structured_output import NUMBER_STEP
+
+    _, compiler, tokenizer, _ = model
+    decimals = round(-math.log10(NUMBER_STEP))
+
+    def accepts(schema, text):
+        m = compiler.matcher(StructuredOutput.json_schema(schema))
+        for t in tokenizer.encode(text):
+            if not m.allowed()[t]:
+                return False
+            m.advance(t)
+        return bool(m.allowed()[0])  # EOS: the number may end here
+
+    number = {"type": "number", "minimum": 0, "maximum": 60}
+    assert accepts(number, "0." + "5" * decimals) and not accepts(number, "0." + "5" * (decimals + 1))
+    assert accepts({"type": "number", "multipleOf": 0.25}, "12.75") and not accepts({"type": "number", "multipleOf": 0.25}, "12.7")
