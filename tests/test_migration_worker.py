@@ -5,6 +5,7 @@ frees every block."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -327,3 +328,21 @@ def test_stop_rule_and_state_codec():
             MigrationState(**{"output_ids": (1,), "num_computed": 1, "sampler_state": "", "text_sent": 0, **bad})
     with pytest.raises(ValueError):
         MigrationState((1,), 1, "zz", 0)
+
+
+def test_a_structured_request_migrates_with_its_grammar(llama_dir):
+    """The destination's matcher follows the output that arrived (``RequestSampler.catch_up``): a request
+    under a grammar moved midway ends as the single worker ends it, inside its grammar."""
+    pytest.importorskip("llguidance")
+    from modeling.structured_output import StructuredOutput
+
+    prompts = prompts_of([40, 30], seed=5)
+    structured = StructuredOutput("regex", r"[a-z]{2,6}( [a-z]{2,6}){6,12}\.")
+    params = [SamplingParams(max_tokens=60, structured=structured),
+              SamplingParams(max_tokens=60, ignore_eos=True)]
+    spec = SPECS["self_sparse_fixed"]
+    want_tokens, want_text = solo_outputs(llama_dir, prompts, params, **spec)
+    _, run = migrate_midway(llama_dir, prompts, params, migrate_at=3, victim="r0", **spec)
+    assert run.tokens == want_tokens and run.text == want_text
+    assert run.finished["r0"] == "stop" and re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){6,12}\.", run.text["r0"])
+    assert run.sources["r0"][-1] == "b"  # the grammar's end was reached on the destination
