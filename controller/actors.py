@@ -213,6 +213,11 @@ class DecodeActor(_LoopActor):
         with self._gate.call():
             return self.worker.add_prefill(request)
 
+    def add_resume(self, request) -> bool:
+        """Continue ``request`` (a ``ResumeRequest``) where a dead instance left it; False: no room."""
+        with self._gate.call():
+            return self.worker.add_resume(request)
+
     def abort(self, request_id: str) -> bool:
         with self._gate.call():
             return self.worker.abort(request_id)

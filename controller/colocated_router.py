@@ -17,6 +17,7 @@ class ColocatedRouter(Router):
     (the fewest assigned requests, or the cheapest by cached prefix and load: ``Router._cheapest``), and the instance's first delta for a request carries its first token."""
 
     kv_transfer = False
+    resumes_output = False  # a colocated instance's engine has no resume: a failure after output fails the request
 
     def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0,
                  restart=None, check_ranks=None, metrics: ServingMetrics | None = None,

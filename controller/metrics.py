@@ -194,6 +194,9 @@ class ServingMetrics:
         self._local_prefills = Counter(PREFIX + "decode_local_prefills", "Requests prefilled on their decode "
                                        "instance from the KV it held cached (no prefill instance, no transfer).",
                                        m, registry=reg).labels(model_name)
+        self._resumes = Counter(PREFIX + "requests_resumed", "Requests continued on another decode instance after "
+                                "the one decoding them died, from the tokens already streamed.",
+                                m, registry=reg).labels(model_name)
         reg.register(_InstanceCollector(self))
 
     # -- the router's hooks (event loop thread) ----------------------------------------------------
@@ -224,6 +227,9 @@ class ServingMetrics:
 
     def local_prefill(self) -> None:
         self._local_prefills.inc()
+
+    def resumed(self) -> None:
+        self._resumes.inc()
 
     def queue(self, running: int, waiting: int) -> None:
         self._running.set(running)

@@ -31,6 +31,7 @@ class OutputPiece(Protocol):
 class _Sequence:
     tokens: int = 0  # token ids emitted
     chars: int = 0  # characters of text emitted
+    token_ids: list = field(default_factory=list)  # the ids emitted, in order
     waiting: list = field(default_factory=list)  # pieces that start past what was emitted
 
 
@@ -45,6 +46,11 @@ class OutputOrder:
         if index is None:
             return sum(s.tokens for s in self._seqs.values())
         return self._seqs[index].tokens if index in self._seqs else 0
+
+    def emitted(self, index: int = 0) -> tuple[list[int], int]:
+        """(the token ids emitted for sequence ``index``, the characters of its text emitted)."""
+        seq = self._seqs.get(index)
+        return ([], 0) if seq is None else (list(seq.token_ids), seq.chars)
 
     def accept(self, piece: OutputPiece) -> list:
         """The pieces to emit now, in order, each cut to what was not emitted before (a piece with nothing
@@ -71,6 +77,7 @@ class OutputOrder:
         skip_chars = seq.chars - p.text_offset
         ids, text = list(p.token_ids[skip_ids:]), p.text[skip_chars:]
         logprobs = tuple(p.logprobs[skip_ids:])
+        seq.token_ids.extend(ids)
         seq.tokens = max(seq.tokens, p.position + len(p.token_ids))
         seq.chars = max(seq.chars, p.text_offset + len(p.text))
         if not ids and not text and not p.finished and p.prompt_logprobs is None:

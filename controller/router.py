@@ -48,7 +48,7 @@ from controller.placement import decode_order, record_placement, record_report
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from controller.routing import Delta, Final, Instance, RouterError
 from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, PoolLoad,
-                                     TokenDelta)
+                                     ResumeRequest, TokenDelta)
 from modeling.params import SamplingParams
 from modeling.prefix_cache import PrefixCacheEvents
 from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, PrefillStepOutput
@@ -80,6 +80,8 @@ class _Active:
     migration: PendingMigration | None = None  # in progress, undecided
     finished_sequences: set = field(default_factory=set)  # n > 1: the sequences that have ended
     prompt_hashes: dict = field(default_factory=dict)  # the prompt's block hashes per way of hashing (kv_index)
+    sampler_state: bytes = b""  # seeded sampling: the generator's state after the last token reported
+    resumes: int = 0  # times it continued on another decode instance after its own died
 
     @property
     def tokens_streamed(self) -> int:
@@ -90,6 +92,7 @@ class Router:
     """Routes requests over the prefill and decode instances (asyncio; one per controller)."""
 
     kv_transfer = True  # requests go prefilling -> transferring -> decoding
+    resumes_output = True  # a request its decode instance dropped midway continues on another one
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_concurrent: int, max_queue: int,
                  request_timeout_s: float = 600.0, restart=None, check_ranks=None,
@@ -373,6 +376,9 @@ class Router:
                 if retryable and active.tokens_streamed == 0 and active.record.retries < MAX_RETRIES:
                     await self._retry_or_fail(active, reason)
                     continue
+                if retryable and self._can_resume(active):
+                    await self._resume(active, reason)
+                    continue
                 self._cancel_on_workers(active)
                 raise RouterError("UNAVAILABLE", f"request {rid} failed: {reason}")
             if kind == "first_token":
@@ -390,6 +396,8 @@ class Router:
             elif source in active.decoders:  # a delta
                 self._decoding(active)
                 pieces = [payload]
+                if payload.sampler_state:
+                    active.sampler_state = payload.sampler_state
             else:
                 continue  # from an instance the request left (a re-run elsewhere)
             for piece in pieces:
@@ -464,6 +472,53 @@ class Router:
         active.record.to(RequestState.QUEUED, reason)
         active.order, active.decoders = OutputOrder(), set()  # the re-run streams afresh
         await self._place(active)
+
+    def _can_resume(self, active: _Active) -> bool:
+        """Whether a request whose instance failed after output went out continues elsewhere: one sequence,
+        a decode pool that takes resumes, and fewer than ``MAX_RETRIES`` resumes so far."""
+        return self.resumes_output and active.params.num_sequences == 1 and active.resumes < MAX_RETRIES and \
+            active.order.emitted_tokens(0) > 0
+
+    async def _resume(self, active: _Active, reason: str) -> None:
+        """Continue a request on an alive decode instance from its prompt and the tokens the client has
+        received (the grammar, the text state and, seeded, the generator follow them): its stream goes on
+        where it stood, and greedy output is the undisturbed run's. Waits for room up to the request's
+        timeout; raises RouterError when no decode instance can take it."""
+        rid = active.record.request_id
+        active.resumes += 1
+        log.warning("resuming %s on another decode instance: %s", rid, reason)
+        if active.migration is not None:
+            self.migrations.abort(active, reason)
+        undo = [self.abort_on(inst, rid) for inst in (active.prefill, active.decode) if inst is not None and inst.alive]
+        for inst in (active.prefill, active.decode):
+            if inst is not None:
+                inst.assigned.discard(rid)
+        await asyncio.gather(*undo)  # before any instance is asked to take it again under the same id
+        active.prefill = active.decode = None
+        active.decoders = set()
+        output, chars = active.order.emitted(0)
+        request = ResumeRequest(rid, tuple(active.prompt_ids), active.params, tuple(output), chars,
+                                active.sampler_state)
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            cached = {i.name: self._cached(active, i) for i in self.decode}
+            for inst in self._decode_order(active, cached)[0]:
+                try:
+                    held = await inst.handle.add_resume.remote(request)
+                except Exception as err:
+                    log.warning("decode %s unreachable: %s", inst.name, err)
+                    continue
+                if held:
+                    active.decode, active.decoders = inst, {inst}
+                    inst.assigned.add(rid)
+                    record_placement(inst, rid, len(active.prompt_ids) + len(output))
+                    if self.metrics is not None:
+                        self.metrics.resumed()
+                    return
+            if time.monotonic() > deadline:
+                raise RouterError("UNAVAILABLE", f"request {rid} could not continue: no decode instance took it "
+                                  f"({reason})")
+            await asyncio.sleep(_PLACEMENT_RETRY_S * 10)
 
     def _cancel_active(self, active: _Active, reason: str) -> None:
         if not active.record.state.terminal:

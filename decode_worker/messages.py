@@ -29,6 +29,25 @@ class DecodeRequest:
 
 
 @dataclass(frozen=True)
+class ResumeRequest:
+    """A request to continue where another decode instance left it (that instance died): the prompt and the
+    tokens already streamed, whose KV this instance computes again (from its prefix cache, where it holds
+    part of it). ``text_sent``: characters of the output text already streamed; ``sampler_state``: the
+    generator's state after the last of ``output_ids`` (seeded sampling; empty: a fresh generator)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    output_ids: tuple[int, ...]
+    text_sent: int
+    sampler_state: bytes = b""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "output_ids", tuple(self.output_ids))
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """New tokens of one sequence of a request from one step, and their text, numbered by where they sit:
     ``position`` is the output position of ``token_ids[0]``, ``text_offset`` the characters of the sequence's
@@ -46,6 +65,9 @@ class TokenDelta:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for log-probabilities
     # a colocated instance's first delta of a request that asked for the prompt's log-probabilities
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # seeded sampling: the generator's state after this delta's last token (a resume elsewhere continues the
+    # same random stream from it); empty otherwise
+    sampler_state: bytes = b""
     index: int = 0  # the request's sequence these tokens belong to (n > 1; ``request_id`` is the request's)
     position: int = 0
     text_offset: int = 0

@@ -91,6 +91,11 @@ class DecodeScheduler:
                 self._preempt(preempted[-1])
         return 0, batch, preempted
 
+    def resume_first(self, seq) -> None:
+        """``seq`` (no blocks, nothing computed: a request continued from elsewhere) waits to be computed and
+        to join the batch ahead of the sequences preempted here."""
+        self.preempted.appendleft(seq)
+
     def resumable(self) -> Iterator:
         """Preempted sequences, first in first out, while the next fits (blocks for its tokens and a step)
         under ``max_num_seqs``: each is given blocks for its tokens (from the longest cached prefix of its

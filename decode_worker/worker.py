@@ -32,7 +32,8 @@ import torch
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.drafters import Drafter
 from decode_worker.live_migration import LiveMigrations
-from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed, PoolLoad, TokenDelta
+from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationFailed, PoolLoad, ResumeRequest,
+                                    TokenDelta)
 from decode_worker.metrics import WorkerMetrics
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.speculation import Speculator
@@ -223,6 +224,33 @@ class DecodeWorker:
         seq.status = SequenceStatus.PREFILLING
         self.requests[rid] = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
         self._prefilling.append(rid)
+        return True
+
+    def add_resume(self, request: ResumeRequest) -> bool:
+        """Continue a request another decode instance streamed part of (it died): its prompt and output are
+        this worker's tokens, the grammar and the generator follow the output, the text state is where the
+        client's stream stands, and the KV of every token but the last is computed again before the next
+        step (from the longest cached prefix). Its deltas carry on from the next output position. False when
+        there is no room now. Raises InvalidRequestError naming the field."""
+        rid, params, output = request.request_id, request.params, list(request.output_ids)
+        self._check_new(rid, list(request.prompt_ids), params)
+        if not output or params.num_sequences != 1:
+            raise InvalidRequestError("output_ids", "a resumed request has one sequence and at least one token out")
+        tokens = list(request.prompt_ids) + output
+        check_room_to_generate(len(tokens), self.max_model_len, "output_ids")
+        if not self.scheduler.can_reserve(len(tokens)):
+            return False
+        seq = self._new_sequence(rid, list(request.prompt_ids), params, BlockTable(self.config.block_size))
+        seq.tokens = tokens
+        seq.sampler.catch_up(output)
+        if request.sampler_state:
+            seq.sampler.generator.set_state(_generator_state(request.sampler_state))
+        seq.status = SequenceStatus.WAITING
+        live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
+        live.stream.push(output, None)  # the text state as the client's stream has it ...
+        live.stream.sent = request.text_sent  # ... of which this much went out
+        self.requests[rid] = live
+        self.scheduler.resume_first(seq)
         return True
 
     def _drop_unstarted(self, seq: Sequence) -> None:
@@ -501,7 +529,8 @@ class DecodeWorker:
             self.drafter.on_verified(seq, seq.num_computed)
         rid, index = split_sequence_id(seq.request_id)
         return TokenDelta(rid, appended, text, reason is not None, reason.value if reason is not None else None, k,
-                          verdict.num_accepted, logprobs, index=index, position=position, text_offset=text_offset)
+                          verdict.num_accepted, logprobs, index=index, position=position, text_offset=text_offset,
+                          sampler_state=_seeded_state(seq) if reason is None else b"")
 
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> tuple:
@@ -571,7 +600,8 @@ class DecodeWorker:
             self.drafter.admit(seq)
         rid, index = split_sequence_id(seq.request_id)
         return TokenDelta(rid, [first_token], text, reason is not None, reason.value if reason is not None else None,
-                          logprobs=logprobs, index=index, position=position, text_offset=text_offset)
+                          logprobs=logprobs, index=index, position=position, text_offset=text_offset,
+                          sampler_state=_seeded_state(seq))
 
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         seq = live.seq
@@ -609,6 +639,15 @@ class DecodeWorker:
             "metrics": self.metrics.summary(),
             **self.speculator.status(),
         }
+
+
+def _seeded_state(seq: Sequence) -> bytes:
+    """The generator's state of a seeded sampling request (what a resume elsewhere continues from); empty for
+    the others (greedy draws nothing; an unseeded request continues from any fresh generator)."""
+    params = seq.sampler.params
+    if params.seed is None or params.greedy:
+        return b""
+    return seq.sampler.generator.get_state().numpy().tobytes()
 
 
 def _generator_state(raw: bytes) -> torch.Tensor:

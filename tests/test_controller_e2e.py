@@ -252,7 +252,9 @@ def test_workers_hand_over_their_timed_passes(server):
     assert ray.get(prefill.pass_log.remote()) == []
 
 
-def test_killed_decode_actor_does_not_take_the_service_down(server, reference):
+def test_killed_decode_actor_loses_no_request(server, reference):
+    """A decode actor killed while requests stream: the router continues each of its requests on the other
+    decode instance from the tokens already streamed; every client gets the reference's tokens, no error."""
     import ray
 
     prompts = prompts_of([50, 60, 70, 80], seed=5)
@@ -266,11 +268,15 @@ def test_killed_decode_actor_does_not_take_the_service_down(server, reference):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(call, p) for p in prompts]
-        time.sleep(1.0)
-        ray.kill(ray.get_actor("magicserve-decode-1", namespace="magicserve"), no_restart=False)
+        victim = ray.get_actor("magicserve-decode-1", namespace="magicserve")
+        deadline = time.monotonic() + 30
+        while ray.get(victim.status.remote())["tokens_generated"] < 20:  # mid-stream there
+            assert time.monotonic() < deadline, "no request reached decode-1"
+            time.sleep(0.05)
+        assert ray.get(victim.status.remote())["running"] > 0
+        ray.kill(victim, no_restart=False)
         outcomes = [f.result(timeout=240) for f in futures]
-    for out, exp in zip(outcomes, expected):
-        assert out == exp or out == "UNAVAILABLE", out  # a request is either served exactly or told why
+    assert outcomes == expected
     # the service keeps serving, and the restarted actor rejoins
     assert stream_ids(server, prompts[0], max_tokens=20, ignore_eos=True)[0] == expected[0][:20]
     assert wait_all_alive(server)

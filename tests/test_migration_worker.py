@@ -346,3 +346,43 @@ def test_a_structured_request_migrates_with_its_grammar(llama_dir):
     assert run.tokens == want_tokens and run.text == want_text
     assert run.finished["r0"] == "stop" and re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){6,12}\.", run.text["r0"])
     assert run.sources["r0"][-1] == "b"  # the grammar's end was reached on the destination
+
+
+def test_a_request_resumes_from_its_streamed_tokens_on_another_worker(llama_dir):
+    """A decode instance's death: another one continues each request from the prompt and the tokens the
+    client received (``DecodeWorker.add_resume``), recomputing their KV: greedy output with penalties, a stop
+    string, a grammar, and seeded sampling (the generator's state rides on the deltas) all end exactly as on
+    one undisturbed worker, the text going on from the characters already sent."""
+    pytest.importorskip("llguidance")
+    from decode_worker.messages import ResumeRequest
+    from modeling.structured_output import StructuredOutput
+
+    prompts = prompts_of([40, 30, 35, 25], seed=7)
+    base_text = solo_outputs(llama_dir, prompts[1:2], [SamplingParams(max_tokens=50, ignore_eos=True)],
+                             drafter="none")[1]["r0"]
+    params = [SamplingParams(max_tokens=50, ignore_eos=True, frequency_penalty=0.5),
+              SamplingParams(max_tokens=50, ignore_eos=True, stop=(base_text[30:33],)),
+              SamplingParams(max_tokens=60, structured=StructuredOutput("regex", r"[a-z]{2,6}( [a-z]{2,6}){6,12}\.")),
+              SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.9, top_p=0.95, seed=5)]
+    spec = SPECS["self_sparse_fixed"]
+    want_tokens, want_text = solo_outputs(llama_dir, prompts, params, **spec)
+    a, b = make_worker(llama_dir, "dec-a", **spec), make_worker(llama_dir, "dec-b", **spec)
+    run = Run(type("P", (), {"a": a, "b": b})())
+    states: dict[str, bytes] = {}
+    for i, p in enumerate(prompts):
+        run.add(f"r{i}", p, params[i])
+    for _ in range(4):
+        items = a.step()
+        states.update({d.request_id: d.sampler_state for d in items if isinstance(d, TokenDelta) and d.sampler_state})
+        run._take("a", items)
+    assert states.get("r3") and not states.get("r0")  # only a seeded sampling request carries its state
+    for i, p in enumerate(prompts):  # "a" dies here: its requests go on at "b"
+        rid = f"r{i}"
+        assert b.add_resume(ResumeRequest(rid, tuple(p), params[i], tuple(run.tokens[rid]), len(run.text[rid]),
+                                          states.get(rid, b"")))
+    while b.has_work():
+        run._take("b", b.step())
+    assert run.tokens == want_tokens and run.text == want_text
+    assert run.finished["r1"] == run.finished["r2"] == "stop"
+    assert all(s[-1] == "b" for s in run.sources.values())
+    assert b.pool.num_free == b.pool.num_blocks and not b.requests  # nothing held but what is cached

@@ -78,7 +78,7 @@ def _fault_during_streams(address, prompts, fault) -> list:
         return [f.result(timeout=120) for f in futures]
 
 
-def test_dead_or_hung_rank_fails_requests_and_the_instance_restarts_whole(llama_dir):
+def test_dead_or_hung_rank_restarts_the_instance_whole_and_its_requests_resume(llama_dir):
     import ray
 
     cfg = _config(llama_dir, 2, 2)
@@ -87,6 +87,7 @@ def test_dead_or_hung_rank_fails_requests_and_the_instance_restarts_whole(llama_
     prompts = prompts_of([50, 60, 70], seed=8)
     reference = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=16384, attention_backend="torch"))
     expected = [c.token_ids for c in reference.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
+    whole = [c.token_ids for c in reference.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True))]
 
     def serves_the_reference(address) -> bool:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -96,12 +97,11 @@ def test_dead_or_hung_rank_fails_requests_and_the_instance_restarts_whole(llama_
         return ray.get_actor(name, namespace="magicserve")
 
     with running_server(cfg) as address:
-        # a decode rank dies: its instance's streams end UNAVAILABLE (none hangs), then every rank of it is
-        # replaced, its group and KV channels re-form, and it serves the reference output again
+        # a decode rank dies: every rank of its instance is replaced, its group and KV channels re-form, and
+        # the streams it was serving resume there from the tokens they had streamed: the reference output
         kill = lambda: ray.kill(actor("magicserve-decode-0-rank1"), no_restart=True)  # noqa: E731
         outcomes = _fault_during_streams(address, prompts, kill)
-        assert all(out == "UNAVAILABLE" or len(out) == 400 for out in outcomes), outcomes
-        assert "UNAVAILABLE" in outcomes
+        assert outcomes == whole
         assert wait_all_alive(address)
         assert serves_the_reference(address)
         assert wait_all_free(address)
@@ -110,9 +110,8 @@ def test_dead_or_hung_rank_fails_requests_and_the_instance_restarts_whole(llama_
         pid = ray.get(actor("magicserve-decode-0-rank1-g1").pid.remote())
         t0 = time.monotonic()
         outcomes = _fault_during_streams(address, prompts, lambda: os.kill(pid, signal.SIGSTOP))
-        assert all(out == "UNAVAILABLE" or len(out) == 400 for out in outcomes), outcomes
-        assert "UNAVAILABLE" in outcomes
-        assert time.monotonic() - t0 < 60
+        assert outcomes == whole
+        assert time.monotonic() - t0 < 90
         assert wait_all_alive(address)
         assert serves_the_reference(address)
 
