@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--undo", action="store_true", help="take the instance back into service")
     drain.add_argument("--timeout", type=float, default=0.0, help="seconds to wait for it to empty (0: the "
                                                                   "server's default, 600)")
+    scale = sub.add_parser("scale", help="resize a pool while serving (no request lost); the pool is held at "
+                                          "that size until --release")
+    _add_client_args(scale, operator=True)
+    scale.add_argument("pool", help="prefill, decode or colocated")
+    scale.add_argument("instances", type=int, help="instances to have in service")
+    scale.add_argument("--release", action="store_true", help="do not hold the pool at this size")
     migrate = sub.add_parser("migrate", help="move a decoding request to another decode instance while it streams")
     _add_client_args(migrate, operator=True)
     migrate.add_argument("request_id")
@@ -244,7 +250,30 @@ def cmd_status(args) -> int:
         print(f"{i.name:<12} {i.role:<10} {i.device:<8} {str(i.alive):<6} {i.queue_length:>5} {i.running:>7} "
               f"{i.free_kv_blocks:>7}/{i.total_kv_blocks:<8} {i.cached_kv_blocks:>7} {hits:>11} "
               f"{i.acceptance_rate:>7.2f}")
+    for p in st.pools:
+        held = ", held" if p.held else ""
+        print(f"pool {p.pool}: {p.current} in service, {p.desired} desired{held} ({', '.join(p.instances)})")
+    for r in st.recent_scaling[-5:]:
+        _print_scale(r)
     return 0
+
+
+def _print_scale(r) -> None:
+    changes = [f"+{n}" for n in r.added] + [f"-{n}" for n in r.removed]
+    outcome = f"stopped: {r.error}" if r.error else "done"
+    print(f"scale {r.pool} -> {r.desired}: {' '.join(changes) or 'no change'}, {outcome} in {r.seconds:.1f} s")
+
+
+def cmd_scale(args) -> int:
+    with _client(args) as client:
+        try:
+            res = client.scale(args.pool, args.instances, hold=False if args.release else None)
+        except grpc.RpcError as err:
+            print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    _print_scale(res)
+    print(f"pool {res.pool}: {res.current} in service")
+    return 1 if res.error else 0
 
 
 def _print_migration(m) -> None:
@@ -359,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "demo": cmd_demo, "run": cmd_run,
-                "profile": cmd_profile, "plan": cmd_plan, "drain": cmd_drain, "migrate": cmd_migrate,
+                "profile": cmd_profile, "plan": cmd_plan, "drain": cmd_drain, "migrate": cmd_migrate, "scale": cmd_scale,
                 "build": cmd_build}
     try:
         return commands[args.command](args)

@@ -194,6 +194,13 @@ class Client:
         return self._stub.DrainInstance(pb.DrainRequest(instance=instance, undo=undo, timeout_s=timeout_s),
                                         metadata=self._metadata)
 
+    def scale(self, pool: str, instances: int, hold: bool | None = None) -> pb.ScalePoolResult:
+        """Resize ``pool`` to ``instances`` while serving (``hold`` false: release a manual hold)."""
+        req = pb.ScalePoolRequest(pool=pool, instances=instances)
+        if hold is not None:
+            req.hold = hold
+        return self._stub.ScalePool(req, metadata=self._metadata)
+
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until the channel connects; ``TimeoutError`` (naming the address) after ``timeout_s``."""
         future = grpc.channel_ready_future(self._channel)

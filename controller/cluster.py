@@ -1,10 +1,12 @@
-"""Bringing up the cluster: Ray, one placement group per pool, worker actors, KV channels.
+"""Bringing up the cluster: Ray, one placement group per instance, worker actors, KV channels; and
+changing it while it serves (an instance added to a pool, or one removed).
 
-Prefill and decode instances land on separate resource sets: each pool gets its own placement group
-(one bundle per instance, ``{"CPU": cpus_per_instance, "GPU": devices_per_instance}``), so the two
-pools never share a GPU. The controller process hosts the TCP store that every (prefill, decode) pair
-uses to form its KV channel. In ``mode: colocated`` there is one pool, ``colocated`` (placed the same
-way), of reference-engine instances, and no KV channels.
+Each instance gets its own placement group (one bundle per rank, PACKed: ``{"CPU": cpus_per_instance / t,
+"GPU": devices_per_instance / t}``), so instances of the two pools never share a GPU, and an instance
+removed from its pool gives its resources back to Ray (on a Ray cluster with an autoscaler, a group that
+does not fit is what makes Ray add a node). The controller process hosts the TCP store that every
+(prefill, decode) pair uses to form its KV channel. In ``mode: colocated`` there is one pool,
+``colocated`` (placed the same way), of reference-engine instances, and no KV channels.
 """
 
 from __future__ import annotations
@@ -67,6 +69,20 @@ def place_pool(role: str, pool, timeout_s: float | None = None):
     return group
 
 
+def place_instance(name: str, pool, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """Reserve one instance's bundles (one per rank, PACK) in a placement group of its own; raises
+    ClusterError naming the instance and what it asked for when the cluster cannot hold them in time."""
+    bundle = pool_bundle(pool)
+    group = placement_group([dict(bundle) for _ in range(pool.tensor_parallel)], strategy="PACK",
+                            name=f"magicserve-{name}")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise ClusterError(f"{name}: cannot place {pool.tensor_parallel} x {bundle} within {timeout_s:g} s "
+                           f"(cluster resources: {ray.cluster_resources()}, available: {ray.available_resources()})")
+    return group
+
+
 @dataclass(frozen=True)
 class _Launch:
     """How one instance's ranks start: its pool (the config its workers take), actor class and arguments, and
@@ -96,7 +112,9 @@ class Cluster:
         self.colocated: list[Instance] = []
         self.followers: dict[str, list] = {}  # instance name -> its rank 1.. actors (tensor parallel)
         self._launches: dict[str, _Launch] = {}  # instance name -> how to start its ranks again
-        self._groups = []
+        self._groups: dict[str, object] = {}  # instance name -> its placement group
+        self._next_index: dict[str, int] = {}  # role -> the number the next instance of the pool gets
+        self._pools: dict[str, tuple] = {}  # role -> (pool config, actor class, model, args, transfer)
         self._store = None
         self.rendezvous: Rendezvous | None = None
         self._migration_pairs = 0  # migration channels formed (each under its own generation)
@@ -169,22 +187,75 @@ class Cluster:
 
     def _start_pool(self, role: str, pool: InstanceConfig, actor_cls, model: str, args,
                     transfer: TransferConfig | None = None) -> list[Instance]:
-        """Place the pool (one bundle per rank: an instance of tensor_parallel t takes t consecutive bundles,
-        each with 1/t of its CPUs and devices) and start each instance's rank 0 (``actor_cls``, with
-        ``model, pool, *args(name)``: the pool's section is its workers' config) and its followers."""
-        t = pool.tensor_parallel
-        bundle = pool_bundle(pool)
-        group = place_pool(role, pool)
-        self._groups.append(group)
-        instances = []
-        for i in range(pool.instances):
-            launch = _Launch(role, pool, ray_actor_class(actor_cls), model, args, transfer, group,
-                             i * t, bundle)
-            inst = Instance(f"{role}-{i}", role, None)
-            self._launches[inst.name] = launch
-            self._launch(inst, launch)
-            instances.append(inst)
-        return instances
+        """Place every instance of the pool (all or none: a pool the cluster cannot hold is an error naming
+        it) and start each instance's rank 0 (``actor_cls``, with ``model, pool, *args(name)``: the pool's
+        section is its workers' config) and its followers."""
+        self._pools[role] = (pool, ray_actor_class(actor_cls), model, args, transfer)
+        names = [f"{role}-{i}" for i in range(pool.instances)]
+        self._next_index[role] = pool.instances
+        try:
+            for name in names:
+                self._groups[name] = place_instance(name, pool)
+        except ClusterError:
+            for name in names:
+                group = self._groups.pop(name, None)
+                if group is not None:
+                    ray.util.remove_placement_group(group)
+            raise ClusterError(f"{role}: cannot place {pool.instances} instances of {pool.tensor_parallel} x "
+                               f"{pool_bundle(pool)} (cluster resources: {ray.cluster_resources()})") from None
+        return [self._start_instance(name, role) for name in names]
+
+    def _start_instance(self, name: str, role: str) -> Instance:
+        """Start the ranks of instance ``name`` of pool ``role`` in its placement group; returns at once."""
+        pool, actor_cls, model, args, transfer = self._pools[role]
+        launch = _Launch(role, pool, actor_cls, model, args, transfer, self._groups[name], 0, pool_bundle(pool))
+        inst = Instance(name, role, None)
+        self._launches[name] = launch
+        self._launch(inst, launch)
+        return inst
+
+    # -- resizing ---------------------------------------------------------------------------------
+
+    async def add_instance(self, role: str, placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> Instance:
+        """A new instance of pool ``role``, placed, its ranks up and (disaggregated) its KV channels formed
+        with every live instance of the other pool: ready to take requests. Nothing is left behind when it
+        fails (no room within ``placement_timeout_s``, a rank that does not come up): raises ClusterError."""
+        if role not in self._pools:
+            raise ClusterError(f"pool: {role!r} is not a pool of this cluster ({', '.join(self._pools)})")
+        pool = self._pools[role][0]
+        name = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        loop = asyncio.get_running_loop()
+        self._groups[name] = await loop.run_in_executor(None, place_instance, name, pool, placement_timeout_s)
+        inst = self._start_instance(name, role)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(h.ping.remote() for h in self._ranks(inst))), READY_TIMEOUT_S)
+            if self.config.mode == "disaggregated":
+                await asyncio.wait_for(self.rewire(inst), self.config.kv_transfer.timeout_s * 4 + 60)
+        except Exception as err:
+            self._stop_instance(inst)
+            raise ClusterError(f"{role} {name}: did not come up: {type(err).__name__}: {err}") from None
+        getattr(self, role).append(inst)
+        return inst
+
+    def remove_instance(self, inst: Instance) -> None:
+        """Stop every rank of ``inst`` and give its resources back (the router has let it go)."""
+        pool = getattr(self, inst.role)
+        if inst in pool:
+            pool.remove(inst)
+        self._stop_instance(inst)
+
+    def _stop_instance(self, inst: Instance) -> None:
+        for handle in self._ranks(inst):
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already gone
+                pass
+        group = self._groups.pop(inst.name, None)
+        if group is not None:
+            ray.util.remove_placement_group(group)
+        self._launches.pop(inst.name, None)
+        self.followers.pop(inst.name, None)
 
     def _launch(self, inst: Instance, launch: "_Launch") -> None:
         """Start every rank of ``inst`` (generation ``inst.generation``) in its bundles; returns at once."""
@@ -317,7 +388,7 @@ class Cluster:
                 ray.kill(handle, no_restart=True)
             except Exception:
                 pass
-        for g in self._groups:
+        for g in self._groups.values():
             try:
                 ray.util.remove_placement_group(g)
             except Exception:

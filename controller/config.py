@@ -253,6 +253,49 @@ class PrefixCachingSection:
 
 
 @dataclass(frozen=True)
+class PoolBounds:
+    """How far a pool may be resized while serving: ``min_instances`` (>= 1) to ``max_instances`` (null: as
+    many as Ray can place)."""
+
+    min_instances: int = 1
+    max_instances: int | None = None
+
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = integers(self, ("min_instances",), low=1)
+        top = self.max_instances
+        if not errs and top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < self.min_instances):
+            errs.append(("max_instances", f"must be an integer >= min_instances ({self.min_instances}) or null, "
+                                          f"got {top!r}"))
+        return errs
+
+
+@dataclass(frozen=True)
+class AutoscaleSection:
+    """Resizing the pools while serving (``controller/scaling.py``): ``magicserve scale POOL N`` (the
+    ``ScalePool`` operator call) adds instances (each placed in a placement group of its own, its KV
+    channels formed before it takes requests) or removes them without losing a request (a decode instance
+    by live migration of its requests, a prefill instance by finishing what it holds), within each pool's
+    bounds. ``placement_timeout_s``: how long a new instance may wait for Ray to place it (an autoscaling
+    Ray cluster adds a node meanwhile); ``drain_timeout_s``: how long an instance may take to empty."""
+
+    prefill: PoolBounds = field(default_factory=PoolBounds)
+    decode: PoolBounds = field(default_factory=PoolBounds)
+    colocated: PoolBounds = field(default_factory=PoolBounds)
+    placement_timeout_s: float = 120.0
+    drain_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        return [(n, f"must be > 0, got {getattr(self, n)}") for n in ("placement_timeout_s", "drain_timeout_s")
+                if not getattr(self, n) > 0]
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """The whole tree. ``source`` is the file it came from (relative paths resolve against it)."""
 
@@ -268,6 +311,7 @@ class ClusterConfig:
     limits: LimitsSection = field(default_factory=LimitsSection)
     migration: MigrationSection = field(default_factory=MigrationSection)
     prefix_caching: PrefixCachingSection = field(default_factory=PrefixCachingSection)
+    autoscale: AutoscaleSection = field(default_factory=AutoscaleSection)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -284,6 +328,12 @@ class ClusterConfig:
     def check(self) -> Problems:
         if self.mode not in MODES:
             return [("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")]
+        for role, pool in self.pools.items():
+            bounds = getattr(self.autoscale, role)
+            top = bounds.max_instances
+            if not bounds.min_instances <= pool.instances <= (top if top is not None else pool.instances):
+                return [(f"autoscale.{role}", f"{role}.instances ({pool.instances}) must be within "
+                                              f"[{bounds.min_instances}, {top if top is not None else 'any'}]")]
         if self.mode == "disaggregated" and self.kv_transfer.backend == "nccl" and \
                 not (self.prefill.devices_per_instance and self.decode.devices_per_instance):
             return [("kv_transfer.backend", "nccl needs both pools on GPUs (prefill and decode "

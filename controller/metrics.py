@@ -194,6 +194,8 @@ class ServingMetrics:
         self._local_prefills = Counter(PREFIX + "decode_local_prefills", "Requests prefilled on their decode "
                                        "instance from the KV it held cached (no prefill instance, no transfer).",
                                        m, registry=reg).labels(model_name)
+        self._pool_instances = Gauge(PREFIX + "pool_instances", "Instances per pool: in service now (current) "
+                                     "and asked for (desired).", ["model_name", "pool", "kind"], registry=reg)
         self._resumes = Counter(PREFIX + "requests_resumed", "Requests continued on another decode instance after "
                                 "the one decoding them died, from the tokens already streamed.",
                                 m, registry=reg).labels(model_name)
@@ -230,6 +232,10 @@ class ServingMetrics:
 
     def resumed(self) -> None:
         self._resumes.inc()
+
+    def pool_size(self, pool: str, current: int, desired: int) -> None:
+        self._pool_instances.labels(self.model_name, pool, "current").set(current)
+        self._pool_instances.labels(self.model_name, pool, "desired").set(desired)
 
     def queue(self, running: int, waiting: int) -> None:
         self._running.set(running)

@@ -98,9 +98,9 @@ class Router:
                  request_timeout_s: float = 600.0, restart=None, check_ranks=None,
                  metrics: ServingMetrics | None = None, connect_pair=None,
                  prefix_routing: PrefixRouting = PrefixRouting()):
-        self.prefill = prefill
-        self.decode = decode
-        self.instances = prefill + decode  # every instance the router polls
+        self.prefill = list(prefill)  # the router's own lists: pools change as instances join and leave
+        self.decode = list(decode)
+        self.instances = self.prefill + self.decode  # every instance the router polls
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -109,6 +109,7 @@ class Router:
         self._slots = PriorityGate(max_concurrent)
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
+        self._polls: dict[str, asyncio.Task] = {}  # instance name -> its polling task
         # async callables(instance): ``restart`` replaces a dead instance as a whole (every rank, its
         # channels re-formed; raises when it cannot), ``check_ranks`` raises when a rank the polls do not
         # reach (a tensor-parallel follower) died or hung
@@ -125,9 +126,9 @@ class Router:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
         for inst in self.instances:
-            self._tasks.append(loop.create_task(self._poll_instance(inst)))
+            self._watch(inst)
+        loop = asyncio.get_running_loop()
         if self.migrations.automatic:
             self._tasks.append(loop.create_task(self.migrations.reschedule_forever()))
 
@@ -139,8 +140,62 @@ class Router:
             await asyncio.sleep(0.05)
         for rid in list(self.active):
             self.cancel(rid)
-        for t in self._tasks:
+        for t in [*self._tasks, *self._polls.values()]:
             t.cancel()
+
+    def _watch(self, inst: Instance) -> None:
+        self._polls[inst.name] = asyncio.get_running_loop().create_task(self._poll_instance(inst))
+
+    # -- pools ------------------------------------------------------------------------------------
+
+    def add_instance(self, inst: Instance) -> None:
+        """A new instance (its ranks up, its KV channels formed) joins its pool and takes requests."""
+        pool = self.prefill if inst.role == "prefill" else self.decode
+        pool.append(inst)
+        self.instances.append(inst)
+        self._watch(inst)
+        log.warning("%s %s joined", inst.role, inst.name)
+
+    async def retire(self, inst: Instance, timeout_s: float = 600.0) -> None:
+        """Take ``inst`` out of its pool without losing a request: it gets no new ones; a decode instance
+        moves its running requests away by live migration (a request that cannot move, one of several
+        sequences or still prefilling, finishes there), a prefill instance finishes what it holds. Then it
+        is no longer polled, and the caller stops its actors. Raises RouterError (the instance back in
+        service) when it still holds requests after ``timeout_s`` or is its pool's last alive instance."""
+        pool = self.prefill if inst.role == "prefill" else self.decode
+        if inst not in pool:
+            raise RouterError("INVALID_ARGUMENT", f"instance: {inst.name} is not in the {inst.role} pool")
+        if not any(i.alive and not i.draining for i in pool if i is not inst):
+            raise RouterError("FAILED_PRECONDITION", f"{inst.name} is the last {inst.role} instance in service")
+        inst.draining = True
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self._held_by(inst):
+                if time.monotonic() > deadline:
+                    raise RouterError("DEADLINE_EXCEEDED", f"{inst.name} still holds {len(self._held_by(inst))} "
+                                      f"requests after {timeout_s:g} s")
+                if inst.role == "decode":
+                    await self.migrations.drain(inst.name, max(0.1, deadline - time.monotonic()))
+                else:
+                    await asyncio.sleep(0.05)
+        except BaseException:
+            inst.draining = False
+            raise
+        pool.remove(inst)
+        self.instances.remove(inst)
+        task = self._polls.pop(inst.name, None)
+        if task is not None:
+            task.cancel()
+        self.kv_index.drop(inst.name)
+        log.warning("%s %s left", inst.role, inst.name)
+
+    def _held_by(self, inst: Instance) -> set[str]:
+        """Requests ``inst`` holds: a prefill instance, those it has not handed off; a decode instance, those
+        decoding (or placed, or migrating in) there."""
+        if inst.role == "prefill":
+            return {rid for rid in inst.assigned if rid in self.active}
+        return set(inst.migrating_in) | {rid for rid, a in self.active.items()
+                                         if a.decode is inst and not a.record.state.terminal}
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -281,7 +336,7 @@ class Router:
         """The alive instance of ``pool`` to compute the prompt: the fewest assigned requests, unless some
         hold part of the prompt cached; then the cheapest by ``kv_index.cheapest`` (uncached blocks against
         the prompt blocks of the requests already assigned there)."""
-        alive = [i for i in pool if i.alive]
+        alive = [i for i in pool if i.alive and not i.draining]
         cached = {i.name: self._cached(active, i) for i in alive}
         bs = next((self.kv_index.block_size(name) for name, c in cached.items() if c), 1)
 

@@ -37,6 +37,7 @@ from controller.metrics import ServingMetrics
 from controller.openai_protocol import OpenAIProtocol
 from controller.router import Router
 from controller.routing import Delta, Final, RouterError
+from controller.scaling import Scaler
 from modeling.checkpoint import load_config as load_model_config
 from modeling.checkpoint import read_eos_token_ids
 from modeling.errors import InvalidRequestError
@@ -151,8 +152,10 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
     """``pass_log_fn``: an async callable returning the instances' drained pass logs
     (``Cluster.drain_pass_logs``), or None where the config leaves ``DrainPassLog`` off."""
 
-    def __init__(self, router: Router, validator: RequestValidator, status_fn, model_name: str, pass_log_fn=None):
+    def __init__(self, router: Router, validator: RequestValidator, status_fn, model_name: str, pass_log_fn=None,
+                 scaler: Scaler | None = None):
         self.router = router
+        self.scaler = scaler
         self.validator = validator
         self.status_fn = status_fn
         self.model_name = model_name
@@ -225,7 +228,21 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name,
             migrations_committed=self.router.migrations.counts["committed"],
-            migrations_aborted=self.router.migrations.counts["aborted"])
+            migrations_aborted=self.router.migrations.counts["aborted"],
+            pools=[pb.PoolShape(pool=role, current=s["current"], desired=s["desired"], held=s["held"],
+                                instances=s["instances"])
+                   for role, s in (self.scaler.shape().items() if self.scaler is not None else ())],
+            recent_scaling=[_scale_result(d, self.scaler) for d in (self.scaler.decisions if self.scaler else ())])
+
+    async def ScalePool(self, request, context):
+        if self.scaler is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server cannot resize its pools")
+        try:
+            decision = await self.scaler.scale(request.pool, int(request.instances),
+                                               hold=request.hold if request.HasField("hold") else None)
+        except RouterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        return _scale_result(decision, self.scaler)
 
     async def MigrateRequest(self, request, context):
         if not _REQUEST_ID.fullmatch(request.request_id):
@@ -282,6 +299,11 @@ def _pass_log_messages(logs: list[dict]) -> list[pb.InstancePasses]:
     return out
 
 
+def _scale_result(d, scaler) -> pb.ScalePoolResult:
+    return pb.ScalePoolResult(pool=d.pool, desired=d.desired, current=scaler.shape()[d.pool]["current"],
+                              added=list(d.added), removed=list(d.removed), error=d.error, seconds=d.seconds)
+
+
 def _migration_result(m) -> pb.MigrationResult:
     return pb.MigrationResult(request_id=m.request_id, source=m.source, destination=m.destination,
                               committed=m.committed, reason=m.reason, seconds=m.seconds,
@@ -311,7 +333,8 @@ def _to_response(rid: str, item) -> pb.GenerateResponse:
         finish_reason=_FINISH.get(item.finish_reason, 0), usage=_usage(item)))
 
 
-ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("MigrateRequest", "DrainInstance", "DrainPassLog"))
+ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("MigrateRequest", "DrainInstance", "DrainPassLog",
+                                                             "ScalePool"))
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -460,8 +483,9 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         router.start()
         validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens,
                                      grammar_check(config.model_path, mc))
+        scaler = Scaler(cluster, router, config.autoscale, metrics)
         servicer = MagicServeServicer(router, validator, cluster.statuses, model_name,
-                                      cluster.drain_pass_logs if config.server.pass_log_rpc else None)
+                                      cluster.drain_pass_logs if config.server.pass_log_rpc else None, scaler)
         server, port, health_servicer = await start_server(config, servicer)
         log.info("serving magicserve.v1 on %s:%d", config.server.host, port)
         http_port = None

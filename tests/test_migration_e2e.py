@@ -142,3 +142,48 @@ def test_source_dying_after_the_commit_does_not_touch_the_request(server, refere
     ray.kill(ray.get_actor(f"magicserve-{res.source}", namespace="magicserve"), no_restart=False)
     assert stream.join() == want
     assert wait_all_alive(server)
+
+
+def test_a_pool_grows_and_shrinks_while_requests_stream(server, reference):
+    """``magicserve scale``: a third decode instance is placed in a placement group of its own, connected,
+    and takes requests; scaling back removes the instance holding the fewest requests by live migration
+    while requests stream there; every request ends with the reference's tokens; the removed instance's
+    resources go back to Ray; the prefill pool grows and shrinks the same way; sizes outside the bounds are
+    refused naming the field."""
+    import ray
+
+    prompts = prompts_of([40, 60, 80, 100, 50, 70], seed=41)
+    params = dict(max_tokens=200, ignore_eos=True)
+    want = [c.token_ids for c in reference.generate(prompts, SamplingParams(**params))]
+    with Client(server) as c:
+        first = [Stream(server, p, f"grow-{i}", **params) for i, p in enumerate(prompts[:3])]
+        first[0].wait_tokens(5)
+        grown = c.scale("decode", 3)
+        assert not grown.error and len(grown.added) == 1 and grown.current == 3, grown
+        new = grown.added[0]
+        pools = {p.pool: p for p in c.status().pools}
+        assert (pools["decode"].current, pools["decode"].desired, pools["decode"].held) == (3, 3, True)
+        later = [Stream(server, p, f"grow-{i + 3}", **params) for i, p in enumerate(prompts[3:])]
+        for s in later:
+            s.wait_tokens(30)
+        on_new = {i.name: i for i in c.status().instances}[new]
+        assert on_new.tokens_generated > 0 and on_new.running > 0  # it took requests, and holds some now
+        shrunk = c.scale("decode", 2)
+        assert not shrunk.error and len(shrunk.removed) == 1 and shrunk.current == 2, shrunk
+        assert [s.join() for s in first + later] == want
+        assert shrunk.removed[0] not in {i.name for i in c.status().instances}
+        groups = ray.util.placement_group_table()
+        gone = [g for g in groups.values() if g["name"] == f"magicserve-{shrunk.removed[0]}"]
+        assert gone and all(g["state"] == "REMOVED" for g in gone)
+        assert not c.scale("prefill", 2).error
+        assert Stream(server, prompts[0], "after-grow", **params).join() == want[0]
+        assert not c.scale("prefill", 1).error
+        assert {p.pool: p.current for p in c.status().pools} == {"prefill": 1, "decode": 2}
+        with pytest.raises(grpc.RpcError) as err:
+            c.scale("decode", 0)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "autoscale.decode" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            c.scale("draft", 2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("pool")
+        c.scale("decode", 2, hold=False)
+    assert_all_free(server)

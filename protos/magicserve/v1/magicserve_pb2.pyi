@@ -18,6 +18,48 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class ScalePoolRequest(_message.Message):
+    __slots__ = ("pool", "instances", "hold")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    instances: int
+    hold: bool
+    def __init__(self, pool: _Optional[str] = ..., instances: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
+
+class ScalePoolResult(_message.Message):
+    __slots__ = ("pool", "desired", "current", "added", "removed", "error", "seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    desired: int
+    current: int
+    added: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    seconds: float
+    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., current: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PoolShape(_message.Message):
+    __slots__ = ("pool", "current", "desired", "held", "instances")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    current: int
+    desired: int
+    held: bool
+    instances: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[str] = ..., current: _Optional[int] = ..., desired: _Optional[int] = ..., held: _Optional[bool] = ..., instances: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class MigrateRequestRequest(_message.Message):
     __slots__ = ("request_id", "destination", "timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -306,20 +348,24 @@ class InstanceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted")
+    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_SCALING_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     queued_requests: int
     running_requests: int
     model: str
     migrations_committed: int
     migrations_aborted: int
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolShape]
+    recent_scaling: _containers.RepeatedCompositeFieldContainer[ScalePoolResult]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolShape, _Mapping]]] = ..., recent_scaling: _Optional[_Iterable[_Union[ScalePoolResult, _Mapping]]] = ...) -> None: ...
 
 class PassLogRequest(_message.Message):
     __slots__ = ()

@@ -64,6 +64,11 @@ class MagicServeStub:
                 request_serializer=magicserve_dot_v1_dot_magicserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=magicserve_dot_v1_dot_magicserve__pb2.DrainResult.FromString,
                 _registered_method=True)
+        self.ScalePool = channel.unary_unary(
+                '/magicserve.v1.MagicServe/ScalePool',
+                request_serializer=magicserve_dot_v1_dot_magicserve__pb2.ScalePoolRequest.SerializeToString,
+                response_deserializer=magicserve_dot_v1_dot_magicserve__pb2.ScalePoolResult.FromString,
+                _registered_method=True)
 
 
 class MagicServeServicer:
@@ -118,6 +123,17 @@ class MagicServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScalePool(self, request, context):
+        """Resize a pool while serving: new instances are placed (each in a placement group of its own), started
+        and connected before they take requests; removed ones leave without losing a request (a decode
+        instance by live migration, a prefill instance by finishing what it holds). A pool sized here is held
+        there (hold unset or true) until a call with hold false. Returns once done or stopped by a failure
+        (error set; every instance left whole). INVALID_ARGUMENT: no such pool, or outside autoscale's bounds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MagicServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +166,11 @@ def add_MagicServeServicer_to_server(servicer, server):
                     servicer.DrainInstance,
                     request_deserializer=magicserve_dot_v1_dot_magicserve__pb2.DrainRequest.FromString,
                     response_serializer=magicserve_dot_v1_dot_magicserve__pb2.DrainResult.SerializeToString,
+            ),
+            'ScalePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScalePool,
+                    request_deserializer=magicserve_dot_v1_dot_magicserve__pb2.ScalePoolRequest.FromString,
+                    response_serializer=magicserve_dot_v1_dot_magicserve__pb2.ScalePoolResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +335,33 @@ class MagicServe:
             '/magicserve.v1.MagicServe/DrainInstance',
             magicserve_dot_v1_dot_magicserve__pb2.DrainRequest.SerializeToString,
             magicserve_dot_v1_dot_magicserve__pb2.DrainResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScalePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/magicserve.v1.MagicServe/ScalePool',
+            magicserve_dot_v1_dot_magicserve__pb2.ScalePoolRequest.SerializeToString,
+            magicserve_dot_v1_dot_magicserve__pb2.ScalePoolResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,136 @@
+"""Resizing pools while serving: one action at a time, each complete or undone.
+
+A pool grows by an instance the cluster places and starts (its own placement group, its ranks up, its KV
+channels formed with every live peer) before the router sends it anything; it shrinks by an instance the
+router retires without losing a request (``Router.retire``: live migration off a decode instance, a
+prefill instance finishing what it holds) before the cluster stops it and gives its resources back. A
+failed step leaves the pool as it was and is reported; nothing half-added or half-removed remains.
+
+``Scaler.scale`` is what ``magicserve scale POOL N`` (the ``ScalePool`` operator call) runs. A pool sized by
+hand is held at that size (``held``) until the hold is released. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from controller.config import AutoscaleSection
+from controller.routing import Instance, RouterError
+
+log = logging.getLogger("magicserve.scaling")
+
+MAX_DECISIONS = 32  # the decisions ``status`` remembers
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """One resize of a pool and how it went."""
+
+    pool: str
+    desired: int
+    reason: str  # "manual", or what an automatic decision was based on
+    at: float  # time.time() when it was asked for
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    error: str = ""  # why the pool did not reach ``desired`` (it was left as it stood)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"pool": self.pool, "desired": self.desired, "reason": self.reason, "at": self.at,
+                "added": list(self.added), "removed": list(self.removed), "error": self.error,
+                "seconds": self.seconds}
+
+
+@dataclass
+class _Pool:
+    desired: int
+    held: bool = False  # sized by hand: an automatic decision leaves it alone
+
+
+@dataclass
+class Scaler:
+    """Resizes the pools of one cluster through its router (see the module doc)."""
+
+    cluster: object  # controller.cluster.Cluster (add_instance, remove_instance)
+    router: object  # controller.router.Router (add_instance, retire)
+    bounds: AutoscaleSection
+    metrics: object = None  # controller.metrics.ServingMetrics (pool_size)
+    decisions: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
+    _pools: dict = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        for role, instances in self.in_service().items():
+            self._pools[role] = _Pool(len(instances))
+        self._report()
+
+    def in_service(self) -> dict[str, list[Instance]]:
+        """The instances of each pool that take requests (alive or restarting, not leaving)."""
+        pools = {"colocated": self.router.decode} if not self.router.kv_transfer else {
+            "prefill": self.router.prefill, "decode": self.router.decode}
+        return {role: [i for i in insts if not i.draining] for role, insts in pools.items()}
+
+    def shape(self) -> dict:
+        """Per pool: ``current`` instances in service, ``desired``, ``held``, and the instances' names."""
+        return {role: {"current": len(insts), "desired": self._pools[role].desired, "held": self._pools[role].held,
+                       "instances": [i.name for i in insts]}
+                for role, insts in self.in_service().items()}
+
+    async def scale(self, pool: str, instances: int, reason: str = "manual", hold: bool | None = None) -> ScaleDecision:
+        """Bring ``pool`` to ``instances`` in service. ``hold`` (default: a manual resize holds) keeps an
+        automatic decision from changing it; ``hold=False`` with the current size releases it. Raises
+        RouterError for a pool or size outside the bounds; a resize that fails midway is reported in the
+        decision's ``error`` with the pool left at the size it reached, every instance whole."""
+        if pool not in self._pools:
+            raise RouterError("INVALID_ARGUMENT", f"pool: {pool!r}; this cluster's pools: {', '.join(self._pools)}")
+        limits = getattr(self.bounds, pool)
+        top = limits.max_instances
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < limits.min_instances or \
+                (top is not None and instances > top):
+            raise RouterError("INVALID_ARGUMENT", f"instances: {instances!r} is outside autoscale.{pool} "
+                                                  f"[{limits.min_instances}, {top if top is not None else 'any'}]")
+        if reason != "manual" and self._pools[pool].held:
+            raise RouterError("FAILED_PRECONDITION", f"{pool} is held at {self._pools[pool].desired} by hand")
+        async with self._lock:
+            state = self._pools[pool]
+            state.desired = instances
+            state.held = (reason == "manual") if hold is None else hold
+            self._report()
+            t0, at = time.monotonic(), time.time()
+            added, removed, error = [], [], ""
+            try:
+                while len(self.in_service()[pool]) < instances:
+                    inst = await self.cluster.add_instance(pool, self.bounds.placement_timeout_s)
+                    self.router.add_instance(inst)
+                    added.append(inst.name)
+                    self._report()
+                while len(self.in_service()[pool]) > instances:
+                    victim = self._victim(pool)
+                    await self.router.retire(victim, self.bounds.drain_timeout_s)
+                    self.cluster.remove_instance(victim)
+                    removed.append(victim.name)
+                    self._report()
+            except Exception as err:  # noqa: BLE001 - reported; the pool stays whole at the size it reached
+                error = f"{type(err).__name__}: {err}"
+                log.error("scaling %s to %d stopped at %d: %s", pool, instances, len(self.in_service()[pool]), error)
+            decision = ScaleDecision(pool, instances, reason, at, tuple(added), tuple(removed), error,
+                                     time.monotonic() - t0)
+            self.decisions.append(decision)
+            self._report()
+            return decision
+
+    def _victim(self, pool: str) -> Instance:
+        """The instance to remove: a dead one first, then the one holding the fewest requests, the newest of
+        those (the oldest instances keep the warmest caches)."""
+        insts = self.in_service()[pool]
+        return min(reversed(insts), key=lambda i: (i.alive, len(i.assigned)))
+
+    def _report(self) -> None:
+        if self.metrics is None:
+            return
+        for role, insts in self.in_service().items():
+            self.metrics.pool_size(role, len(insts), self._pools[role].desired)
