@@ -279,20 +279,55 @@ class AutoscaleSection:
     channels formed before it takes requests) or removes them without losing a request (a decode instance
     by live migration of its requests, a prefill instance by finishing what it holds), within each pool's
     bounds. ``placement_timeout_s``: how long a new instance may wait for Ray to place it (an autoscaling
-    Ray cluster adds a node meanwhile); ``drain_timeout_s``: how long an instance may take to empty."""
+    Ray cluster adds a node meanwhile); ``drain_timeout_s``: how long an instance may take to empty.
+
+    ``enabled`` runs the online planner (``controller/online_planner.py``): every ``interval_s`` it replays
+    the requests of the last ``window_s`` seconds (``headroom`` times faster) on the hardware ``profile``
+    (``magicserve profile``) for the pool sizes within the bounds and resizes to the smallest that meets
+    the ``slo:`` section's targets (each decision within ``decision_time_limit_s``); it grows a pool at once
+    and shrinks one by an instance after ``scale_down_after`` decisions in a row asked for fewer, never
+    twice within ``cooldown_s``, and leaves alone a pool sized by hand. A window of fewer than
+    ``min_window_requests`` requests asks for the smallest shape (the bounds' minimums)."""
 
     prefill: PoolBounds = field(default_factory=PoolBounds)
     decode: PoolBounds = field(default_factory=PoolBounds)
     colocated: PoolBounds = field(default_factory=PoolBounds)
     placement_timeout_s: float = 120.0
     drain_timeout_s: float = 600.0
+    enabled: bool = False
+    profile: str = ""
+    interval_s: float = 10.0
+    window_s: float = 60.0
+    headroom: float = 1.2
+    cooldown_s: float = 30.0
+    scale_down_after: int = 3
+    min_window_requests: int = 10
+    decision_time_limit_s: float = 5.0
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
-        return [(n, f"must be > 0, got {getattr(self, n)}") for n in ("placement_timeout_s", "drain_timeout_s")
-                if not getattr(self, n) > 0]
+        errs = [(n, f"must be > 0, got {getattr(self, n)}") for n in (
+            "placement_timeout_s", "drain_timeout_s", "interval_s", "window_s", "cooldown_s",
+            "decision_time_limit_s") if not getattr(self, n) > 0]
+        errs += booleans(self, ("enabled",)) + integers(self, ("scale_down_after", "min_window_requests"), low=1)
+        if not self.headroom >= 1.0:
+            errs.append(("headroom", f"must be >= 1.0 (1.2: plan for 20 % more load than seen), got {self.headroom}"))
+        if self.enabled and not self.profile:
+            errs.append(("profile", "required when enabled: a hardware profile (magicserve profile --out FILE)"))
+        return errs
+
+    def planning_bounds(self, pools) -> dict[str, tuple[int, int]]:
+        """Pool -> (min, max) instances for the online planner (every pool it runs must have a max)."""
+        out = {}
+        for role in pools:
+            b = getattr(self, role)
+            if b.max_instances is None:
+                raise ConfigError(f"autoscale.{role}.max_instances: required when autoscale.enabled (the planner "
+                                  "searches up to it)")
+            out[role] = (b.min_instances, b.max_instances)
+        return out
 
 
 @dataclass(frozen=True)
@@ -328,6 +363,12 @@ class ClusterConfig:
     def check(self) -> Problems:
         if self.mode not in MODES:
             return [("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")]
+        if self.autoscale.enabled:
+            try:
+                self.autoscale.planning_bounds(self.pools)
+            except ConfigError as err:
+                name, _, why = str(err).partition(": ")
+                return [(name, why)]
         for role, pool in self.pools.items():
             bounds = getattr(self.autoscale, role)
             top = bounds.max_instances
@@ -357,6 +398,15 @@ class ClusterConfig:
         if os.path.isabs(self.model.path) or not self.source:
             return self.model.path
         return os.path.normpath(os.path.join(os.path.dirname(self.source), self.model.path))
+
+
+    @property
+    def autoscale_profile(self) -> str:
+        """``autoscale.profile``, resolved against the config file's directory."""
+        p = self.autoscale.profile
+        if not p or os.path.isabs(p) or not self.source:
+            return p
+        return os.path.normpath(os.path.join(os.path.dirname(self.source), p))
 
 
 def load_config(path: str = LOCAL_CONFIG, overrides: dict | None = None) -> ClusterConfig:

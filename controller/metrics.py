@@ -194,8 +194,11 @@ class ServingMetrics:
         self._local_prefills = Counter(PREFIX + "decode_local_prefills", "Requests prefilled on their decode "
                                        "instance from the KV it held cached (no prefill instance, no transfer).",
                                        m, registry=reg).labels(model_name)
-        self._pool_instances = Gauge(PREFIX + "pool_instances", "Instances per pool: in service now (current) "
-                                     "and asked for (desired).", ["model_name", "pool", "kind"], registry=reg)
+        self._pool_instances = Gauge(PREFIX + "pool_instances", "Instances per pool: in service now (current), "
+                                     "asked for (desired), and the online planner's latest choice (planned).", ["model_name", "pool", "kind"], registry=reg)
+        self._planned_attainment = Gauge(PREFIX + "autoscale_predicted_attainment", "SLO attainment the online "
+                                         "planner predicted for the shape it chose last.", ["model_name"],
+                                         registry=reg).labels(model_name)
         self._resumes = Counter(PREFIX + "requests_resumed", "Requests continued on another decode instance after "
                                 "the one decoding them died, from the tokens already streamed.",
                                 m, registry=reg).labels(model_name)
@@ -232,6 +235,12 @@ class ServingMetrics:
 
     def resumed(self) -> None:
         self._resumes.inc()
+
+    def planned(self, shape: dict, attainment: float) -> None:
+        """The online planner's latest decision: each pool's instances and the attainment it predicted."""
+        for pool, n in shape.items():
+            self._pool_instances.labels(self.model_name, pool, "planned").set(n)
+        self._planned_attainment.set(attainment)
 
     def pool_size(self, pool: str, current: int, desired: int) -> None:
         self._pool_instances.labels(self.model_name, pool, "current").set(current)

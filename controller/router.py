@@ -122,6 +122,7 @@ class Router:
         self.migrations = MigrationCoordinator(self, connect_pair)
         self.prefix_routing = prefix_routing
         self.kv_index = PrefixIndex()  # what each instance holds cached, from its events
+        self.load_window = None  # controller.online_planner.LoadWindow: what the online planner reads
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -221,6 +222,8 @@ class Router:
         record = RequestRecord(request_id, self.counters, self.kv_transfer)
         active = _Active(record, list(prompt_ids), params, asyncio.Queue(), arrival, priority=priority)
         self.active[request_id] = active
+        if self.load_window is not None:
+            self.load_window.admitted(request_id, len(prompt_ids))
         try:
             await self._place(active)
             async for item in self._stream(active):
@@ -499,6 +502,8 @@ class Router:
                 if self.metrics is not None:
                     self.metrics.tokens(len(ids), now - active.last_token_at)
                 active.last_token_at = now
+            if self.load_window is not None:
+                self.load_window.generated(active.record.request_id, active.tokens_streamed + len(ids))
         finish_reason = None
         if active.params.num_sequences > 1 and piece.finished:  # one of several sequences ended: its choice closes
             active.finished_sequences.add(piece.index)
@@ -509,6 +514,8 @@ class Router:
 
     def _final(self, active: _Active, reason: str | None) -> Final:
         n = active.tokens_streamed
+        if self.load_window is not None:
+            self.load_window.generated(active.record.request_id, n, finished=True)
         tpot = (active.last_token_at - active.first_token_at) / (n - 1) if n > 1 else 0.0
         final = Final(reason or "stop", len(active.prompt_ids), n, active.first_token_at - active.arrival, tpot,
                       active.draft_tokens, active.accepted_tokens, frozenset(active.finished_sequences))

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from controller.config import AutoscaleSection
+from controller.online_planner import Decision
 from controller.routing import Instance, RouterError
 
 log = logging.getLogger("magicserve.scaling")
@@ -60,6 +61,7 @@ class Scaler:
     bounds: AutoscaleSection
     metrics: object = None  # controller.metrics.ServingMetrics (pool_size)
     decisions: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
+    plans: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))  # the online planner's decisions
     _pools: dict = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -122,6 +124,43 @@ class Scaler:
             self.decisions.append(decision)
             self._report()
             return decision
+
+    async def plan_forever(self, planner, policy, window, interval_s: float, headroom: float,
+                           min_requests: int) -> None:
+        """The online planner's loop (``controller/online_planner.py``): every ``interval_s``, a decision on
+        the window's requests (simulated off the event loop), then the resizes the policy allows, pools sized
+        by hand left alone. A decision or resize that fails is logged and the loop goes on: the cluster keeps
+        serving at the shape it has."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                summary = window.summary()
+                current = {role: len(insts) for role, insts in self.in_service().items()}
+                if summary["requests"] < min_requests:  # too little load to plan for: the smallest shape
+                    smallest = {pool: lo for pool, (lo, _) in planner.bounds.items()}
+                    decision = Decision(smallest, {}, summary, 0.0, True)
+                else:
+                    decision = await loop.run_in_executor(None, planner.decide, window.trace(headroom), current,
+                                                          summary)
+                self.plans.append(decision)
+                log.info("planner: %s -> %s (predicted attainment %.2f, met %s, %.2f s; window %s)", current,
+                         decision.shape, decision.attainment, decision.met, decision.seconds, summary)
+                if self.metrics is not None:
+                    self.metrics.planned(decision.shape, decision.attainment)
+                for pool, n in policy.actions(decision, current).items():
+                    if self._pools[pool].held:
+                        continue
+                    reason = (f"planner: {summary['rate']:.2f} req/s, predicted attainment "
+                              f"{decision.attainment:.2f} at {decision.shape}")
+                    result = await self.scale(pool, n, reason=reason)
+                    policy.acted(pool)
+                    if result.error:
+                        log.warning("planner's resize of %s stopped: %s", pool, result.error)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the planner failing must not take the service down
+                log.error("online planner: %s: %s", type(err).__name__, err)
 
     def _victim(self, pool: str) -> Instance:
         """The instance to remove: a dead one first, then the one holding the fewest requests, the newest of

@@ -459,6 +459,25 @@ def grammar_check(model_path: str, mc) -> Callable[[StructuredOutput], object]:
     return check
 
 
+def start_planner(config: ClusterConfig, router: Router, scaler: Scaler) -> asyncio.Task | None:
+    """With ``autoscale.enabled``: the online planner's loop over the router's observations (None otherwise)."""
+    a = config.autoscale
+    if not a.enabled:
+        return None
+    from controller.online_planner import LoadWindow, OnlinePlanner, ScalePolicy
+    from planner.profile import Profile
+    from planner.search import SLOTarget
+    from planner.simulator import SimConfig
+
+    planner = OnlinePlanner(Profile.load(config.autoscale_profile), SimConfig.from_cluster_config(config),
+                            SLOTarget(config.slo.ttft_ms / 1e3, config.slo.tpot_ms / 1e3, config.slo.attainment),
+                            a.planning_bounds(config.pools), a.decision_time_limit_s)
+    router.load_window = LoadWindow(a.window_s)
+    policy = ScalePolicy(a.cooldown_s, a.scale_down_after)
+    return asyncio.get_running_loop().create_task(
+        scaler.plan_forever(planner, policy, router.load_window, a.interval_s, a.headroom, a.min_window_requests))
+
+
 def _openai_server(config: ClusterConfig, router: Router, metrics, tokenizer: TextTokenizer, mc, status_fn):
     lim = config.limits
     protocol = OpenAIProtocol(metrics.model_name, tokenizer, ChatTemplate.from_checkpoint(config.model_path),
@@ -484,6 +503,7 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         validator = RequestValidator(tokenizer, mc.vocab_size, config.limits.max_prompt_tokens, config.limits.max_tokens,
                                      grammar_check(config.model_path, mc))
         scaler = Scaler(cluster, router, config.autoscale, metrics)
+        planning = start_planner(config, router, scaler)
         servicer = MagicServeServicer(router, validator, cluster.statuses, model_name,
                                       cluster.drain_pass_logs if config.server.pass_log_rpc else None, scaler)
         server, port, health_servicer = await start_server(config, servicer)
@@ -506,6 +526,8 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         await stop_event.wait()
         log.info("shutting down: draining in-flight requests")
         await health_servicer.enter_graceful_shutdown()
+        if planning is not None:
+            planning.cancel()  # no resize while the server drains
         if http is not None:
             front.accepting = False
         await router.stop(drain_timeout_s=30.0)

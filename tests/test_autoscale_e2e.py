@@ -1,0 +1,93 @@
+"""The online planner on a real local Ray cluster: load makes it add a decode instance, and a lighter load
+then makes it remove one by drain while requests stream; every request ends with the reference engine's
+tokens. The hardware profile is the measured CPU profile with a decode step whose cost is set by hand
+(4 ms + 12 ms per sequence), so the planner's arithmetic is plain: at a 50 ms TPOT target one decode
+instance serves three sequences at once, not six."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from controller.client import Client
+from modeling.sampling import SamplingParams
+from tests.serving import Stream, e2e_config, prompts_of, running_server
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plain_profile(path: str) -> str:
+    with open(os.path.join(REPO, "benchmarks", "results", "profile_local_cpu.json"), encoding="utf-8") as f:
+        profile = json.load(f)
+    for inst in profile["instances"]:
+        target = inst["target_pass"]
+        target["coefficients"] = [0.004, 0.012] + [0.0] * (len(target["features"]) - 2)
+    profile["calibrations"] = {}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(profile, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    profile = plain_profile(str(tmp_path_factory.mktemp("profile") / "profile.json"))
+    cfg = e2e_config(
+        llama_dir,
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 256},
+        decode={"kv_cache_tokens": 8192, "attention_backend": "torch", "speculation": {"drafter": "none"}},
+        slo={"ttft_ms": 5000, "tpot_ms": 50, "attainment": 0.9},
+        autoscale={"enabled": True, "profile": profile, "interval_s": 0.5, "window_s": 6, "headroom": 1.0,
+                   "cooldown_s": 1, "scale_down_after": 2, "min_window_requests": 3,
+                   "prefill": {"max_instances": 1}, "decode": {"max_instances": 2}},
+    )
+    with running_server(cfg) as address:
+        yield address
+
+
+def pools(client) -> dict:
+    return {p.pool: (p.current, p.desired) for p in client.status().pools}
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(server, reference):
+    burst = prompts_of([30, 40, 50, 60, 70, 80], seed=61)
+    steady = prompts_of([45] * 40, seed=62)
+    params = dict(max_tokens=300, ignore_eos=True)
+    want = {tuple(p): c.token_ids for p, c in zip(burst + steady, reference.generate(burst + steady,
+                                                                                      SamplingParams(**params)))}
+    got: list[tuple[list[int], list[int]]] = []
+    with Client(server) as c:
+        assert pools(c)["decode"] == (1, 1)
+        streams = [Stream(server, p, f"burst-{i}", **params) for i, p in enumerate(burst)]
+        # six at once: one instance's steps would take 76 ms, two take 40 ms: the planner adds one
+        wait_for(lambda: pools(c)["decode"] == (2, 2), 120, "scaling decode up to 2")
+        got += [(p, s.join()) for p, s in zip(burst, streams)]
+        added = [r for r in c.status().recent_scaling if r.added]
+        assert added and added[0].pool == "decode" and not added[0].error
+        # then one request at a time, steadily: one instance is enough, and the planner takes one away
+        stop = threading.Event()
+
+        def steady_load():
+            for i, p in enumerate(steady):
+                if stop.is_set():
+                    return
+                got.append((p, Stream(server, p, f"steady-{i}", **params).join()))
+
+        loader = threading.Thread(target=steady_load, daemon=True)
+        loader.start()
+        wait_for(lambda: pools(c)["decode"] == (1, 1), 180, "scaling decode back to 1")
+        stop.set()
+        loader.join(120)
+        removed = [r for r in c.status().recent_scaling if r.removed]
+        assert removed and removed[-1].pool == "decode" and not removed[-1].error
+    assert len(got) > len(burst) and all(ids == want[tuple(p)] for p, ids in got)
