@@ -14,6 +14,8 @@ with headroom, found with the offline planner's simulator, and when to act on th
 * :class:`ScalePolicy` turns decisions into actions: a pool grows as soon as a decision asks for more
   (after ``cooldown_s`` since its last action); it shrinks, one instance at a time, only after
   ``scale_down_after`` consecutive decisions asked for fewer (hysteresis: a dip in load does not churn it).
+  A resize that failed (no room, an instance that did not come up) doubles that pool's cooldown, up to
+  ``max_backoff_s``, until one succeeds.
 
 No torch, no Ray, no asyncio here: the scaler (``controller/scaling.py``) runs it.
 """
@@ -184,8 +186,10 @@ class ScalePolicy:
     cooldown_s: float = 30.0
     scale_down_after: int = 3
     clock: object = time.monotonic
+    max_backoff_s: float = 600.0
     _last_action: dict = field(default_factory=dict)  # pool -> when it was last resized
     _lower_streak: dict = field(default_factory=dict)  # pool -> consecutive decisions for fewer instances
+    _failures: dict = field(default_factory=dict)  # pool -> resizes failed in a row
 
     def actions(self, decision: Decision, current: dict) -> dict:
         """Pool -> the size to resize it to now (pools left alone are absent)."""
@@ -196,7 +200,7 @@ class ScalePolicy:
                 self._lower_streak[pool] = self._lower_streak.get(pool, 0) + 1
             else:
                 self._lower_streak[pool] = 0
-            if now - self._last_action.get(pool, -math.inf) < self.cooldown_s:
+            if now - self._last_action.get(pool, -math.inf) < self.cooldown(pool):
                 continue
             if want > have:
                 out[pool] = want
@@ -204,6 +208,11 @@ class ScalePolicy:
                 out[pool] = have - 1
         return out
 
-    def acted(self, pool: str) -> None:
+    def cooldown(self, pool: str) -> float:
+        """Seconds after a resize of ``pool`` before the next: ``cooldown_s``, doubled per failure in a row."""
+        return min(self.max_backoff_s, self.cooldown_s * 2 ** self._failures.get(pool, 0))
+
+    def acted(self, pool: str, failed: bool = False) -> None:
         self._last_action[pool] = self.clock()
         self._lower_streak[pool] = 0
+        self._failures[pool] = self._failures.get(pool, 0) + 1 if failed else 0

@@ -154,7 +154,7 @@ class Scaler:
                     reason = (f"planner: {summary['rate']:.2f} req/s, predicted attainment "
                               f"{decision.attainment:.2f} at {decision.shape}")
                     result = await self.scale(pool, n, reason=reason)
-                    policy.acted(pool)
+                    policy.acted(pool, failed=bool(result.error))
                     if result.error:
                         log.warning("planner's resize of %s stopped: %s", pool, result.error)
             except asyncio.CancelledError:

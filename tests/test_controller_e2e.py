@@ -266,14 +266,17 @@ def test_killed_decode_actor_loses_no_request(server, reference):
         except grpc.RpcError as err:
             return err.code().name
 
+    victim = ray.get_actor("magicserve-decode-1", namespace="magicserve")
+    before = ray.get(victim.status.remote())["tokens_generated"]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(call, p) for p in prompts]
-        victim = ray.get_actor("magicserve-decode-1", namespace="magicserve")
         deadline = time.monotonic() + 30
-        while ray.get(victim.status.remote())["tokens_generated"] < 20:  # mid-stream there
+        while True:  # requests mid-stream there
+            st = ray.get(victim.status.remote())
+            if st["running"] > 0 and st["tokens_generated"] >= before + 20:
+                break
             assert time.monotonic() < deadline, "no request reached decode-1"
-            time.sleep(0.05)
-        assert ray.get(victim.status.remote())["running"] > 0
+            time.sleep(0.02)
         ray.kill(victim, no_restart=False)
         outcomes = [f.result(timeout=240) for f in futures]
     assert outcomes == expected

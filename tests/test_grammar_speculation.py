@@ -80,33 +80,43 @@ def test_greedy_under_a_grammar_is_identical_with_speculation_on_and_off(tokeniz
 
 
 def histogram(spec: SpeculationConfig, prompt: list[int], structured: StructuredOutput, n: int,
-              tokenizer: TextTokenizer) -> dict[str, int]:
+              tokenizer: TextTokenizer) -> tuple[list[str], object]:
+    """The outputs of ``n`` seeded sampling requests (temperature 1) under ``structured``, and the metrics."""
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=50_000 + i, structured=structured) for i in range(n)]
-    counts: dict[str, int] = {}
     w = worker(spec, max_num_seqs=64)
+    texts = []
     for start in range(0, n, 64):
-        for out in run(w, [prompt] * len(params[start:start + 64]), params[start:start + 64]):
-            text = tokenizer.decode(out)
-            counts[text] = counts.get(text, 0) + 1
-    return counts
+        texts += [tokenizer.decode(o) for o in run(w, [prompt] * len(params[start:start + 64]), params[start:start + 64])]
+    return texts, w.metrics
 
 
-def test_sampling_under_a_grammar_has_plain_constrained_decodings_distribution(tokenizer):
-    """Two-sample chi-square over the outputs of a regex with many short answers: speculation with drafts
-    under the grammar vs plain constrained decoding."""
-    structured = StructuredOutput("regex", r"(self|None|True|False|return|[a-z]{1,3})\.[a-z]{1,4}")
-    prompt = tokenizer.encode(PROMPTS[1])
-    n = 384
-    plain = histogram(SPECS["off"], prompt, structured, n, tokenizer)
-    spec = histogram(SPECS["grammar_drafts"], prompt, structured, n, tokenizer)
-    keys = sorted(set(plain) | set(spec))
-    rows = torch.tensor([[plain.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]], dtype=torch.float64)
+def chi_square_same(a: list[str], b: list[str]) -> tuple[float, float, int]:
+    """Two-sample chi-square of two samples' outcome counts (outcomes seen fewer than 10 times together
+    merged into one bin): (statistic, critical value at p = 0.001, bins)."""
+    keys = sorted(set(a) | set(b))
+    rows = torch.tensor([[a.count(k) for k in keys], [b.count(k) for k in keys]], dtype=torch.float64)
     common = rows.sum(0) >= 10
     rows = torch.cat([rows[:, common], rows[:, ~common].sum(1, keepdim=True)], dim=1)
     rows = rows[:, rows.sum(0) > 0]
-    assert rows.shape[1] >= 4, rows  # a distribution with several outcomes, not one answer
     expected = rows.sum(1, keepdim=True) * rows.sum(0, keepdim=True) / rows.sum()
     chi2 = float((((rows - expected) ** 2) / expected).sum())
     dof = rows.shape[1] - 1
-    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # p = 0.001
-    assert chi2 < crit, (chi2, crit, rows)
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # Wilson-Hilferty
+    return chi2, crit, rows.shape[1]
+
+
+def test_sampling_under_a_grammar_has_plain_constrained_decodings_distribution(tokenizer):
+    """Two-sample chi-square, per number, over the outputs of a two-number regex: speculation with drafts
+    under the grammar (a sparse draft that disagrees with the target, so drafts are rejected too) vs plain
+    constrained decoding."""
+    structured = StructuredOutput("regex", r"[0-9]{1,2}, [0-9]{1,2}")
+    prompt = tokenizer.encode(PROMPTS[0] + PROMPTS[1])
+    n = 256
+    sparse = SpeculationConfig(drafter="self_sparse", k_policy="fixed", k=3, budget=8, sink_tokens=2)
+    plain, _ = histogram(SPECS["off"], prompt, structured, n, tokenizer)
+    spec, metrics = histogram(sparse, prompt, structured, n, tokenizer)
+    assert 0 < metrics.accepted_tokens < metrics.draft_tokens
+    for j in (0, 1):
+        chi2, crit, bins = chi_square_same([t.split(", ")[j] for t in plain], [t.split(", ")[j] for t in spec])
+        assert bins >= 4, bins  # a distribution with several outcomes, not one answer
+        assert chi2 < crit, (j, chi2, crit)

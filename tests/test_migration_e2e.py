@@ -175,9 +175,9 @@ def test_a_pool_grows_and_shrinks_while_requests_stream(server, reference):
         groups = ray.util.placement_group_table()
         gone = [g for g in groups.values() if g["name"] == f"magicserve-{shrunk.removed[0]}"]
         assert gone and all(g["state"] == "REMOVED" for g in gone)
-        assert not c.scale("prefill", 2).error
+        assert cli_main(["scale", "prefill", "2", "--address", server]) == 0  # as an operator runs it
         assert Stream(server, prompts[0], "after-grow", **params).join() == want[0]
-        assert not c.scale("prefill", 1).error
+        assert cli_main(["scale", "prefill", "1", "--release", "--address", server]) == 0
         assert {p.pool: p.current for p in c.status().pools} == {"prefill": 1, "decode": 2}
         with pytest.raises(grpc.RpcError) as err:
             c.scale("decode", 0)

@@ -91,6 +91,14 @@ def test_the_policy_grows_at_once_and_shrinks_after_a_streak_outside_the_cooldow
     for _ in range(2):
         assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {}
     assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {"decode": 2}  # one instance at a time
+    policy.acted("decode", failed=True)  # it failed: twice the cooldown before the next try (a new streak too)
+    assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {}
+    clock.t += 45
+    assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {}
+    clock.t += 20
+    assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {"decode": 2}
+    policy.acted("decode")
+    assert policy.cooldown("decode") == 30.0
 
 
 def test_autoscale_config_errors_name_the_field():
