@@ -5,6 +5,11 @@ with headroom, found with the offline planner's simulator, and when to act on th
   arrived, its prompt length and its output length (the tokens it generated; a request still running
   counts what it has generated so far, or the window's mean output if more). :meth:`LoadWindow.trace` is
   those requests as a simulator trace, replayed ``headroom`` times faster.
+* The simulator's latencies are corrected by what the router measured (Dynamo's SLA planner does the same):
+  the current shape is simulated on the window's trace, and the ratios of the measured to the simulated
+  median TTFT and TPOT of the window's finished requests (at least 1, at most 10) divide the SLO targets
+  the shapes are held to. A simulation that starts from an idle cluster, or a profile that misses the
+  host's contention, then no longer keeps an overloaded shape.
 * :class:`OnlinePlanner.decide` simulates the trace on the profile, starting from the current shape: if it
   meets the target (predicted attainment of both SLOs), the shapes with fewer devices are tried, fewest
   first, and the first that meets it wins; if not, the shapes with more devices, fewest first (a shape
@@ -25,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +47,8 @@ class _Seen:
     prompt_tokens: int
     output_tokens: int = 0
     finished: bool = False
+    ttft_s: float | None = None  # measured, once finished
+    tpot_s: float | None = None
 
 
 class LoadWindow:
@@ -58,12 +66,24 @@ class LoadWindow:
         self._by_id[request_id] = seen
         self._expire()
 
-    def generated(self, request_id: str, tokens: int, finished: bool = False) -> None:
-        """``request_id`` has generated ``tokens`` so far (all of them once ``finished``)."""
+    def generated(self, request_id: str, tokens: int, finished: bool = False, ttft_s: float | None = None,
+                  tpot_s: float | None = None) -> None:
+        """``request_id`` has generated ``tokens`` so far (all of them once ``finished``, with the TTFT and
+        TPOT it was served at)."""
         seen = self._by_id.get(request_id)
         if seen is not None:
             seen.output_tokens = max(seen.output_tokens, tokens)
             seen.finished = seen.finished or finished
+            if finished:
+                seen.ttft_s, seen.tpot_s = ttft_s, tpot_s
+
+    def plan_inputs(self, headroom: float = 1.0) -> tuple[list[RequestSpec], list[tuple[int, float, float]]]:
+        """``trace(headroom)`` and, for the requests of it that finished, (index in the trace, measured TTFT,
+        measured TPOT)."""
+        trace = self.trace(headroom)
+        measured = [(i, s.ttft_s, s.tpot_s) for i, (_, s) in enumerate(self._seen)
+                    if s.finished and s.ttft_s is not None and s.tpot_s is not None]
+        return trace, measured
 
     def _expire(self) -> None:
         edge = self.clock() - self.window_s
@@ -105,6 +125,7 @@ class Decision:
     inputs: dict
     seconds: float
     met: bool  # the chosen shape's predicted attainment reaches the target
+    correction: tuple[float, float] = (1.0, 1.0)  # measured / simulated median (TTFT, TPOT) on the current shape
 
     @property
     def attainment(self) -> float:
@@ -139,28 +160,51 @@ class OnlinePlanner:
         changes = {pool: dataclasses.replace(getattr(self.base, pool), instances=n) for pool, n in shape.items()}
         return dataclasses.replace(self.base, **changes)
 
-    def predict(self, shape: dict, trace: list[RequestSpec], time_limit_s: float | None = None) -> tuple[bool, float]:
+    def predict(self, shape: dict, trace: list[RequestSpec], time_limit_s: float | None = None,
+                correction: tuple[float, float] = (1.0, 1.0)) -> tuple[bool, float]:
         """Whether ``shape`` meets the target on the trace, and the share of its requests that met both SLOs
-        in the simulation (a lower bound where the run stopped once the verdict was known)."""
-        watch = AttainmentWatch(len(trace), self.slo.ttft_s, self.slo.tpot_s, self.slo.attainment)
+        in the simulation (a lower bound where the run stopped once the verdict was known); ``correction``
+        divides the TTFT and TPOT targets."""
+        ttft, tpot = self.slo.ttft_s / correction[0], self.slo.tpot_s / correction[1]
+        watch = AttainmentWatch(len(trace), ttft, tpot, self.slo.attainment)
         result = simulate(self.profile, self._config(shape), trace, time_limit_s=time_limit_s, watch=watch)
-        share = attainment(result.outcomes(), self.slo.ttft_s, self.slo.tpot_s).both
+        share = attainment(result.outcomes(), ttft, tpot).both
         meets = result.verdict if result.verdict is not None else share >= self.slo.attainment
         return bool(meets), share
 
-    def decide(self, trace: list[RequestSpec], current: dict, inputs: dict | None = None) -> Decision:
-        """The shape for ``trace`` (see the module doc); ``current``: pool -> instances in service now."""
+    def correction(self, shape: dict, trace: list[RequestSpec], measured: list[tuple[int, float, float]],
+                   time_limit_s: float | None = None) -> tuple[float, float]:
+        """Measured over simulated median (TTFT, TPOT) of the finished requests of the trace on ``shape``
+        (each within [1, 10]; (1, 1) without measurements)."""
+        if not measured:
+            return 1.0, 1.0
+        records = simulate(self.profile, self._config(shape), trace, time_limit_s=time_limit_s).records
+        pairs = [(records[i], ttft, tpot) for i, ttft, tpot in measured if i < len(records) and records[i].finished]
+        if not pairs:
+            return 1.0, 1.0
+        out = []
+        for sim_of, got_of in ((lambda r: r.ttft_s, lambda p: p[1]), (lambda r: r.tpot_s, lambda p: p[2])):
+            sim = statistics.median(sim_of(p[0]) for p in pairs)
+            got = statistics.median(got_of(p) for p in pairs)
+            out.append(min(10.0, max(1.0, got / sim)) if sim > 0 else 1.0)
+        return out[0], out[1]
+
+    def decide(self, trace: list[RequestSpec], current: dict, inputs: dict | None = None,
+               measured: list[tuple[int, float, float]] = ()) -> Decision:
+        """The shape for ``trace`` (see the module doc); ``current``: pool -> instances in service now;
+        ``measured``: (trace index, TTFT, TPOT) of its finished requests (``LoadWindow.measured``)."""
         t0 = time.perf_counter()
         deadline = t0 + self.time_limit_s
         predicted: dict[str, float] = {}
+        shapes = self.shapes()
+        here = {p: min(max(current.get(p, lo), lo), hi) for p, (lo, hi) in self.bounds.items()}
+        correction = self.correction(here, trace, list(measured), self.time_limit_s / 2)
 
         def meets(shape: dict) -> bool:
             left = max(0.05, deadline - time.perf_counter())
-            ok, predicted[_key(shape)] = self.predict(shape, trace, left)
+            ok, predicted[_key(shape)] = self.predict(shape, trace, left, correction)
             return ok
 
-        shapes = self.shapes()
-        here = {p: min(max(current.get(p, lo), lo), hi) for p, (lo, hi) in self.bounds.items()}
         devices = self._config(here).devices
         chosen, met = here, meets(here)
         if met:
@@ -176,7 +220,7 @@ class OnlinePlanner:
         if not met:  # nothing met it in time: the best seen, the larger on a tie
             chosen = max((s for s in shapes if _key(s) in predicted),
                          key=lambda s: (predicted[_key(s)], self._config(s).devices))
-        return Decision(chosen, predicted, dict(inputs or {}), time.perf_counter() - t0, met)
+        return Decision(chosen, predicted, dict(inputs or {}), time.perf_counter() - t0, met, correction)
 
 
 @dataclass

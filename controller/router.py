@@ -514,9 +514,9 @@ class Router:
 
     def _final(self, active: _Active, reason: str | None) -> Final:
         n = active.tokens_streamed
-        if self.load_window is not None:
-            self.load_window.generated(active.record.request_id, n, finished=True)
         tpot = (active.last_token_at - active.first_token_at) / (n - 1) if n > 1 else 0.0
+        if self.load_window is not None:
+            self.load_window.generated(active.record.request_id, n, True, active.first_token_at - active.arrival, tpot)
         final = Final(reason or "stop", len(active.prompt_ids), n, active.first_token_at - active.arrival, tpot,
                       active.draft_tokens, active.accepted_tokens, frozenset(active.finished_sequences))
         if self.metrics is not None:

@@ -141,11 +141,12 @@ class Scaler:
                     smallest = {pool: lo for pool, (lo, _) in planner.bounds.items()}
                     decision = Decision(smallest, {}, summary, 0.0, True)
                 else:
-                    decision = await loop.run_in_executor(None, planner.decide, window.trace(headroom), current,
-                                                          summary)
+                    trace, measured = window.plan_inputs(headroom)
+                    decision = await loop.run_in_executor(None, planner.decide, trace, current, summary, measured)
                 self.plans.append(decision)
-                log.info("planner: %s -> %s (predicted attainment %.2f, met %s, %.2f s; window %s)", current,
-                         decision.shape, decision.attainment, decision.met, decision.seconds, summary)
+                log.info("planner: %s -> %s (predicted attainment %.2f, met %s, latency correction %s, %.2f s; "
+                         "window %s)", current, decision.shape, decision.attainment, decision.met, decision.correction,
+                         decision.seconds, summary)
                 if self.metrics is not None:
                     self.metrics.planned(decision.shape, decision.attainment)
                 for pool, n in policy.actions(decision, current).items():

@@ -13,7 +13,7 @@ from controller.online_planner import Decision, LoadWindow, OnlinePlanner, Scale
 from decode_worker.config import SpeculationConfig
 from planner.profile import Profile
 from planner.search import SLOTarget
-from planner.simulator import PoolPlan, SimConfig
+from planner.simulator import PoolPlan, SimConfig, simulate
 from planner.workload import make_trace, workload_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,14 +34,15 @@ def test_the_window_is_a_trace_of_what_was_admitted():
     w.admitted("old", 50)
     clock.t += 5
     w.admitted("a", 100)
-    w.generated("a", 40, finished=True)
+    w.generated("a", 40, True, 0.5, 0.02)
     clock.t += 2
     w.admitted("b", 300)
     w.generated("b", 10)  # still running: counted at the finished ones' mean, as it has less
     clock.t += 4  # "old" left the window
     assert w.summary() == {"requests": 2, "rate": 0.2, "mean_prompt_tokens": 200.0, "mean_output_tokens": 40.0}
-    trace = w.trace(headroom=2.0)
+    trace, measured = w.plan_inputs(headroom=2.0)
     assert [(r.prompt_tokens, r.output_tokens) for r in trace] == [(100, 40), (300, 40)]
+    assert measured == [(0, 0.5, 0.02)]  # only the finished one, by its place in the trace
     assert [round(r.arrival_s, 6) for r in trace] == [2.0, 3.0]  # (5 - 1) / 2, (7 - 1) / 2 from the window's start
 
 
@@ -65,6 +66,19 @@ def test_a_light_load_shrinks_and_a_heavier_one_grows_decode_first(planner):
     assert heavier.predicted["decode=1,prefill=1"] < 0.9 <= heavier.attainment
     # what it chose really meets the target when simulated to the end; the shape before it does not
     assert planner.predict(heavier.shape, chat(100))[0] and not planner.predict({"prefill": 2, "decode": 1}, chat(100))[0]
+
+
+def test_measured_latencies_correct_the_simulation(planner):
+    """The router measured four times the simulated latencies on the current shape: the targets are held
+    four times tighter, and the pools grow beyond what the simulation alone would give them."""
+    trace = chat(90)
+    alone = planner.decide(trace, {"prefill": 1, "decode": 1})
+    assert alone.met and alone.correction == (1.0, 1.0)
+    records = simulate(planner.profile, planner._config({"prefill": 1, "decode": 1}), trace).records
+    slow = [(i, 4 * r.ttft_s, 4 * r.tpot_s) for i, r in enumerate(records) if r.finished]
+    corrected = planner.decide(trace, {"prefill": 1, "decode": 1}, measured=slow)
+    assert corrected.correction == pytest.approx((4.0, 4.0), rel=0.01)
+    assert corrected.met and sum(corrected.shape.values()) > sum(alone.shape.values())
 
 
 def test_a_decision_is_bounded_in_time(planner):
