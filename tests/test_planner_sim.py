@@ -257,7 +257,7 @@ def test_plan_config_is_a_valid_cluster_config(tmp_path):
     prof = make_profile(tps=(1, 2))
     planner = Planner(prof, SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"), num_requests=60),
                       SearchSpace(devices=4, tensor_parallel=(1, 2), speculation=speculation_space(prof)[:2]),
-                      verify_top=2, progress=False)
+                      verify_top=2, bisect_steps=3, progress=False)
     best = planner.run().best
     out = tmp_path / "plan.yaml"
     base = os.path.join(os.path.dirname(__file__), "..", "cluster_configs", "local.yaml")
