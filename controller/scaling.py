@@ -40,11 +40,6 @@ class ScaleDecision:
     error: str = ""  # why the pool did not reach ``desired`` (it was left as it stood)
     seconds: float = 0.0
 
-    def as_dict(self) -> dict:
-        return {"pool": self.pool, "desired": self.desired, "reason": self.reason, "at": self.at,
-                "added": list(self.added), "removed": list(self.removed), "error": self.error,
-                "seconds": self.seconds}
-
 
 @dataclass
 class _Pool:

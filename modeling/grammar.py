@@ -14,8 +14,8 @@ requests name (OpenAI's ``response_format``, vLLM's ``structured_outputs``) map 
     choice        exactly one of the given strings
     grammar       a Lark grammar (llguidance's dialect; GBNF is converted)
 
-Torch enters only where a mask meets logits (:meth:`GrammarMatcher.apply`); the module is imported only by
-requests that ask for structured output.
+A mask meets logits in :func:`constrain`. llguidance itself is imported only when a request asks for
+structured output (a compiler is built, ``compiler_for``).
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ class GrammarCompiler:
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar. ``allowed`` / ``apply``: the tokens that may come next;
-    ``advance``: a token was kept; ``rollback``: the last n kept tokens were undone (rejected drafts).
+    """One sequence's position in its grammar. ``allowed``: the tokens that may come next (``constrain``
+    applies them to logits); ``advance``: a token was kept; ``rollback``: the last n kept tokens were undone
+    (rejected drafts).
     A token is consumed only after the mask allowed it: a refused one would leave the engine in an error
     state that no rollback undoes."""
 
@@ -108,12 +109,6 @@ class GrammarMatcher:
         bits = ((words.unsqueeze(1) >> self._bits) & 1).flatten()[: self.vocab_size].bool()
         _mask_seconds[0] += time.perf_counter() - t0
         return bits
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` [V] (or [1, V]) with every token the grammar forbids next at -inf (in place)."""
-        mask = self.allowed().to(logits.device)
-        logits.masked_fill_(~mask.view(*([1] * (logits.dim() - 1)), -1), float("-inf"))
-        return logits
 
     def path_masks(self, tokens: list[int]) -> torch.Tensor:
         """Bool [len(tokens) + 1, vocab_size]: the mask before each of ``tokens`` and after the last, as if each

@@ -27,12 +27,12 @@ from typing import Sequence as Seq
 import torch
 
 from modeling.forks import fork_seed
+from modeling.grammar import GrammarMatcher, constrain
 from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
 
 if TYPE_CHECKING:
     from modeling.checkpoint import LoadedModel
-    from modeling.grammar import GrammarMatcher
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -93,8 +93,6 @@ class RequestSampler:
         token id."""
         row = processed_logits(self, logits.unsqueeze(0), tokens)
         if self.grammar is not None:
-            from modeling.grammar import constrain
-
             row = constrain(row, self.grammar.allowed().unsqueeze(0))
         if self.params.greedy:
             return int(torch.argmax(row[0]).item())

@@ -20,7 +20,7 @@ from modeling.attention import make_backend  # noqa: E402
 from modeling.block_pool import BlockPool, BlockTable  # noqa: E402
 from modeling.checkpoint import load_model  # noqa: E402
 from modeling.errors import InvalidRequestError  # noqa: E402
-from modeling.grammar import GrammarCompiler, StructuredOutput  # noqa: E402
+from modeling.grammar import GrammarCompiler, StructuredOutput, constrain  # noqa: E402
 from modeling.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from modeling.runner import ModelRunner, StepInput  # noqa: E402
 from modeling.tokenizer import TextTokenizer  # noqa: E402
@@ -66,7 +66,7 @@ def constrained_greedy(model, prompt: str, output: StructuredOutput, max_tokens:
     logits = runner.run([StepInput(tokens, 0, table.blocks)])[0]
     out = []
     for _ in range(max_tokens):
-        token = int(torch.argmax(matcher.apply(logits.clone())))
+        token = int(torch.argmax(constrain(logits.unsqueeze(0), matcher.allowed().unsqueeze(0))[0]))
         if token in eos:
             break
         matcher.advance(token)
