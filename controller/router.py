@@ -398,11 +398,12 @@ class Router:
         except Exception as err:  # the actor died between choosing and submitting
             await self._retry_or_fail(active, f"{inst.role} {inst.name} unreachable: {err}")
 
-    async def _reserve_decode(self, request: DecodeRequest, order: list[Instance]) -> Instance | None:
-        """The first instance of ``order`` that holds the request with room for its KV (None: none has room)."""
+    async def _reserve_decode(self, request, order: list[Instance], method: str = "add_remote") -> Instance | None:
+        """The first instance of ``order`` that holds the request with room for its KV (None: none has room):
+        a ``DecodeRequest`` waiting for its prompt's KV (``add_remote``), or a ``ResumeRequest`` (``add_resume``)."""
         for inst in order:
             try:
-                inst.room = await inst.handle.add_remote.remote(request)
+                inst.room = await getattr(inst.handle, method).remote(request)
                 if inst.room:
                     return inst
             except Exception as err:
@@ -551,12 +552,8 @@ class Router:
         log.warning("resuming %s on another decode instance: %s", rid, reason)
         if active.migration is not None:
             self.migrations.abort(active, reason)
-        undo = [self.abort_on(inst, rid) for inst in (active.prefill, active.decode) if inst is not None and inst.alive]
-        for inst in (active.prefill, active.decode):
-            if inst is not None:
-                inst.assigned.discard(rid)
-        await asyncio.gather(*undo)  # before any instance is asked to take it again under the same id
-        active.prefill = active.decode = None
+        # the aborts complete before any instance is asked to take it again under the same id
+        await asyncio.gather(*self._detach(active))
         active.decoders = set()
         output, chars = active.order.emitted(0)
         request = ResumeRequest(rid, tuple(active.prompt_ids), active.params, tuple(output), chars,
@@ -564,19 +561,14 @@ class Router:
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             cached = {i.name: self._cached(active, i) for i in self.decode}
-            for inst in self._decode_order(active, cached)[0]:
-                try:
-                    held = await inst.handle.add_resume.remote(request)
-                except Exception as err:
-                    log.warning("decode %s unreachable: %s", inst.name, err)
-                    continue
-                if held:
-                    active.decode, active.decoders = inst, {inst}
-                    inst.assigned.add(rid)
-                    record_placement(inst, rid, len(active.prompt_ids) + len(output))
-                    if self.metrics is not None:
-                        self.metrics.resumed()
-                    return
+            inst = await self._reserve_decode(request, self._decode_order(active, cached)[0], "add_resume")
+            if inst is not None:
+                active.decode, active.decoders = inst, {inst}
+                inst.assigned.add(rid)
+                record_placement(inst, rid, len(active.prompt_ids) + len(output))
+                if self.metrics is not None:
+                    self.metrics.resumed()
+                return
             if time.monotonic() > deadline:
                 raise RouterError("UNAVAILABLE", f"request {rid} could not continue: no decode instance took it "
                                   f"({reason})")
@@ -588,13 +580,21 @@ class Router:
             self._end(active, RequestState.CANCELLED, reason)
 
     def _cancel_on_workers(self, active: _Active) -> None:
+        loop = asyncio.get_running_loop()
+        for abort in self._detach(active):
+            loop.create_task(abort)
+
+    def _detach(self, active: _Active) -> list:
+        """Unassign the request from its prefill and decode instances; the aborts to send the alive ones."""
         rid = active.record.request_id
+        aborts = []
         for inst in (active.prefill, active.decode):
             if inst is not None:
                 inst.assigned.discard(rid)
                 if inst.alive:
-                    asyncio.get_running_loop().create_task(self.abort_on(inst, rid))
+                    aborts.append(self.abort_on(inst, rid))
         active.prefill = active.decode = None
+        return aborts
 
     async def abort_on(self, inst: Instance, rid: str) -> None:
         await self.call(inst, "abort", rid)
