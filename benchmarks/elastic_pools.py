@@ -184,8 +184,8 @@ def reading(systems: dict) -> str:
             f"{len(el['events'])} resizes. The planner acts on a window of finished requests, so it grows the pools "
             "once the busy phase's latencies have been measured (the correction of the simulated ones), and "
             "shrinks them after the load falls. On 2 cores an added instance shares the cores instead of adding "
-            "compute, so the three attainments differ by less than this machine's run-to-run spread (a second run "
-            "of the same command measured the smallest shape at 86 % and 93 %); what carries over to GPUs, where "
+            "compute, so the three attainments compare how each shape copes with the same cores, within this "
+            "shared machine's run-to-run drift; what carries over to GPUs, where "
             "an instance brings its own device, is the shape following the load at fewer instance-seconds and no "
             "request lost in any resize.")
 
