@@ -8,17 +8,28 @@ with headroom, found with the offline planner's simulator, and when to act on th
 * The simulator's latencies are corrected by what the router measured (Dynamo's SLA planner does the same):
   the current shape is simulated on the window's trace, and the ratios of the measured to the simulated
   median TTFT and TPOT of the window's finished requests (at least 1, at most 10) divide the SLO targets
-  the shapes are held to. A simulation that starts from an idle cluster, or a profile that misses the
-  host's contention, then no longer keeps an overloaded shape.
-* :class:`OnlinePlanner.decide` simulates the trace on the profile, starting from the current shape: if it
-  meets the target (predicted attainment of both SLOs), the shapes with fewer devices are tried, fewest
-  first, and the first that meets it wins; if not, the shapes with more devices, fewest first (a shape
-  may also move instances between pools). A simulation stops as soon as its verdict is decided
-  (``planner.slo.AttainmentWatch``), and the whole decision stops at ``time_limit_s``: then the best
-  shape seen so far wins.
+  the shapes are held to. A profile that misses the host's contention then no longer keeps an overloaded
+  shape. Only requests that arrived since the last resize (``LoadWindow.shape_changed``) are compared:
+  requests that queued behind a smaller shape measured that shape, not the current one (taking them
+  would inflate the correction tenfold right after a step up in load and overshoot to the bounds).
+* With speculative decoding, the draft acceptance rate measured over the window (``LoadWindow.acceptance``)
+  replaces the profile's for the served drafter, so a workload the draft predicts worse than the profiled
+  one gets the decode instances it needs.
+* :class:`OnlinePlanner.decide` simulates the trace on the profile, starting from the current shape, and
+  walks one instance at a time: while the shape meets the target (predicted attainment of both SLOs), it
+  tries one instance fewer in each pool and moves to the one that still meets it with the fewest devices;
+  while it does not, it tries one more in each pool and moves to the one that meets it, or else to the one
+  predicted to attain more (within a point of each other, as when a backlog makes every candidate miss:
+  the pool of the SLO the current shape misses more often, prefill for TTFT, decode for TPOT; where
+  that pool is at its bound and no instance elsewhere helps, the walk stops). The walk ends at the smallest shape that meets the target next to one that
+  does not, or at the bounds. It costs two simulations a step whatever the bounds (a cluster of 64 GPUs
+  is planned as fast as one of 2). A simulation stops as soon as its verdict is decided
+  (``planner.slo.AttainmentWatch``), and the whole decision stops at ``time_limit_s``: then the shape the
+  walk has reached wins.
 * :class:`ScalePolicy` turns decisions into actions: a pool grows as soon as a decision asks for more
-  (after ``cooldown_s`` since its last action); it shrinks, one instance at a time, only after
-  ``scale_down_after`` consecutive decisions asked for fewer (hysteresis: a dip in load does not churn it).
+  (after ``cooldown_s`` since it last shrank; a growth may follow a growth at once, as a load that keeps
+  rising needs); it shrinks, one instance at a time, only after ``scale_down_after`` consecutive decisions
+  asked for fewer and ``cooldown_s`` after its last resize (hysteresis: a dip in load does not churn it).
   A resize that failed (no room, an instance that did not come up) doubles that pool's cooldown, up to
   ``max_backoff_s``, until one succeeds.
 
@@ -35,10 +46,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from planner.profile import CONTEXT_UNBOUNDED, AcceptanceEntry
 from planner.search import SLOTarget
 from planner.simulator import SimConfig, simulate
 from planner.slo import AttainmentWatch, attainment
 from planner.workload import RequestSpec
+
+MIN_ACCEPTANCE_STEPS = 64  # draft outcomes before the window's acceptance replaces the profile's
 
 
 @dataclass
@@ -49,6 +63,8 @@ class _Seen:
     finished: bool = False
     ttft_s: float | None = None  # measured, once finished
     tpot_s: float | None = None
+    accepted: int = 0  # draft tokens accepted over its speculative steps
+    rejections: int = 0  # speculative steps that rejected a draft (accepted < k)
 
 
 class LoadWindow:
@@ -59,6 +75,11 @@ class LoadWindow:
         self.clock = clock
         self._seen: deque[tuple[str, _Seen]] = deque()
         self._by_id: dict[str, _Seen] = {}
+        self.measured_since = -math.inf  # requests that arrived before it do not correct the simulation
+
+    def shape_changed(self) -> None:
+        """The cluster's shape changed now: the latencies of requests admitted before no longer describe it."""
+        self.measured_since = self.clock()
 
     def admitted(self, request_id: str, prompt_tokens: int) -> None:
         seen = _Seen(self.clock(), prompt_tokens)
@@ -77,12 +98,31 @@ class LoadWindow:
             if finished:
                 seen.ttft_s, seen.tpot_s = ttft_s, tpot_s
 
+    def speculated(self, request_id: str, accepted: int, rejections: int) -> None:
+        """Speculative steps of ``request_id`` kept ``accepted`` drafts, and ``rejections`` of them rejected one
+        (a step that kept all k drafts rejected none)."""
+        seen = self._by_id.get(request_id)
+        if seen is not None:
+            seen.accepted += accepted
+            seen.rejections += rejections
+
+    def acceptance(self, min_steps: int = MIN_ACCEPTANCE_STEPS) -> float | None:
+        """The per-draft acceptance rate over the window's speculative steps (each draft kept with this
+        probability until the first rejection, as the simulator draws it: accepted / (accepted +
+        rejections), its maximum-likelihood estimate); None with fewer than ``min_steps`` rejections and
+        acceptances together."""
+        self._expire()
+        accepted = sum(s.accepted for _, s in self._seen)
+        trials = accepted + sum(s.rejections for _, s in self._seen)
+        return accepted / trials if trials >= min_steps else None
+
     def plan_inputs(self, headroom: float = 1.0) -> tuple[list[RequestSpec], list[tuple[int, float, float]]]:
-        """``trace(headroom)`` and, for the requests of it that finished, (index in the trace, measured TTFT,
-        measured TPOT)."""
+        """``trace(headroom)`` and, for the requests of it that finished and arrived since the shape last
+        changed, (index in the trace, measured TTFT, measured TPOT)."""
         trace = self.trace(headroom)
         measured = [(i, s.ttft_s, s.tpot_s) for i, (_, s) in enumerate(self._seen)
-                    if s.finished and s.ttft_s is not None and s.tpot_s is not None]
+                    if s.finished and s.ttft_s is not None and s.tpot_s is not None
+                    and s.arrival >= self.measured_since]
         return trace, measured
 
     def _expire(self) -> None:
@@ -113,6 +153,9 @@ class LoadWindow:
         return [RequestSpec(max(0.0, s.arrival - start) / headroom, s.prompt_tokens,
                             max(1, s.output_tokens if s.finished else max(s.output_tokens, mean_out)))
                 for s in seen]
+
+
+BINDING_POOL = {"TTFT": "prefill", "TPOT": "decode"}  # the pool that adds to each SLO's attainment first
 
 
 @dataclass(frozen=True)
@@ -160,25 +203,42 @@ class OnlinePlanner:
         changes = {pool: dataclasses.replace(getattr(self.base, pool), instances=n) for pool, n in shape.items()}
         return dataclasses.replace(self.base, **changes)
 
+    def profile_for(self, acceptance: float | None):
+        """The profile with the served drafter's acceptance rate replaced by a measured one (at every context
+        and budget), where speculation is on and a rate is given; else the profile."""
+        spec = self.base.speculation
+        if acceptance is None or not spec.enabled or self.base.mode != "disaggregated":
+            return self.profile
+        kept = tuple(e for e in self.profile.acceptance if e.drafter != spec.drafter)
+        measured = AcceptanceEntry(spec.drafter, spec.budget, 0, CONTEXT_UNBOUNDED, acceptance, 0)
+        return dataclasses.replace(self.profile, acceptance=kept + (measured,))
+
     def predict(self, shape: dict, trace: list[RequestSpec], time_limit_s: float | None = None,
-                correction: tuple[float, float] = (1.0, 1.0)) -> tuple[bool, float]:
+                correction: tuple[float, float] = (1.0, 1.0), acceptance: float | None = None) -> tuple[bool, float]:
         """Whether ``shape`` meets the target on the trace, and the share of its requests that met both SLOs
         in the simulation (a lower bound where the run stopped once the verdict was known); ``correction``
-        divides the TTFT and TPOT targets."""
+        divides the TTFT and TPOT targets; ``acceptance``: a measured draft acceptance rate."""
+        meets, share, _ = self._simulate(self.profile_for(acceptance), shape, trace, time_limit_s, correction)
+        return meets, share
+
+    def _simulate(self, profile, shape: dict, trace: list[RequestSpec], time_limit_s: float | None,
+                  correction: tuple[float, float]) -> tuple[bool, float, str]:
+        """``predict`` on ``profile``, and the SLO more of the misses missed (``AttainmentWatch.binding``)."""
         ttft, tpot = self.slo.ttft_s / correction[0], self.slo.tpot_s / correction[1]
         watch = AttainmentWatch(len(trace), ttft, tpot, self.slo.attainment)
-        result = simulate(self.profile, self._config(shape), trace, time_limit_s=time_limit_s, watch=watch)
+        result = simulate(profile, self._config(shape), trace, time_limit_s=time_limit_s, watch=watch)
         share = attainment(result.outcomes(), ttft, tpot).both
         meets = result.verdict if result.verdict is not None else share >= self.slo.attainment
-        return bool(meets), share
+        return bool(meets), share, watch.binding
 
     def correction(self, shape: dict, trace: list[RequestSpec], measured: list[tuple[int, float, float]],
-                   time_limit_s: float | None = None) -> tuple[float, float]:
+                   time_limit_s: float | None = None, acceptance: float | None = None) -> tuple[float, float]:
         """Measured over simulated median (TTFT, TPOT) of the finished requests of the trace on ``shape``
         (each within [1, 10]; (1, 1) without measurements)."""
         if not measured:
             return 1.0, 1.0
-        records = simulate(self.profile, self._config(shape), trace, time_limit_s=time_limit_s).records
+        records = simulate(self.profile_for(acceptance), self._config(shape), trace,
+                           time_limit_s=time_limit_s).records
         pairs = [(records[i], ttft, tpot) for i, ttft, tpot in measured if i < len(records) and records[i].finished]
         if not pairs:
             return 1.0, 1.0
@@ -190,36 +250,55 @@ class OnlinePlanner:
         return out[0], out[1]
 
     def decide(self, trace: list[RequestSpec], current: dict, inputs: dict | None = None,
-               measured: list[tuple[int, float, float]] = ()) -> Decision:
+               measured: list[tuple[int, float, float]] = (), acceptance: float | None = None) -> Decision:
         """The shape for ``trace`` (see the module doc); ``current``: pool -> instances in service now;
-        ``measured``: (trace index, TTFT, TPOT) of its finished requests (``LoadWindow.measured``)."""
+        ``measured``: (trace index, TTFT, TPOT) of its finished requests (``LoadWindow.plan_inputs``);
+        ``acceptance``: the draft acceptance rate measured over the window (``LoadWindow.acceptance``), which
+        replaces the profile's for the served drafter."""
+        profile = self.profile_for(acceptance)
         t0 = time.perf_counter()
         deadline = t0 + self.time_limit_s
         predicted: dict[str, float] = {}
-        shapes = self.shapes()
         here = {p: min(max(current.get(p, lo), lo), hi) for p, (lo, hi) in self.bounds.items()}
-        correction = self.correction(here, trace, list(measured), self.time_limit_s / 2)
+        correction = self.correction(here, trace, list(measured), self.time_limit_s / 2, acceptance)
+
+        verdicts: dict[str, bool] = {}
+        binding: dict[str, str] = {}
 
         def meets(shape: dict) -> bool:
-            left = max(0.05, deadline - time.perf_counter())
-            ok, predicted[_key(shape)] = self.predict(shape, trace, left, correction)
-            return ok
+            key = _key(shape)
+            if key not in verdicts:
+                left = max(0.05, deadline - time.perf_counter())
+                verdicts[key], predicted[key], binding[key] = self._simulate(profile, shape, trace, left, correction)
+            return verdicts[key]
 
-        devices = self._config(here).devices
+        def steps(shape: dict, by: int) -> list[dict]:  # one instance more (by=1) or fewer in each pool
+            out = []
+            for pool, (lo, hi) in sorted(self.bounds.items()):
+                n = shape[pool] + by
+                if lo <= n <= hi:
+                    out.append({**shape, pool: n})
+            return out
+
         chosen, met = here, meets(here)
-        if met:
-            tries = [s for s in shapes if self._config(s).devices < devices]
-        else:
-            tries = [s for s in shapes if self._config(s).devices > devices]
-        for shape in tries:
+        while time.perf_counter() < deadline:
+            tries = steps(chosen, -1 if met else 1)
+            passing = [s for s in tries if meets(s)]
             if time.perf_counter() > deadline:
                 break
-            if meets(shape):
-                chosen, met = shape, True
-                break
-        if not met:  # nothing met it in time: the best seen, the larger on a tie
-            chosen = max((s for s in shapes if _key(s) in predicted),
-                         key=lambda s: (predicted[_key(s)], self._config(s).devices))
+            if passing:
+                nxt = min(passing, key=lambda s: (self._config(s).devices, -predicted[_key(s)]))
+            elif met or not tries:
+                break  # nothing smaller meets it, or nothing larger is allowed
+            else:
+                best = max(predicted[_key(s)] for s in tries)
+                pool = BINDING_POOL.get(binding[_key(chosen)])
+                close = [s for s in tries if predicted[_key(s)] >= best - 0.01]
+                favoured = [s for s in close if s.get(pool, 0) > chosen.get(pool, 0)]
+                if best <= predicted[_key(chosen)] + 0.01 and not favoured:
+                    break  # an instance more helps nowhere (the binding pool is at its bound)
+                nxt = (favoured or sorted(close, key=lambda s: (-predicted[_key(s)], self._config(s).devices)))[0]
+            chosen, met = nxt, bool(passing)
         return Decision(chosen, predicted, dict(inputs or {}), time.perf_counter() - t0, met, correction)
 
 
@@ -232,6 +311,7 @@ class ScalePolicy:
     clock: object = time.monotonic
     max_backoff_s: float = 600.0
     _last_action: dict = field(default_factory=dict)  # pool -> when it was last resized
+    _last_grew: dict = field(default_factory=dict)  # pool -> whether that resize was a successful growth
     _lower_streak: dict = field(default_factory=dict)  # pool -> consecutive decisions for fewer instances
     _failures: dict = field(default_factory=dict)  # pool -> resizes failed in a row
 
@@ -244,7 +324,8 @@ class ScalePolicy:
                 self._lower_streak[pool] = self._lower_streak.get(pool, 0) + 1
             else:
                 self._lower_streak[pool] = 0
-            if now - self._last_action.get(pool, -math.inf) < self.cooldown(pool):
+            cooling = now - self._last_action.get(pool, -math.inf) < self.cooldown(pool)
+            if cooling and not (want > have and self._last_grew.get(pool, False)):
                 continue
             if want > have:
                 out[pool] = want
@@ -256,7 +337,9 @@ class ScalePolicy:
         """Seconds after a resize of ``pool`` before the next: ``cooldown_s``, doubled per failure in a row."""
         return min(self.max_backoff_s, self.cooldown_s * 2 ** self._failures.get(pool, 0))
 
-    def acted(self, pool: str, failed: bool = False) -> None:
+    def acted(self, pool: str, failed: bool = False, grew: bool = False) -> None:
+        """``pool`` was resized now (``grew``: to more instances), successfully unless ``failed``."""
         self._last_action[pool] = self.clock()
+        self._last_grew[pool] = grew and not failed
         self._lower_streak[pool] = 0
         self._failures[pool] = self._failures.get(pool, 0) + 1 if failed else 0

@@ -493,6 +493,9 @@ class Router:
         ids = list(piece.token_ids)
         active.draft_tokens += piece.draft_tokens
         active.accepted_tokens += piece.accepted_tokens
+        if piece.draft_tokens and self.load_window is not None:
+            self.load_window.speculated(active.record.request_id, piece.accepted_tokens,
+                                        int(piece.accepted_tokens < piece.draft_tokens))
         if ids:
             now = time.perf_counter()
             if not active.first_token_at:

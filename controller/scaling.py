@@ -55,6 +55,7 @@ class Scaler:
     router: object  # controller.router.Router (add_instance, retire)
     bounds: AutoscaleSection
     metrics: object = None  # controller.metrics.ServingMetrics (pool_size)
+    window: object = None  # the online planner's LoadWindow (told when the shape changes), if it runs
     decisions: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
     plans: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))  # the online planner's decisions
     _pools: dict = field(default_factory=dict)
@@ -114,6 +115,8 @@ class Scaler:
             except Exception as err:  # noqa: BLE001 - reported; the pool stays whole at the size it reached
                 error = f"{type(err).__name__}: {err}"
                 log.error("scaling %s to %d stopped at %d: %s", pool, instances, len(self.in_service()[pool]), error)
+            if (added or removed) and self.window is not None:
+                self.window.shape_changed()
             decision = ScaleDecision(pool, instances, reason, at, tuple(added), tuple(removed), error,
                                      time.monotonic() - t0)
             self.decisions.append(decision)
@@ -137,7 +140,9 @@ class Scaler:
                     decision = Decision(smallest, {}, summary, 0.0, True)
                 else:
                     trace, measured = window.plan_inputs(headroom)
-                    decision = await loop.run_in_executor(None, planner.decide, trace, current, summary, measured)
+                    acceptance = summary["acceptance"] = window.acceptance()
+                    decision = await loop.run_in_executor(None, planner.decide, trace, current, summary, measured,
+                                                          acceptance)
                 self.plans.append(decision)
                 log.info("planner: %s -> %s (predicted attainment %.2f, met %s, latency correction %s, %.2f s; "
                          "window %s)", current, decision.shape, decision.attainment, decision.met, decision.correction,
@@ -150,7 +155,7 @@ class Scaler:
                     reason = (f"planner: {summary['rate']:.2f} req/s, predicted attainment "
                               f"{decision.attainment:.2f} at {decision.shape}")
                     result = await self.scale(pool, n, reason=reason)
-                    policy.acted(pool, failed=bool(result.error))
+                    policy.acted(pool, failed=bool(result.error), grew=n > current[pool])
                     if result.error:
                         log.warning("planner's resize of %s stopped: %s", pool, result.error)
             except asyncio.CancelledError:

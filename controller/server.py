@@ -472,7 +472,7 @@ def start_planner(config: ClusterConfig, router: Router, scaler: Scaler) -> asyn
     planner = OnlinePlanner(Profile.load(config.autoscale_profile), SimConfig.from_cluster_config(config),
                             SLOTarget(config.slo.ttft_ms / 1e3, config.slo.tpot_ms / 1e3, config.slo.attainment),
                             a.planning_bounds(config.pools), a.decision_time_limit_s)
-    router.load_window = LoadWindow(a.window_s)
+    router.load_window = scaler.window = LoadWindow(a.window_s)
     policy = ScalePolicy(a.cooldown_s, a.scale_down_after)
     return asyncio.get_running_loop().create_task(
         scaler.plan_forever(planner, policy, router.load_window, a.interval_s, a.headroom, a.min_window_requests))

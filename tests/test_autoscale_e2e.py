@@ -1,6 +1,8 @@
-"""The online planner on a real local Ray cluster: load makes it add a decode instance, and a lighter load
-then makes it remove one by drain while requests stream; every request ends with the reference engine's
-tokens. The hardware profile is the measured CPU profile with a decode step whose cost is set by hand
+"""The online planner on a real multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head node with room
+for one prefill and one decode instance): load makes it add a decode instance, whose placement group waits,
+pending, until a node joins (what a Ray autoscaler does on that demand; here the test adds the node), and
+the instance runs on that node; a lighter load then makes it remove one by drain while requests stream;
+every request ends with the reference engine's tokens. The hardware profile is the measured CPU profile with a decode step whose cost is set by hand
 (4 ms + 12 ms per sequence), so the planner's arithmetic is plain: at a 50 ms TPOT target one decode
 instance serves three sequences at once, not six."""
 
@@ -33,10 +35,43 @@ def plain_profile(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
+def ray_nodes():
+    import ray
+    from ray.cluster_utils import Cluster as RayNodes
+
+    nodes = RayNodes(initialize_head=True, head_node_args={"num_cpus": 2})  # 1 CPU per instance: 1 P + 1 D
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+def group_state(name: str) -> str:
+    import ray
+
+    return next((g["state"] for g in ray.util.placement_group_table().values() if g["name"] == name), "")
+
+
+def add_node_for(nodes, group: str, timeout_s: float) -> tuple[list[str], str]:
+    """What a Ray autoscaler does for a placement group it cannot place: waits for ``group`` to be pending,
+    sees it stay pending (nothing on the cluster can hold it), then adds a node of one CPU. Returns the
+    group's states seen and the new node's id. (On the main thread: Ray's node start sets signal handlers.)"""
+    import ray
+
+    wait_for(lambda: group_state(group) == "PENDING", timeout_s, f"{group} asking for room")
+    states = [group_state(group)]
+    time.sleep(2.0)
+    states.append(group_state(group))
+    before = {n["NodeID"] for n in ray.nodes()}
+    nodes.add_node(num_cpus=1)
+    return states, next(n["NodeID"] for n in ray.nodes() if n["NodeID"] not in before)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory, ray_nodes):
     profile = plain_profile(str(tmp_path_factory.mktemp("profile") / "profile.json"))
     cfg = e2e_config(
         llama_dir,
+        ray={"address": ray_nodes.address},
         prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 256},
         decode={"kv_cache_tokens": 8192, "attention_backend": "torch", "speculation": {"drafter": "none"}},
         slo={"ttft_ms": 5000, "tpot_ms": 50, "attainment": 0.9},
@@ -59,7 +94,9 @@ def wait_for(predicate, timeout_s: float, what: str):
         time.sleep(0.1)
 
 
-def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(server, reference):
+def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(server, reference, ray_nodes):
+    import ray
+
     burst = prompts_of([30, 40, 50, 60, 70, 80], seed=61)
     steady = prompts_of([45] * 40, seed=62)
     params = dict(max_tokens=300, ignore_eos=True)
@@ -69,11 +106,17 @@ def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(ser
     with Client(server) as c:
         assert pools(c)["decode"] == (1, 1)
         streams = [Stream(server, p, f"burst-{i}", **params) for i, p in enumerate(burst)]
-        # six at once: one instance's steps would take 76 ms, two take 40 ms: the planner adds one
+        # six at once: one instance's steps would take 76 ms, two take 40 ms: the planner adds one, whose
+        # placement group waits for a node with room
+        states, node_id = add_node_for(ray_nodes, "magicserve-decode-1", 120)
         wait_for(lambda: pools(c)["decode"] == (2, 2), 120, "scaling decode up to 2")
         got += [(p, s.join()) for p, s in zip(burst, streams)]
         added = [r for r in c.status().recent_scaling if r.added]
         assert added and added[0].pool == "decode" and not added[0].error
+        # its group waited for room (the head node was full) and the instance runs on the node that joined
+        assert states == ["PENDING", "PENDING"]
+        group = next(g for g in ray.util.placement_group_table().values() if g["name"] == "magicserve-decode-1")
+        assert set(group["bundles_to_node_id"].values()) == {node_id}
         # then one request at a time, steadily: one instance is enough, and the planner takes one away
         stop = threading.Event()
 
@@ -90,4 +133,6 @@ def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(ser
         loader.join(120)
         removed = [r for r in c.status().recent_scaling if r.removed]
         assert removed and removed[-1].pool == "decode" and not removed[-1].error
+        # the resources of the instance that left are Ray's again (the added node idles if it was that one)
+        wait_for(lambda: ray.available_resources().get("CPU", 0) >= 1, 30, "its CPU returning to Ray")
     assert len(got) > len(burst) and all(ids == want[tuple(p)] for p, ids in got)

@@ -88,6 +88,8 @@ def test_a_decision_is_bounded_in_time(planner):
 
 
 def test_the_policy_grows_at_once_and_shrinks_after_a_streak_outside_the_cooldown():
+    """A growth may follow a growth at once; a shrink waits out the cooldown and a streak; a growth waits
+    out the cooldown after a shrink (no flapping); a failure doubles the cooldown."""
     clock = Clock()
     policy = ScalePolicy(cooldown_s=30.0, scale_down_after=3, clock=clock)
 
@@ -95,9 +97,10 @@ def test_the_policy_grows_at_once_and_shrinks_after_a_streak_outside_the_cooldow
         return Decision({"prefill": 1, "decode": decode}, {}, {}, 0.0, True)
 
     assert policy.actions(decide(3), {"prefill": 1, "decode": 1}) == {"decode": 3}
-    policy.acted("decode")
+    policy.acted("decode", grew=True)
     clock.t += 10
-    assert policy.actions(decide(4), {"prefill": 1, "decode": 3}) == {}  # cooling down
+    assert policy.actions(decide(4), {"prefill": 1, "decode": 3}) == {"decode": 4}  # load still rising
+    policy.acted("decode", grew=True)
     clock.t += 30
     assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {}  # one decision for fewer
     assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {}
@@ -113,6 +116,10 @@ def test_the_policy_grows_at_once_and_shrinks_after_a_streak_outside_the_cooldow
     assert policy.actions(decide(1), {"prefill": 1, "decode": 3}) == {"decode": 2}
     policy.acted("decode")
     assert policy.cooldown("decode") == 30.0
+    clock.t += 10
+    assert policy.actions(decide(3), {"prefill": 1, "decode": 2}) == {}  # a growth right after a shrink waits
+    clock.t += 25
+    assert policy.actions(decide(3), {"prefill": 1, "decode": 2}) == {"decode": 3}
 
 
 def test_autoscale_config_errors_name_the_field():
@@ -126,3 +133,28 @@ def test_autoscale_config_errors_name_the_field():
     ok = parse_config({"model": model, "autoscale": {"enabled": True, "profile": PROFILE,
                                                      "prefill": {"max_instances": 2}, "decode": {"max_instances": 4}}})
     assert ok.autoscale.planning_bounds(ok.pools) == {"prefill": (1, 2), "decode": (1, 4)}
+
+
+def test_the_measured_draft_acceptance_replaces_the_profiles(planner):
+    clock = Clock()
+    window = LoadWindow(10.0, clock=clock)
+    window.admitted("a", 100)
+    window.speculated("a", 40, 8)
+    assert window.acceptance() is None  # 48 draft outcomes: too few to trust
+    window.admitted("b", 100)
+    window.speculated("b", 20, 12)
+    assert window.acceptance() == pytest.approx(60 / 80)
+    clock.t += 11  # both left the window
+    assert window.acceptance() is None
+
+    spec = SpeculationConfig(drafter="self_sparse", budget=128, k_policy="fixed", k=3)
+    base = SimConfig("disaggregated", prefill=PoolPlan(1, 1, 200000, 2048, 64), decode=PoolPlan(1, 1, 200000, 1, 128),
+                     speculation=spec, max_concurrent=512)
+    specd = OnlinePlanner(planner.profile, base, planner.slo, {"prefill": (1, 1), "decode": (1, 4)}, time_limit_s=20.0)
+    assert specd.profile_for(0.3).acceptance_rate("self_sparse", 128, 5000) == 0.3
+    assert specd.profile_for(None) is planner.profile
+    trace = chat(60)
+    drafts_kept = specd.decide(trace, {"prefill": 1, "decode": 1}, acceptance=0.95)
+    drafts_lost = specd.decide(trace, {"prefill": 1, "decode": 1}, acceptance=0.05)
+    assert drafts_kept.met and drafts_lost.met
+    assert drafts_lost.shape["decode"] > drafts_kept.shape["decode"], (drafts_kept.shape, drafts_lost.shape)
