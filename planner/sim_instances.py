@@ -63,6 +63,7 @@ class SimRequest:
     prefill_latency_s: float = 0.0  # TTFT latency beyond the prefill worker's busy time (Calibration)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    draft_rejections: int = 0  # speculative steps that rejected a draft
     preemptions: int = 0
     placed: list = field(default_factory=list)  # instances whose ``assigned`` holds this request
     decode: "DecodeSim | None" = None  # disaggregated: the decode instance holding its KV reservation
@@ -224,6 +225,11 @@ class _Instance:
         self.sim = sim
         self.name = name
         self.busy = False
+        # devices held from ``allocated_s`` (the resize that added it, 0 for the starting shape) until
+        # ``stopped_s`` (nan while it runs); a leaving instance takes no new requests
+        self.allocated_s = sim.now
+        self.stopped_s = math.nan
+        self.leaving = False
         self.assigned: set[int] = set()
         self.steps = 0
         self.busy_s = 0.0
@@ -496,6 +502,7 @@ class DecodeSim(_Instance):
                 accepted = accepted_drafts(self.rng, self._rate(req.context), k)
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
+                req.draft_rejections += accepted < k
             req.generated += min(accepted + 1, req.remaining)
             seq.num_computed = seq.num_tokens = req.context  # verified positions; the last token's KV comes next
             self._commit(seq, seq.num_computed)

@@ -15,6 +15,10 @@ What it models (and mirrors from the real router, ``controller/router.py``):
             -> finish: the request's slot and memory free, the next queued request is admitted
             -> with ``SimConfig.migration``: the global rescheduling policy's rounds live-migrate decoding
                requests between decode instances (``sim_migration``)
+            -> resizes (``add_instance``, ``retire_instance``; ``planner/sim_elastic.py`` drives them with the
+               online planner): a new instance holds its devices from the resize and takes requests after
+               its start-up time; a leaving one takes no new requests, a decode instance live-migrates its
+               running requests away, a prefill one finishes its prompts, and its devices return once empty
             -> with ``SimConfig.prefix_caching``: every pool keeps computed KV (the real prefix cache over the
                requests' token ids), instances are chosen by cached prefix against load
                (``controller/kv_index.cached_first`` and ``cheapest``, with a perfect index), and a decode
@@ -217,6 +221,7 @@ class SimResult:
     # with a watch: whether the trace attains its target; the run stops once that is decided, so requests
     # still in flight then are recorded unfinished
     verdict: bool | None = None
+    device_seconds: float = 0.0  # devices x seconds the instances held, resizes counted
 
     def outcomes(self) -> list[RequestOutcome]:
         return [r.outcome() for r in self.records]
@@ -239,31 +244,27 @@ class Simulation:
         self._in_flight = 0
         # serving-path terms of the mode at the instances' thread count (identity if unmeasured)
         self.calibration = profile.calibration(config.mode, config.calibration_threads())
-        rng = random.Random(seed)
+        rng = self._rng = random.Random(seed)
         self.noise_rng = random.Random(seed + 104729)  # the plug-in's draws: a stream apart from acceptance
-        c, bs, cal = config, config.block_size, self.calibration
-        caching = c.prefix_caching is not None
+        c, cal = config, self.calibration
         self.prefill: list[PrefillSim] = []
         self.decode: list[DecodeSim] = []
         self.colocated: list[ColocatedSim] = []
+        self._costs: dict[str, StepCosts] = {}
+        self._decode_profile = decode_profile or profile
         if c.mode == "colocated":
-            p = c.colocated
-            costs = StepCosts(profile, cal, p.shape)
-            self.colocated = [ColocatedSim(self, f"colocated-{i}", costs, p.kv_cache_tokens, bs, p, caching)
-                              for i in range(p.instances)]
+            self._costs["colocated"] = StepCosts(profile, cal, c.colocated.shape)
         else:
-            p, d = c.prefill, c.decode
-            pcosts = StepCosts(profile, cal, p.shape)
-            profile.prefill_model(*p.shape)  # fail now if the profile lacks it
+            self._costs["prefill"] = StepCosts(profile, cal, c.prefill.shape)
+            profile.prefill_model(*c.prefill.shape)  # fail now if the profile lacks it
             drafter = c.speculation.drafter if c.speculation.enabled else None
-            dprofile = decode_profile or profile
-            dcosts = StepCosts(dprofile, cal, d.shape, drafter)
-            self.prefill = [PrefillSim(self, f"prefill-{i}", pcosts, profile.kv_transfer, p.kv_cache_tokens, bs, p,
-                                       caching) for i in range(p.instances)]
-            self.decode = [DecodeSim(self, f"decode-{i}", dprofile, dcosts, d.kv_cache_tokens, bs, d.max_num_seqs,
-                                     c.speculation, random.Random(rng.random()), caching, c.decode_prefill_chunk)
-                           for i in range(d.instances)]
-        self.instances = self.prefill + self.decode + self.colocated
+            self._costs["decode"] = StepCosts(self._decode_profile, cal, c.decode.shape, drafter)
+        self.instances: list = []  # every instance of the run, those that left included
+        self._named: dict[str, int] = {}  # pool -> instances made so far (the next one's number)
+        for pool in self.pools():
+            for _ in range(getattr(c, pool).instances):
+                getattr(self, pool).append(self._make(pool))
+        self.starting: dict[str, list] = {pool: [] for pool in self.pools()}  # added, not serving yet
         self.open_requests = 0  # arrived or to arrive, not finished
         self.watch: AttainmentWatch | None = None
         # what the client sees: every token later by the request path's latency (routing before prefill,
@@ -271,6 +272,95 @@ class Simulation:
         self.client_delay_s = config.overhead_s + self.calibration.ttft_overhead_s
         self.migration = None if c.migration is None else MigrationSim(
             self, c.migration, profile.kv_transfer, c.speculation.max_k if c.speculation.enabled else 0)
+
+    @property
+    def requests(self) -> list[SimRequest]:
+        """The run's requests (arrived or not), by trace index."""
+        return self._requests
+
+    def pools(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.config.mode == "disaggregated" else ("colocated",)
+
+    def _make(self, pool: str):
+        """A new instance of ``pool`` (not yet serving: the caller puts it in the pool's list)."""
+        c, bs, plan = self.config, self.config.block_size, getattr(self.config, pool)
+        caching = c.prefix_caching is not None
+        n = self._named.get(pool, 0)
+        self._named[pool] = n + 1
+        name, costs = f"{pool}-{n}", self._costs[pool]
+        if pool == "colocated":
+            inst = ColocatedSim(self, name, costs, plan.kv_cache_tokens, bs, plan, caching)
+        elif pool == "prefill":
+            inst = PrefillSim(self, name, costs, self.profile.kv_transfer, plan.kv_cache_tokens, bs, plan, caching)
+        else:
+            inst = DecodeSim(self, name, self._decode_profile, costs, plan.kv_cache_tokens, bs, plan.max_num_seqs,
+                             c.speculation, random.Random(self._rng.random()), caching, c.decode_prefill_chunk)
+        inst.devices = plan.tensor_parallel * plan.threads
+        self.instances.append(inst)
+        return inst
+
+    # -- resizing --------------------------------------------------------------------------------------
+
+    def pool_size(self, pool: str) -> int:
+        """Instances of ``pool`` serving or starting up (leaving ones not counted)."""
+        return len(getattr(self, pool)) + len(self.starting[pool])
+
+    def add_instance(self, pool: str, startup_s: float = 0.0) -> None:
+        """Add an instance to ``pool``: it holds its devices from now and takes requests ``startup_s`` later
+        (placement, process start, weights, warm-up)."""
+        inst = self._make(pool)
+        self.starting[pool].append(inst)
+
+        def join() -> None:
+            if inst.leaving:
+                return  # retired while starting up
+            self.starting[pool].remove(inst)
+            getattr(self, pool).append(inst)
+            if pool == "decode":
+                self._place_unplaced()
+
+        self.at(self.now + startup_s, join)
+
+    def retire_instance(self, pool: str, round_s: float = 0.25) -> str:
+        """Take an instance out of ``pool`` (the fewest assigned requests, the newest of those, as
+        ``Scaler._victim``; one still starting up first, stopped at once): it takes no new requests; a decode
+        instance live-migrates its running requests to the others every ``round_s``; its devices return once
+        it holds nothing. Returns its name."""
+        if self.starting[pool]:
+            victim = self.starting[pool].pop()
+            victim.leaving, victim.stopped_s = True, self.now
+            return victim.name
+        insts = getattr(self, pool)
+        if len(insts) <= 1:
+            raise SimConfigError(f"{pool}: cannot retire the pool's last instance")
+        victim = min(reversed(insts), key=lambda i: len(i.assigned))
+        insts.remove(victim)
+        victim.leaving = True
+        mover = self.migration or MigrationSim(self, SimMigration(), self.profile.kv_transfer,
+                                               self.config.speculation.max_k if self.config.speculation.enabled else 0)
+
+        def drain() -> None:
+            if pool == "decode":
+                if not victim.seqs and not victim.busy:
+                    victim.stopped_s = self.now
+                    return
+                for index, seq in list(victim.seqs.items()):
+                    if index in mover.moving or seq.request_id not in victim.scheduler.running:
+                        continue  # moving already, or its KV not here yet: a later round
+                    dst = self._decode_order(seq.req)[0]
+                    mover._begin(index, victim, dst)
+            elif not victim.busy and not victim.scheduler.has_work():
+                victim.stopped_s = self.now
+                return
+            self.at(self.now + round_s, drain)
+
+        drain()
+        return victim.name
+
+    def device_seconds(self, until: float) -> float:
+        """Devices x seconds every instance held (from its resize, or the start, to its stop or ``until``)."""
+        return sum(((until if math.isnan(i.stopped_s) else i.stopped_s) - i.allocated_s) * i.devices
+                   for i in self.instances)
 
     def step_factor(self, inst, duration: float) -> float:
         """The plug-in's factor on a step of ``inst`` (``duration`` at its calibrated time): 1 without one."""
@@ -334,7 +424,7 @@ class Simulation:
                        r.first_token_s + delay, r.finish_s + delay, r.draft_tokens, r.accepted_tokens, r.preemptions)
              for r in reqs],
             duration, {i.name: (i.busy_s / duration if duration > 0 else 0.0) for i in instances}, k_counts,
-            None if self.migration is None else self.migration.stats, verdict)
+            None if self.migration is None else self.migration.stats, verdict, self.device_seconds(duration))
 
     # -- the router ------------------------------------------------------------------------------------
 
@@ -408,6 +498,10 @@ class Simulation:
         if self._unplaced or not self._reserve(req):
             self._unplaced.append(req)
 
+    def _place_unplaced(self) -> None:
+        while self._unplaced and self._reserve(self._unplaced[0]):
+            self._unplaced.popleft()
+
     def _reserve(self, req: SimRequest) -> bool:
         for d in self._decode_order(req):
             if d.reserve(req):
@@ -463,8 +557,7 @@ class Simulation:
         if nxt is not None:  # the client reads the last token, thinks, and sends the conversation's next turn
             nxt.arrival_s = t + self.client_delay_s + nxt.think_s
             self.at(nxt.arrival_s, lambda: self._arrive(nxt))
-        while self._unplaced and self._reserve(self._unplaced[0]):
-            self._unplaced.popleft()
+        self._place_unplaced()
         while self._queue and self._in_flight < self.config.max_concurrent:
             self._in_flight += 1
             self._place(self._queue.popleft())
