@@ -2,8 +2,10 @@
 with headroom, found with the offline planner's simulator, and when to act on them.
 
 * :class:`LoadWindow` keeps each request the router admitted over the last ``window_s`` seconds: when it
-  arrived, its prompt length and its output length (the tokens it generated; a request still running
-  counts what it has generated so far, or the window's mean output if more). :meth:`LoadWindow.trace` is
+  arrived, its prompt length, how much of the prompt the instance computing it held cached (a prefix-cache
+  hit is not computed again: the simulated prefill skips it), and its output length (the tokens it
+  generated; a request still running counts what it has generated so far, or the window's mean output if
+  more). :meth:`LoadWindow.trace` is
   those requests as a simulator trace, replayed ``headroom`` times faster.
 * The simulator's latencies are corrected by what the router measured (Dynamo's SLA planner does the same):
   the current shape is simulated on the window's trace, and the ratios of the measured to the simulated
@@ -63,6 +65,7 @@ class _Seen:
     finished: bool = False
     ttft_s: float | None = None  # measured, once finished
     tpot_s: float | None = None
+    cached_tokens: int = 0  # prompt tokens the instance that computes its prompt held cached
     accepted: int = 0  # draft tokens accepted over its speculative steps
     rejections: int = 0  # speculative steps that rejected a draft (accepted < k)
 
@@ -98,6 +101,13 @@ class LoadWindow:
             if finished:
                 seen.ttft_s, seen.tpot_s = ttft_s, tpot_s
 
+    def cached(self, request_id: str, tokens: int) -> None:
+        """The instance chosen to compute ``request_id``'s prompt holds ``tokens`` of it cached (a prefix-cache
+        hit: computed there no more)."""
+        seen = self._by_id.get(request_id)
+        if seen is not None:
+            seen.cached_tokens = tokens
+
     def speculated(self, request_id: str, accepted: int, rejections: int) -> None:
         """Speculative steps of ``request_id`` kept ``accepted`` drafts, and ``rejections`` of them rejected one
         (a step that kept all k drafts rejected none)."""
@@ -132,15 +142,18 @@ class LoadWindow:
             self._by_id.pop(rid, None)
 
     def summary(self) -> dict:
-        """Requests, arrival rate (req/s), mean prompt and output tokens over the window."""
+        """Requests, arrival rate (req/s), mean prompt and output tokens and the prefix-cache hit rate (cached
+        share of prompt tokens) over the window."""
         self._expire()
         seen = [s for _, s in self._seen]
         if not seen:
-            return {"requests": 0, "rate": 0.0, "mean_prompt_tokens": 0.0, "mean_output_tokens": 0.0}
+            return {"requests": 0, "rate": 0.0, "mean_prompt_tokens": 0.0, "mean_output_tokens": 0.0,
+                    "prefix_hit_rate": 0.0}
         done = [s.output_tokens for s in seen if s.finished] or [s.output_tokens for s in seen]
-        return {"requests": len(seen), "rate": len(seen) / self.window_s,
-                "mean_prompt_tokens": sum(s.prompt_tokens for s in seen) / len(seen),
-                "mean_output_tokens": sum(done) / len(done)}
+        prompt = sum(s.prompt_tokens for s in seen)
+        return {"requests": len(seen), "rate": len(seen) / self.window_s, "mean_prompt_tokens": prompt / len(seen),
+                "mean_output_tokens": sum(done) / len(done),
+                "prefix_hit_rate": sum(s.cached_tokens for s in seen) / prompt}
 
     def trace(self, headroom: float = 1.0) -> list[RequestSpec]:
         """The window's requests as a trace from the window's start, arrivals ``headroom`` times faster
@@ -151,7 +164,8 @@ class LoadWindow:
         mean_out = round(sum(finished) / len(finished)) if finished else 1
         start = self.clock() - self.window_s
         return [RequestSpec(max(0.0, s.arrival - start) / headroom, s.prompt_tokens,
-                            max(1, s.output_tokens if s.finished else max(s.output_tokens, mean_out)))
+                            max(1, s.output_tokens if s.finished else max(s.output_tokens, mean_out)),
+                            min(s.cached_tokens, s.prompt_tokens - 1))
                 for s in seen]
 
 

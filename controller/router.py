@@ -278,6 +278,8 @@ class Router:
         first = order[0] if order and has_room and order[0].room else None
         if first is not None and self._prefills_there(active, cached[first.name]) and \
                 await self._hold_prefill(active, request, first):
+            if self.load_window is not None:  # no prefill instance computes any of it
+                self.load_window.cached(rid, len(active.prompt_ids) - 1)
             return
         prefill = self._cheapest(active, self.prefill)
         if prefill is None:
@@ -346,8 +348,11 @@ class Router:
         def queued(inst: Instance) -> int:
             return sum(blocks_of(len(self.active[r].prompt_ids), bs) for r in inst.assigned if r in self.active)
 
-        return cheapest(alive, len(active.prompt_ids), bs, lambda i: cached[i.name], queued,
-                        self.prefix_routing.overlap_weight)
+        chosen = cheapest(alive, len(active.prompt_ids), bs, lambda i: cached[i.name], queued,
+                          self.prefix_routing.overlap_weight)
+        if chosen is not None and self.load_window is not None:
+            self.load_window.cached(active.record.request_id, cached[chosen.name])
+        return chosen
 
     async def _place_at_once(self, active: _Active, request: DecodeRequest, prefill: Instance,
                              decode: Instance) -> bool:

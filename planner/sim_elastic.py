@@ -91,6 +91,7 @@ def window_at(requests, now: float, window_s: float, client_delay_s: float,
             tpot = (r.finish_s - r.first_token_s) / (r.generated - 1) if r.generated > 1 else 0.0
         window.generated(str(r.index), r.generated, finished, ttft, tpot)
         window.speculated(str(r.index), r.accepted_tokens, r.draft_rejections)
+        window.cached(str(r.index), r.cached_tokens)
     return window
 
 

@@ -74,6 +74,7 @@ class SimRequest:
     think_s: float = 0.0
     hashes: dict = field(default_factory=dict)  # block size -> the prompt's block hashes (cache lookups)
     decode_cached: int = 0  # prompt tokens its decode instance held cached when it took the request
+    cached_tokens: int = 0  # prompt tokens its prefill instance holds cached (the trace says; not computed)
 
     @property
     def context(self) -> int:
@@ -301,7 +302,9 @@ class PrefillSim(_Instance):
         if self.pool.blocks_for_tokens(req.prompt_tokens) > self.pool.num_blocks:
             raise ValueError(f"{self.name}: a {req.prompt_tokens}-token prompt does not fit in its KV cache "
                              f"({self.pool.num_blocks * self.block_size} tokens)")
-        self.scheduler.add(SimSequence(req, self.block_size))
+        seq = SimSequence(req, self.block_size)
+        seq.num_computed = req.cached_tokens
+        self.scheduler.add(seq)
         self.kick()
 
     def _plan_step(self):
@@ -322,7 +325,8 @@ class PrefillSim(_Instance):
                 self.prefix_cache.commit(seq, seq.num_computed)
             dest = req.decode.name
             begin = max(now, self.channel_free_at.get(dest, 0.0))
-            sent = max(0, c.start + c.num_tokens - max(c.start, req.decode_cached))  # the decode side's cache: skipped
+            first = 0 if c.start == req.cached_tokens else c.start  # a cached prefix goes with the first chunk
+            sent = max(0, c.start + c.num_tokens - max(first, req.decode_cached))  # the decode side's cache: skipped
             end = begin + self.transfer.predict({"passes": 1.0 if c.sample else 0.0, "tokens": float(sent)})
             self.channel_free_at[dest] = end
             if c.sample:

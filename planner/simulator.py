@@ -388,7 +388,10 @@ class Simulation:
         else:
             reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
             if self.config.prefix_caching is not None:
-                distinct_requests(reqs)
+                distinct_requests(reqs)  # the caches are simulated: what the trace says is cached is not used
+            else:
+                for req, r in zip(reqs, trace):
+                    req.cached_tokens = min(r.cached_tokens, r.prompt_tokens - 1)
         self._requests = reqs
         if watch is not None and watch.requests != len(reqs):
             raise ValueError(f"watch: made for {watch.requests} requests, the trace has {len(reqs)}")

@@ -97,11 +97,13 @@ WORKLOADS: dict[str, WorkloadShape] = {
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request of a trace: arrival offset from the trace start (s), prompt and output lengths."""
+    """One request of a trace: arrival offset from the trace start (s), prompt and output lengths, and the
+    prompt tokens whose KV a prefill instance already holds (a prefix-cache hit: not computed again)."""
 
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    cached_tokens: int = 0
 
 
 def workload_shape(name: str) -> WorkloadShape:
@@ -143,7 +145,7 @@ def scale_trace(trace: list[RequestSpec], rate: float) -> list[RequestSpec]:
         return []
     span = trace[-1].arrival_s
     current = (len(trace) - 1) / span if span > 0 else rate
-    return [RequestSpec(r.arrival_s * current / rate, r.prompt_tokens, r.output_tokens) for r in trace]
+    return [RequestSpec(r.arrival_s * current / rate, r.prompt_tokens, r.output_tokens, r.cached_tokens) for r in trace]
 
 
 def save_trace(trace: list[RequestSpec], path: str) -> None:
@@ -153,7 +155,8 @@ def save_trace(trace: list[RequestSpec], path: str) -> None:
 
 
 def load_trace(path: str) -> list[RequestSpec]:
-    """A JSON-lines trace: one object per line with arrival_s, prompt_tokens, output_tokens."""
+    """A JSON-lines trace: one object per line with arrival_s, prompt_tokens, output_tokens (and optionally
+    cached_tokens)."""
     out = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
@@ -161,11 +164,14 @@ def load_trace(path: str) -> list[RequestSpec]:
                 continue
             try:
                 d = json.loads(line)
-                r = RequestSpec(float(d["arrival_s"]), int(d["prompt_tokens"]), int(d["output_tokens"]))
+                r = RequestSpec(float(d["arrival_s"]), int(d["prompt_tokens"]), int(d["output_tokens"]),
+                                int(d.get("cached_tokens", 0)))
             except (KeyError, ValueError, TypeError) as e:
                 raise WorkloadError(f"{path}:{i}: need arrival_s, prompt_tokens, output_tokens ({e})") from None
             if r.prompt_tokens < 1 or r.output_tokens < 1 or r.arrival_s < 0:
                 raise WorkloadError(f"{path}:{i}: lengths must be >= 1 and arrival_s >= 0")
+            if not 0 <= r.cached_tokens < r.prompt_tokens:
+                raise WorkloadError(f"{path}:{i}: cached_tokens must be in [0, prompt_tokens), got {r.cached_tokens}")
             out.append(r)
     if not out:
         raise WorkloadError(f"{path}: empty trace")

@@ -14,7 +14,7 @@ from decode_worker.config import SpeculationConfig
 from planner.profile import Profile
 from planner.search import SLOTarget
 from planner.simulator import PoolPlan, SimConfig, simulate
-from planner.workload import make_trace, workload_shape
+from planner.workload import RequestSpec, make_trace, workload_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(REPO, "benchmarks", "results", "profile_h100_llama31_8b.json")
@@ -37,11 +37,13 @@ def test_the_window_is_a_trace_of_what_was_admitted():
     w.generated("a", 40, True, 0.5, 0.02)
     clock.t += 2
     w.admitted("b", 300)
+    w.cached("b", 96)  # its prefill instance held 96 tokens of it
     w.generated("b", 10)  # still running: counted at the finished ones' mean, as it has less
     clock.t += 4  # "old" left the window
-    assert w.summary() == {"requests": 2, "rate": 0.2, "mean_prompt_tokens": 200.0, "mean_output_tokens": 40.0}
+    assert w.summary() == {"requests": 2, "rate": 0.2, "mean_prompt_tokens": 200.0, "mean_output_tokens": 40.0,
+                           "prefix_hit_rate": 0.24}
     trace, measured = w.plan_inputs(headroom=2.0)
-    assert [(r.prompt_tokens, r.output_tokens) for r in trace] == [(100, 40), (300, 40)]
+    assert [(r.prompt_tokens, r.output_tokens, r.cached_tokens) for r in trace] == [(100, 40, 0), (300, 40, 96)]
     assert measured == [(0, 0.5, 0.02)]  # only the finished one, by its place in the trace
     assert [round(r.arrival_s, 6) for r in trace] == [2.0, 3.0]  # (5 - 1) / 2, (7 - 1) / 2 from the window's start
 
@@ -158,3 +160,16 @@ def test_the_measured_draft_acceptance_replaces_the_profiles(planner):
     drafts_lost = specd.decide(trace, {"prefill": 1, "decode": 1}, acceptance=0.05)
     assert drafts_kept.met and drafts_lost.met
     assert drafts_lost.shape["decode"] > drafts_kept.shape["decode"], (drafts_kept.shape, drafts_lost.shape)
+
+
+def test_prefix_cache_hits_spare_prefill_instances(planner):
+    """The same long prompts, 90 % of each held cached where it is computed: one prefill instance serves
+    what takes three uncached (the cached prefix is not computed again, its KV is still sent)."""
+    wide = OnlinePlanner(planner.profile, planner.base, planner.slo, {"prefill": (1, 4), "decode": (1, 3)},
+                         time_limit_s=20.0)
+    trace = make_trace(workload_shape("long_doc"), 30.0, 600, seed=1)
+    hits = [RequestSpec(r.arrival_s, r.prompt_tokens, r.output_tokens, r.prompt_tokens * 9 // 10) for r in trace]
+    cold, warm = (wide.decide(t, {"prefill": 1, "decode": 1}) for t in (trace, hits))
+    assert cold.met and warm.met and (cold.shape["prefill"], warm.shape["prefill"]) == (3, 1)
+    records = simulate(planner.profile, wide._config(cold.shape), hits).records
+    assert all(r.finished and r.completion_tokens == r.output_tokens for r in records)

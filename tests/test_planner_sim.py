@@ -19,7 +19,7 @@ from planner.search import (NO_SPECULATION, Planner, SearchSpace, SLOTarget, Wor
                                        speculation_space)
 from planner.simulator import PoolPlan, SimConfig, SimConfigError, simulate
 from planner.slo import AttainmentWatch, RequestOutcome, attainment, goodput
-from planner.workload import RequestSpec, make_trace, workload_shape
+from planner.workload import RequestSpec, WorkloadError, load_trace, make_trace, save_trace, workload_shape
 from decode_worker.config import SpeculationConfig
 
 PASS = ("passes", "seqs", "kv_tokens", "new_tokens")
@@ -58,6 +58,22 @@ def test_single_request_timings_match_the_cost_models():
     # the last chunk's KV (488 tokens) arrives 4.88 ms after the first token, then 10 steps of 10 ms
     assert r.finish_s - r.first_token_s == pytest.approx(488 * 1e-5 + 10 * 0.01)
     assert r.completion_tokens == 11 and r.finished
+
+
+def test_a_cached_prefix_is_not_computed_again_but_its_kv_is_still_sent(tmp_path):
+    """700 of 1000 prompt tokens cached on the prefill instance: one 300-token step (5 ms + 30 ms) instead
+    of two; the KV transfer still carries all 1000 tokens' KV. A trace file keeps the cached tokens."""
+    prof = make_profile(transfer_per_token=1e-5)
+    r = simulate(prof, disagg(), [RequestSpec(0.0, 1000, 11, cached_tokens=700)]).records[0]
+    assert r.ttft_s == pytest.approx(5e-3 + 300 * 1e-4)
+    assert r.finish_s - r.first_token_s == pytest.approx(1000 * 1e-5 + 10 * 0.01)
+    path = str(tmp_path / "trace.jsonl")
+    save_trace([RequestSpec(0.0, 1000, 11, 700), RequestSpec(0.5, 20, 3)], path)
+    assert [r.cached_tokens for r in load_trace(path)] == [700, 0]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"arrival_s": 1.0, "prompt_tokens": 10, "output_tokens": 2, "cached_tokens": 10}\n')
+    with pytest.raises(WorkloadError, match=r"trace.jsonl:3: cached_tokens must be in \[0, prompt_tokens\)"):
+        load_trace(path)
 
 
 def test_a_decode_instance_with_room_is_contacted_with_prefill_even_mid_step():
