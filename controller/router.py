@@ -48,7 +48,7 @@ from controller.placement import decode_order, record_placement, record_report
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from controller.routing import Delta, Final, Instance, RouterError
 from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, PoolLoad,
-                                     ResumeRequest, TokenDelta)
+                                     ResumedSequence, ResumeRequest, TokenDelta)
 from modeling.params import SamplingParams
 from modeling.prefix_cache import PrefixCacheEvents
 from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, PrefillStepOutput
@@ -80,7 +80,8 @@ class _Active:
     migration: PendingMigration | None = None  # in progress, undecided
     finished_sequences: set = field(default_factory=set)  # n > 1: the sequences that have ended
     prompt_hashes: dict = field(default_factory=dict)  # the prompt's block hashes per way of hashing (kv_index)
-    sampler_state: bytes = b""  # seeded sampling: the generator's state after the last token reported
+    # seeded sampling: each sequence's generator state after the last token reported (by sequence index)
+    sampler_states: dict = field(default_factory=dict)
     resumes: int = 0  # times it continued on another decode instance after its own died
 
     @property
@@ -461,7 +462,7 @@ class Router:
                 self._decoding(active)
                 pieces = [payload]
                 if payload.sampler_state:
-                    active.sampler_state = payload.sampler_state
+                    active.sampler_states[payload.index] = payload.sampler_state
             else:
                 continue  # from an instance the request left (a re-run elsewhere)
             for piece in pieces:
@@ -545,10 +546,16 @@ class Router:
         await self._place(active)
 
     def _can_resume(self, active: _Active) -> bool:
-        """Whether a request whose instance failed after output went out continues elsewhere: one sequence,
-        a decode pool that takes resumes, and fewer than ``MAX_RETRIES`` resumes so far."""
-        return self.resumes_output and active.params.num_sequences == 1 and active.resumes < MAX_RETRIES and \
-            active.order.emitted_tokens(0) > 0
+        """Whether a request whose instance failed after output went out continues elsewhere: a decode pool
+        that takes resumes, fewer than ``MAX_RETRIES`` resumes so far, and every sequence still running
+        has streamed its first token."""
+        running = self._running_sequences(active)
+        return self.resumes_output and active.resumes < MAX_RETRIES and bool(running) and \
+            all(active.order.emitted_tokens(i) > 0 for i in running)
+
+    @staticmethod
+    def _running_sequences(active: _Active) -> list[int]:
+        return [i for i in range(active.params.num_sequences) if i not in active.finished_sequences]
 
     async def _resume(self, active: _Active, reason: str) -> None:
         """Continue a request on an alive decode instance from its prompt and the tokens the client has
@@ -563,9 +570,9 @@ class Router:
         # the aborts complete before any instance is asked to take it again under the same id
         await asyncio.gather(*self._detach(active))
         active.decoders = set()
-        output, chars = active.order.emitted(0)
-        request = ResumeRequest(rid, tuple(active.prompt_ids), active.params, tuple(output), chars,
-                                active.sampler_state)
+        sequences = tuple(ResumedSequence(i, *active.order.emitted(i), active.sampler_states.get(i, b""))
+                          for i in self._running_sequences(active))
+        request = ResumeRequest(rid, tuple(active.prompt_ids), active.params, sequences)
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             cached = {i.name: self._cached(active, i) for i in self.decode}
@@ -573,7 +580,7 @@ class Router:
             if inst is not None:
                 active.decode, active.decoders = inst, {inst}
                 inst.assigned.add(rid)
-                record_placement(inst, rid, len(active.prompt_ids) + len(output))
+                record_placement(inst, rid, sum(len(active.prompt_ids) + len(s.output_ids) for s in sequences))
                 if self.metrics is not None:
                     self.metrics.resumed()
                 return

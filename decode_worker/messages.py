@@ -29,22 +29,34 @@ class DecodeRequest:
 
 
 @dataclass(frozen=True)
-class ResumeRequest:
-    """A request to continue where another decode instance left it (that instance died): the prompt and the
-    tokens already streamed, whose KV this instance computes again (from its prefix cache, where it holds
-    part of it). ``text_sent``: characters of the output text already streamed; ``sampler_state``: the
-    generator's state after the last of ``output_ids`` (seeded sampling; empty: a fresh generator)."""
+class ResumedSequence:
+    """One sequence of a resumed request: its index (0 .. n - 1), the tokens already streamed, the
+    characters of its output text already streamed (``text_sent``) and the generator's state after its last
+    token (``sampler_state``: seeded sampling; empty: a fresh generator)."""
 
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
+    index: int
     output_ids: tuple[int, ...]
     text_sent: int
     sampler_state: bytes = b""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         object.__setattr__(self, "output_ids", tuple(self.output_ids))
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """A request to continue where another decode instance left it (that instance died): the prompt and, for
+    each of its sequences still running, the tokens already streamed, whose KV this instance computes again
+    (from its prefix cache, where it holds part of it)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    sequences: tuple[ResumedSequence, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "sequences", tuple(self.sequences))
 
 
 @dataclass(frozen=True)

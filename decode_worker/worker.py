@@ -227,30 +227,42 @@ class DecodeWorker:
         return True
 
     def add_resume(self, request: ResumeRequest) -> bool:
-        """Continue a request another decode instance streamed part of (it died): its prompt and output are
-        this worker's tokens, the grammar and the generator follow the output, the text state is where the
-        client's stream stands, and the KV of every token but the last is computed again before the next
-        step (from the longest cached prefix). Its deltas carry on from the next output position. False when
-        there is no room now. Raises InvalidRequestError naming the field."""
-        rid, params, output = request.request_id, request.params, list(request.output_ids)
-        self._check_new(rid, list(request.prompt_ids), params)
-        if not output or params.num_sequences != 1:
-            raise InvalidRequestError("output_ids", "a resumed request has one sequence and at least one token out")
-        tokens = list(request.prompt_ids) + output
-        check_room_to_generate(len(tokens), self.max_model_len, "output_ids")
-        if not self.scheduler.can_reserve(len(tokens)):
+        """Continue a request another decode instance streamed part of (it died): for each of its sequences
+        still running, its prompt and output are this worker's tokens, the grammar and the generator follow
+        the output, the text state is where the client's stream stands, and the KV of every token but the
+        last is computed again before the next step (from the longest cached prefix; the sequences of one
+        request share their prompt's blocks through it). Their deltas carry on from the next output
+        position. False when there is no room now for all of them. Raises InvalidRequestError naming the
+        field."""
+        rid, params, prompt = request.request_id, request.params, list(request.prompt_ids)
+        n = params.num_sequences
+        indices = [s.index for s in request.sequences]
+        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < n for i in indices):
+            raise InvalidRequestError("sequences", f"one or more distinct sequence indices in [0, {n}), got {indices}")
+        if not all(s.output_ids for s in request.sequences):
+            raise InvalidRequestError("sequences.output_ids", "a resumed sequence has at least one token out")
+        self._check_new(rid, prompt, params)
+        if any(split_sequence_id(sid)[0] == rid for sid in self.requests):
+            raise InvalidRequestError("request_id", f"{rid!r} is already on this worker")
+        for s in request.sequences:
+            check_room_to_generate(len(prompt) + len(s.output_ids), self.max_model_len, "sequences.output_ids")
+        need = sum(self.pool.blocks_for_tokens(len(prompt) + len(s.output_ids) + 1) for s in request.sequences)
+        if len(self.scheduler.running) + len(indices) > self.config.max_num_seqs or not self.pool.can_allocate(need):
             return False
-        seq = self._new_sequence(rid, list(request.prompt_ids), params, BlockTable(self.config.block_size))
-        seq.tokens = tokens
-        seq.sampler.catch_up(output)
-        if request.sampler_state:
-            seq.sampler.generator.set_state(_generator_state(request.sampler_state))
-        seq.status = SequenceStatus.WAITING
-        live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
-        live.stream.push(output, None)  # the text state as the client's stream has it ...
-        live.stream.sent = request.text_sent  # ... of which this much went out
-        self.requests[rid] = live
-        self.scheduler.resume_first(seq)
+        for s in request.sequences:
+            output = list(s.output_ids)
+            seq = self._new_sequence(sequence_id(rid, s.index), prompt, params, BlockTable(self.config.block_size))
+            seq.sampler = seq.sampler.for_sequence(s.index)  # a fresh grammar; sequence i's own generator
+            seq.tokens = prompt + output
+            seq.sampler.catch_up(output)
+            if s.sampler_state:
+                seq.sampler.generator.set_state(_generator_state(s.sampler_state))
+            seq.status = SequenceStatus.WAITING
+            live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
+            live.stream.push(output, None)  # the text state as the client's stream has it ...
+            live.stream.sent = s.text_sent  # ... of which this much went out
+            self.requests[seq.request_id] = live
+            self.scheduler.resume_first(seq)
         return True
 
     def _drop_unstarted(self, seq: Sequence) -> None:

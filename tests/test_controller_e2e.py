@@ -254,28 +254,37 @@ def test_workers_hand_over_their_timed_passes(server):
 
 def test_killed_decode_actor_loses_no_request(server, reference):
     """A decode actor killed while requests stream: the router continues each of its requests on the other
-    decode instance from the tokens already streamed; every client gets the reference's tokens, no error."""
+    decode instance from the tokens already streamed, every sequence of a request of several (n = 2)
+    included; every client gets the reference's tokens, no error."""
     import ray
 
-    prompts = prompts_of([50, 60, 70, 80], seed=5)
+    prompts = prompts_of([50, 60, 70, 80, 40, 45], seed=5)
     expected = [c.token_ids for c in reference.generate(prompts, SamplingParams(max_tokens=200, ignore_eos=True))]
+    expected[4:] = [{0: ids, 1: ids} for ids in expected[4:]]  # n = 2, greedy: two copies of the reference
 
-    def call(p):
+    def call(i, p):
         try:
-            return stream_ids(server, p, max_tokens=200, ignore_eos=True)[0]
+            if i < 4:
+                return stream_ids(server, p, max_tokens=200, ignore_eos=True)[0]
+            with Client(server) as c:
+                per: dict[int, list[int]] = {}
+                for ch in c.generate_stream(p, max_tokens=200, ignore_eos=True, n=2, request_id=f"multi-{i}"):
+                    per.setdefault(ch.index, []).extend(ch.token_ids)
+                return per
         except grpc.RpcError as err:
             return err.code().name
 
-    victim = ray.get_actor("magicserve-decode-1", namespace="magicserve")
-    before = ray.get(victim.status.remote())["tokens_generated"]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(call, p) for p in prompts]
-        deadline = time.monotonic() + 30
-        while True:  # requests mid-stream there
-            st = ray.get(victim.status.remote())
-            if st["running"] > 0 and st["tokens_generated"] >= before + 20:
-                break
-            assert time.monotonic() < deadline, "no request reached decode-1"
+    actors = [ray.get_actor(f"magicserve-decode-{j}", namespace="magicserve") for j in range(2)]
+    before = [ray.get(a.status.remote())["tokens_generated"] for a in actors]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(call, i, p) for i, p in enumerate(prompts)]
+        deadline, victim = time.monotonic() + 30, None
+        while victim is None:  # the instance decoding a request of two sequences, mid-stream
+            for a, b in zip(actors, before):
+                holds = ray.get(a.request_loads.remote()).holds
+                if any(h.startswith("multi-") for h in holds) and ray.get(a.status.remote())["tokens_generated"] >= b + 20:
+                    victim = a
+            assert time.monotonic() < deadline, "no request of two sequences reached a decode instance"
             time.sleep(0.02)
         ray.kill(victim, no_restart=False)
         outcomes = [f.result(timeout=240) for f in futures]

@@ -14,10 +14,12 @@ import torch
 
 from controller.output_order import OutputOrder
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
-from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
+from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, ResumedSequence,
+                                     TokenDelta)
 from decode_worker.migration import MigrationState, headroom_tokens, should_stop
 from decode_worker.worker import DecodeWorker
 from kv_transfer.channel import Rendezvous, TransferConfig
+from modeling.errors import InvalidRequestError
 from modeling.sampling import SamplingParams
 from tests.checkpoints import VOCAB
 
@@ -378,11 +380,53 @@ def test_a_request_resumes_from_its_streamed_tokens_on_another_worker(llama_dir)
     assert states.get("r3") and not states.get("r0")  # only a seeded sampling request carries its state
     for i, p in enumerate(prompts):  # "a" dies here: its requests go on at "b"
         rid = f"r{i}"
-        assert b.add_resume(ResumeRequest(rid, tuple(p), params[i], tuple(run.tokens[rid]), len(run.text[rid]),
-                                          states.get(rid, b"")))
+        assert b.add_resume(ResumeRequest(rid, tuple(p), params[i], [ResumedSequence(
+            0, tuple(run.tokens[rid]), len(run.text[rid]), states.get(rid, b""))]))
     while b.has_work():
         run._take("b", b.step())
     assert run.tokens == want_tokens and run.text == want_text
     assert run.finished["r1"] == run.finished["r2"] == "stop"
     assert all(s[-1] == "b" for s in run.sources.values())
     assert b.pool.num_free == b.pool.num_blocks and not b.requests  # nothing held but what is cached
+
+
+def test_every_running_sequence_of_a_request_resumes(llama_dir):
+    """n = 3, seeded sampling: the worker dies after a few steps; another continues the request's three
+    sequences from their streamed tokens, each with its own generator state (``ResumedSequence``), and every
+    sequence ends as on one undisturbed worker."""
+    from decode_worker.messages import ResumeRequest
+
+    prompt = prompts_of([30], seed=9)[0]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.95, seed=11, n=3)
+    spec = SPECS["self_sparse_fixed"]
+
+    def collect(order, into, items, states=None):
+        for item in items:
+            if isinstance(item, TokenDelta):
+                if states is not None and item.sampler_state:
+                    states[item.index] = item.sampler_state
+                for cut in order.accept(item):
+                    tokens, text = into.setdefault(cut.index, ([], []))
+                    tokens.extend(cut.token_ids)
+                    text.append(cut.text)
+
+    solo, want = make_worker(llama_dir, "solo", **spec), {}
+    order = OutputOrder()
+    collect(order, want, solo.add_local("r", prompt, params))
+    while solo.has_work():
+        collect(order, want, solo.step())
+    a, b = make_worker(llama_dir, "dec-a", **spec), make_worker(llama_dir, "dec-b", **spec)
+    got, states, order = {}, {}, OutputOrder()
+    collect(order, got, a.add_local("r", prompt, params), states)
+    for _ in range(4):
+        collect(order, got, a.step(), states)
+    assert sorted(states) == [0, 1, 2] and all(0 < len(got[i][0]) < 40 for i in range(3))
+    sequences = [ResumedSequence(i, *order.emitted(i), states[i]) for i in range(3)]  # "a" dies here
+    with pytest.raises(InvalidRequestError, match="sequences"):
+        b.add_resume(ResumeRequest("r", tuple(prompt), params, [sequences[0], sequences[0]]))
+    assert b.add_resume(ResumeRequest("r", tuple(prompt), params, sequences))
+    while b.has_work():
+        collect(order, got, b.step())
+    assert {i: (t, "".join(x)) for i, (t, x) in got.items()} == {i: (t, "".join(x)) for i, (t, x) in want.items()}
+    assert len({tuple(t) for t, _ in got.values()}) == 3  # three different streams
+    assert b.pool.num_free == b.pool.num_blocks and not b.requests
