@@ -227,32 +227,32 @@ class OnlinePlanner:
         measured = AcceptanceEntry(spec.drafter, spec.budget, 0, CONTEXT_UNBOUNDED, acceptance, 0)
         return dataclasses.replace(self.profile, acceptance=kept + (measured,))
 
-    def predict(self, shape: dict, trace: list[RequestSpec], time_limit_s: float | None = None,
+    def predict(self, shape: dict, trace: list[RequestSpec], deadline: float | None = None,
                 correction: tuple[float, float] = (1.0, 1.0), acceptance: float | None = None) -> tuple[bool, float]:
         """Whether ``shape`` meets the target on the trace, and the share of its requests that met both SLOs
-        in the simulation (a lower bound where the run stopped once the verdict was known); ``correction``
+        in the simulation (a lower bound where the run stopped once the verdict was known); ``deadline``: a
+        ``time.perf_counter()`` value the simulation stops by (then it is not known to meet); ``correction``
         divides the TTFT and TPOT targets; ``acceptance``: a measured draft acceptance rate."""
-        meets, share, _ = self._simulate(self.profile_for(acceptance), shape, trace, time_limit_s, correction)
+        meets, share, _ = self._simulate(self.profile_for(acceptance), shape, trace, deadline, correction)
         return meets, share
 
-    def _simulate(self, profile, shape: dict, trace: list[RequestSpec], time_limit_s: float | None,
+    def _simulate(self, profile, shape: dict, trace: list[RequestSpec], deadline: float | None,
                   correction: tuple[float, float]) -> tuple[bool, float, str]:
         """``predict`` on ``profile``, and the SLO more of the misses missed (``AttainmentWatch.binding``)."""
         ttft, tpot = self.slo.ttft_s / correction[0], self.slo.tpot_s / correction[1]
         watch = AttainmentWatch(len(trace), ttft, tpot, self.slo.attainment)
-        result = simulate(profile, self._config(shape), trace, time_limit_s=time_limit_s, watch=watch)
+        result = simulate(profile, self._config(shape), trace, watch=watch, wall_deadline=deadline)
         share = attainment(result.outcomes(), ttft, tpot).both
         meets = result.verdict if result.verdict is not None else share >= self.slo.attainment
         return bool(meets), share, watch.binding
 
     def correction(self, shape: dict, trace: list[RequestSpec], measured: list[tuple[int, float, float]],
-                   time_limit_s: float | None = None, acceptance: float | None = None) -> tuple[float, float]:
+                   deadline: float | None = None, acceptance: float | None = None) -> tuple[float, float]:
         """Measured over simulated median (TTFT, TPOT) of the finished requests of the trace on ``shape``
-        (each within [1, 10]; (1, 1) without measurements)."""
+        (each within [1, 10]; (1, 1) without measurements); ``deadline`` as in ``predict``."""
         if not measured:
             return 1.0, 1.0
-        records = simulate(self.profile_for(acceptance), self._config(shape), trace,
-                           time_limit_s=time_limit_s).records
+        records = simulate(self.profile_for(acceptance), self._config(shape), trace, wall_deadline=deadline).records
         pairs = [(records[i], ttft, tpot) for i, ttft, tpot in measured if i < len(records) and records[i].finished]
         if not pairs:
             return 1.0, 1.0
@@ -274,7 +274,7 @@ class OnlinePlanner:
         deadline = t0 + self.time_limit_s
         predicted: dict[str, float] = {}
         here = {p: min(max(current.get(p, lo), lo), hi) for p, (lo, hi) in self.bounds.items()}
-        correction = self.correction(here, trace, list(measured), self.time_limit_s / 2, acceptance)
+        correction = self.correction(here, trace, list(measured), t0 + self.time_limit_s / 2, acceptance)
 
         verdicts: dict[str, bool] = {}
         binding: dict[str, str] = {}
@@ -282,8 +282,7 @@ class OnlinePlanner:
         def meets(shape: dict) -> bool:
             key = _key(shape)
             if key not in verdicts:
-                left = max(0.05, deadline - time.perf_counter())
-                verdicts[key], predicted[key], binding[key] = self._simulate(profile, shape, trace, left, correction)
+                verdicts[key], predicted[key], binding[key] = self._simulate(profile, shape, trace, deadline, correction)
             return verdicts[key]
 
         def steps(shape: dict, by: int) -> list[dict]:  # one instance more (by=1) or fewer in each pool

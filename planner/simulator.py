@@ -40,6 +40,7 @@ import heapq
 import itertools
 import math
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -374,12 +375,14 @@ class Simulation:
         heapq.heappush(self._events, (t, next(self._order), fn))
 
     def run(self, trace: list[RequestSpec] | list[ReuseRequest], time_limit_s: float | None = None,
-            watch: AttainmentWatch | None = None) -> SimResult:
+            watch: AttainmentWatch | None = None, wall_deadline: float | None = None) -> SimResult:
         """Simulate ``trace``; requests unfinished at ``time_limit_s`` after the last arrival count as
         unfinished (they never attain the SLO). With ``watch`` (for the trace's length), the run stops as soon
         as the requests settled so far decide whether the trace attains the watch's target (a request settles
         when it finishes, or misses once its first token or its last is later than its SLO allows). A trace
-        with reuse (``ReuseRequest``) sends a conversation's later turns as the earlier ones end (no watch)."""
+        with reuse (``ReuseRequest``) sends a conversation's later turns as the earlier ones end (no watch).
+        ``wall_deadline`` (a ``time.perf_counter()`` value) bounds the run's own wall time: past it, the run
+        stops where it stands (requests in flight unfinished, an undecided watch's verdict not met)."""
         if trace and isinstance(trace[0], ReuseRequest):
             if watch is not None:
                 raise ValueError("watch: not supported on a trace with reuse (its later turns' arrivals are not "
@@ -408,10 +411,14 @@ class Simulation:
             self.migration.start()
         arrivals = [r.arrival_s for r in reqs if not math.isnan(r.arrival_s)]
         end = (max(arrivals) + time_limit_s) if (arrivals and time_limit_s is not None) else math.inf
+        events = 0
         while self._events and self._events[0][0] <= end and (watch is None or watch.verdict is None):
             t, _, fn = heapq.heappop(self._events)
             self.now = t
             fn()
+            events += 1
+            if wall_deadline is not None and not events % 1024 and time.perf_counter() > wall_deadline:
+                break  # out of time: what settled so far is the result
         duration = self.now
         instances = self.instances
         k_counts: dict[int, int] = {}
@@ -568,9 +575,12 @@ class Simulation:
 
 def simulate(profile: Profile, config: SimConfig, trace: list[RequestSpec], seed: int = 0,
              time_limit_s: float | None = None, host_contention: HostContention | None = None,
-             decode_profile: Profile | None = None, watch: AttainmentWatch | None = None) -> SimResult:
+             decode_profile: Profile | None = None, watch: AttainmentWatch | None = None,
+             wall_deadline: float | None = None) -> SimResult:
     """Convenience: one fresh :class:`Simulation` over ``trace`` (``host_contention``: the optional plug-in;
     ``decode_profile``: the decode pool's hardware where it differs from the prefill pool's; ``watch``: stop
-    once the trace's attainment of its target is decided, see ``Simulation.run``)."""
-    return Simulation(profile, config, seed, host_contention, decode_profile).run(trace, time_limit_s, watch)
+    once the trace's attainment of its target is decided; ``wall_deadline``: stop by then, see
+    ``Simulation.run``)."""
+    return Simulation(profile, config, seed, host_contention, decode_profile).run(trace, time_limit_s, watch,
+                                                                                 wall_deadline)
 

@@ -1,8 +1,9 @@
 """The online planner on a real multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head node with room
 for one prefill and one decode instance): load makes it add a decode instance, whose placement group waits,
-pending, until a node joins (what a Ray autoscaler does on that demand; here the test adds the node), and
-the instance runs on that node; a lighter load then makes it remove one by drain while requests stream;
-every request ends with the reference engine's tokens. The hardware profile is the measured CPU profile with a decode step whose cost is set by hand
+pending, for room; no node joins within ``autoscale.placement_timeout_s``, so the resize fails and is undone
+(the group removed); a node then joins (what a Ray autoscaler does on that demand; here the test adds it),
+the planner tries again after its back-off and the instance runs on that node; a lighter load then makes it
+remove one by drain while requests stream; every request ends with the reference engine's tokens. The hardware profile is the measured CPU profile with a decode step whose cost is set by hand
 (4 ms + 12 ms per sequence), so the planner's arithmetic is plain: at a 50 ms TPOT target one decode
 instance serves three sequences at once, not six."""
 
@@ -51,15 +52,16 @@ def group_state(name: str) -> str:
     return next((g["state"] for g in ray.util.placement_group_table().values() if g["name"] == name), "")
 
 
-def add_node_for(nodes, group: str, timeout_s: float) -> tuple[list[str], str]:
-    """What a Ray autoscaler does for a placement group it cannot place: waits for ``group`` to be pending,
-    sees it stay pending (nothing on the cluster can hold it), then adds a node of one CPU. Returns the
-    group's states seen and the new node's id. (On the main thread: Ray's node start sets signal handlers.)"""
+def add_node_for(nodes, group: str, timeout_s: float, after_s: float) -> tuple[list[str], str]:
+    """What a slow Ray autoscaler does for a placement group it cannot place: waits for ``group`` to be
+    pending, then ``after_s`` more, then adds a node of one CPU. Returns the group's states seen (when it
+    asked, and before the node came) and the new node's id. (On the main thread: starting a Ray node sets
+    signal handlers.)"""
     import ray
 
     wait_for(lambda: group_state(group) == "PENDING", timeout_s, f"{group} asking for room")
     states = [group_state(group)]
-    time.sleep(2.0)
+    time.sleep(after_s)
     states.append(group_state(group))
     before = {n["NodeID"] for n in ray.nodes()}
     nodes.add_node(num_cpus=1)
@@ -76,6 +78,7 @@ def server(llama_dir, tmp_path_factory, ray_nodes):
         decode={"kv_cache_tokens": 8192, "attention_backend": "torch", "speculation": {"drafter": "none"}},
         slo={"ttft_ms": 5000, "tpot_ms": 50, "attainment": 0.9},
         autoscale={"enabled": True, "profile": profile, "interval_s": 0.5, "window_s": 6, "headroom": 1.0,
+                   "placement_timeout_s": 2,
                    "cooldown_s": 1, "scale_down_after": 2, "min_window_requests": 3,
                    "prefill": {"max_instances": 1}, "decode": {"max_instances": 2}},
     )
@@ -107,15 +110,22 @@ def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(ser
         assert pools(c)["decode"] == (1, 1)
         streams = [Stream(server, p, f"burst-{i}", **params) for i, p in enumerate(burst)]
         # six at once: one instance's steps would take 76 ms, two take 40 ms: the planner adds one, whose
-        # placement group waits for a node with room
-        states, node_id = add_node_for(ray_nodes, "magicserve-decode-1", 120)
+        # placement group waits for room; the node joins only after the 2 s placement timeout
+        states, node_id = add_node_for(ray_nodes, "magicserve-decode-1", 120, after_s=3.0)
         wait_for(lambda: pools(c)["decode"] == (2, 2), 120, "scaling decode up to 2")
         got += [(p, s.join()) for p, s in zip(burst, streams)]
-        added = [r for r in c.status().recent_scaling if r.added]
-        assert added and added[0].pool == "decode" and not added[0].error
-        # its group waited for room (the head node was full) and the instance runs on the node that joined
-        assert states == ["PENDING", "PENDING"]
-        group = next(g for g in ray.util.placement_group_table().values() if g["name"] == "magicserve-decode-1")
+        resizes = [r for r in c.status().recent_scaling if r.pool == "decode"]  # oldest first
+        failed = [i for i, r in enumerate(resizes) if r.error]
+        added = [i for i, r in enumerate(resizes) if r.added]
+        # the first try waited, pending, then was undone: its group removed, the pool left at one instance
+        assert states == ["PENDING", "REMOVED"]
+        assert failed, [r.error for r in resizes]
+        first = resizes[failed[0]]
+        assert "cannot place" in first.error and "within 2 s" in first.error and not first.added
+        # tried again after the back-off (as often as it takes the node to come): placed on the node that joined
+        assert added and added[0] > failed[0] and not resizes[added[0]].error
+        name = resizes[added[0]].added[0]
+        group = next(g for g in ray.util.placement_group_table().values() if g["name"] == f"magicserve-{name}")
         assert set(group["bundles_to_node_id"].values()) == {node_id}
         # then one request at a time, steadily: one instance is enough, and the planner takes one away
         stop = threading.Event()

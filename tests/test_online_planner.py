@@ -173,3 +173,36 @@ def test_prefix_cache_hits_spare_prefill_instances(planner):
     assert cold.met and warm.met and (cold.shape["prefill"], warm.shape["prefill"]) == (3, 1)
     records = simulate(planner.profile, wide._config(cold.shape), hits).records
     assert all(r.finished and r.completion_tokens == r.output_tokens for r in records)
+
+
+def test_a_failing_planner_leaves_the_cluster_at_its_shape(planner, caplog):
+    """Every decision raises (the profile lacks the served instances' shape: tensor_parallel 3): the planner's
+    loop logs it and goes on; no resize is attempted, the router keeps its pools, the loop stays up."""
+    import asyncio
+    import dataclasses
+
+    from controller.config import AutoscaleSection, PoolBounds
+    from controller.router import Router
+    from controller.routing import Instance
+    from controller.scaling import Scaler
+
+    base = dataclasses.replace(planner.base, decode=dataclasses.replace(planner.base.decode, tensor_parallel=3))
+    broken = OnlinePlanner(planner.profile, base, planner.slo, planner.bounds, time_limit_s=5.0)
+    router = Router([Instance("prefill-0", "prefill", None)], [Instance("decode-0", "decode", None)], 8, 4)
+    scaler = Scaler(None, router, AutoscaleSection(prefill=PoolBounds(1, 3), decode=PoolBounds(1, 3)))
+    window = LoadWindow(10.0)
+    for i in range(5):
+        window.admitted(f"r{i}", 100)
+
+    async def run():
+        loop = asyncio.create_task(scaler.plan_forever(broken, ScalePolicy(), window, 0.02, 1.0, 1))
+        await asyncio.sleep(0.5)
+        alive = not loop.done()
+        loop.cancel()
+        return alive
+
+    with caplog.at_level("ERROR", logger="magicserve.scaling"):
+        assert asyncio.run(run())
+    assert "online planner: ProfileError" in caplog.text and caplog.text.count("online planner:") >= 3
+    assert not scaler.decisions and not scaler.plans
+    assert {p: s["current"] for p, s in scaler.shape().items()} == {"prefill": 1, "decode": 1}
