@@ -149,7 +149,7 @@ def run(args) -> dict:
         s["vs_best_fixed"] = s["goodput_per_gpu_hour"] / base["goodput_per_gpu_hour"] if base else math.nan
     rate_per_minute = [sum(1 for r in trace if m * BUCKET_S <= r.arrival_s < (m + 1) * BUCKET_S) / BUCKET_S
                        for m in range(len(next(iter(systems.values()))["attainment_per_minute"]))]
-    return {"command": "python benchmarks/elastic_simulated.py " + shlex.join(sys.argv[1:]),
+    return {"command": " ".join(["python benchmarks/elastic_simulated.py", shlex.join(sys.argv[1:])]).strip(),
             "profile": profile.hardware, "model": profile.model, "tensor_parallel": args.tp,
             "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "attainment": args.attainment},
             "phases": [{"workload": n, "rate": r, "seconds": s} for n, r, s in phases], "requests": len(trace),
