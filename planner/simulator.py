@@ -245,7 +245,7 @@ class Simulation:
         self._in_flight = 0
         # serving-path terms of the mode at the instances' thread count (identity if unmeasured)
         self.calibration = profile.calibration(config.mode, config.calibration_threads())
-        rng = self._rng = random.Random(seed)
+        self._rng = random.Random(seed)  # draws each decode instance its acceptance stream
         self.noise_rng = random.Random(seed + 104729)  # the plug-in's draws: a stream apart from acceptance
         c, cal = config, self.calibration
         self.prefill: list[PrefillSim] = []
