@@ -1,10 +1,13 @@
-"""Autoregressive decode-step latency against the memory-bandwidth floor.
+"""Autoregressive decode-step latency against its roofline.
 
 For batch x context cells, times one decode step (one new token per sequence) of a ~30M-parameter
-Llama in bfloat16 over a paged KV cache, and compares it with the floor
-    (weight bytes + KV bytes read per step) / copy bandwidth,
-where the copy bandwidth is measured in the same run (a copy of N bytes moves 2N: read + write).
-The KV content is random: step cost depends on sizes, not values.
+Llama in bfloat16 over a paged KV cache, and compares it with the step's roofline, the larger of
+    (weight bytes + KV bytes read per step) / read bandwidth      (memory bound)
+    step FLOPs / matmul rate                                      (compute bound)
+where the read bandwidth (a reduction over a large tensor) and the matmul rate (a large bf16 GEMM) are
+measured in the same run, on the same device and threads. Step FLOPs: 2 per weight per sequence for the
+matrices, plus 4 x heads x head_dim per cached position per layer per sequence for attention (scores
+and the weighted sum). The KV content is random: step cost depends on sizes, not values.
 
     python benchmarks/decode_step.py                       # full grid, results to benchmarks/results/
     python benchmarks/decode_step.py --batches 8 --contexts 16384 --backends torch
@@ -48,18 +51,42 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 7, device: torch.device = torch.device("cpu")) -> float:
-    """Bytes per second of a large tensor copy on ``device``, counting read + write."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 7, device: torch.device = torch.device("cpu")) -> float:
+    """Bytes per second a reduction reads from a large float32 tensor on ``device`` (read only)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     times = []
     for _ in range(repeats + 1):
         synchronize(device)
         t = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         synchronize(device)
         times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times[1:])
+    return nbytes / statistics.median(times[1:])
+
+
+def matmul_rate(n: int = 2048, repeats: int = 5, device: torch.device = torch.device("cpu"),
+                dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of an n x n x n GEMM in ``dtype`` on ``device`` (2 n^3 FLOPs)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    for _ in range(repeats + 1):
+        synchronize(device)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times[1:])
+
+
+def flops_per_step(model: CausalLM, batch: int, context: int) -> float:
+    """FLOPs of one decode step: every matrix (embeddings only as the tied lm_head) once per sequence, and
+    attention over ``context + 1`` positions per layer per sequence."""
+    c = model.config
+    matrices = sum(p.numel() for name, p in model.named_parameters()
+                   if p.dim() == 2 and (c.tie_word_embeddings or not name.endswith("embed_tokens.weight")))
+    attention = 4 * c.num_attention_heads * c.head_dim * (context + 1) * c.num_hidden_layers
+    return batch * (2.0 * matrices + attention)
 
 
 def device_label(device: torch.device) -> str:
@@ -129,8 +156,10 @@ def main() -> None:
     cache = PagedKVCache(spec, num_blocks, device)
     cache.kv.normal_()
     pool = BlockPool(num_blocks, args.block_size)
-    bandwidth = copy_bandwidth(device=device)
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write) on {device_label(device)}, threads {args.threads}")
+    bandwidth = read_bandwidth(device=device)
+    rate = matmul_rate(device=device)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 matmul {rate / 1e9:.1f} GFLOP/s on {device_label(device)}, "
+          f"threads {args.threads}")
 
     rows = []
     cells = [(be, b, c) for be in args.backends for b in args.batches for c in args.contexts]
@@ -140,18 +169,24 @@ def main() -> None:
         step = time_cell(runner, pool, batch, context, args.repeats)
         w_bytes = weight_bytes_per_step(model, batch)
         kv_bytes = batch * (context + 1) * spec.bytes_per_token
-        floor = (w_bytes + kv_bytes) / bandwidth
+        flops = flops_per_step(model, batch, context)
+        memory_s, compute_s = (w_bytes + kv_bytes) / bandwidth, flops / rate
+        roofline = max(memory_s, compute_s)
         rows.append({
             "backend": backend_name, "resolved_backend": backend.name, "batch": batch, "context": context,
-            "step_ms": step * 1e3, "tokens_per_s": batch / step, "floor_ms": floor * 1e3,
-            "fraction_of_floor": floor / step, "weight_mb": w_bytes / 1e6, "kv_mb": kv_bytes / 1e6,
+            "step_ms": step * 1e3, "tokens_per_s": batch / step, "roofline_ms": roofline * 1e3,
+            "memory_ms": memory_s * 1e3, "compute_ms": compute_s * 1e3,
+            "bound": "memory" if memory_s >= compute_s else "compute", "fraction_of_roofline": roofline / step,
+            "weight_mb": w_bytes / 1e6, "kv_mb": kv_bytes / 1e6, "gflops": flops / 1e9,
         })
         tqdm.write(f"{backend.name:>6} batch {batch:>3} ctx {context:>6}: {step * 1e3:8.2f} ms/step "
-                   f"{batch / step:9.1f} tok/s  floor {floor * 1e3:7.2f} ms  ratio {floor / step:.2f}")
+                   f"{batch / step:9.1f} tok/s  roofline {roofline * 1e3:7.2f} ms ({rows[-1]['bound']})  "
+                   f"ratio {roofline / step:.2f}")
 
     meta = {
         "machine": device_label(device), "device": str(device), "cpus": os.cpu_count(), "threads": args.threads,
-        "torch": torch.__version__, "copy_bandwidth_gbps": bandwidth / 1e9, "dtype": "bfloat16",
+        "torch": torch.__version__, "read_bandwidth_gbps": bandwidth / 1e9, "matmul_gflops": rate / 1e9,
+        "dtype": "bfloat16",
         "params_m": config.num_parameters() / 1e6, "block_size": args.block_size, "repeats": args.repeats,
         "command": "python benchmarks/decode_step.py " + " ".join(sys.argv[1:]),
     }
@@ -160,14 +195,17 @@ def main() -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     where = f"{args.threads} threads" if device.type == "cpu" else f"{meta['machine']} ({device})"
     with open(args.out + ".md", "w") as f:
-        f.write(f"# Decode step vs memory-bandwidth floor\n\n`{meta['command']}`  \n"
-                f"{meta['params_m']:.1f}M-param Llama, bf16, {where}, copy bandwidth "
-                f"{meta['copy_bandwidth_gbps']:.1f} GB/s (read + write), median of {args.repeats}.\n\n"
-                "| backend | batch | context | ms/step | tokens/s | floor ms | floor / measured |\n"
-                "|---|---:|---:|---:|---:|---:|---:|\n")
+        f.write(f"# Decode step vs its roofline\n\n`{meta['command']}`  \n"
+                f"{meta['params_m']:.1f}M-param Llama, bf16, {where}, measured in this run: read bandwidth "
+                f"{meta['read_bandwidth_gbps']:.1f} GB/s, bf16 matmul {meta['matmul_gflops']:.1f} GFLOP/s; median of "
+                f"{args.repeats}. Roofline: the larger of (weight + KV bytes) / read bandwidth and step FLOPs / "
+                "matmul rate.\n\n"
+                "| backend | batch | context | ms/step | tokens/s | memory ms | compute ms | roofline / measured |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|\n")
         for r in rows:
             f.write(f"| {r['resolved_backend']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
-                    f"{r['tokens_per_s']:.1f} | {r['floor_ms']:.2f} | {r['fraction_of_floor']:.2f} |\n")
+                    f"{r['tokens_per_s']:.1f} | {r['memory_ms']:.2f} | {r['compute_ms']:.2f} | "
+                    f"{r['fraction_of_roofline']:.2f} |\n")
     print(f"wrote {args.out}.json and .md")
 
 
