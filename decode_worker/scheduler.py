@@ -34,10 +34,11 @@ class DecodeScheduler:
         self.preempted: deque = deque()  # FIFO
         self.num_preemptions = 0
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        """Room to admit a prompt of ``num_tokens`` (and its first decode step) alongside the running ones."""
-        return len(self.running) < self.max_num_seqs and \
-            self.pool.can_allocate(self.pool.blocks_for_tokens(num_tokens + 1))
+    def can_reserve(self, *num_tokens: int) -> bool:
+        """Room to admit sequences of these token counts (each with its first decode step) alongside the
+        running ones."""
+        return len(self.running) + len(num_tokens) <= self.max_num_seqs and \
+            self.pool.can_allocate(sum(self.pool.blocks_for_tokens(n + 1) for n in num_tokens))
 
     def reserve(self, seq, num_tokens: int) -> bool:
         """Give ``seq`` blocks for ``num_tokens`` positions and its first decode step (on top of the blocks it

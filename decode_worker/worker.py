@@ -246,8 +246,7 @@ class DecodeWorker:
             raise InvalidRequestError("request_id", f"{rid!r} is already on this worker")
         for s in request.sequences:
             check_room_to_generate(len(prompt) + len(s.output_ids), self.max_model_len, "sequences.output_ids")
-        need = sum(self.pool.blocks_for_tokens(len(prompt) + len(s.output_ids) + 1) for s in request.sequences)
-        if len(self.scheduler.running) + len(indices) > self.config.max_num_seqs or not self.pool.can_allocate(need):
+        if not self.scheduler.can_reserve(*(len(prompt) + len(s.output_ids) for s in request.sequences)):
             return False
         for s in request.sequences:
             output = list(s.output_ids)

@@ -35,6 +35,8 @@ def running(sched: DecodeScheduler, *lengths: int) -> list[Seq]:
 def test_admission_needs_blocks_for_the_prompt_and_a_step_and_a_free_slot():
     sched = DecodeScheduler(BlockPool(10, BLOCK), max_num_seqs=2)
     assert sched.can_reserve(35) and not sched.can_reserve(40)  # 40 + 1 positions need 11 blocks
+    assert sched.can_reserve(15, 23) and not sched.can_reserve(15, 24)  # 4 + 6 blocks fit, 4 + 7 do not
+    assert not sched.can_reserve(1, 1, 1)  # three sequences over max_num_seqs
     a, b = running(sched, 7, 3)
     assert (len(a.block_table.blocks), len(b.block_table.blocks)) == (2, 1)  # prompt + 1 position each
     assert not sched.can_reserve(1)  # max_num_seqs running
