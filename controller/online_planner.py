@@ -22,9 +22,9 @@ with headroom, found with the offline planner's simulator, and when to act on th
   tries one instance fewer in each pool and moves to the one that still meets it with the fewest devices;
   while it does not, it tries one more in each pool and moves to the one that meets it, or else to the one
   predicted to attain more (within a point of each other, as when a backlog makes every candidate miss:
-  the pool of the SLO the current shape misses more often, prefill for TTFT, decode for TPOT; where
-  that pool is at its bound and no instance elsewhere helps, the walk stops). The walk ends at the smallest shape that meets the target next to one that
-  does not, or at the bounds. It costs two simulations a step whatever the bounds (a cluster of 64 GPUs
+  the pool of the SLO the current shape misses more often, prefill for TTFT, decode for TPOT; where that
+  pool is at its bound and no instance elsewhere helps, the walk stops). The walk ends at the smallest
+  shape that meets the target next to one that does not, or at the bounds. It costs two simulations a step whatever the bounds (a cluster of 64 GPUs
   is planned as fast as one of 2). A simulation stops as soon as its verdict is decided
   (``planner.slo.AttainmentWatch``), and the whole decision stops at ``time_limit_s``: then the shape the
   walk has reached wins.
@@ -41,7 +41,6 @@ No torch, no Ray, no asyncio here: the scaler (``controller/scaling.py``) runs i
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import statistics
 import time
@@ -205,13 +204,6 @@ class OnlinePlanner:
         self.slo = slo
         self.bounds = bounds
         self.time_limit_s = time_limit_s
-
-    def shapes(self) -> list[dict]:
-        """Every shape within the bounds, fewest devices first (then fewest decode instances)."""
-        pools = sorted(self.bounds)
-        ranges = [range(self.bounds[p][0], self.bounds[p][1] + 1) for p in pools]
-        shapes = [dict(zip(pools, counts)) for counts in itertools.product(*ranges)]
-        return sorted(shapes, key=lambda s: (self._config(s).devices, s.get("decode", 0), _key(s)))
 
     def _config(self, shape: dict) -> SimConfig:
         changes = {pool: dataclasses.replace(getattr(self.base, pool), instances=n) for pool, n in shape.items()}

@@ -69,7 +69,6 @@ class ElasticResult:
         return [(t.at_s, pool, n) for t in self.ticks for pool, n in sorted(t.resizes.items())]
 
 
-
 def window_at(requests, now: float, window_s: float, client_delay_s: float,
               shape_changed_s: float = -math.inf) -> LoadWindow:
     """What the router's window holds at ``now``: the requests that arrived in the last ``window_s``

@@ -221,6 +221,7 @@ class _Instance:
 
     role = ""
     prefix_cache: PrefixCache | None = None
+    devices = 1  # devices the instance holds (its pool's tensor_parallel x threads; set by the simulation)
 
     def __init__(self, sim, name: str):
         self.sim = sim

@@ -77,10 +77,12 @@ class MigrationSim:
         loads = [d.load(self.moving) for d in self.sim.decode]
         for plan in plan_migrations(loads, self.config.policy, now, self.history):
             self.history.record(plan.request_id, now)
-            self._begin(int(plan.request_id), by_name[plan.source], by_name[plan.destination])
+            self.begin(int(plan.request_id), by_name[plan.source], by_name[plan.destination])
         self.sim.at(now + self.config.interval_s, self._round)
 
-    def _begin(self, index: int, src: DecodeSim, dst: DecodeSim) -> None:
+    def begin(self, index: int, src: DecodeSim, dst: DecodeSim) -> None:
+        """Start moving request ``index`` from ``src`` to ``dst`` (nothing if it no longer runs on ``src``;
+        aborted if ``dst`` has no room)."""
         seq = src.seqs.get(index)
         if seq is None or seq.request_id not in src.scheduler.running:
             return

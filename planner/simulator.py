@@ -271,8 +271,10 @@ class Simulation:
         # what the client sees: every token later by the request path's latency (routing before prefill,
         # delivery after each step), which moves TTFT but not the gaps between tokens
         self.client_delay_s = config.overhead_s + self.calibration.ttft_overhead_s
-        self.migration = None if c.migration is None else MigrationSim(
-            self, c.migration, profile.kv_transfer, c.speculation.max_k if c.speculation.enabled else 0)
+        # the policy's rounds (with SimConfig.migration); drains move requests through it too, or through
+        # a mover of the default settings that runs no rounds
+        self.migration = None if c.migration is None else self._mover(c.migration)
+        self._drain_mover = self.migration
 
     @property
     def requests(self) -> list[SimRequest]:
@@ -337,8 +339,9 @@ class Simulation:
         victim = min(reversed(insts), key=lambda i: len(i.assigned))
         insts.remove(victim)
         victim.leaving = True
-        mover = self.migration or MigrationSim(self, SimMigration(), self.profile.kv_transfer,
-                                               self.config.speculation.max_k if self.config.speculation.enabled else 0)
+        if self._drain_mover is None:
+            self._drain_mover = self._mover(SimMigration())
+        mover = self._drain_mover
 
         def drain() -> None:
             if pool == "decode":
@@ -349,7 +352,7 @@ class Simulation:
                     if index in mover.moving or seq.request_id not in victim.scheduler.running:
                         continue  # moving already, or its KV not here yet: a later round
                     dst = self._decode_order(seq.req)[0]
-                    mover._begin(index, victim, dst)
+                    mover.begin(index, victim, dst)
             elif not victim.busy and not victim.scheduler.has_work():
                 victim.stopped_s = self.now
                 return
@@ -357,6 +360,10 @@ class Simulation:
 
         drain()
         return victim.name
+
+    def _mover(self, settings: SimMigration) -> MigrationSim:
+        spec = self.config.speculation
+        return MigrationSim(self, settings, self.profile.kv_transfer, spec.max_k if spec.enabled else 0)
 
     def device_seconds(self, until: float) -> float:
         """Devices x seconds every instance held (from its resize, or the start, to its stop or ``until``)."""
