@@ -49,8 +49,10 @@ setup(
     ],
     extras_require={
         "gpu": ["flash-attn>=2.5"],
+        # triton: the Triton attention kernels run in Triton's CPU interpreter in the tests (CUDA builds of
+        # torch bring their own Triton)
         "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5", "openai>=1.40",
-                 "jsonschema>=4"],
+                 "jsonschema>=4", "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
     entry_points={"console_scripts": ["magicserve=controller.cli:main"]},
 )

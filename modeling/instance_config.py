@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 def set_by(section_field: str) -> dict:
     """Dataclass field metadata: a field the cluster config sets from ``section_field``, refused in YAML."""
     return {"yaml": False, "set_by": section_field}
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash", "triton")
 DEVICES = ("cpu", "cuda")
 
 Problems = list[tuple[str, str]]

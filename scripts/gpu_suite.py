@@ -10,8 +10,9 @@ is recorded and the others still run; the exit status is 1 when any step failed:
 
 1. environment: ``nvidia-smi``, the devices torch sees, torch / CUDA / NCCL / flash-attn versions;
 2. tests: ``python -m pytest -m gpu -q -rs`` over the test modules holding GPU tests (counts, failures, skip reasons, the output's tail);
-3. ``benchmarks/decode_step.py`` on CUDA: the torch backend, and flash-attn when installed (block size 256);
-4. ``benchmarks/spec_decode.py`` on CUDA: the torch backend, and flash-attn when installed.
+3. ``benchmarks/decode_step.py`` on CUDA: the torch and Triton backends, and flash-attn when installed
+   (block size 256 then, else 16);
+4. ``benchmarks/spec_decode.py`` on CUDA: the Triton and torch backends, and flash-attn when installed.
 
 The benchmarks write under a scratch folder (``runs/gpu/`` by default, git-ignored) so the CPU records in
 ``benchmarks/results/`` stay as they are; the record copies their tables. Without a CUDA device the script
@@ -312,7 +313,9 @@ def decode_step_step(args, scratch: str, tag: str, flash: bool, cpu: bool) -> St
         cmd += ["--device", "cpu", "--backends", "torch", "--batches", "1", "--contexts", "64", "--repeats", "1",
                 "--block-size", "16", "--threads", "1"]
     else:
-        cmd += ["--device", "cuda", "--block-size", "256", "--backends", "torch"] + (["flash"] if flash else [])
+        # flash-attn's paged KV needs blocks of 256; without it, the serving default of 16
+        cmd += ["--device", "cuda", "--block-size", "256" if flash else "16", "--backends", "torch", "triton"]
+        cmd += ["flash"] if flash else []
         cmd += ["--batches", "1", "8", "32", "--contexts", "1024", "4096", "16384", "--repeats", "5"]
     return Step("decode_step", "Decode step", cmd, data={"out": out})
 
@@ -320,13 +323,16 @@ def decode_step_step(args, scratch: str, tag: str, flash: bool, cpu: bool) -> St
 def spec_decode_step(args, scratch: str, tag: str, backend: str, cpu: bool) -> Step:
     out = os.path.join(scratch, f"spec_decode_{backend}_{tag}")
     cmd = [sys.executable, "benchmarks/spec_decode.py", "--out", out, "--attention-backend", backend]
-    if cpu:  # dry run: one tiny cell, two configurations
+    if cpu:  # dry run: one tiny cell, two configurations (Triton's kernel in its interpreter)
+        cmd = (["env", "TRITON_INTERPRET=1"] if backend == "triton" else []) + cmd
         cmd += ["--device", "cpu", "--batches", "1", "--prefixes", "64", "--ks", "0", "1", "--budgets", "32",
                 "--steps", "2", "--repeats", "1", "--adaptive-warmup", "0", "--min-run-ms", "0", "--threads", "1"]
     else:
         block = "256" if backend == "flash" else "16"
-        # batches 1 and 8: the torch backend's per-sequence loop makes batch 32 cells take minutes each
-        cmd += ["--device", "cuda", "--block-size", block, "--dtype", "bfloat16", "--batches", "1", "8",
+        # batches 1 and 8: the torch backend's per-sequence loop makes batch 32 cells take minutes each; the
+        # torch backend gets batch 1 only, the GPU backends both
+        batches = ["1"] if backend == "torch" else ["1", "8"]
+        cmd += ["--device", "cuda", "--block-size", block, "--dtype", "bfloat16", "--batches", *batches,
                 "--prefixes", "1024", "4096", "--ks", "0", "1", "2", "3", "--budgets", "256", "--steps", "16",
                 "--repeats", "2", "--adaptive-warmup", "32"]
     title = f"Speculative decoding ({backend} backend)"
@@ -453,10 +459,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--scratch", default=DEFAULT_SCRATCH, help="folder for logs and benchmark outputs (default runs/gpu)")
     ap.add_argument("--allow-cpu", action="store_true", help="without CUDA, dry-run every step on CPU with tiny sizes")
     ap.add_argument("--budget-s", type=float, default=450.0, help="time for all steps together (default 7.5 min)")
-    ap.add_argument("--tests-timeout-s", type=float, default=180.0)
+    ap.add_argument("--tests-timeout-s", type=float, default=210.0)
     ap.add_argument("--decode-timeout-s", type=float, default=60.0)
-    ap.add_argument("--spec-timeout-s", type=float, default=200.0, help="speculative decoding, torch backend")
-    ap.add_argument("--spec-flash-timeout-s", type=float, default=90.0, help="speculative decoding, flash backend")
+    ap.add_argument("--spec-triton-timeout-s", type=float, default=100.0, help="speculative decoding, Triton backend")
+    ap.add_argument("--spec-timeout-s", type=float, default=80.0, help="speculative decoding, torch backend")
+    ap.add_argument("--spec-flash-timeout-s", type=float, default=80.0, help="speculative decoding, flash backend")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. \"-k flash -x\"")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-benchmarks", action="store_true")
@@ -468,6 +475,7 @@ def plan_steps(args, scratch: str, tag: str, flash: bool, cpu: bool) -> tuple[li
     test_step, extras = tests_step(args, scratch)
     plan = [(test_step, args.tests_timeout_s)]
     plan.append((decode_step_step(args, scratch, tag, flash, cpu), args.decode_timeout_s))
+    plan.append((spec_decode_step(args, scratch, tag, "triton", cpu), args.spec_triton_timeout_s))
     plan.append((spec_decode_step(args, scratch, tag, "torch", cpu), args.spec_timeout_s))
     flash_spec = spec_decode_step(args, scratch, tag, "flash", cpu)
     if not flash:

@@ -9,6 +9,9 @@ import torch
 
 # Tests use tiny tensors: one thread avoids OpenMP oversubscription on small CI machines.
 torch.set_num_threads(1)
+# Without CUDA, Triton kernels run in Triton's CPU interpreter (read when Triton is first imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

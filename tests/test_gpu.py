@@ -1,5 +1,5 @@
-"""CUDA paths: flash-attn against the torch oracle, speculative decoding, the engine and the decode worker
-end to end, and KV transfer between processes.
+"""CUDA paths: the Triton and flash-attn backends against the torch oracle, speculative decoding, the engine
+and the decode worker end to end, and KV transfer between processes.
 
 Every test here is marked ``gpu`` (conftest skips them without CUDA). Tests of the flash backend skip when
 the ``flash_attn`` package is absent; tests that put two NCCL ranks in two processes need two GPUs (NCCL
@@ -9,9 +9,9 @@ Oracles, by precision:
 
 * float32 (torch backend): CUDA must reproduce the reference path exactly where the CPU tests demand it
   (greedy tokens identical, attention within 1e-4 of the dense float32 oracle);
-* bfloat16 / float16 (flash-attn supports only these): flash is compared with the dense float32 oracle
-  within tolerances set by the dtype's rounding, and with the torch backend run in the same dtype: it
-  must be no less accurate and pick the same argmax almost everywhere.
+* bfloat16 / float16 (flash-attn supports only these): flash and Triton are compared with the dense float32
+  oracle within tolerances set by the dtype's rounding, and with the torch backend run in the same dtype:
+  they must be no less accurate and pick the same argmax almost everywhere. Triton also runs float32.
 
 Run them all with ``python -m pytest -m gpu -q -rs`` (``scripts/gpu_suite.py`` does, and records it).
 """
@@ -229,7 +229,60 @@ def test_flash_sparse_view_with_sliding_window_matches_dense_oracle(sink_len, wi
     assert err <= KERNEL_TOL[torch.bfloat16], f"sink {sink_len} views {windows} window {window}: max abs err {err}"
 
 
-# -- 1b. the model over the paged cache: flash vs torch on the tiny checkpoint ---------------------------
+# -- 1a. the Triton kernel (no flash-attn needed): every step shape, any alignment ----------------------
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g,d", [(1, 64), (4, 128), (3, 80)])
+def test_triton_kernel_matches_dense_oracle(case, dtype, g, d):
+    q, k, v, kc, vc, meta = make_step(*KERNEL_CASES[case], g=g, d=d, dtype=dtype, block_size=16)
+    ref = dense_oracle(q, kc, vc, meta)
+    out = make_backend("triton", CUDA, 16).forward(q, k, v, kc, vc, meta)
+    assert out.dtype == dtype and out.shape == q.shape and out.is_cuda
+    err = max_err(out, ref)
+    assert err <= KERNEL_TOL[dtype], f"triton {case} {dtype}: max abs err {err}"
+    torch_err = max_err(TorchAttentionBackend().forward(q, k, v, kc, vc, meta), ref)
+    assert err <= torch_err + KERNEL_TOL[dtype] / 2, f"triton {err} vs torch {torch_err}"
+
+
+# unaligned sink + window views (the drafter's defaults: 16 sink tokens, any window start)
+TRITON_VIEWS = [(16, [600, 512, 5, 1999]), (0, [768, 3, 0, 1536]), (4, [990, 650, 299, 100])]
+
+
+@pytest.mark.parametrize("sink_len,windows", TRITON_VIEWS)
+@pytest.mark.parametrize("window", [None, 3, 300, 1500])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_sparse_view_and_sliding_window_match_dense_oracle(sink_len, windows, window, dtype):
+    q, k, v, kc, vc, meta = make_step(*SPARSE_SEQS, dtype=dtype, block_size=16, sink_len=sink_len, windows=windows)
+    ref = dense_oracle(q, kc, vc, meta, window)
+    err = max_err(make_backend("triton", CUDA, 16).forward(q, k, v, kc, vc, meta, window), ref)
+    assert err <= KERNEL_TOL[dtype], f"sink {sink_len} views {windows} window {window}: max abs err {err}"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 32])
+def test_triton_key_splits_match_dense_oracle(splits):
+    from modeling.attention.triton_backend import TritonAttentionBackend
+
+    q, k, v, kc, vc, meta = make_step([16000, 3001, 40], [1, 4, 1], dtype=torch.bfloat16, block_size=16)
+    ref = dense_oracle(q, kc, vc, meta)
+    err = max_err(TritonAttentionBackend(num_splits=splits).forward(q, k, v, kc, vc, meta), ref)
+    assert err <= KERNEL_TOL[torch.bfloat16], f"{splits} splits: max abs err {err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_verification_rows_equal_decode_steps_bit_for_bit(dtype):
+    from modeling.attention.triton_backend import TritonAttentionBackend
+
+    q, _, _, kc, vc, meta = make_step([3000], [6], dtype=dtype, block_size=16)
+    backend = TritonAttentionBackend(num_splits=1)
+    verify = backend.forward(q, None, None, kc, vc, meta)
+    for i in range(6):
+        step = AttentionMetadata(query_start=[0, 1], seq_lens=[3000 - 5 + i], block_tables=meta.block_tables,
+                                 slot_mapping=meta.slot_mapping[i : i + 1], block_size=16)
+        assert torch.equal(backend.forward(q[i : i + 1], None, None, kc, vc, step)[0], verify[i]), f"row {i}"
+
+
+# -- 1b. the model over the paged cache: flash and Triton vs torch on the tiny checkpoint -----------------
 
 def cuda_runner(directory: str, dtype: str, backend: str, block_size: int = FLASH_BLOCK, blocks: int = 16):
     loaded = load_model(directory, dtype, CUDA)
@@ -288,30 +341,37 @@ def test_flash_runner_matches_torch_runner_in_the_same_dtype(llama_dir, dtype):
     against the float32 torch run. Measured on the CPU with two different exact-math attention paths in
     bf16, the runs differ by at most 1 % of the logit scale and agree on > 99 % of argmaxes; flash also
     rounds its softmax probabilities to the half dtype, so the bounds here leave room for that."""
-    check_flash_runner_against_torch(llama_dir, dtype)
+    needs_flash()
+    check_runner_against_torch(llama_dir, dtype, "flash")
 
 
 @pytest.mark.parametrize("family", ["mistral_swa", "qwen2_swa"])
 def test_flash_runner_with_sliding_window_matches_torch_runner(checkpoint_dir, family):
     """The same on checkpoints whose layers slide (window 8: Mistral on every layer, Qwen2 on layer 1),
     the draft step's block-aligned view included."""
-    check_flash_runner_against_torch(checkpoint_dir(family), "bfloat16")
-
-
-def check_flash_runner_against_torch(directory: str, dtype: str) -> None:
     needs_flash()
+    check_runner_against_torch(checkpoint_dir(family), "bfloat16", "flash")
+
+
+@pytest.mark.parametrize("directory_of", ["llama_gqa", "mistral_swa", "qwen2_swa"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_triton_runner_matches_torch_runner(checkpoint_dir, directory_of, dtype):
+    check_runner_against_torch(checkpoint_dir(directory_of), dtype, "triton")
+
+
+def check_runner_against_torch(directory: str, dtype: str, backend: str) -> None:
     ref = runner_scenario(cuda_runner(directory, "float32", "torch"))
     same = runner_scenario(cuda_runner(directory, dtype, "torch"))
-    flash = runner_scenario(cuda_runner(directory, dtype, "flash"))
+    got = runner_scenario(cuda_runner(directory, dtype, backend))
     rel_tol = 0.05 if dtype == "bfloat16" else 0.01
-    for (kind, r), (_, t), (_, f) in zip(ref, same, flash):
+    for (kind, r), (_, t), (_, f) in zip(ref, same, got):
         scale = r.abs().max().item()
         assert (f - t).abs().max().item() <= rel_tol * scale, kind
         # no less accurate than the oracle in the same dtype (mean error is dominated by weight rounding)
         err_f, err_t = (f - r).abs().mean().item(), (t - r).abs().mean().item()
-        assert err_f <= 1.5 * err_t + 1e-3 * scale, f"{kind}: flash {err_f} vs torch {err_t}"
+        assert err_f <= 1.5 * err_t + 1e-3 * scale, f"{kind}: {backend} {err_f} vs torch {err_t}"
         agree = (f.argmax(-1) == t.argmax(-1)).float().mean().item()
-        assert agree >= 0.95, f"{kind}: flash and torch pick the same token at {agree:.3f} of positions"
+        assert agree >= 0.95, f"{kind}: {backend} and torch pick the same token at {agree:.3f} of positions"
 
 
 # -- 2. speculative decoding on CUDA: greedy output equals autoregressive output ------------------------
@@ -336,12 +396,15 @@ def cuda_engine(directory, dtype="float32", backend="torch", block_size=16, **kw
 SPEC_PROMPTS = [3, 30, 130, 400, 90]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("k_policy,k", [("fixed", 1), ("fixed", 4), ("adaptive", 3)])
-def test_greedy_self_speculation_on_cuda_is_lossless(llama_dir, k_policy, k):
+def test_greedy_self_speculation_on_cuda_is_lossless(llama_dir, k_policy, k, backend):
     prompts = prompts_of(SPEC_PROMPTS, seed=k)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    expected = [c.token_ids for c in cuda_engine(llama_dir).generate(prompts, params)]
-    worker = cuda_worker(llama_dir, drafter="self_sparse", k_policy=k_policy, k=k, max_k=4, budget=32)
+    expected = [c.token_ids for c in cuda_engine(llama_dir, backend=backend).generate(prompts, params)]
+    worker = cuda_worker(llama_dir, backend=backend, drafter="self_sparse", k_policy=k_policy, k=k, max_k=4,
+                         budget=32)
+    assert worker.runner.backend.name == backend
     if k_policy == "adaptive":
         worker.profile(batches=(1, 4), contexts=(64, 512), ks=(0, 2))
     assert worker.cache.kv.is_cuda
@@ -409,7 +472,8 @@ def test_flash_self_speculation_with_sliding_window_agrees_with_flash_decoding(c
     _flash_speculation_agreement(checkpoint_dir("mistral_swa"))
 
 
-@pytest.mark.parametrize("dtype,backend,block_size", [("float32", "torch", 16), ("bfloat16", "flash", FLASH_BLOCK)])
+@pytest.mark.parametrize("dtype,backend,block_size", [("float32", "torch", 16), ("bfloat16", "flash", FLASH_BLOCK),
+                                                     ("bfloat16", "triton", 16)])
 def test_decode_worker_profiles_on_start_on_cuda(llama_dir, dtype, backend, block_size):
     """The start-up profile (target passes and self-sparse draft passes of the shipped speculation
     settings) runs on CUDA and seeds both cost models; the pool is whole afterwards."""
@@ -471,6 +535,23 @@ def test_flash_engine_on_cuda_runs_end_to_end(llama_dir):
     assert [len(o) for o in got] == [24] * len(prompts)
     assert agreement(got, expected) >= 0.75, (got, expected)
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_triton_engine_on_cuda_runs_end_to_end(llama_dir):
+    """bf16 + Triton with chunked prefill: every request finishes, every block is freed, and the tokens agree
+    with the torch backend in bf16 almost everywhere; 'auto' picks Triton where flash-attn is absent."""
+    prompts = prompts_of(ENGINE_PROMPTS, seed=7)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [c.token_ids for c in cuda_engine(llama_dir, "bfloat16", "torch", token_budget=64).generate(prompts, params)]
+    engine = cuda_engine(llama_dir, "bfloat16", "triton", token_budget=64)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    assert [len(o) for o in got] == [24] * len(prompts)
+    assert agreement(got, expected) >= 0.75, (got, expected)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        assert make_backend("auto", CUDA, 16, torch.bfloat16).name == "triton"
 
 
 def test_auto_backend_runs_float32_on_cuda(llama_dir):

@@ -17,9 +17,10 @@ from modeling.attention.flash_backend import (FLASH_BLOCK_MULTIPLE, FLASH_DTYPES
                                               flash_attn_available)
 from modeling.attention.metadata import AttentionMetadata, physical_runs
 from modeling.attention.torch_backend import TorchAttentionBackend
+from modeling.attention.triton_backend import TritonAttentionBackend, triton_available, triton_import_error
 from modeling.kv_cache import PagedKVCache
 
-BACKENDS = ("torch", "flash", "cpu", "auto")
+BACKENDS = ("torch", "flash", "triton", "cpu", "auto")
 
 __all__ = [
     "AttentionBackend",
@@ -43,11 +44,12 @@ class AttentionBackend(Protocol):
 
 def make_backend(name: str, device: torch.device | str, block_size: int,
                  dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
-    """'torch' | 'flash' | 'cpu' | 'auto'.
+    """'torch' | 'flash' | 'triton' | 'cpu' | 'auto'.
 
-    'cpu' is the C++ CPU kernel (built by ``magicserve build``, else on first use); 'auto' picks flash on CUDA
-    when installed and the block size and ``dtype`` (the KV cache's: flash-attn has half-precision kernels only)
-    allow, the cpu kernel on CPU when it builds, else torch."""
+    'cpu' is the C++ CPU kernel (built by ``magicserve build``, else on first use); 'triton' runs on CUDA (on
+    CPU only under Triton's interpreter, for tests). 'auto' picks, on CUDA, flash when installed and the block
+    size and ``dtype`` (the KV cache's: flash-attn has half-precision kernels only) allow, else triton when it
+    imports; on CPU the cpu kernel when it builds; else torch."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend: unknown {name!r}; allowed: {', '.join(BACKENDS)}")
     device = torch.device(device)
@@ -55,6 +57,12 @@ def make_backend(name: str, device: torch.device | str, block_size: int,
         if device.type != "cuda":
             raise ValueError("attention_backend: 'flash' runs on CUDA only; use 'torch' on CPU")
         return FlashAttentionBackend(block_size)
+    if name == "triton":
+        if not triton_available(device):
+            reason = triton_import_error() or (
+                f"device {device}: Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests only)")
+            raise ValueError(f"attention_backend: 'triton' unavailable ({reason}); use 'torch'")
+        return TritonAttentionBackend()
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend: 'cpu' runs on CPU only, got device {device}")
@@ -64,6 +72,8 @@ def make_backend(name: str, device: torch.device | str, block_size: int,
     if (name == "auto" and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0
             and dtype in FLASH_DTYPES and flash_attn_available()):
         return FlashAttentionBackend(block_size)
+    if name == "auto" and device.type == "cuda" and triton_available(device):
+        return TritonAttentionBackend()
     if name == "auto" and device.type == "cpu" and cpu_kernel_available():
         return CpuPagedAttentionBackend()
     return TorchAttentionBackend()

@@ -1,0 +1,178 @@
+"""The Triton attention backend against the dense float32 oracle, in Triton's interpreter on CPU (conftest sets
+``TRITON_INTERPRET=1`` without CUDA), so the GPU kernel's code is checked on every commit.
+
+Covered: decode, k + 1 verification and prefill chunks in one step, the sparse sink + window view at any
+alignment, sliding windows, grouped-query heads (1, 3 and 8 query heads per KV head), head dims and block
+sizes that are not powers of two, key splits (flash-decoding) and their merge, and the model end to end:
+greedy generation and speculative decoding token-identical to the torch backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling.attention import make_backend
+from modeling.attention.torch_backend import dense_reference_attention
+from modeling.attention.triton_backend import (MIN_KEYS_PER_SPLIT, TritonAttentionBackend, launch_shape,
+                                               merge_splits, triton_available)
+from tests.test_sliding_window import make_step
+
+if not triton_available("cpu"):
+    pytest.skip("triton is not installed (the test extras) or TRITON_INTERPRET is off", allow_module_level=True)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# decode (1), verification (4 and 6), a prefill chunk (40) and a first token in one step
+MIXED = dict(seq_lens=[300, 133, 200, 45, 1], q_lens=[1, 4, 40, 6, 1])
+
+
+def check(q, kc, vc, meta, dtype, window=None, splits=None, k=None, v=None):
+    ref = dense_reference_attention(q, kc, vc, meta, window).float()
+    out = TritonAttentionBackend(num_splits=splits).forward(q, k, v, kc, vc, meta, window)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOL[dtype], f"max abs err {err} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("window", [None, 5, 37])
+def test_mixed_step_matches_dense_oracle(dtype, sparse, window):
+    q, k, v, kc, vc, meta = make_step(**MIXED, sparse=sparse, dtype=dtype, seed=1)
+    check(q, kc, vc, meta, dtype, window, k=k, v=v)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("sparse,window", [(False, None), (True, None), (False, 37), (True, 300)])
+def test_key_splits_merge_to_the_same_attention(splits, sparse, window):
+    # long decode and verification rows, split along their keys; a split may see none of a row's keys
+    q, k, v, kc, vc, meta = make_step([700, 333, 520], [1, 4, 1], sparse=sparse, seed=2)
+    check(q, kc, vc, meta, torch.float32, window, splits=splits)
+
+
+@pytest.mark.parametrize("sink,starts", [
+    (4, [5, 70, 190]),  # window starts off block boundaries
+    (20, [9, 33, 12]),  # a sink longer than some windows' starts (the view is then the full prefix there)
+    (0, [150, 1, 198]),  # no sink: recent window only
+    (7, [299, 133, 200]),  # the window holds only the step's own tokens: sink + new tokens
+])
+def test_sparse_views_at_any_alignment(sink, starts):
+    q, _, _, kc, vc, meta = make_step([300, 137, 204], [1, 4, 4], sparse=True, seed=3)
+    meta.sink_len, meta.window_starts = sink, [min(s, meta.context_len(b)) for b, s in enumerate(starts)]
+    for window in (None, 11):
+        check(q, kc, vc, meta, torch.float32, window)
+
+
+@pytest.mark.parametrize("g,d,bs", [(1, 64, 16), (3, 40, 12), (8, 32, 8), (4, 128, 1), (2, 16, 5)])
+def test_group_sizes_head_dims_and_block_sizes(g, d, bs):
+    q, _, _, kc, vc, meta = make_step(**MIXED, g=g, d=d, bs=bs, sparse=True, dtype=torch.float16, seed=4)
+    check(q, kc, vc, meta, torch.float16, window=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sparse,window", [(False, None), (True, None), (False, 50)])
+def test_verification_rows_equal_decode_steps_bit_for_bit(dtype, sparse, window):
+    """Each query row meets its keys in the same position-aligned tiles, in products of the same shape,
+    whatever the rows beside it, so verifying k + 1 tokens scores each exactly as a decode step at that
+    position (one split)."""
+    from modeling.attention import AttentionMetadata
+
+    q, _, _, kc, vc, meta = make_step([700], [6], sparse=sparse, dtype=dtype, seed=6)
+    backend = TritonAttentionBackend(num_splits=1)
+    verify = backend.forward(q, None, None, kc, vc, meta, window)
+    for i in range(6):
+        step = AttentionMetadata(query_start=[0, 1], seq_lens=[700 - 5 + i], block_tables=meta.block_tables,
+                                 slot_mapping=meta.slot_mapping[i : i + 1], block_size=meta.block_size,
+                                 sink_len=meta.sink_len, window_starts=meta.window_starts)
+        decode = backend.forward(q[i : i + 1], None, None, kc, vc, step, window)
+        assert torch.equal(decode[0], verify[i]), f"row {i}"
+
+
+def test_strided_queries_are_read_in_place():
+    # q as the model hands it over: a view of a wider projection (token stride > Hq * D)
+    q, _, _, kc, vc, meta = make_step(**MIXED, seed=5)
+    wide = torch.cat([q, torch.randn_like(q)], dim=1)[:, : q.shape[1]]
+    assert not wide.is_contiguous()
+    check(wide, kc, vc, meta, torch.float32)
+
+
+def test_merge_of_partials_is_the_softmax_over_all_keys():
+    torch.manual_seed(0)
+    scores = torch.randn(5, 3, 40)  # [T, H, keys]
+    values = torch.randn(40, 8)
+    parts = [(0, 13), (13, 14), (14, 40)]
+    outs = torch.stack([torch.softmax(scores[..., a:b], -1) @ values[a:b] for a, b in parts])
+    lses = torch.stack([torch.logsumexp(scores[..., a:b], -1) for a, b in parts])
+    lses[1, 0, 0] = float("-inf")  # a split that saw no key of a row: weight 0
+    outs[1, 0, 0] = 0.0
+    full = torch.softmax(scores, -1) @ values
+    full_without = torch.softmax(torch.cat([scores[0, 0, :13], scores[0, 0, 14:]]), -1) @ torch.cat(
+        [values[:13], values[14:]])
+    merged = merge_splits(outs, lses)
+    torch.testing.assert_close(merged[0, 0], full_without)
+    torch.testing.assert_close(merged[1:], full[1:])
+
+
+def test_launch_shape_tiles_and_splits():
+    decode = launch_shape(num_seqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_keys=16384,
+                          target_programs=264)
+    assert (decode.g_pad, decode.block_q, decode.block_d) == (4, 4, 128)  # 16 rows: the smallest dot
+    verify = launch_shape(1, 8, 4, 128, 6, 16384, 264)
+    assert (verify.block_q, verify.grid) == (4, (1, 8, 2 * 17))  # the decode shape: 2 query tiles x 17 splits
+    assert decode.num_splits == 32 and decode.grid == (1, 8, 32)  # 8 programs -> 256
+    short = launch_shape(1, 8, 4, 128, 1, 2 * MIN_KEYS_PER_SPLIT, 264)
+    assert short.num_splits == 2  # never fewer than MIN_KEYS_PER_SPLIT keys a split
+    batch = launch_shape(64, 8, 4, 128, 4, 16384, 264)
+    assert batch.num_splits == 1 and batch.grid == (64, 8, 1)  # enough programs already
+    prefill = launch_shape(2, 8, 3, 80, 1000, 1000, 264)
+    assert (prefill.g_pad, prefill.block_q, prefill.block_d) == (4, 16, 128)
+    assert prefill.grid == (2, 8, 63) and prefill.num_splits == 1
+
+
+def test_make_backend_needs_cuda_or_the_interpreter(monkeypatch):
+    assert make_backend("triton", "cpu", 16).name == "triton"
+    assert make_backend("auto", "cpu", 16).name != "triton"  # on CPU auto keeps the CPU paths
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="'triton' unavailable.*TRITON_INTERPRET=1"):
+        make_backend("triton", "cpu", 16)
+
+
+# -- the model end to end -----------------------------------------------------------------------------------
+
+def test_engine_greedy_tokens_equal_the_torch_backend(checkpoint_dir):
+    from modeling.engine import EngineConfig, ReferenceEngine
+    from modeling.sampling import SamplingParams
+    from tests.test_model_hf import random_prompts
+
+    directory = checkpoint_dir("llama_gqa")
+    prompts = random_prompts([3, 17, 45], seed=7)
+    outs = {}
+    for backend in ("triton", "torch"):
+        engine = ReferenceEngine(directory, EngineConfig(token_budget=16, kv_cache_tokens=2048,
+                                                         attention_backend=backend))
+        assert engine.runner.backend.name == backend
+        outs[backend] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert outs["triton"] == outs["torch"]
+
+
+def test_self_sparse_speculation_on_triton_equals_autoregressive(checkpoint_dir):
+    """The draft's sparse view (sink 2 + budget 6: unaligned, behind the layer window of 8) and k + 1
+    verification on Triton: greedy speculation equals autoregressive decoding on the torch backend."""
+    from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
+    from decode_worker.worker import DecodeWorker
+    from modeling.engine import EngineConfig, ReferenceEngine
+    from modeling.sampling import SamplingParams
+    from tests.test_decode_worker import run_worker
+    from tests.test_model_hf import random_prompts
+
+    directory = checkpoint_dir("mistral_swa")
+    prompts = random_prompts([40, 23], seed=7)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = ReferenceEngine(directory, EngineConfig(kv_cache_tokens=2048, attention_backend="torch"))
+    expected = [c.token_ids for c in engine.generate(prompts, params)]
+    cfg = DecodeWorkerConfig(dtype="float32", kv_cache_tokens=2048, attention_backend="triton", profile_on_start=False,
+                             speculation=SpeculationConfig(drafter="self_sparse", k_policy="fixed", k=3, budget=6,
+                                                           sink_tokens=2))
+    worker = DecodeWorker(directory, cfg)
+    assert worker.runner.backend.name == "triton"
+    assert run_worker(worker, prompts, params) == expected
+    assert worker.metrics.draft_tokens > 0
