@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
 import pytest
 import torch
@@ -116,6 +118,27 @@ def test_chunked_split_long_sequences(dtype, threads):
     q, kc, vc, meta = make_step(seq_lens, q_lens, hkv=2, g=4, d=64, dtype=dtype, seed=6, sink_len=16,
                                 windows=[5000, 0, 1500])
     check(q, kc, vc, meta, dtype)
+
+
+def test_work_items_run_on_torchs_threads():
+    """The build has OpenMP (ATen's parallel_for is inline OpenMP: without it the items run serially), and
+    with 2 torch threads a long step keeps more than one core busy; with 1 thread, one."""
+    import resource
+
+    assert "openmp" in cpu_kernel.load_cpu_kernel().build_info()
+    q, kc, vc, meta = make_step([8192] * 4, [1] * 4, hkv=2, g=4, d=64, dtype=torch.bfloat16, shuffle=False)
+    busy = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        cpu_kernel.paged_attention(q, kc, vc, meta)
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        for _ in range(30):
+            cpu_kernel.paged_attention(q, kc, vc, meta)
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        busy[threads] = (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / (t1 - t0)
+    assert busy[1] < 1.2, busy
+    if (os.cpu_count() or 1) >= 2:
+        assert busy[2] > 1.3, busy
 
 
 @pytest.mark.parametrize("d,block_size", [(128, 16), (32, 8), (40, 16), (64, 1), (64, 12)])

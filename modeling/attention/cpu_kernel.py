@@ -60,7 +60,11 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _EXT_BASE_NAME = "magicserve_paged_attention"
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; compiled without it, the kernel's work items
+# run one after another on the calling thread whatever torch's thread count (its OpenMP calls resolve to
+# the runtime torch loaded, so torch.set_num_threads still sets the team size).
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 DISABLE_ENV = "MAGICSERVE_DISABLE_CPU_KERNEL"
 # How a failed build ends, in every message that reports one.
 FALLBACK_NOTE = "attention falls back to the torch backend"
@@ -90,7 +94,7 @@ def _cpu_fingerprint() -> str:
                     break
     except OSError:
         pass
-    build = [os.environ.get("CXX", "c++"), *_CFLAGS, os.path.abspath(_SOURCE), torch.__version__,
+    build = [os.environ.get("CXX", "c++"), *_CFLAGS, *_LDFLAGS, os.path.abspath(_SOURCE), torch.__version__,
              os.path.dirname(torch.__file__), sysconfig.get_paths()["include"], sys.version]
     digest = hashlib.sha1(text.encode())
     digest.update("\0".join(build).encode())
@@ -205,7 +209,7 @@ def load_cpu_kernel() -> ModuleType:
                     name=name,
                     sources=[str(_SOURCE)],
                     extra_cflags=_CFLAGS,
-                    extra_ldflags=[],
+                    extra_ldflags=_LDFLAGS,
                     with_cuda=False,
                     verbose=False,
                 )

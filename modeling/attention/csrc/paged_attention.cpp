@@ -30,7 +30,7 @@
 // an online-softmax update and the P @ V accumulation. Processing all heads of a token together makes
 // the item read each paged block as one contiguous stream. Scores live in the log2 domain (q is
 // scaled by scale * log2(e)) so the exponentials are exp2. Items are pulled dynamically from an atomic
-// counter by at::parallel_for workers (longest first); a final pass merges each sequence's chunks by
+// counter by at::parallel_for workers (longest first; the build needs -fopenmp for them to run in parallel); a final pass merges each sequence's chunks by
 // their running (max, sum) -- the log-sum-exp merge -- and writes the output in q's dtype.
 //
 // Inner loops (AVX-512F, D % 16 == 0): QK^T computes 16 partial-dot vectors per row (one per key) and
@@ -812,6 +812,9 @@ std::string build_info() {
   std::string s = MS_HAVE_AVX512 ? "avx512" : "scalar";
 #if defined(__AVX512BF16__)
   s += "+bf16dot";
+#endif
+#if defined(_OPENMP)
+  s += "+openmp";  // at::parallel_for spreads the work items over torch's threads
 #endif
   return s;
 }
