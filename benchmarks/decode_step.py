@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.config import ModelConfig
+from modeling.cpu_linear import unroute, use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.model import CausalLM
 from modeling.runner import ModelRunner, StepInput
@@ -165,6 +166,9 @@ def main() -> None:
     cells = [(be, b, c) for be in args.backends for b in args.batches for c in args.contexts]
     for backend_name, batch, context in tqdm(cells, desc="cells"):
         backend = make_backend(backend_name, device, args.block_size, cache.spec.dtype)
+        unroute(model)
+        if backend.name == "cpu":  # as serving does (modeling.tp_runner.build_runner)
+            use_skinny_linear(model)
         runner = ModelRunner(model, cache, backend)
         step = time_cell(runner, pool, batch, context, args.repeats)
         w_bytes = weight_bytes_per_step(model, batch)

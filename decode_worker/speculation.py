@@ -20,6 +20,7 @@ from decode_worker.policy import (AcceptanceEstimator, AdaptiveK, KChoice, Linea
 from decode_worker.verify import Verdict, verify_greedy, verify_sampled
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import load_model
+from modeling.cpu_linear import use_skinny_linear
 from modeling.grammar import constrain
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.pass_log import PassLog
@@ -228,5 +229,7 @@ class Speculator:
         blocks = cfg.max_num_seqs * (-(-per_seq // bs))
         cache = PagedKVCache(KVCacheSpec(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim, bs, draft.dtype),
                              blocks, draft.device)
+        if self.runner.backend.name == "cpu":  # as build_runner does for the target
+            use_skinny_linear(draft.model)
         return DraftModelDrafter(ModelRunner(draft.model, cache, self.runner.backend), BlockPool(blocks, bs), spec,
                                  cfg.prefill_chunk)

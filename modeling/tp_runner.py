@@ -23,6 +23,7 @@ import torch
 
 from modeling.attention import make_backend
 from modeling.checkpoint import LoadedModel, load_model
+from modeling.cpu_linear import use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.runner import ModelRunner, StepInput
 from modeling.tp import install_all_reduce
@@ -209,6 +210,8 @@ def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attentio
     spec = KVCacheSpec(mc.num_hidden_layers, loaded.kv_heads.size, mc.head_dim, block_size, loaded.dtype)
     cache = PagedKVCache(spec, num_blocks, loaded.device)
     backend = make_backend(attention_backend, loaded.device, block_size, loaded.dtype)
+    if backend.name == "cpu":  # the CPU extension's kernels: its bf16 linear layers for small steps too
+        use_skinny_linear(loaded.model)
     if group is not None and group.shard.sharded and group.rank == 0:
         return TPDriverRunner(loaded.model, cache, backend, group)
     return ModelRunner(loaded.model, cache, backend)

@@ -59,6 +59,8 @@ from modeling.attention.torch_backend import TorchAttentionBackend
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# Built into the same extension: the bf16 linear layers of small steps (modeling/cpu_linear.py).
+_SOURCES = [_SOURCE, Path(__file__).parent / "csrc" / "skinny_linear.cpp"]
 _EXT_BASE_NAME = "magicserve_paged_attention"
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; compiled without it, the kernel's work items
 # run one after another on the calling thread whatever torch's thread count (its OpenMP calls resolve to
@@ -94,12 +96,13 @@ def _cpu_fingerprint() -> str:
                     break
     except OSError:
         pass
-    build = [os.environ.get("CXX", "c++"), *_CFLAGS, *_LDFLAGS, os.path.abspath(_SOURCE), torch.__version__,
+    build = [os.environ.get("CXX", "c++"), *_CFLAGS, *_LDFLAGS, *map(os.path.abspath, _SOURCES), torch.__version__,
              os.path.dirname(torch.__file__), sysconfig.get_paths()["include"], sys.version]
     digest = hashlib.sha1(text.encode())
     digest.update("\0".join(build).encode())
     with contextlib.suppress(OSError):
-        digest.update(_SOURCE.read_bytes())
+        for source in _SOURCES:
+            digest.update(source.read_bytes())
     return digest.hexdigest()[:10]
 
 
@@ -207,7 +210,7 @@ def load_cpu_kernel() -> ModuleType:
                 before = _mtime(os.path.join(build_dir, f"{name}.so"))
                 module = cpp_extension.load(
                     name=name,
-                    sources=[str(_SOURCE)],
+                    sources=[str(s) for s in _SOURCES],
                     extra_cflags=_CFLAGS,
                     extra_ldflags=_LDFLAGS,
                     with_cuda=False,

@@ -819,10 +819,17 @@ std::string build_info() {
   return s;
 }
 
+// skinny_linear.cpp
+bool skinny_linear_supported();
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start"), py::arg("sink_len"), py::arg("window_starts"), py::arg("scale"),
         py::arg("sliding_window") = 0);
   m.def("build_info", &build_info);
+  m.def("skinny_linear", &skinny_linear, "bf16 y = x @ w^T (+ bias) for few rows (CPU, AVX512-BF16)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("skinny_linear_supported", &skinny_linear_supported);
 }
