@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.config import ModelConfig
+from modeling.compiled_step import CompiledSteps
 from modeling.cpu_linear import unroute, use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.model import CausalLM
@@ -109,25 +110,31 @@ def weight_bytes_per_step(model: CausalLM, batch: int) -> int:
     return total
 
 
-def time_cell(runner: ModelRunner, pool: BlockPool, batch: int, context: int, repeats: int) -> float:
-    """Median seconds of one decode step of ``batch`` sequences at ``context`` cached tokens."""
+def time_cell(runners: list[ModelRunner], pool: BlockPool, batch: int, context: int, repeats: int) -> list[float]:
+    """Median seconds of one decode step of ``batch`` sequences at ``context`` cached tokens, for each runner,
+    timed in alternation (one step each per round) so that the machine's drift falls on all alike. A runner
+    whose backend is the cpu kernel runs with the model's linear layers routed as serving routes them."""
     tables = []
     for _ in range(batch):
         t = BlockTable(pool.block_size)
         t.ensure_capacity(pool, context + 1)
         tables.append(t)
     inputs = [StepInput([1], context, t.blocks) for t in tables]
-    times = []
+    times: list[list[float]] = [[] for _ in runners]
     for i in range(repeats + 2):
-        synchronize(runner.device)
-        t0 = time.perf_counter()
-        runner.run(inputs)
-        synchronize(runner.device)
-        if i >= 2:  # two warm-up steps
-            times.append(time.perf_counter() - t0)
+        for runner, out in zip(runners, times):
+            unroute(runner.model)
+            if runner.backend.name == "cpu":  # as serving does (modeling.tp_runner.build_runner)
+                use_skinny_linear(runner.model)
+            synchronize(runner.device)
+            t0 = time.perf_counter()
+            runner.run(inputs)
+            synchronize(runner.device)
+            if i >= 2:  # two warm-up steps
+                out.append(time.perf_counter() - t0)
     for t in tables:
         t.release(pool)
-    return statistics.median(times)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -136,6 +143,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--backends", nargs="+", default=["auto", "torch"])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the cpu backend with compile_steps (torch.compile of the step; CPU only)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (flash needs cuda and a block size of 256)")
@@ -163,30 +172,46 @@ def main() -> None:
           f"threads {args.threads}")
 
     rows = []
-    cells = [(be, b, c) for be in args.backends for b in args.batches for c in args.contexts]
-    for backend_name, batch, context in tqdm(cells, desc="cells"):
-        backend = make_backend(backend_name, device, args.block_size, cache.spec.dtype)
-        unroute(model)
-        if backend.name == "cpu":  # as serving does (modeling.tp_runner.build_runner)
-            use_skinny_linear(model)
-        runner = ModelRunner(model, cache, backend)
-        step = time_cell(runner, pool, batch, context, args.repeats)
-        w_bytes = weight_bytes_per_step(model, batch)
-        kv_bytes = batch * (context + 1) * spec.bytes_per_token
-        flops = flops_per_step(model, batch, context)
-        memory_s, compute_s = (w_bytes + kv_bytes) / bandwidth, flops / rate
-        roofline = max(memory_s, compute_s)
-        rows.append({
-            "backend": backend_name, "resolved_backend": backend.name, "batch": batch, "context": context,
-            "step_ms": step * 1e3, "tokens_per_s": batch / step, "roofline_ms": roofline * 1e3,
-            "memory_ms": memory_s * 1e3, "compute_ms": compute_s * 1e3,
-            "bound": "memory" if memory_s >= compute_s else "compute", "fraction_of_roofline": roofline / step,
-            "weight_mb": w_bytes / 1e6, "kv_mb": kv_bytes / 1e6, "gflops": flops / 1e9,
-        })
-        tqdm.write(f"{backend.name:>6} batch {batch:>3} ctx {context:>6}: {step * 1e3:8.2f} ms/step "
-                   f"{batch / step:9.1f} tok/s  roofline {roofline * 1e3:7.2f} ms ({rows[-1]['bound']})  "
-                   f"ratio {roofline / step:.2f}")
+    runners = []
+    for backend_name in args.backends:
+        runners.append((backend_name, ModelRunner(model, cache, make_backend(backend_name, device, args.block_size,
+                                                                             cache.spec.dtype))))
+    if args.compile:  # compile_steps: true; one compilation (dynamic shapes) serves every cell
+        runner = ModelRunner(model, cache, make_backend("cpu", device, args.block_size, cache.spec.dtype))
+        runner.compiled = CompiledSteps(model, cache)
+        runners.append(("cpu", runner))
+    cells = [(b, c) for b in args.batches for c in args.contexts]
+    for batch, context in tqdm(cells, desc="cells"):
+        steps = time_cell([r for _, r in runners], pool, batch, context, args.repeats)
+        for (backend_name, runner), step in zip(runners, steps):
+            add_row(rows, model, spec, backend_name, runner, batch, context, step, bandwidth, rate)
+    rows.sort(key=lambda r: (r["resolved_backend"], r["batch"], r["context"]))
+    write_outputs(args, model, config, device, bandwidth, rate, rows)
 
+
+def add_row(rows: list[dict], model: CausalLM, spec: KVCacheSpec, backend_name: str, runner: ModelRunner, batch: int,
+            context: int, step: float, bandwidth: float, rate: float) -> None:
+    """One cell's figures against its roofline."""
+    label = runner.backend.name + (" compiled" if runner.compiled is not None else "")
+    w_bytes = weight_bytes_per_step(model, batch)
+    kv_bytes = batch * (context + 1) * spec.bytes_per_token
+    flops = flops_per_step(model, batch, context)
+    memory_s, compute_s = (w_bytes + kv_bytes) / bandwidth, flops / rate
+    roofline = max(memory_s, compute_s)
+    rows.append({
+        "backend": backend_name, "resolved_backend": label, "batch": batch, "context": context,
+        "step_ms": step * 1e3, "tokens_per_s": batch / step, "roofline_ms": roofline * 1e3,
+        "memory_ms": memory_s * 1e3, "compute_ms": compute_s * 1e3,
+        "bound": "memory" if memory_s >= compute_s else "compute", "fraction_of_roofline": roofline / step,
+        "weight_mb": w_bytes / 1e6, "kv_mb": kv_bytes / 1e6, "gflops": flops / 1e9,
+    })
+    tqdm.write(f"{label:>12} batch {batch:>3} ctx {context:>6}: {step * 1e3:8.2f} ms/step {batch / step:9.1f} tok/s  "
+               f"roofline {roofline * 1e3:7.2f} ms ({rows[-1]['bound']})  ratio {roofline / step:.2f}")
+
+
+def write_outputs(args, model: CausalLM, config: ModelConfig, device: torch.device, bandwidth: float, rate: float,
+                  rows: list[dict]) -> None:
+    """OUT.json and OUT.md."""
     meta = {
         "machine": device_label(device), "device": str(device), "cpus": os.cpu_count(), "threads": args.threads,
         "torch": torch.__version__, "read_bandwidth_gbps": bandwidth / 1e9, "matmul_gflops": rate / 1e9,
@@ -202,8 +227,8 @@ def main() -> None:
         f.write(f"# Decode step vs its roofline\n\n`{meta['command']}`  \n"
                 f"{meta['params_m']:.1f}M-param Llama, bf16, {where}, measured in this run: read bandwidth "
                 f"{meta['read_bandwidth_gbps']:.1f} GB/s, bf16 matmul {meta['matmul_gflops']:.1f} GFLOP/s; median of "
-                f"{args.repeats}. Roofline: the larger of (weight + KV bytes) / read bandwidth and step FLOPs / "
-                "matmul rate.\n\n"
+                f"{args.repeats}, the backends of a cell timed in alternation. Roofline: the larger of (weight + KV "
+                "bytes) / read bandwidth and step FLOPs / matmul rate.\n\n"
                 "| backend | batch | context | ms/step | tokens/s | memory ms | compute ms | roofline / measured |\n"
                 "|---|---:|---:|---:|---:|---:|---:|---:|\n")
         for r in rows:

@@ -88,7 +88,8 @@ class DecodeWorker:
         self.max_model_len = mc.max_position_embeddings
         self.tokenizer = load_tokenizer_if_present(self.loaded.path)
         self.pool = BlockPool(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp)
+        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp,
+                                   compile_steps=config.compile_steps)
         self.cache = self.runner.cache
         self.metrics = WorkerMetrics()
         self.pass_log = PassLog()

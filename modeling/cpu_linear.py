@@ -42,7 +42,11 @@ def use_skinny_linear(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
     routed = 0
     for module in model.modules():
         if _eligible(module):
-            module.forward = _SkinnyForward(module, op, max_rows)
+            # the same object when re-routed after unroute(): compiled graphs guard on it
+            kept = module.__dict__.get("_skinny_forward")
+            module.forward = kept if isinstance(kept, _SkinnyForward) and kept.max_rows == max_rows else (
+                _SkinnyForward(module, op, max_rows))
+            module._skinny_forward = module.forward
             routed += 1
     return routed
 
@@ -73,5 +77,7 @@ class _SkinnyForward:
                 and not (torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad))):
             # the weight may have been replaced since routing (a tied or resharded tensor): re-check its layout
             if m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous():
+                if torch.compiler.is_compiling():  # the operator form, which the compiled graph keeps
+                    return torch.ops.magicserve.skinny_linear(x, m.weight, m.bias)
                 return self.op(x, m.weight, m.bias)
         return F.linear(x, m.weight, m.bias)

@@ -110,7 +110,8 @@ class ReferenceEngine:
         self.tokenizer = load_tokenizer_if_present(self.loaded.path)
         num_blocks = config.kv_cache_tokens // config.block_size
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.runner = build_runner(self.loaded, num_blocks, config.block_size, config.attention_backend, tp)
+        self.runner = build_runner(self.loaded, num_blocks, config.block_size, config.attention_backend, tp,
+                                   compile_steps=config.compile_steps)
         self.cache = self.runner.cache
         self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
                                         config.prefix_caching)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from modeling.attention import AttentionBackend, AttentionMetadata, PagedAttentionContext
+from modeling.compiled_step import CompiledSteps
 from modeling.kv_cache import PagedKVCache
 from modeling.model import CausalLM
 
@@ -37,6 +38,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.backend = backend
+        self.compiled: CompiledSteps | None = None  # set by build_runner when compile_steps is on
         self.device = cache.device
         self.block_size = cache.spec.block_size
 
@@ -97,5 +99,9 @@ class ModelRunner:
         """The step's forward pass without logits: (final hidden states [T, hidden], logit row indices).
         Writes the inputs' KV into the cache."""
         input_ids, positions, meta, logit_rows = self.build(inputs, sink_len, window_starts)
-        hidden = self.model(input_ids, positions, PagedAttentionContext(self.cache, meta, self.backend))
+        hidden = None
+        if self.compiled is not None and self.compiled.eligible(meta):
+            hidden = self.compiled.forward(input_ids, positions, meta)  # None: it failed, run eagerly
+        if hidden is None:
+            hidden = self.model(input_ids, positions, PagedAttentionContext(self.cache, meta, self.backend))
         return hidden, logit_rows

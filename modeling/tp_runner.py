@@ -15,6 +15,7 @@ then the numbers (int64), then the side payload (uint8 JSON) when there is one.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,11 +24,14 @@ import torch
 
 from modeling.attention import make_backend
 from modeling.checkpoint import LoadedModel, load_model
+from modeling.compiled_step import CompiledSteps, compiled_steps_supported
 from modeling.cpu_linear import use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.runner import ModelRunner, StepInput
 from modeling.tp import install_all_reduce
 from modeling.tp_group import TPError, TPGroup
+
+log = logging.getLogger(__name__)
 
 OP_RUN, OP_STOP, OP_CALL = 1, 2, 3
 _OPS = (OP_RUN, OP_STOP, OP_CALL)
@@ -202,10 +206,11 @@ def load_for_rank(path: str, dtype: str, device: str, group: TPGroup | None) -> 
 
 
 def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attention_backend: str,
-                 group: TPGroup | None = None) -> ModelRunner:
+                 group: TPGroup | None = None, compile_steps: bool = False) -> ModelRunner:
     """A paged KV cache of ``num_blocks`` blocks for this rank's KV heads, the attention backend and the
     runner over them: a :class:`TPDriverRunner` on rank 0 of a sharded group, a plain runner otherwise
-    (followers run plain forwards, in step with the driver)."""
+    (followers run plain forwards, in step with the driver). ``compile_steps``: compile the small steps
+    (:mod:`modeling.compiled_step`) where supported and the model is not sharded; else eager, logged."""
     mc = loaded.config
     spec = KVCacheSpec(mc.num_hidden_layers, loaded.kv_heads.size, mc.head_dim, block_size, loaded.dtype)
     cache = PagedKVCache(spec, num_blocks, loaded.device)
@@ -214,7 +219,15 @@ def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attentio
         use_skinny_linear(loaded.model)
     if group is not None and group.shard.sharded and group.rank == 0:
         return TPDriverRunner(loaded.model, cache, backend, group)
-    return ModelRunner(loaded.model, cache, backend)
+    runner = ModelRunner(loaded.model, cache, backend)
+    if compile_steps:
+        sharded = group is not None and group.shard.sharded
+        if sharded or not compiled_steps_supported(loaded.device, backend.name):
+            log.warning("compile_steps: not supported with %s attention on %s%s; steps run eagerly", backend.name,
+                        loaded.device, " (sharded)" if sharded else "")
+        else:
+            runner.compiled = CompiledSteps(loaded.model, cache)
+    return runner
 
 
 def forward_follower(model_path: str, dtype: str, device: str, num_blocks: int, block_size: int,
