@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.config import ModelConfig
-from modeling.compiled_step import CompiledSteps
+from modeling.compiled_step import CompiledSteps, GraphSteps
 from modeling.cpu_linear import unroute, use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.model import CausalLM
@@ -144,7 +144,8 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["auto", "torch"])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compile", action="store_true",
-                    help="also time the cpu backend with compile_steps (torch.compile of the step; CPU only)")
+                    help="also time compile_steps: CUDA graphs of Triton steps on CUDA, torch.compile of cpu-backend "
+                         "steps on CPU")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (flash needs cuda and a block size of 256)")
@@ -163,7 +164,7 @@ def main() -> None:
     max_tokens = max(args.batches) * (max(args.contexts) + args.block_size)
     num_blocks = -(-max_tokens // args.block_size)
     print(f"model {config.num_parameters() / 1e6:.1f}M params bf16; KV cache {num_blocks * spec.bytes_per_block / 2**30:.2f} GiB")
-    cache = PagedKVCache(spec, num_blocks, device)
+    cache = PagedKVCache(spec, num_blocks, device, scratch_blocks=1)  # the scratch block: --compile on CUDA
     cache.kv.normal_()
     pool = BlockPool(num_blocks, args.block_size)
     bandwidth = read_bandwidth(device=device)
@@ -176,10 +177,15 @@ def main() -> None:
     for backend_name in args.backends:
         runners.append((backend_name, ModelRunner(model, cache, make_backend(backend_name, device, args.block_size,
                                                                              cache.spec.dtype))))
-    if args.compile:  # compile_steps: true; one compilation (dynamic shapes) serves every cell
-        runner = ModelRunner(model, cache, make_backend("cpu", device, args.block_size, cache.spec.dtype))
-        runner.compiled = CompiledSteps(model, cache)
-        runners.append(("cpu", runner))
+    if args.compile:  # compile_steps: true, as build_runner sets it up
+        if device.type == "cuda":  # CUDA graphs of Triton steps, one per batch bucket
+            runner = ModelRunner(model, cache, make_backend("triton", device, args.block_size, cache.spec.dtype))
+            runner.compiled = GraphSteps(model, cache, max_len=max(args.contexts) + 1)
+            runners.append(("triton", runner))
+        else:  # torch.compile; one compilation (dynamic shapes) serves every cell
+            runner = ModelRunner(model, cache, make_backend("cpu", device, args.block_size, cache.spec.dtype))
+            runner.compiled = CompiledSteps(model, cache)
+            runners.append(("cpu", runner))
     cells = [(b, c) for b in args.batches for c in args.contexts]
     for batch, context in tqdm(cells, desc="cells"):
         steps = time_cell([r for _, r in runners], pool, batch, context, args.repeats)
@@ -192,7 +198,9 @@ def main() -> None:
 def add_row(rows: list[dict], model: CausalLM, spec: KVCacheSpec, backend_name: str, runner: ModelRunner, batch: int,
             context: int, step: float, bandwidth: float, rate: float) -> None:
     """One cell's figures against its roofline."""
-    label = runner.backend.name + (" compiled" if runner.compiled is not None else "")
+    label = runner.backend.name
+    if runner.compiled is not None:
+        label += " graphs" if isinstance(runner.compiled, GraphSteps) else " compiled"
     w_bytes = weight_bytes_per_step(model, batch)
     kv_bytes = batch * (context + 1) * spec.bytes_per_token
     flops = flops_per_step(model, batch, context)

@@ -88,9 +88,10 @@ class InstanceConfig:
     kv_cache_tokens: int = 65536
     block_size: int = 16
     attention_backend: str = "auto"
-    # run decode, verification and draft steps through a compiled forward (modeling/compiled_step.py): on CPU
-    # with the cpu attention backend, torch.compile with the kernels as custom operators (logits identical
-    # to eager); measured no faster on small models (benchmarks/decode_step.py --compile), so off by default
+    # run decode, verification and draft steps through a compiled forward (modeling/compiled_step.py): on CUDA
+    # with the triton attention backend, CUDA graphs per batch bucket; on CPU with the cpu backend,
+    # torch.compile with the kernels as custom operators (logits identical to eager, measured no faster on
+    # small models: benchmarks/decode_step.py --compile)
     compile_steps: bool = False
     dtype: str = field(default="float32", metadata=set_by("model.dtype"))
     device: str = field(default="cpu", metadata=set_by("devices_per_instance (cuda when > 0)"))
@@ -108,9 +109,11 @@ class InstanceConfig:
             errs.append(("devices_per_instance", f"must be a multiple of tensor_parallel ({self.tensor_parallel})"))
         errs += one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         errs += booleans(self, ("compile_steps",))
-        if self.compile_steps is True and (self.devices_per_instance or self.attention_backend not in ("auto", "cpu")):
-            errs.append(("compile_steps", "runs on CPU with the cpu attention backend (attention_backend auto or cpu, "
-                                          "devices_per_instance 0)"))
+        gpu = self.devices_per_instance > 0 or str(self.device).startswith("cuda")
+        allowed = ("auto", "triton") if gpu else ("auto", "cpu")
+        if self.compile_steps is True and self.attention_backend not in allowed:
+            errs.append(("compile_steps", "runs with the triton attention backend on GPUs and the cpu backend on CPU "
+                                          f"(attention_backend {' or '.join(allowed)}), got {self.attention_backend!r}"))
         if self.kv_cache_tokens < self.block_size:
             errs.append(("kv_cache_tokens", f"must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}"))
         if self.accelerator_type and not re.fullmatch(r"[\w.\-]+", self.accelerator_type):

@@ -39,16 +39,25 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """Preallocated KV storage for ``num_blocks`` blocks of ``spec.block_size`` tokens."""
+    """Preallocated KV storage for ``num_blocks`` blocks of ``spec.block_size`` tokens, plus ``scratch_blocks``
+    after them that no block pool hands out (captured steps write their padding tokens' KV there)."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu", scratch_blocks: int = 0):
         self.spec = spec
         self.num_blocks = num_blocks
-        # kv: [L, 2, num_blocks, block_size, Hkv, D]
+        self.scratch_blocks = scratch_blocks
+        # kv: [L, 2, num_blocks + scratch_blocks, block_size, Hkv, D]
         self.kv = torch.zeros(
-            spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+            spec.num_layers, 2, num_blocks + scratch_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
             dtype=spec.dtype, device=device,
         )
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot of the scratch blocks (ValueError when there are none)."""
+        if not self.scratch_blocks:
+            raise ValueError("this cache has no scratch block")
+        return self.num_blocks * self.spec.block_size
 
     @property
     def device(self) -> torch.device:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from modeling.attention import AttentionBackend, AttentionMetadata, PagedAttentionContext
-from modeling.compiled_step import CompiledSteps
+from modeling.compiled_step import CompiledSteps, GraphSteps
 from modeling.kv_cache import PagedKVCache
 from modeling.model import CausalLM
 
@@ -38,7 +38,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.compiled: CompiledSteps | None = None  # set by build_runner when compile_steps is on
+        self.compiled: CompiledSteps | GraphSteps | None = None  # set by build_runner when compile_steps is on
         self.device = cache.device
         self.block_size = cache.spec.block_size
 

@@ -24,7 +24,7 @@ import torch
 
 from modeling.attention import make_backend
 from modeling.checkpoint import LoadedModel, load_model
-from modeling.compiled_step import CompiledSteps, compiled_steps_supported
+from modeling.compiled_step import CompiledSteps, GraphSteps, compiled_steps_supported
 from modeling.cpu_linear import use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.runner import ModelRunner, StepInput
@@ -213,20 +213,23 @@ def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attentio
     (:mod:`modeling.compiled_step`) where supported and the model is not sharded; else eager, logged."""
     mc = loaded.config
     spec = KVCacheSpec(mc.num_hidden_layers, loaded.kv_heads.size, mc.head_dim, block_size, loaded.dtype)
-    cache = PagedKVCache(spec, num_blocks, loaded.device)
     backend = make_backend(attention_backend, loaded.device, block_size, loaded.dtype)
+    sharded = group is not None and group.shard.sharded
+    compiled = compile_steps and not sharded and compiled_steps_supported(loaded.device, backend.name)
+    if compile_steps and not compiled:
+        log.warning("compile_steps: not supported with %s attention on %s%s; steps run eagerly", backend.name,
+                    loaded.device, " (sharded)" if sharded else "")
+    graphs = compiled and loaded.device.type == "cuda"
+    cache = PagedKVCache(spec, num_blocks, loaded.device, scratch_blocks=1 if graphs else 0)
     if backend.name == "cpu":  # the CPU extension's kernels: its bf16 linear layers for small steps too
         use_skinny_linear(loaded.model)
     if group is not None and group.shard.sharded and group.rank == 0:
         return TPDriverRunner(loaded.model, cache, backend, group)
     runner = ModelRunner(loaded.model, cache, backend)
-    if compile_steps:
-        sharded = group is not None and group.shard.sharded
-        if sharded or not compiled_steps_supported(loaded.device, backend.name):
-            log.warning("compile_steps: not supported with %s attention on %s%s; steps run eagerly", backend.name,
-                        loaded.device, " (sharded)" if sharded else "")
-        else:
-            runner.compiled = CompiledSteps(loaded.model, cache)
+    if graphs:
+        runner.compiled = GraphSteps(loaded.model, cache, max_len=min(mc.max_position_embeddings, num_blocks * block_size))
+    elif compiled:
+        runner.compiled = CompiledSteps(loaded.model, cache)
     return runner
 
 

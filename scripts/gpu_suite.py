@@ -10,8 +10,8 @@ is recorded and the others still run; the exit status is 1 when any step failed:
 
 1. environment: ``nvidia-smi``, the devices torch sees, torch / CUDA / NCCL / flash-attn versions;
 2. tests: ``python -m pytest -m gpu -q -rs`` over the test modules holding GPU tests (counts, failures, skip reasons, the output's tail);
-3. ``benchmarks/decode_step.py`` on CUDA: the torch and Triton backends, and flash-attn when installed
-   (block size 256 then, else 16);
+3. ``benchmarks/decode_step.py`` on CUDA: the torch and Triton backends, Triton steps captured as CUDA graphs
+   (``--compile``), and flash-attn when installed (block size 256 then, else 16);
 4. ``benchmarks/spec_decode.py`` on CUDA: the Triton and torch backends, and flash-attn when installed.
 
 The benchmarks write under a scratch folder (``runs/gpu/`` by default, git-ignored) so the CPU records in
@@ -314,7 +314,7 @@ def decode_step_step(args, scratch: str, tag: str, flash: bool, cpu: bool) -> St
                 "--block-size", "16", "--threads", "1"]
     else:
         # flash-attn's paged KV needs blocks of 256; without it, the serving default of 16
-        cmd += ["--device", "cuda", "--block-size", "256" if flash else "16", "--backends", "torch", "triton"]
+        cmd += ["--device", "cuda", "--block-size", "256" if flash else "16", "--compile", "--backends", "torch", "triton"]
         cmd += ["flash"] if flash else []
         cmd += ["--batches", "1", "8", "32", "--contexts", "1024", "4096", "16384", "--repeats", "5"]
     return Step("decode_step", "Decode step", cmd, data={"out": out})

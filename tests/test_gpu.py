@@ -554,6 +554,36 @@ def test_triton_engine_on_cuda_runs_end_to_end(llama_dir):
         assert make_backend("auto", CUDA, 16, torch.bfloat16).name == "triton"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_steps_equal_eager_triton_steps(llama_dir, dtype):
+    """compile_steps on CUDA: decode steps captured per batch bucket and replayed give the eager Triton engine's
+    greedy and seeded tokens; a speculating decode worker (draft and verification steps captured too) gives
+    its own plain decoding's tokens; every block is freed."""
+    prompts = prompts_of([5, 40, 300, 23, 90], seed=4)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)
+    eager = cuda_engine(llama_dir, dtype, "triton", token_budget=64)
+    graphs = cuda_engine(llama_dir, dtype, "triton", token_budget=64, compile_steps=True)
+    assert type(graphs.runner.compiled).__name__ == "GraphSteps"
+    for params in (greedy, seeded):
+        want = [c.token_ids for c in eager.generate(prompts, params)]
+        assert [c.token_ids for c in graphs.generate(prompts, params)] == want
+    steps = graphs.runner.compiled
+    assert steps.failed is None and steps.steps > 0 and all(g.graph is not None for g in steps.graphs.values())
+    assert graphs.pool.num_free == graphs.pool.num_blocks
+    plain = cuda_worker(llama_dir, dtype, "triton", drafter="none")
+    want = run_worker(plain, prompts, greedy)
+    cfg = DecodeWorkerConfig(dtype=dtype, device=CUDA, block_size=16, kv_cache_tokens=16384, attention_backend="triton",
+                             profile_on_start=False, compile_steps=True,
+                             speculation=SpeculationConfig(drafter="self_sparse", k_policy="fixed", k=3, budget=64,
+                                                           sink_tokens=4))
+    worker = DecodeWorker(llama_dir, cfg)
+    got = run_worker(worker, prompts, greedy)
+    assert agreement(got, want) >= (1.0 if dtype == "float32" else 0.75), (got, want)
+    assert worker.runner.compiled.failed is None and worker.metrics.draft_tokens > 0
+    assert worker.pool.num_free == worker.pool.num_blocks
+
+
 def test_auto_backend_runs_float32_on_cuda(llama_dir):
     """'auto' with a flash-sized block must pick a backend that runs the model's dtype: flash-attn has no
     float32 kernels, so a float32 engine must still run (and match the torch backend)."""

@@ -176,3 +176,54 @@ def test_self_sparse_speculation_on_triton_equals_autoregressive(checkpoint_dir)
     assert worker.runner.backend.name == "triton"
     assert run_worker(worker, prompts, params) == expected
     assert worker.metrics.draft_tokens > 0
+
+
+def test_padded_static_steps_equal_eager_steps(checkpoint_dir):
+    """The CUDA-graph path of compile_steps without the capture: decode, verification and sparse draft steps
+    padded to a batch bucket and run from static buffers give the eager step's logits (float32, 1e-5) and
+    greedy tokens, write the same KV, and write padding only to the scratch block."""
+    from modeling.block_pool import BlockPool, BlockTable
+    from modeling.checkpoint import load_model
+    from modeling.compiled_step import GraphSteps
+    from modeling.kv_cache import KVCacheSpec, PagedKVCache
+    from modeling.runner import ModelRunner, StepInput
+    from tests.test_model_hf import random_prompts
+
+    loaded = load_model(checkpoint_dir("mistral_swa"), "float32", "cpu")
+    c = loaded.config
+    spec = KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, torch.float32)
+    runners = []
+    for graphs in (False, True):
+        cache = PagedKVCache(spec, 64, scratch_blocks=1 if graphs else 0)
+        runner = ModelRunner(loaded.model, cache, TritonAttentionBackend(num_splits=1))
+        if graphs:
+            runner.compiled = GraphSteps(loaded.model, cache, max_len=512, capture=False)
+        runners.append(runner)
+    pool = BlockPool(64, 16)
+    prompts = random_prompts([20, 45, 33], seed=9)
+    tables = [BlockTable(16) for _ in prompts]
+    for t, p in zip(tables, prompts):
+        t.ensure_capacity(pool, len(p) + 24)
+    # prefill eagerly on both (a long step: never padded)
+    for runner in runners:
+        runner.run([StepInput(p, 0, t.blocks) for p, t in zip(prompts, tables)])
+    eager, padded = runners
+    tokens = [[p[-1]] for p in prompts]
+    lens = [len(p) for p in prompts]
+    steps = [("decode", 1, None), ("verify", 4, None), ("draft", 1, (3, [8, 30, 12])), ("decode", 1, None)]
+    for kind, q, view in steps:
+        inputs = [StepInput([tok[-1]] * q, n, t.blocks, num_logits=q) for tok, n, t in zip(tokens, lens, tables)]
+        sink, starts = view if view else (0, None)
+        outs = [r.run(inputs, sink_len=sink, window_starts=starts) for r in runners]
+        assert (outs[0] - outs[1]).abs().max().item() < 1e-5, kind
+        assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1)), kind
+        if kind != "verify":
+            for tok, nxt in zip(tokens, outs[0].argmax(-1).tolist()):
+                tok.append(nxt)
+        lens = [n + q for n in lens]
+    assert padded.compiled.steps == len(steps) and padded.compiled.failed is None
+    assert set(padded.compiled.graphs) == {(4, 1, False, 0), (4, 4, False, 0), (4, 1, True, 3)}  # 3 seqs -> 4
+    # same KV in every pool block; padding wrote the scratch block only
+    n = eager.cache.num_blocks
+    assert (eager.cache.kv - padded.cache.kv[:, :, :n]).abs().max().item() < 1e-5
+    assert padded.cache.kv[:, :, n:].abs().sum().item() > 0
