@@ -31,12 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool, BlockTable
+from modeling.compiled_step import CompiledSteps
 from modeling.config import ModelConfig
-from modeling.compiled_step import CompiledSteps, GraphSteps
 from modeling.cpu_linear import unroute, use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.model import CausalLM
 from modeling.runner import ModelRunner, StepInput
+from modeling.step_graphs import GraphSteps
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -187,12 +188,20 @@ def main() -> None:
             runner.compiled = CompiledSteps(model, cache)
             runners.append(("cpu", runner))
     cells = [(b, c) for b in args.batches for c in args.contexts]
+    timed = []
     for batch, context in tqdm(cells, desc="cells"):
         steps = time_cell([r for _, r in runners], pool, batch, context, args.repeats)
-        for (backend_name, runner), step in zip(runners, steps):
-            add_row(rows, model, spec, backend_name, runner, batch, context, step, bandwidth, rate)
+        timed += [(name, runner, batch, context, step) for (name, runner), step in zip(runners, steps)]
+    # the machine's limits, measured again after the cells: a shared host's bandwidth drifts, and the roofline
+    # takes the best each reached
+    bandwidths, rates = [bandwidth, read_bandwidth(device=device)], [rate, matmul_rate(device=device)]
+    bandwidth, rate = max(bandwidths), max(rates)
+    print(f"read bandwidth {' / '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s, matmul "
+          f"{' / '.join(f'{r / 1e9:.1f}' for r in rates)} GFLOP/s (before / after the cells)")
+    for name, runner, batch, context, step in timed:
+        add_row(rows, model, spec, name, runner, batch, context, step, bandwidth, rate)
     rows.sort(key=lambda r: (r["resolved_backend"], r["batch"], r["context"]))
-    write_outputs(args, model, config, device, bandwidth, rate, rows)
+    write_outputs(args, model, config, device, bandwidths, rates, rows)
 
 
 def add_row(rows: list[dict], model: CausalLM, spec: KVCacheSpec, backend_name: str, runner: ModelRunner, batch: int,
@@ -217,12 +226,14 @@ def add_row(rows: list[dict], model: CausalLM, spec: KVCacheSpec, backend_name: 
                f"roofline {roofline * 1e3:7.2f} ms ({rows[-1]['bound']})  ratio {roofline / step:.2f}")
 
 
-def write_outputs(args, model: CausalLM, config: ModelConfig, device: torch.device, bandwidth: float, rate: float,
-                  rows: list[dict]) -> None:
+def write_outputs(args, model: CausalLM, config: ModelConfig, device: torch.device, bandwidths: list[float],
+                  rates: list[float], rows: list[dict]) -> None:
     """OUT.json and OUT.md."""
+    bandwidth, rate = max(bandwidths), max(rates)
     meta = {
         "machine": device_label(device), "device": str(device), "cpus": os.cpu_count(), "threads": args.threads,
         "torch": torch.__version__, "read_bandwidth_gbps": bandwidth / 1e9, "matmul_gflops": rate / 1e9,
+        "read_bandwidth_runs_gbps": [b / 1e9 for b in bandwidths], "matmul_runs_gflops": [r / 1e9 for r in rates],
         "dtype": "bfloat16",
         "params_m": config.num_parameters() / 1e6, "block_size": args.block_size, "repeats": args.repeats,
         "command": "python benchmarks/decode_step.py " + " ".join(sys.argv[1:]),
@@ -233,8 +244,9 @@ def write_outputs(args, model: CausalLM, config: ModelConfig, device: torch.devi
     where = f"{args.threads} threads" if device.type == "cpu" else f"{meta['machine']} ({device})"
     with open(args.out + ".md", "w") as f:
         f.write(f"# Decode step vs its roofline\n\n`{meta['command']}`  \n"
-                f"{meta['params_m']:.1f}M-param Llama, bf16, {where}, measured in this run: read bandwidth "
-                f"{meta['read_bandwidth_gbps']:.1f} GB/s, bf16 matmul {meta['matmul_gflops']:.1f} GFLOP/s; median of "
+                f"{meta['params_m']:.1f}M-param Llama, bf16, {where}, measured in this run before and after the "
+                f"cells, the better of each taken: read bandwidth {' / '.join(f'{b:.1f}' for b in meta['read_bandwidth_runs_gbps'])} "
+                f"GB/s, bf16 matmul {' / '.join(f'{r:.1f}' for r in meta['matmul_runs_gflops'])} GFLOP/s; median of "
                 f"{args.repeats}, the backends of a cell timed in alternation. Roofline: the larger of (weight + KV "
                 "bytes) / read bandwidth and step FLOPs / matmul rate.\n\n"
                 "| backend | batch | context | ms/step | tokens/s | memory ms | compute ms | roofline / measured |\n"

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from modeling.attention import AttentionBackend, AttentionMetadata, PagedAttentionContext
-from modeling.compiled_step import CompiledSteps, GraphSteps
+from modeling.compiled_step import CompiledSteps
 from modeling.kv_cache import PagedKVCache
 from modeling.model import CausalLM
+from modeling.step_graphs import GraphSteps
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ import torch
 
 from modeling.attention import make_backend
 from modeling.checkpoint import LoadedModel, load_model
-from modeling.compiled_step import CompiledSteps, GraphSteps, compiled_steps_supported
+from modeling.compiled_step import CompiledSteps, compiled_steps_supported
 from modeling.cpu_linear import use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.runner import ModelRunner, StepInput
+from modeling.step_graphs import GraphSteps
 from modeling.tp import install_all_reduce
 from modeling.tp_group import TPError, TPGroup
 

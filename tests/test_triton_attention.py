@@ -184,7 +184,7 @@ def test_padded_static_steps_equal_eager_steps(checkpoint_dir):
     greedy tokens, write the same KV, and write padding only to the scratch block."""
     from modeling.block_pool import BlockPool, BlockTable
     from modeling.checkpoint import load_model
-    from modeling.compiled_step import GraphSteps
+    from modeling.step_graphs import GraphSteps
     from modeling.kv_cache import KVCacheSpec, PagedKVCache
     from modeling.runner import ModelRunner, StepInput
     from tests.test_model_hf import random_prompts
