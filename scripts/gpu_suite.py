@@ -5,7 +5,7 @@ on CUDA, recorded as one markdown page with a JSON file beside it.
     python scripts/gpu_suite.py --out runs/gpu/h100.md
     python scripts/gpu_suite.py --allow-cpu      # dry run of this script's own plumbing on CPU, tiny sizes
 
-Steps, each under its own time limit and all within ``--budget-s`` (default 7.5 minutes); a step that fails
+Steps, each under its own time limit and all within ``--budget-s`` (default 7.8 minutes); a step that fails
 is recorded and the others still run; the exit status is 1 when any step failed:
 
 1. environment: ``nvidia-smi``, the devices torch sees, torch / CUDA / NCCL / flash-attn versions;
@@ -458,11 +458,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                   "benchmarks/results/gpu_suite_<device>.md, or under --scratch for a CPU dry run")
     ap.add_argument("--scratch", default=DEFAULT_SCRATCH, help="folder for logs and benchmark outputs (default runs/gpu)")
     ap.add_argument("--allow-cpu", action="store_true", help="without CUDA, dry-run every step on CPU with tiny sizes")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="time for all steps together (default 7.5 min)")
-    ap.add_argument("--tests-timeout-s", type=float, default=210.0)
+    ap.add_argument("--budget-s", type=float, default=470.0, help="time for all steps together (default 7.8 min)")
+    ap.add_argument("--tests-timeout-s", type=float, default=270.0, help="GPU tests (Triton compiles each kernel "
+                                                                         "variant on first use)")
     ap.add_argument("--decode-timeout-s", type=float, default=60.0)
-    ap.add_argument("--spec-triton-timeout-s", type=float, default=100.0, help="speculative decoding, Triton backend")
-    ap.add_argument("--spec-timeout-s", type=float, default=80.0, help="speculative decoding, torch backend")
+    ap.add_argument("--spec-triton-timeout-s", type=float, default=80.0, help="speculative decoding, Triton backend")
+    ap.add_argument("--spec-timeout-s", type=float, default=60.0, help="speculative decoding, torch backend")
     ap.add_argument("--spec-flash-timeout-s", type=float, default=80.0, help="speculative decoding, flash backend")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. \"-k flash -x\"")
     ap.add_argument("--skip-tests", action="store_true")
