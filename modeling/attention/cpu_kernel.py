@@ -65,8 +65,9 @@ _EXT_BASE_NAME = "magicserve_paged_attention"
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; compiled without it, the kernel's work items
 # run one after another on the calling thread whatever torch's thread count (its OpenMP calls resolve to
 # the runtime torch loaded, so torch.set_num_threads still sets the team size).
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+# Tuples: torch's builder appends to the lists it is given, which would change the fingerprint mid-process.
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 DISABLE_ENV = "MAGICSERVE_DISABLE_CPU_KERNEL"
 # How a failed build ends, in every message that reports one.
 FALLBACK_NOTE = "attention falls back to the torch backend"
@@ -211,8 +212,8 @@ def load_cpu_kernel() -> ModuleType:
                 module = cpp_extension.load(
                     name=name,
                     sources=[str(s) for s in _SOURCES],
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=_LDFLAGS,
+                    extra_cflags=list(_CFLAGS),
+                    extra_ldflags=list(_LDFLAGS),
                     with_cuda=False,
                     verbose=False,
                 )
