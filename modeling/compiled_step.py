@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import torch
 
@@ -75,7 +74,6 @@ class CompiledSteps:
         self.model = model
         self.cache = cache
         self.failed: str | None = None  # why compiling failed (then every step runs eagerly)
-        self.compile_seconds = 0.0
         self.steps = 0
         self._fn = torch.compile(_forward, dynamic=True, options={"emulate_precision_casts": True})
 
@@ -90,15 +88,12 @@ class CompiledSteps:
         """The step's final hidden states [T, hidden], writing its KV into the cache; None when compiling
         failed (the caller then runs the step eagerly)."""
         ctx = _OperatorContext(self.cache.kv, meta.tensors(self.cache.device), meta.slot_mapping, meta.sink_len)
-        t0 = time.perf_counter()
         try:
             hidden = self._fn(self.model, input_ids, positions, ctx)
         except Exception as err:  # a compiler problem: this process runs eagerly from now on
             self.failed = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             log.warning("compiled steps disabled, running eagerly: %s", self.failed)
             return None
-        if self.steps == 0:
-            self.compile_seconds = time.perf_counter() - t0
         self.steps += 1
         return hidden
 

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from modeling.attention.cpu_kernel import load_cpu_kernel
+from modeling.kv_cache import write_layer
 
 _lock = threading.Lock()
 _registered = False
@@ -42,11 +43,9 @@ def register_cpu_ops() -> None:
 
         @torch.library.custom_op("magicserve::write_kv", mutates_args=("kv",))
         def write_kv(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            # kv: the whole cache [L, 2, blocks, block_size, Hkv, D] (a graph input mutated in place: a view of
-            # it would be copied back only where the compiler tracks views); k, v: [T, Hkv, D]; slots: [T]
-            hkv, d = kv.shape[4], kv.shape[5]
-            kv[layer, 0].view(-1, hkv, d).index_copy_(0, slots, k.to(kv.dtype))
-            kv[layer, 1].view(-1, hkv, d).index_copy_(0, slots, v.to(kv.dtype))
+            # the whole cache is the mutated argument (a graph input mutated in place): a view of it would be
+            # copied back only where the compiler tracks views
+            write_layer(kv, layer, slots, k, v)
 
         @write_kv.register_fake
         def _(kv, layer, slots, k, v):

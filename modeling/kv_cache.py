@@ -69,10 +69,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens. slots: int64 [T] flat slot ids; k, v: [T, Hkv, D]."""
-        kf = self.kv[layer, 0].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-        vf = self.kv[layer, 1].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-        kf.index_copy_(0, slots, k.to(kf.dtype))
-        vf.index_copy_(0, slots, v.to(vf.dtype))
+        write_layer(self.kv, layer, slots, k, v)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, keys and values): [(source, destination), ...]."""
@@ -81,3 +78,11 @@ class PagedKVCache:
         src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.kv.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.kv.device)
         self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+
+
+def write_layer(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new tokens of one layer into ``kv`` [L, 2, blocks, block_size, Hkv, D] in place. slots: int64 [T]
+    flat slot ids; k, v: [T, Hkv, D] (cast to the cache's dtype)."""
+    hkv, d = kv.shape[4], kv.shape[5]
+    kv[layer, 0].view(-1, hkv, d).index_copy_(0, slots, k.to(kv.dtype))
+    kv[layer, 1].view(-1, hkv, d).index_copy_(0, slots, v.to(kv.dtype))

@@ -38,7 +38,7 @@ class _Graph:
     ids: torch.Tensor  # int64 [T_pad]
     positions: torch.Tensor  # int64 [T_pad]
     slots: torch.Tensor  # int64 [T_pad]
-    tensors: dict[str, torch.Tensor]  # the kernel's metadata tensors, bucket-sized
+    tensors: dict[str, torch.Tensor]  # the Triton kernel's metadata tensors, bucket-sized
     meta: AttentionMetadata  # launch shape (Python side) over those tensors
     hidden: torch.Tensor | None = None  # [T_pad, hidden], the graph's output
     graph: object | None = None  # torch.cuda.CUDAGraph
@@ -47,8 +47,8 @@ class _Graph:
 class GraphSteps:
     """Steps of ``Q`` new tokens per sequence, padded to a batch bucket and replayed from static buffers.
 
-    ``cache`` needs a scratch block (``PagedKVCache(..., scratch_blocks=1)``): padding tokens write there. ``max_len``: the longest sequence a step may hold (sizes the block tables).
-    ``capture``: record CUDA graphs (CUDA); without it the padded static step runs eagerly, the same
+    ``cache`` needs a scratch block (``PagedKVCache(..., scratch_blocks=1)``): padding tokens write there.
+    ``max_len``: the longest sequence a step may hold (sizes the block tables). ``capture``: record CUDA graphs (CUDA); without it the padded static step runs eagerly, the same
     computation (CPU tests under Triton's interpreter)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_len: int, capture: bool | None = None):
@@ -107,7 +107,6 @@ class GraphSteps:
             "block_tables": torch.zeros(bucket, self.max_blocks, dtype=torch.int32, device=dev),
             "seq_lens": torch.full((bucket,), q, dtype=torch.int32, device=dev),
             "query_start": torch.arange(0, n + 1, q, dtype=torch.int32, device=dev),
-            "context_lens": torch.zeros(bucket, dtype=torch.int32, device=dev),
             "window_starts": torch.zeros(bucket, dtype=torch.int32, device=dev),
         }
         slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=dev)

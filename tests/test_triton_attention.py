@@ -117,15 +117,16 @@ def test_launch_shape_tiles_and_splits():
                           target_programs=264)
     assert (decode.g_pad, decode.block_q, decode.block_d) == (4, 4, 128)  # 16 rows: the smallest dot
     verify = launch_shape(1, 8, 4, 128, 6, 16384, 264)
-    assert (verify.block_q, verify.grid) == (4, (1, 8, 2 * 17))  # the decode shape: 2 query tiles x 17 splits
-    assert decode.num_splits == 32 and decode.grid == (1, 8, 32)  # 8 programs -> 256
+    assert (verify.block_q, verify.grid()) == (4, (1, 8, 2 * 17))  # the decode shape: 2 query tiles x 17 splits
+    assert decode.num_splits == 32 and decode.grid() == (1, 8, 32)  # 8 programs -> 256
+    assert decode.grid(5) == (1, 8, 5)  # a fixed split count (captured steps)
     short = launch_shape(1, 8, 4, 128, 1, 2 * MIN_KEYS_PER_SPLIT, 264)
     assert short.num_splits == 2  # never fewer than MIN_KEYS_PER_SPLIT keys a split
     batch = launch_shape(64, 8, 4, 128, 4, 16384, 264)
-    assert batch.num_splits == 1 and batch.grid == (64, 8, 1)  # enough programs already
+    assert batch.num_splits == 1 and batch.grid() == (64, 8, 1)  # enough programs already
     prefill = launch_shape(2, 8, 3, 80, 1000, 1000, 264)
     assert (prefill.g_pad, prefill.block_q, prefill.block_d) == (4, 16, 128)
-    assert prefill.grid == (2, 8, 63) and prefill.num_splits == 1
+    assert prefill.grid() == (2, 8, 63) and prefill.num_splits == 1
 
 
 def test_make_backend_needs_cuda_or_the_interpreter(monkeypatch):

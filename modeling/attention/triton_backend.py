@@ -62,7 +62,13 @@ class LaunchShape:
     block_n: int  # keys per inner iteration
     block_d: int  # head_dim rounded up to a power of two
     num_splits: int  # key splits per (sequence, KV head, query tile)
-    grid: tuple[int, int, int]
+    num_seqs: int
+    num_kv_heads: int
+    query_tiles: int  # query tiles per sequence
+
+    def grid(self, num_splits: int | None = None) -> tuple[int, int, int]:
+        """(sequences, KV heads, query tiles x splits); ``num_splits`` overrides the shape's own."""
+        return (self.num_seqs, self.num_kv_heads, self.query_tiles * (num_splits or self.num_splits))
 
 
 def _pow2(n: int) -> int:
@@ -85,7 +91,7 @@ def launch_shape(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, ma
     if programs < target_programs:
         splits = min(MAX_SPLITS, -(-target_programs // programs), max(1, max_keys // MIN_KEYS_PER_SPLIT))
     return LaunchShape(g_pad=g_pad, block_q=block_q, block_n=64, block_d=max(16, _pow2(head_dim)),
-                       num_splits=splits, grid=(num_seqs, num_kv_heads, tiles * splits))
+                       num_splits=splits, num_seqs=num_seqs, num_kv_heads=num_kv_heads, query_tiles=tiles)
 
 
 class TritonAttentionBackend:
@@ -131,8 +137,7 @@ class TritonAttentionBackend:
             lse = torch.empty(splits, n_tokens, hq, dtype=torch.float32, device=q.device)
             o_strides = (out.stride(0), out.stride(1), out.stride(2))
             l_strides = (lse.stride(0), lse.stride(1))
-        tiles = shape.grid[2] // shape.num_splits
-        self._kernel[(meta.num_seqs, hkv, tiles * splits)](
+        self._kernel[shape.grid(splits)](
             q, k_cache, v_cache, out, lse,
             t["block_tables"], t["seq_lens"], t["query_start"], t["window_starts"],
             q.stride(0), q.stride(1),
