@@ -314,9 +314,11 @@ def main() -> None:
         ap.error("--device: CUDA requested but no CUDA device is available")
 
     max_tokens = max(args.batches) * (max(args.prefixes) + 64 * (max(args.ks) + 1) * args.steps)
+    # beyond the cells' own tokens, room for the start-up profile's synthetic passes (they take at most half
+    # the free pool): up to 4096 tokens, fewer for a tiny run, whose profile then stays at tiny shapes
     worker = DecodeWorker(args.model, DecodeWorkerConfig(
         dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_tokens=max_tokens + 4096, max_num_seqs=max(args.batches) + 8,
+        kv_cache_tokens=max_tokens + min(4096, max_tokens), max_num_seqs=max(args.batches) + 8,
         attention_backend=args.attention_backend, prefill_chunk=2048,
         speculation=SpeculationConfig(drafter="self_sparse", sink_tokens=SINK_TOKENS, k_policy="fixed", k=0)))
     # the prompts of a cell are spread over the corpus, so a cell re-run alone (--extend) must load as

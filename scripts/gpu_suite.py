@@ -16,7 +16,8 @@ is recorded and the others still run; the exit status is 1 when any step failed:
 
 The benchmarks write under a scratch folder (``runs/gpu/`` by default, git-ignored) so the CPU records in
 ``benchmarks/results/`` stay as they are; the record copies their tables. Without a CUDA device the script
-refuses unless ``--allow-cpu`` is given; a dry run's record goes to the scratch folder by default.
+refuses unless ``--allow-cpu`` is given; a dry run's record goes to the scratch folder by default. The dry
+run is a CI test (``tests/test_gpu_suite.py``), so the suite's plumbing is checked on every commit.
 """
 
 from __future__ import annotations

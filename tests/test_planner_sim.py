@@ -271,7 +271,7 @@ def test_speculation_space_comes_from_the_profile():
 
 def test_plan_config_is_a_valid_cluster_config(tmp_path):
     prof = make_profile(tps=(1, 2))
-    planner = Planner(prof, SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"), num_requests=60),
+    planner = Planner(prof, SLOTarget(3.0, 0.05), Workload(shape=workload_shape("long_doc"), num_requests=60, min_duration_s=5.0),
                       SearchSpace(devices=4, tensor_parallel=(1, 2), speculation=speculation_space(prof)[:2]),
                       verify_top=2, bisect_steps=3, progress=False)
     best = planner.run().best
@@ -388,7 +388,7 @@ def test_cpu_search_compares_ranks_with_threads_and_picks_by_goodput():
                                    target_pass=scaled(one.target_pass),
                                    draft_pass={k: scaled(v) for k, v in one.draft_pass.items()})
 
-    wl = Workload(shape=workload_shape("chat"), num_requests=20, min_duration_s=10.0)
+    wl = Workload(shape=workload_shape("chat"), num_requests=20, min_duration_s=3.0)
     slo = SLOTarget(2.0, 0.008)  # a TPOT only the faster shape's decode pass (10 ms / 1.9) meets
     for fast in ((2, 1), (1, 2)):
         slow = (1, 2) if fast == (2, 1) else (2, 1)
