@@ -9,6 +9,12 @@ measured in the same run, on the same device and threads. Step FLOPs: 2 per weig
 matrices, plus 4 x heads x head_dim per cached position per layer per sequence for attention (scores
 and the weighted sum). The KV content is random: step cost depends on sizes, not values.
 
+Where an eager step's time goes is measured too, in separate steps with timers around the parts: the
+attention kernel (the backend's forward; its reads are the KV bytes), the linear layers (every
+``nn.Linear``, lm_head included; their reads are the weight bytes), and the rest (norms, rotary, residuals,
+the cache write, metadata, launches and module calls). Each part's achieved read rate says which one stands
+between a step and its roofline.
+
     python benchmarks/decode_step.py                       # full grid, results to benchmarks/results/
     python benchmarks/decode_step.py --batches 8 --contexts 16384 --backends torch
     python benchmarks/decode_step.py --device cuda --block-size 256 --backends torch flash --out runs/gpu/decode_step
@@ -17,6 +23,7 @@ and the weighted sum). The KV content is random: step cost depends on sizes, not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -111,10 +118,74 @@ def weight_bytes_per_step(model: CausalLM, batch: int) -> int:
     return total
 
 
-def time_cell(runners: list[ModelRunner], pool: BlockPool, batch: int, context: int, repeats: int) -> list[float]:
-    """Median seconds of one decode step of ``batch`` sequences at ``context`` cached tokens, for each runner,
-    timed in alternation (one step each per round) so that the machine's drift falls on all alike. A runner
-    whose backend is the cpu kernel runs with the model's linear layers routed as serving routes them."""
+PARTS = ("attention", "linear")
+
+
+class PartTimer:
+    """Seconds spent in the attention backend's forward and in every ``nn.Linear`` of the steps run while it is
+    installed (``with PartTimer(runner) as parts``). Each timed call synchronizes the device before and after
+    it, so a CUDA step's parts are device time too; the timers' own cost lands in the step's rest."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.calls = dict.fromkeys(PARTS, 0)
+        self._handles: list = []
+        self._started: dict[int, float] = {}
+
+    def _start(self) -> float:
+        synchronize(self.runner.device)
+        return time.perf_counter()
+
+    def _add(self, part: str, t0: float) -> None:
+        synchronize(self.runner.device)
+        self.seconds[part] += time.perf_counter() - t0
+        self.calls[part] += 1
+
+    def __enter__(self) -> "PartTimer":
+        backend = self.runner.backend
+        plain_forward = backend.forward
+
+        def timed_forward(*args, **kwargs):
+            t0 = self._start()
+            out = plain_forward(*args, **kwargs)
+            self._add("attention", t0)
+            return out
+
+        backend.forward = timed_forward  # an instance attribute: deleted on exit, the class's method shows again
+        for module in self.runner.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda m, _args: self._started.__setitem__(id(m), self._start())))
+                self._handles.append(module.register_forward_hook(
+                    lambda m, _args, _out: self._add("linear", self._started.pop(id(m)))))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.backend.forward
+        for handle in self._handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def served_linears(runner: ModelRunner):
+    """The model's linear layers as serving routes them for ``runner`` (modeling.tp_runner.build_runner):
+    through the skinny-linear kernel when the backend is the cpu kernel, torch's otherwise."""
+    unroute(runner.model)
+    if runner.backend.name == "cpu":
+        use_skinny_linear(runner.model)
+    try:
+        yield
+    finally:
+        unroute(runner.model)
+
+
+def time_cell(runners: list[ModelRunner], pool: BlockPool, batch: int, context: int,
+              repeats: int) -> tuple[list[float], list[dict | None]]:
+    """For each runner: the median seconds of one decode step of ``batch`` sequences at ``context`` cached
+    tokens, timed in alternation (one step each per round) so that the machine's drift falls on all alike;
+    then, for eager runners, the median seconds of its parts (``PartTimer``) over ``repeats`` more steps
+    (None for compiled or captured steps, whose parts run fused)."""
     tables = []
     for _ in range(batch):
         t = BlockTable(pool.block_size)
@@ -124,18 +195,29 @@ def time_cell(runners: list[ModelRunner], pool: BlockPool, batch: int, context: 
     times: list[list[float]] = [[] for _ in runners]
     for i in range(repeats + 2):
         for runner, out in zip(runners, times):
-            unroute(runner.model)
-            if runner.backend.name == "cpu":  # as serving does (modeling.tp_runner.build_runner)
-                use_skinny_linear(runner.model)
-            synchronize(runner.device)
-            t0 = time.perf_counter()
-            runner.run(inputs)
-            synchronize(runner.device)
+            with served_linears(runner):
+                synchronize(runner.device)
+                t0 = time.perf_counter()
+                runner.run(inputs)
+                synchronize(runner.device)
             if i >= 2:  # two warm-up steps
                 out.append(time.perf_counter() - t0)
+    breakdowns = [None if runner.compiled is not None else step_parts(runner, inputs, repeats) for runner in runners]
     for t in tables:
         t.release(pool)
-    return [statistics.median(t) for t in times]
+    return [statistics.median(t) for t in times], breakdowns
+
+
+def step_parts(runner: ModelRunner, inputs: list[StepInput], repeats: int) -> dict:
+    """Median seconds of the step's attention and of its linear layers over ``repeats`` steps with
+    ``PartTimer`` installed."""
+    samples: list[dict] = []
+    with served_linears(runner):
+        for _ in range(repeats):
+            with PartTimer(runner) as timer:
+                runner.run(inputs)
+            samples.append(timer.seconds)
+    return {part: statistics.median(s[part] for s in samples) for part in PARTS}
 
 
 def main() -> None:
@@ -190,23 +272,23 @@ def main() -> None:
     cells = [(b, c) for b in args.batches for c in args.contexts]
     timed = []
     for batch, context in tqdm(cells, desc="cells"):
-        steps = time_cell([r for _, r in runners], pool, batch, context, args.repeats)
-        timed += [(name, runner, batch, context, step) for (name, runner), step in zip(runners, steps)]
+        steps, parts = time_cell([r for _, r in runners], pool, batch, context, args.repeats)
+        timed += [(name, runner, batch, context, step, part) for (name, runner), step, part in zip(runners, steps, parts)]
     # the machine's limits, measured again after the cells: a shared host's bandwidth drifts, and the roofline
     # takes the best each reached
     bandwidths, rates = [bandwidth, read_bandwidth(device=device)], [rate, matmul_rate(device=device)]
     bandwidth, rate = max(bandwidths), max(rates)
     print(f"read bandwidth {' / '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s, matmul "
           f"{' / '.join(f'{r / 1e9:.1f}' for r in rates)} GFLOP/s (before / after the cells)")
-    for name, runner, batch, context, step in timed:
-        add_row(rows, model, spec, name, runner, batch, context, step, bandwidth, rate)
+    for name, runner, batch, context, step, parts in timed:
+        add_row(rows, model, spec, name, runner, batch, context, step, bandwidth, rate, parts)
     rows.sort(key=lambda r: (r["resolved_backend"], r["batch"], r["context"]))
     write_outputs(args, model, config, device, bandwidths, rates, rows)
 
 
 def add_row(rows: list[dict], model: CausalLM, spec: KVCacheSpec, backend_name: str, runner: ModelRunner, batch: int,
-            context: int, step: float, bandwidth: float, rate: float) -> None:
-    """One cell's figures against its roofline."""
+            context: int, step: float, bandwidth: float, rate: float, parts: dict | None) -> None:
+    """One cell's figures against its roofline, and where its eager step's time goes (``parts``)."""
     label = runner.backend.name
     if runner.compiled is not None:
         label += " graphs" if isinstance(runner.compiled, GraphSteps) else " compiled"
@@ -221,6 +303,13 @@ def add_row(rows: list[dict], model: CausalLM, spec: KVCacheSpec, backend_name: 
         "memory_ms": memory_s * 1e3, "compute_ms": compute_s * 1e3,
         "bound": "memory" if memory_s >= compute_s else "compute", "fraction_of_roofline": roofline / step,
         "weight_mb": w_bytes / 1e6, "kv_mb": kv_bytes / 1e6, "gflops": flops / 1e9,
+        "parts": None if parts is None else {
+            **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
+            "rest_ms": (step - sum(parts.values())) * 1e3,  # the untimed step's: the timers' cost left out
+            # what each part reads: the cached KV, and the weights (every matrix is a linear layer's)
+            "attention_gbps": kv_bytes / parts["attention"] / 1e9,
+            "linear_gbps": w_bytes / parts["linear"] / 1e9,
+        },
     })
     tqdm.write(f"{label:>12} batch {batch:>3} ctx {context:>6}: {step * 1e3:8.2f} ms/step {batch / step:9.1f} tok/s  "
                f"roofline {roofline * 1e3:7.2f} ms ({rows[-1]['bound']})  ratio {roofline / step:.2f}")
@@ -255,7 +344,65 @@ def write_outputs(args, model: CausalLM, config: ModelConfig, device: torch.devi
             f.write(f"| {r['resolved_backend']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
                     f"{r['tokens_per_s']:.1f} | {r['memory_ms']:.2f} | {r['compute_ms']:.2f} | "
                     f"{r['fraction_of_roofline']:.2f} |\n")
-    print(f"wrote {args.out}.json and .md")
+        f.write(parts_markdown(rows, bandwidth, args.repeats))
+    written = "json and .md" + (" and .png" if plot_parts(rows, args.out + ".png") else "")
+    print(f"wrote {args.out}.{written}")
+
+
+def parts_markdown(rows: list[dict], bandwidth: float, repeats: int) -> str:
+    """The table of where eager steps' time goes, each part with the read rate it achieved."""
+    eager = [r for r in rows if r["parts"] is not None]
+    if not eager:
+        return ""
+    out = ("\n## Where the step goes\n\n"
+           f"Eager steps with timers around the attention backend and every linear layer, median of {repeats} "
+           "more steps; the rest is the timed step (above) less the two parts. "
+           "GB/s: the part's reads (the KV for attention, the weights for the linear layers) over its time, "
+           f"against the read bandwidth of {bandwidth / 1e9:.1f} GB/s. Rest: norms, rotary, residuals, the cache "
+           "write, step metadata, launches and module calls.\n\n"
+           "| backend | batch | context | step ms | attention ms | attention GB/s | linear ms | linear GB/s | "
+           "rest ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    for r in eager:
+        p = r["parts"]
+        out += (f"| {r['resolved_backend']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
+                f"{p['attention_ms']:.2f} | {p['attention_gbps']:.1f} | {p['linear_ms']:.2f} | "
+                f"{p['linear_gbps']:.1f} | {p['rest_ms']:.2f} |\n")
+    return out
+
+
+def plot_parts(rows: list[dict], path: str) -> bool:
+    """Each eager backend's step per cell as shares of attention, linear layers and the rest, with the step's
+    time and its roofline written above the bar; False if there is nothing to plot."""
+    eager = [r for r in rows if r["parts"] is not None]
+    if not eager:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = list(dict.fromkeys(r["resolved_backend"] for r in eager))
+    fig, axes = plt.subplots(1, len(backends), figsize=(6.5 * len(backends), 4.8), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        cells = [r for r in eager if r["resolved_backend"] == backend]
+        x = list(range(len(cells)))
+        bottom = [0.0] * len(cells)
+        for part, color in (("attention", "tab:blue"), ("linear", "tab:orange"), ("rest", "tab:gray")):
+            shares = [100 * max(0.0, r["parts"][f"{part}_ms"]) / r["step_ms"] for r in cells]
+            ax.bar(x, shares, bottom=bottom, color=color, label=part)
+            bottom = [b + h for b, h in zip(bottom, shares)]
+        for i, r in enumerate(cells):
+            ax.text(i, 101, f"{r['step_ms']:.3g} ms\n(roof {r['roofline_ms']:.2g})", ha="center",
+                    va="bottom", fontsize=7)
+        ax.set_xticks(x, [f"b{r['batch']}\n{r['context'] // 1024}K" for r in cells])
+        ax.set_ylim(0, 118)
+        ax.set_ylabel("% of the step")
+        ax.set_title(f"{backend}: where a decode step goes")
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":
