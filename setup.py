@@ -50,9 +50,10 @@ setup(
     extras_require={
         "gpu": ["flash-attn>=2.5"],
         # triton: the Triton attention kernels run in Triton's CPU interpreter in the tests (CUDA builds of
-        # torch bring their own Triton)
+        # torch bring their own Triton). 3.7 or later: 3.6's interpreter fails on scalar loads under NumPy 2.4
+        # (it converts 1-element arrays to scalars, which NumPy 2.4 refuses); with NumPy 2.2 it passes them all
         "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5", "openai>=1.40",
-                 "jsonschema>=4", "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+                 "jsonschema>=4", "triton>=3.7; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
     entry_points={"console_scripts": ["magicserve=controller.cli:main"]},
 )

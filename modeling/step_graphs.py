@@ -20,7 +20,7 @@ import torch
 
 from modeling.attention import PagedAttentionContext
 from modeling.attention.metadata import AttentionMetadata
-from modeling.attention.triton_backend import TritonAttentionBackend, launch_shape
+from modeling.attention.triton_backend import TritonAttentionBackend, launch_shape, split_keys_for
 from modeling.compiled_step import MAX_QUERY
 from modeling.kv_cache import PagedKVCache
 from modeling.model import CausalLM
@@ -48,10 +48,13 @@ class GraphSteps:
     """Steps of ``Q`` new tokens per sequence, padded to a batch bucket and replayed from static buffers.
 
     ``cache`` needs a scratch block (``PagedKVCache(..., scratch_blocks=1)``): padding tokens write there.
-    ``max_len``: the longest sequence a step may hold (sizes the block tables). ``capture``: record CUDA graphs (CUDA); without it the padded static step runs eagerly, the same
-    computation (CPU tests under Triton's interpreter)."""
+    ``max_len``: the longest sequence a step may hold (sizes the block tables and the key splits).
+    ``split_keys``: the eager Triton backend's keys per split (by default ``split_keys_for(max_len)``, what
+    ``make_backend`` gives for that length). ``capture``: record CUDA graphs (CUDA); without it the padded
+    static step runs eagerly, the same computation (CPU tests under Triton's interpreter)."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, max_len: int, capture: bool | None = None):
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_len: int, capture: bool | None = None,
+                 split_keys: int | None = None):
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -60,11 +63,12 @@ class GraphSteps:
         self.max_blocks = -(-max_len // self.block_size)
         self.capture = self.device.type == "cuda" if capture is None else capture
         c = model.config
-        # one split count for every replay: the launch shape of the longest context at batch 1
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        # one split count for every replay, enough for the longest sequence, over the eager backend's chunks
+        # (``split_keys``): a replayed row then equals the eager step's bit for bit
+        split_keys = split_keys_for(max_len) if split_keys is None else split_keys
         splits = launch_shape(1, cache.spec.num_kv_heads, c.num_attention_heads // c.num_key_value_heads,
-                              c.head_dim, 1, max_len, 2 * sms).num_splits
-        self.backend = TritonAttentionBackend(num_splits=splits)
+                              c.head_dim, 1, max_len, split_keys).num_splits
+        self.backend = TritonAttentionBackend(split_keys, num_splits=splits)
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: str | None = None
         self.steps = 0

@@ -214,7 +214,8 @@ def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attentio
     (:mod:`modeling.compiled_step`) where supported and the model is not sharded; else eager, logged."""
     mc = loaded.config
     spec = KVCacheSpec(mc.num_hidden_layers, loaded.kv_heads.size, mc.head_dim, block_size, loaded.dtype)
-    backend = make_backend(attention_backend, loaded.device, block_size, loaded.dtype)
+    max_len = min(mc.max_position_embeddings, num_blocks * block_size)
+    backend = make_backend(attention_backend, loaded.device, block_size, loaded.dtype, max_len)
     sharded = group is not None and group.shard.sharded
     compiled = compile_steps and not sharded and compiled_steps_supported(loaded.device, backend.name)
     if compile_steps and not compiled:
@@ -228,7 +229,7 @@ def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attentio
         return TPDriverRunner(loaded.model, cache, backend, group)
     runner = ModelRunner(loaded.model, cache, backend)
     if graphs:
-        runner.compiled = GraphSteps(loaded.model, cache, max_len=min(mc.max_position_embeddings, num_blocks * block_size))
+        runner.compiled = GraphSteps(loaded.model, cache, max_len, split_keys=backend.split_keys)
     elif compiled:
         runner.compiled = CompiledSteps(loaded.model, cache)
     return runner

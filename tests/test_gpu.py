@@ -245,8 +245,9 @@ def test_triton_kernel_matches_dense_oracle(case, dtype, g, d):
     assert err <= torch_err + KERNEL_TOL[dtype] / 2, f"triton {err} vs torch {torch_err}"
 
 
-# unaligned sink + window views (the drafter's defaults: 16 sink tokens, any window start)
-TRITON_VIEWS = [(16, [600, 512, 5, 1999]), (0, [768, 3, 0, 1536]), (4, [990, 650, 299, 100])]
+# unaligned sink + window views (the drafter's defaults: 16 sink tokens, any window start; a window start
+# never past a sequence's cached context: 1990 of 2000 - 6)
+TRITON_VIEWS = [(16, [600, 512, 5, 1990]), (0, [768, 3, 0, 1536]), (4, [990, 650, 299, 100])]
 
 
 @pytest.mark.parametrize("sink_len,windows", TRITON_VIEWS)
@@ -259,27 +260,44 @@ def test_triton_sparse_view_and_sliding_window_match_dense_oracle(sink_len, wind
     assert err <= KERNEL_TOL[dtype], f"sink {sink_len} views {windows} window {window}: max abs err {err}"
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5, 32])
-def test_triton_key_splits_match_dense_oracle(splits):
+@pytest.mark.parametrize("split_keys", [64, 512, 4096, 1 << 16])
+def test_triton_key_splits_match_dense_oracle(split_keys):
     from modeling.attention.triton_backend import TritonAttentionBackend
 
     q, k, v, kc, vc, meta = make_step([16000, 3001, 40], [1, 4, 1], dtype=torch.bfloat16, block_size=16)
     ref = dense_oracle(q, kc, vc, meta)
-    err = max_err(TritonAttentionBackend(num_splits=splits).forward(q, k, v, kc, vc, meta), ref)
-    assert err <= KERNEL_TOL[torch.bfloat16], f"{splits} splits: max abs err {err}"
+    err = max_err(TritonAttentionBackend(split_keys).forward(q, k, v, kc, vc, meta), ref)
+    assert err <= KERNEL_TOL[torch.bfloat16], f"{split_keys} keys a split: max abs err {err}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_verification_rows_equal_decode_steps_bit_for_bit(dtype):
+@pytest.mark.parametrize("split_keys", [512, 1 << 16])
+def test_triton_verification_rows_equal_decode_steps_bit_for_bit(dtype, split_keys):
     from modeling.attention.triton_backend import TritonAttentionBackend
 
     q, _, _, kc, vc, meta = make_step([3000], [6], dtype=dtype, block_size=16)
-    backend = TritonAttentionBackend(num_splits=1)
+    backend = TritonAttentionBackend(split_keys)
     verify = backend.forward(q, None, None, kc, vc, meta)
     for i in range(6):
         step = AttentionMetadata(query_start=[0, 1], seq_lens=[3000 - 5 + i], block_tables=meta.block_tables,
                                  slot_mapping=meta.slot_mapping[i : i + 1], block_size=16)
         assert torch.equal(backend.forward(q[i : i + 1], None, None, kc, vc, step)[0], verify[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rows_are_alike_whatever_the_batch_and_split_count(dtype):
+    """A decode row alone (one split, written directly), beside a 16K sequence (32 splits, merged) and in a
+    step with a captured step's fixed split count is the same bit for bit, in bf16 tensor-core dots too."""
+    from modeling.attention.triton_backend import TritonAttentionBackend
+
+    q, _, _, kc, vc, meta = make_step([300, 3000, 16000], [1, 1, 1], dtype=dtype, block_size=16)
+    batched = TritonAttentionBackend().forward(q, None, None, kc, vc, meta)
+    fixed = TritonAttentionBackend(num_splits=40).forward(q, None, None, kc, vc, meta)
+    for b in range(3):
+        alone = AttentionMetadata(query_start=[0, 1], seq_lens=[meta.seq_lens[b]], block_tables=[meta.block_tables[b]],
+                                  slot_mapping=meta.slot_mapping[b : b + 1], block_size=16)
+        single = TritonAttentionBackend().forward(q[b : b + 1], None, None, kc, vc, alone)[0]
+        assert torch.equal(single, batched[b]) and torch.equal(fixed[b], batched[b]), f"sequence {b}"
 
 
 # -- 1b. the model over the paged cache: flash and Triton vs torch on the tiny checkpoint -----------------
@@ -558,7 +576,10 @@ def test_triton_engine_on_cuda_runs_end_to_end(llama_dir):
 def test_cuda_graph_steps_equal_eager_triton_steps(llama_dir, dtype):
     """compile_steps on CUDA: decode steps captured per batch bucket and replayed give the eager Triton engine's
     greedy and seeded tokens; a speculating decode worker (draft and verification steps captured too) gives
-    its own plain decoding's tokens; every block is freed."""
+    its own plain decoding's tokens; every block is freed. The attention rows are the eager ones bit for bit
+    (``test_triton_rows_are_alike_whatever_the_batch_and_split_count``), but a replayed step's matrix
+    products run on the bucket's padded row count, for which cuBLAS may choose another bf16 kernel: bf16
+    tokens are held to the file's agreement bound, float32 ones to identity."""
     prompts = prompts_of([5, 40, 300, 23, 90], seed=4)
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)
@@ -567,7 +588,8 @@ def test_cuda_graph_steps_equal_eager_triton_steps(llama_dir, dtype):
     assert type(graphs.runner.compiled).__name__ == "GraphSteps"
     for params in (greedy, seeded):
         want = [c.token_ids for c in eager.generate(prompts, params)]
-        assert [c.token_ids for c in graphs.generate(prompts, params)] == want
+        got = [c.token_ids for c in graphs.generate(prompts, params)]
+        assert got == want if dtype == "float32" else agreement(got, want) >= 0.75, (got, want)
     steps = graphs.runner.compiled
     assert steps.failed is None and steps.steps > 0 and all(g.graph is not None for g in steps.graphs.values())
     assert graphs.pool.num_free == graphs.pool.num_blocks

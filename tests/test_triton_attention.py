@@ -3,18 +3,21 @@
 
 Covered: decode, k + 1 verification and prefill chunks in one step, the sparse sink + window view at any
 alignment, sliding windows, grouped-query heads (1, 3 and 8 query heads per KV head), head dims and block
-sizes that are not powers of two, key splits (flash-decoding) and their merge, and the model end to end:
-greedy generation and speculative decoding token-identical to the torch backend."""
+sizes that are not powers of two, key splits (flash-decoding) and their merge, rows computed alike whatever
+the step around them (batch, query count, split count), and the model end to end: greedy generation and
+speculative decoding token-identical to the torch backend."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from modeling.attention import make_backend
 from modeling.attention.torch_backend import dense_reference_attention
-from modeling.attention.triton_backend import (MIN_KEYS_PER_SPLIT, TritonAttentionBackend, launch_shape,
-                                               merge_splits, triton_available)
+from modeling.attention.triton_backend import (SPLIT_KEYS, TritonAttentionBackend, launch_shape, merge_splits,
+                                               split_keys_for, triton_available)
 from tests.test_sliding_window import make_step
 
 if not triton_available("cpu"):
@@ -25,9 +28,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 MIXED = dict(seq_lens=[300, 133, 200, 45, 1], q_lens=[1, 4, 40, 6, 1])
 
 
-def check(q, kc, vc, meta, dtype, window=None, splits=None, k=None, v=None):
+def check(q, kc, vc, meta, dtype, window=None, split_keys=SPLIT_KEYS, k=None, v=None):
     ref = dense_reference_attention(q, kc, vc, meta, window).float()
-    out = TritonAttentionBackend(num_splits=splits).forward(q, k, v, kc, vc, meta, window)
+    out = TritonAttentionBackend(split_keys).forward(q, k, v, kc, vc, meta, window)
     assert out.dtype == q.dtype and out.shape == q.shape
     err = (out.float() - ref).abs().max().item()
     assert err <= TOL[dtype], f"max abs err {err} > {TOL[dtype]}"
@@ -41,12 +44,12 @@ def test_mixed_step_matches_dense_oracle(dtype, sparse, window):
     check(q, kc, vc, meta, dtype, window, k=k, v=v)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("split_keys", [64, 192, 448])
 @pytest.mark.parametrize("sparse,window", [(False, None), (True, None), (False, 37), (True, 300)])
-def test_key_splits_merge_to_the_same_attention(splits, sparse, window):
+def test_key_splits_merge_to_the_same_attention(split_keys, sparse, window):
     # long decode and verification rows, split along their keys; a split may see none of a row's keys
     q, k, v, kc, vc, meta = make_step([700, 333, 520], [1, 4, 1], sparse=sparse, seed=2)
-    check(q, kc, vc, meta, torch.float32, window, splits=splits)
+    check(q, kc, vc, meta, torch.float32, window, split_keys=split_keys)
 
 
 @pytest.mark.parametrize("sink,starts", [
@@ -68,16 +71,17 @@ def test_group_sizes_head_dims_and_block_sizes(g, d, bs):
     check(q, kc, vc, meta, torch.float16, window=9)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype,split_keys", [(torch.float32, SPLIT_KEYS), (torch.float16, SPLIT_KEYS),
+                                              (torch.float16, 128)])
 @pytest.mark.parametrize("sparse,window", [(False, None), (True, None), (False, 50)])
-def test_verification_rows_equal_decode_steps_bit_for_bit(dtype, sparse, window):
-    """Each query row meets its keys in the same position-aligned tiles, in products of the same shape,
-    whatever the rows beside it, so verifying k + 1 tokens scores each exactly as a decode step at that
-    position (one split)."""
+def test_verification_rows_equal_decode_steps_bit_for_bit(dtype, split_keys, sparse, window):
+    """Each query row meets its keys in the same position-aligned tiles and split chunks, in products of the
+    same shape, whatever the rows beside it, so verifying k + 1 tokens scores each exactly as a decode step
+    at that position (700 keys: 2 and 6 splits)."""
     from modeling.attention import AttentionMetadata
 
     q, _, _, kc, vc, meta = make_step([700], [6], sparse=sparse, dtype=dtype, seed=6)
-    backend = TritonAttentionBackend(num_splits=1)
+    backend = TritonAttentionBackend(split_keys)
     verify = backend.forward(q, None, None, kc, vc, meta, window)
     for i in range(6):
         step = AttentionMetadata(query_start=[0, 1], seq_lens=[700 - 5 + i], block_tables=meta.block_tables,
@@ -85,6 +89,26 @@ def test_verification_rows_equal_decode_steps_bit_for_bit(dtype, sparse, window)
                                  sink_len=meta.sink_len, window_starts=meta.window_starts)
         decode = backend.forward(q[i : i + 1], None, None, kc, vc, step, window)
         assert torch.equal(decode[0], verify[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("dtype,sparse,window", [(torch.float32, False, None), (torch.float16, False, None),
+                                                (torch.float16, True, None), (torch.float16, False, 50)])
+def test_a_row_is_computed_alike_whatever_the_step_around_it(dtype, sparse, window):
+    """Batch invariance: a decode row alone (300 keys: one split, written directly), beside longer sequences
+    (three splits, merged) and in a step with a fixed larger split count (a captured step's) is the same bit
+    for bit, so eager and graph-replayed steps, and any batching, give the same tokens."""
+    from modeling.attention import AttentionMetadata
+
+    q, _, _, kc, vc, meta = make_step([300, 700, 1500], [1, 1, 1], sparse=sparse, dtype=dtype, seed=7)
+    batched = TritonAttentionBackend().forward(q, None, None, kc, vc, meta, window)
+    fixed = TritonAttentionBackend(num_splits=5).forward(q, None, None, kc, vc, meta, window)
+    for b in range(3):
+        alone = AttentionMetadata(query_start=[0, 1], seq_lens=[meta.seq_lens[b]], block_tables=[meta.block_tables[b]],
+                                  slot_mapping=meta.slot_mapping[b : b + 1], block_size=meta.block_size,
+                                  sink_len=meta.sink_len,
+                                  window_starts=None if meta.window_starts is None else [meta.window_starts[b]])
+        single = TritonAttentionBackend().forward(q[b : b + 1], None, None, kc, vc, alone, window)
+        assert torch.equal(single[0], batched[b]) and torch.equal(fixed[b], batched[b]), f"sequence {b}"
 
 
 def test_strided_queries_are_read_in_place():
@@ -107,26 +131,35 @@ def test_merge_of_partials_is_the_softmax_over_all_keys():
     full = torch.softmax(scores, -1) @ values
     full_without = torch.softmax(torch.cat([scores[0, 0, :13], scores[0, 0, 14:]]), -1) @ torch.cat(
         [values[:13], values[14:]])
-    merged = merge_splits(outs, lses)
+    merged = merge_splits(outs, lses / math.log(2), torch.float32)  # base-2 log-sum-exps
     torch.testing.assert_close(merged[0, 0], full_without)
     torch.testing.assert_close(merged[1:], full[1:])
+    # a row with one nonempty split comes out as that split's partial, bit for bit, whatever follows
+    lses[1:, 2, 1] = float("-inf")
+    outs[1:, 2, 1] = 0.0
+    assert torch.equal(merge_splits(outs, lses / math.log(2), torch.float32)[2, 1], outs[0, 2, 1])
 
 
 def test_launch_shape_tiles_and_splits():
-    decode = launch_shape(num_seqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_keys=16384,
-                          target_programs=264)
+    decode = launch_shape(num_seqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_keys=16384)
     assert (decode.g_pad, decode.block_q, decode.block_d) == (4, 4, 128)  # 16 rows: the smallest dot
-    verify = launch_shape(1, 8, 4, 128, 6, 16384, 264)
-    assert (verify.block_q, verify.grid()) == (4, (1, 8, 2 * 17))  # the decode shape: 2 query tiles x 17 splits
-    assert decode.num_splits == 32 and decode.grid() == (1, 8, 32)  # 8 programs -> 256
-    assert decode.grid(5) == (1, 8, 5)  # a fixed split count (captured steps)
-    short = launch_shape(1, 8, 4, 128, 1, 2 * MIN_KEYS_PER_SPLIT, 264)
-    assert short.num_splits == 2  # never fewer than MIN_KEYS_PER_SPLIT keys a split
-    batch = launch_shape(64, 8, 4, 128, 4, 16384, 264)
-    assert batch.num_splits == 1 and batch.grid() == (64, 8, 1)  # enough programs already
-    prefill = launch_shape(2, 8, 3, 80, 1000, 1000, 264)
+    assert decode.num_splits == 16384 // SPLIT_KEYS and decode.grid() == (1, 8, 32)
+    verify = launch_shape(1, 8, 4, 128, 6, 16385, split_keys=4096)
+    assert (verify.block_q, verify.grid()) == (4, (1, 8, 2 * 5))  # the decode shape: 2 query tiles x 5 splits
+    short = launch_shape(64, 8, 4, 128, 4, SPLIT_KEYS)
+    assert short.num_splits == 1 and short.split_keys >= 2**30  # one chunk holds every key
+    fixed = launch_shape(3, 8, 4, 128, 1, 1000, num_splits=6)  # a captured step's count, for 3000 keys
+    assert fixed.num_splits == 6 and fixed.split_keys == SPLIT_KEYS and fixed.grid() == (3, 8, 6)
+    with pytest.raises(ValueError, match="num_splits: 1 splits of 512 keys cannot cover 1000 keys"):
+        launch_shape(3, 8, 4, 128, 1, 1000, num_splits=1)
+    with pytest.raises(ValueError, match="split_keys: must be a positive multiple of 64, got 100"):
+        TritonAttentionBackend(split_keys=100)
+    # long models: bigger chunks, at most MAX_SPLITS of them (the backend make_backend gives for the cache)
+    assert [split_keys_for(n) for n in (None, 16384, 16385, 131072)] == [512, 512, 1024, 4096]
+    assert make_backend("triton", "cpu", 16, max_len=131072).split_keys == 4096
+    prefill = launch_shape(2, 8, 3, 80, 1000, 100_000)
     assert (prefill.g_pad, prefill.block_q, prefill.block_d) == (4, 16, 128)
-    assert prefill.grid() == (2, 8, 63) and prefill.num_splits == 1
+    assert prefill.grid() == (2, 8, 63) and prefill.num_splits == 1  # prefill chunks are never split
 
 
 def test_make_backend_needs_cuda_or_the_interpreter(monkeypatch):

@@ -17,7 +17,8 @@ from modeling.attention.flash_backend import (FLASH_BLOCK_MULTIPLE, FLASH_DTYPES
                                               flash_attn_available)
 from modeling.attention.metadata import AttentionMetadata, physical_runs
 from modeling.attention.torch_backend import TorchAttentionBackend
-from modeling.attention.triton_backend import TritonAttentionBackend, triton_available, triton_import_error
+from modeling.attention.triton_backend import (TritonAttentionBackend, split_keys_for, triton_available,
+                                               triton_import_error)
 from modeling.kv_cache import PagedKVCache
 
 BACKENDS = ("torch", "flash", "triton", "cpu", "auto")
@@ -43,8 +44,9 @@ class AttentionBackend(Protocol):
 
 
 def make_backend(name: str, device: torch.device | str, block_size: int,
-                 dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
-    """'torch' | 'flash' | 'triton' | 'cpu' | 'auto'.
+                 dtype: torch.dtype = torch.bfloat16, max_len: int | None = None) -> AttentionBackend:
+    """'torch' | 'flash' | 'triton' | 'cpu' | 'auto'. ``max_len``: the longest sequence the cache may hold
+    (sizes Triton's key splits, ``triton_backend.split_keys_for``).
 
     'cpu' is the C++ CPU kernel (built by ``magicserve build``, else on first use); 'triton' runs on CUDA (on
     CPU only under Triton's interpreter, for tests). 'auto' picks, on CUDA, flash when installed and the block
@@ -62,7 +64,7 @@ def make_backend(name: str, device: torch.device | str, block_size: int,
             reason = triton_import_error() or (
                 f"device {device}: Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests only)")
             raise ValueError(f"attention_backend: 'triton' unavailable ({reason}); use 'torch'")
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(split_keys_for(max_len))
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend: 'cpu' runs on CPU only, got device {device}")
@@ -73,7 +75,7 @@ def make_backend(name: str, device: torch.device | str, block_size: int,
             and dtype in FLASH_DTYPES and flash_attn_available()):
         return FlashAttentionBackend(block_size)
     if name == "auto" and device.type == "cuda" and triton_available(device):
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(split_keys_for(max_len))
     if name == "auto" and device.type == "cpu" and cpu_kernel_available():
         return CpuPagedAttentionBackend()
     return TorchAttentionBackend()

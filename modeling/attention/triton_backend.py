@@ -6,10 +6,15 @@ imported), which is how CI checks the kernel on every commit. The kernel
 the sparse sink + window view at any alignment, sliding windows and grouped-query heads, with float32
 accumulation over bf16, fp16 or fp32 caches.
 
-Long contexts at small batch are split along the keys (flash-decoding) so the GPU has enough programs:
-each split writes a float32 partial output and log-sum-exp, merged here. The host reads only the step's
-Python metadata (no device synchronisation), and the kernel takes every per-sequence value from device
-tensors, so a captured step replays with new lengths and block tables written into the same buffers.
+Decode and verification steps over long contexts are split along the keys (flash-decoding), so the GPU has
+programs enough at small batch: split ``s`` takes the keys at positions ``[s * split_keys, (s + 1) *
+split_keys)`` and writes a float32 partial output and log-sum-exp, merged by a second kernel. The chunk size
+is the backend's, not the step's, so each query row is computed alike in every step: decode or verification,
+whatever sequences share the step, eager or replayed from a captured graph whose split count is fixed for
+its longest context (tested bit for bit). Prefill chunks are not split (their partials would be large).
+The host reads only the step's Python metadata (no device synchronisation), and the kernel takes every
+per-sequence value from device tensors, so a captured step replays with new lengths and block tables
+written into the same buffers.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ import torch
 from modeling.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-# Split the keys of a step only when each split still gets this many keys.
-MIN_KEYS_PER_SPLIT = 256
+# Keys per split of decode and verification steps (vLLM's paged attention v2 partitions by 512 too), doubled
+# for long models until their longest sequence needs at most MAX_SPLITS splits (``split_keys_for``): a float32
+# partial per split and query row is what a split step holds besides the cache.
+SPLIT_KEYS = 512
 MAX_SPLITS = 32
-# Steps whose sequences have at most this many new tokens each use the decode tile shape.
+_UNSPLIT = 1 << 30  # split_keys of a one-split launch: beyond every position
+# Steps whose sequences have at most this many new tokens each use the decode tile shape (and are split).
 SHORT_QUERY = 16
+BLOCK_N = 64  # keys per inner iteration of the kernel
 
 
 def interpreter_enabled() -> bool:
@@ -62,57 +71,66 @@ class LaunchShape:
     block_n: int  # keys per inner iteration
     block_d: int  # head_dim rounded up to a power of two
     num_splits: int  # key splits per (sequence, KV head, query tile)
+    split_keys: int  # keys per split (a multiple of block_n; beyond every position when num_splits is 1)
     num_seqs: int
     num_kv_heads: int
     query_tiles: int  # query tiles per sequence
 
-    def grid(self, num_splits: int | None = None) -> tuple[int, int, int]:
-        """(sequences, KV heads, query tiles x splits); ``num_splits`` overrides the shape's own."""
-        return (self.num_seqs, self.num_kv_heads, self.query_tiles * (num_splits or self.num_splits))
+    def grid(self) -> tuple[int, int, int]:
+        """(sequences, KV heads, query tiles x splits)."""
+        return (self.num_seqs, self.num_kv_heads, self.query_tiles * self.num_splits)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def split_keys_for(max_len: int | None) -> int:
+    """Keys per split for sequences of up to ``max_len`` tokens: :data:`SPLIT_KEYS`, doubled until
+    :data:`MAX_SPLITS` splits cover ``max_len`` (None: :data:`SPLIT_KEYS`)."""
+    keys = SPLIT_KEYS
+    while max_len is not None and keys * MAX_SPLITS < max_len:
+        keys *= 2
+    return keys
+
+
 def launch_shape(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_q_len: int, max_keys: int,
-                 target_programs: int) -> LaunchShape:
+                 split_keys: int = SPLIT_KEYS, num_splits: int | None = None) -> LaunchShape:
     """Tiles and grid for a step. Rows of a program are ``block_q`` tokens x ``g_pad`` heads: 16 (the
     smallest ``tl.dot``) in steps of at most :data:`SHORT_QUERY` tokens per sequence (decode, verification),
     so that a row is computed by products of one shape in both, and 64 in longer steps (prefill chunks).
-    Keys are split until the grid has ``target_programs`` programs, keeping at least
-    :data:`MIN_KEYS_PER_SPLIT` keys per split."""
+    Short steps split their keys in chunks of ``split_keys`` positions: as many splits as the longest
+    sequence (``max_keys``) needs, or ``num_splits`` when given (a captured step's, which must cover it)."""
+    if split_keys <= 0 or split_keys % BLOCK_N:
+        raise ValueError(f"split_keys: must be a positive multiple of {BLOCK_N}, got {split_keys}")
     g_pad = _pow2(group)
-    rows = max(16 if max_q_len <= SHORT_QUERY else 64, g_pad)
+    short = max_q_len <= SHORT_QUERY
+    rows = max(16 if short else 64, g_pad)
     block_q = rows // g_pad
     tiles = -(-max_q_len // block_q)
-    programs = num_seqs * num_kv_heads * tiles
-    splits = 1
-    if programs < target_programs:
-        splits = min(MAX_SPLITS, -(-target_programs // programs), max(1, max_keys // MIN_KEYS_PER_SPLIT))
-    return LaunchShape(g_pad=g_pad, block_q=block_q, block_n=64, block_d=max(16, _pow2(head_dim)),
-                       num_splits=splits, num_seqs=num_seqs, num_kv_heads=num_kv_heads, query_tiles=tiles)
+    needed = -(-max_keys // split_keys) if short else 1
+    splits = needed if num_splits is None else num_splits
+    if splits < needed:
+        raise ValueError(f"num_splits: {splits} splits of {split_keys} keys cannot cover {max_keys} keys")
+    return LaunchShape(g_pad=g_pad, block_q=block_q, block_n=BLOCK_N, block_d=max(16, _pow2(head_dim)),
+                       num_splits=splits, split_keys=split_keys if splits > 1 else _UNSPLIT, num_seqs=num_seqs,
+                       num_kv_heads=num_kv_heads, query_tiles=tiles)
 
 
 class TritonAttentionBackend:
-    """Paged attention through one Triton kernel. ``num_splits`` fixes the key splits (tests, captured
-    steps); by default they follow the step's shape and the device's multiprocessor count."""
+    """Paged attention through one Triton kernel (and a merge kernel for split steps). ``split_keys``: keys
+    per split of decode and verification steps; ``num_splits`` fixes their split count (captured steps: it
+    must cover the longest sequence a step may hold), by default the longest sequence of each step's."""
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None):
+    def __init__(self, split_keys: int = SPLIT_KEYS, num_splits: int | None = None):
         from modeling.attention import triton_kernels  # imports triton: only when this backend is made
 
+        launch_shape(1, 1, 1, 16, 1, 1, split_keys)  # validates split_keys
         self._kernel = triton_kernels.paged_attention_kernel
+        self.split_keys = split_keys
         self.num_splits = num_splits
-        self._target_programs: dict[str, int] = {}
-
-    def _programs_wanted(self, device: torch.device) -> int:
-        key = str(device)
-        if key not in self._target_programs:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-            self._target_programs[key] = 2 * sms
-        return self._target_programs[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
@@ -123,9 +141,9 @@ class TritonAttentionBackend:
         if n_tokens == 0:
             return torch.empty_like(q)
         max_q = max(meta.q_len(b) for b in range(meta.num_seqs))
-        shape = launch_shape(meta.num_seqs, hkv, hq // hkv, d, max_q, max(meta.seq_lens),
-                             self._programs_wanted(q.device))
-        splits = self.num_splits or shape.num_splits
+        shape = launch_shape(meta.num_seqs, hkv, hq // hkv, d, max_q, max(meta.seq_lens), self.split_keys,
+                             self.num_splits if max_q <= SHORT_QUERY else None)
+        splits = shape.num_splits
         t = meta.tensors(q.device)
         if splits == 1:
             out = torch.empty_like(q)
@@ -137,7 +155,7 @@ class TritonAttentionBackend:
             lse = torch.empty(splits, n_tokens, hq, dtype=torch.float32, device=q.device)
             o_strides = (out.stride(0), out.stride(1), out.stride(2))
             l_strides = (lse.stride(0), lse.stride(1))
-        self._kernel[shape.grid(splits)](
+        self._kernel[shape.grid()](
             q, k_cache, v_cache, out, lse,
             t["block_tables"], t["seq_lens"], t["query_start"], t["window_starts"],
             q.stride(0), q.stride(1),
@@ -145,7 +163,7 @@ class TritonAttentionBackend:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             t["block_tables"].stride(0),
             *o_strides, *l_strides,
-            _LOG2E / math.sqrt(d), meta.sink_len, sliding_window or 0, meta.block_size, splits,
+            _LOG2E / math.sqrt(d), meta.sink_len, sliding_window or 0, meta.block_size, splits, shape.split_keys,
             G=hq // hkv, G_PAD=shape.g_pad, BLOCK_Q=shape.block_q, BLOCK_N=shape.block_n,
             HEAD_DIM=d, BLOCK_D=shape.block_d,
             SPARSE=meta.window_starts is not None, WINDOWED=sliding_window is not None,
@@ -153,7 +171,7 @@ class TritonAttentionBackend:
         )
         if splits == 1:
             return out
-        return merge_splits(out, lse).to(q.dtype)
+        return merge_splits(out, lse, q.dtype)
 
 
 def _dot_mode(k_cache: torch.Tensor) -> int:
@@ -165,9 +183,16 @@ def _dot_mode(k_cache: torch.Tensor) -> int:
     return 0
 
 
-def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """out: [S, T, Hq, D] float32 partials over disjoint key sets; lse: [S, T, Hq] their log-sum-exps
-    (-inf: the split saw no key). Returns [T, Hq, D] float32, the softmax-weighted sum."""
-    total = torch.logsumexp(lse, dim=0)  # [T, Hq]; finite: every token sees at least itself
-    weights = torch.exp(lse - total.unsqueeze(0))  # [S, T, Hq]
-    return (weights.unsqueeze(-1) * out).sum(0)
+def merge_splits(parts: torch.Tensor, lse2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """parts: [S, T, Hq, D] float32 partials over disjoint key sets; lse2: [S, T, Hq] their base-2
+    log-sum-exps (-inf where a split saw no key of the row, its partial then 0). Returns [T, Hq, D] in
+    ``dtype``: the softmax-weighted sum, each row's splits added in order (``merge_splits_kernel``)."""
+    from modeling.attention.triton_kernels import merge_splits_kernel
+
+    s, t, hq, d = parts.shape
+    out = torch.empty(t, hq, d, dtype=dtype, device=parts.device)
+    if t:
+        merge_splits_kernel[(t, hq)](parts, lse2, out, s, parts.stride(0), parts.stride(1), parts.stride(2),
+                                     lse2.stride(0), lse2.stride(1), out.stride(0), out.stride(1),
+                                     HEAD_DIM=d, BLOCK_D=max(16, _pow2(d)))
+    return out

@@ -10,9 +10,13 @@ an online softmax in float32 (FlashAttention-2's loop, in base 2).
 
 The visible keys of a query tile are at most two position ranges: range A (the sink, or the whole causal
 prefix in a full view) then range B (the view's recent window), each walked in key tiles aligned to
-multiples of ``BLOCK_N`` positions. A program may take one of ``num_splits`` contiguous shares of those
-key tiles (flash-decoding): it then writes a float32 partial output and its log-sum-exp, merged by the
-host.
+multiples of ``BLOCK_N`` positions. Long contexts are split along the keys (flash-decoding): split ``s``
+takes the visible keys at positions ``[s * split_keys, (s + 1) * split_keys)`` and writes a float32 partial
+output and its log-sum-exp (base 2), which ``merge_splits_kernel`` combines. The chunks are fixed in
+absolute positions, so a query row meets the same keys in the same tiles and chunks whatever the step
+around it: the batch beside it, its own step's query count (decode or verification) or the number of
+splits in the grid (a captured step's is fixed for its longest context; chunks past a row's keys are
+empty and add exact zeros).
 The per-row mask applies the visibility rule of :mod:`modeling.attention.metadata`: key ``j`` at or
 before the row's position ``p`` and, on a windowed layer, ``j > p - W``.
 """
@@ -45,13 +49,14 @@ def paged_attention_kernel(
     stride_bt,
     stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt,
-    scale_log2, sink_len, sliding_window, page_size, num_splits,
+    scale_log2, sink_len, sliding_window, page_size, num_splits, split_keys,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr, WINDOWED: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
     # q: [T, Hq, D]; k_cache, v_cache: [blocks, page_size, Hkv, D]; out: [S, T, Hq, D] (stride_os 0 when
-    # num_splits == 1: the final output); lse: [S, T, Hq] float32 (natural log), written when WRITE_LSE
+    # num_splits == 1: the final output); lse: [S, T, Hq] float32 (base 2), written when WRITE_LSE.
+    # split_keys: keys per split, a multiple of BLOCK_N (any value >= every sequence's length for one split)
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,23 +96,29 @@ def paged_attention_kernel(
         b_lo = hi
     # key tiles start at multiples of BLOCK_N positions, whatever the query tile: a row then meets its keys in
     # the same tiles in a decode step and in a verification step (tiles it does not see add exact zeros)
+    # this split's chunk of positions [c_lo, c_hi), a multiple of BLOCK_N wide: each range is cut to it
+    c_lo = split * split_keys
+    c_hi = c_lo + split_keys
+    a_lo = tl.maximum(a_lo, c_lo)
+    a_hi = tl.minimum(a_hi, c_hi)
+    b_lo = tl.maximum(b_lo, c_lo)
+    b_hi = tl.minimum(hi, c_hi)
     a_first = (a_lo // BLOCK_N) * BLOCK_N
     b_first = (b_lo // BLOCK_N) * BLOCK_N
     n_a_tiles = tl.where(a_hi > a_lo, tl.cdiv(a_hi - a_first, BLOCK_N), 0)
-    n_tiles = n_a_tiles + tl.where(hi > b_lo, tl.cdiv(hi - b_first, BLOCK_N), 0)
-    share = tl.cdiv(n_tiles, num_splits)
-    tile_end = tl.minimum(n_tiles, (split + 1) * share)
+    n_tiles = n_a_tiles + tl.where(b_hi > b_lo, tl.cdiv(b_hi - b_first, BLOCK_N), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for it in range(split * share, tile_end):
+    for it in range(0, n_tiles):
         in_a = it < n_a_tiles
         first = tl.where(in_a, a_first + it * BLOCK_N, b_first + (it - n_a_tiles) * BLOCK_N)
         pos = first + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        key_ok = (pos >= tl.where(in_a, a_lo, b_lo)) & (pos < tl.where(in_a, a_hi, hi))
-        page = tl.load(table + pos // page_size, mask=key_ok, other=0)
+        key_ok = (pos >= tl.where(in_a, a_lo, b_lo)) & (pos < tl.where(in_a, a_hi, b_hi))
+        # int64: page * stride_kb passes 2^31 once a layer's cache holds that many elements
+        page = tl.load(table + pos // page_size, mask=key_ok, other=0).to(tl.int64)
         slot_in_page = pos % page_size
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot_in_page[:, None] * stride_ks
@@ -133,5 +144,35 @@ def paged_attention_kernel(
     tl.store(out_ptr + split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(lse_ptr + split * stride_ls + token * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # part: [S, T, Hq, D] float32 partial outputs over disjoint key chunks; lse: [S, T, Hq] their base-2
+    # log-sum-exps (-inf: the chunk held no key of the row, its partial 0); out: [T, Hq, D]. One program per
+    # (token, query head), the splits taken in order: an empty split adds exact zeros, so a row's result
+    # does not depend on how many splits follow its last key, and one nonempty split is returned as it is
+    # (weight exp2(0) = 1).
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse_row = lse_ptr + token * stride_lt + head
+    m = tl.load(lse_row)
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(lse_row + s * stride_ls))
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    part_row = part_ptr + token * stride_pt + head * stride_ph + d
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_row + s * stride_ls) - m)  # finite m: every token sees at least itself
+        total += w
+        acc += w * tl.load(part_row + s * stride_ps, mask=d_ok, other=0.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty),
+             mask=d_ok)
