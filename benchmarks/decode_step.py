@@ -183,9 +183,9 @@ def served_linears(runner: ModelRunner):
 def time_cell(runners: list[ModelRunner], pool: BlockPool, batch: int, context: int,
               repeats: int) -> tuple[list[float], list[dict | None]]:
     """For each runner: the median seconds of one decode step of ``batch`` sequences at ``context`` cached
-    tokens, timed in alternation (one step each per round) so that the machine's drift falls on all alike;
-    then, for eager runners, the median seconds of its parts (``PartTimer``) over ``repeats`` more steps
-    (None for compiled or captured steps, whose parts run fused)."""
+    tokens, and for eager runners the medians of a step with ``PartTimer`` installed and of its parts (None for
+    compiled or captured steps, whose parts run fused). Each round runs one plain step per runner and one timed
+    step per eager runner, in alternation, so that the machine's drift falls on all alike."""
     tables = []
     for _ in range(batch):
         t = BlockTable(pool.block_size)
@@ -193,31 +193,43 @@ def time_cell(runners: list[ModelRunner], pool: BlockPool, batch: int, context: 
         tables.append(t)
     inputs = [StepInput([1], context, t.blocks) for t in tables]
     times: list[list[float]] = [[] for _ in runners]
+    parts: list[list[dict]] = [[] for _ in runners]
     for i in range(repeats + 2):
-        for runner, out in zip(runners, times):
+        for runner, out, out_parts in zip(runners, times, parts):
             with served_linears(runner):
-                synchronize(runner.device)
-                t0 = time.perf_counter()
-                runner.run(inputs)
-                synchronize(runner.device)
-            if i >= 2:  # two warm-up steps
-                out.append(time.perf_counter() - t0)
-    breakdowns = [None if runner.compiled is not None else step_parts(runner, inputs, repeats) for runner in runners]
+                step = timed_step(runner, inputs)
+                split = None if runner.compiled is not None else timed_parts(runner, inputs)
+            if i >= 2:  # two warm-up rounds
+                out.append(step)
+                if split is not None:
+                    out_parts.append(split)
     for t in tables:
         t.release(pool)
-    return [statistics.median(t) for t in times], breakdowns
+    return [statistics.median(t) for t in times], [median_parts(samples) if samples else None for samples in parts]
 
 
-def step_parts(runner: ModelRunner, inputs: list[StepInput], repeats: int) -> dict:
-    """Median seconds of the step's attention and of its linear layers over ``repeats`` steps with
-    ``PartTimer`` installed."""
-    samples: list[dict] = []
-    with served_linears(runner):
-        for _ in range(repeats):
-            with PartTimer(runner) as timer:
-                runner.run(inputs)
-            samples.append(timer.seconds)
-    return {part: statistics.median(s[part] for s in samples) for part in PARTS}
+def median_parts(samples: list[dict]) -> dict:
+    """The median timed step and median parts, the rest being what they leave of the step (so that the three
+    add up to the step, as no three separate medians would)."""
+    med = {key: statistics.median(s[key] for s in samples) for key in ("step", *PARTS)}
+    return {**med, "rest": med["step"] - sum(med[part] for part in PARTS)}
+
+
+def timed_step(runner: ModelRunner, inputs: list[StepInput]) -> float:
+    """Seconds of one step, the device synchronized before and after."""
+    synchronize(runner.device)
+    t0 = time.perf_counter()
+    runner.run(inputs)
+    synchronize(runner.device)
+    return time.perf_counter() - t0
+
+
+def timed_parts(runner: ModelRunner, inputs: list[StepInput]) -> dict:
+    """One step with ``PartTimer`` installed: its seconds (``step``, the timers' own cost included), its
+    attention's and its linear layers' seconds, and the rest (``step`` less the two parts)."""
+    with PartTimer(runner) as timer:
+        step = timed_step(runner, inputs)
+    return {**timer.seconds, "step": step, "rest": step - sum(timer.seconds.values())}
 
 
 def main() -> None:
@@ -257,13 +269,15 @@ def main() -> None:
 
     rows = []
     runners = []
+    max_len = max(args.contexts) + 1
     for backend_name in args.backends:
         runners.append((backend_name, ModelRunner(model, cache, make_backend(backend_name, device, args.block_size,
-                                                                             cache.spec.dtype))))
+                                                                             cache.spec.dtype, max_len))))
     if args.compile:  # compile_steps: true, as build_runner sets it up
         if device.type == "cuda":  # CUDA graphs of Triton steps, one per batch bucket
-            runner = ModelRunner(model, cache, make_backend("triton", device, args.block_size, cache.spec.dtype))
-            runner.compiled = GraphSteps(model, cache, max_len=max(args.contexts) + 1)
+            backend = make_backend("triton", device, args.block_size, cache.spec.dtype, max_len)
+            runner = ModelRunner(model, cache, backend)
+            runner.compiled = GraphSteps(model, cache, max_len, split_keys=backend.split_keys)
             runners.append(("triton", runner))
         else:  # torch.compile; one compilation (dynamic shapes) serves every cell
             runner = ModelRunner(model, cache, make_backend("cpu", device, args.block_size, cache.spec.dtype))
@@ -304,8 +318,7 @@ def add_row(rows: list[dict], model: CausalLM, spec: KVCacheSpec, backend_name: 
         "bound": "memory" if memory_s >= compute_s else "compute", "fraction_of_roofline": roofline / step,
         "weight_mb": w_bytes / 1e6, "kv_mb": kv_bytes / 1e6, "gflops": flops / 1e9,
         "parts": None if parts is None else {
-            **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
-            "rest_ms": (step - sum(parts.values())) * 1e3,  # the untimed step's: the timers' cost left out
+            **{f"{k}_ms": v * 1e3 for k, v in parts.items()},  # attention, linear, rest, step (timed)
             # what each part reads: the cached KV, and the weights (every matrix is a linear layer's)
             "attention_gbps": kv_bytes / parts["attention"] / 1e9,
             "linear_gbps": w_bytes / parts["linear"] / 1e9,
@@ -355,16 +368,17 @@ def parts_markdown(rows: list[dict], bandwidth: float, repeats: int) -> str:
     if not eager:
         return ""
     out = ("\n## Where the step goes\n\n"
-           f"Eager steps with timers around the attention backend and every linear layer, median of {repeats} "
-           "more steps; the rest is the timed step (above) less the two parts. "
+           "Eager steps with timers around the attention backend and every linear layer, run in alternation with "
+           f"the plain steps above: the median of {repeats} timed steps (their timers' cost included) and of each "
+           "part, and the rest, what the two parts leave of the timed step. "
            "GB/s: the part's reads (the KV for attention, the weights for the linear layers) over its time, "
            f"against the read bandwidth of {bandwidth / 1e9:.1f} GB/s. Rest: norms, rotary, residuals, the cache "
            "write, step metadata, launches and module calls.\n\n"
-           "| backend | batch | context | step ms | attention ms | attention GB/s | linear ms | linear GB/s | "
-           "rest ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+           "| backend | batch | context | plain step ms | timed step ms | attention ms | attention GB/s | linear ms | "
+           "linear GB/s | rest ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for r in eager:
         p = r["parts"]
-        out += (f"| {r['resolved_backend']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
+        out += (f"| {r['resolved_backend']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {p['step_ms']:.2f} | "
                 f"{p['attention_ms']:.2f} | {p['attention_gbps']:.1f} | {p['linear_ms']:.2f} | "
                 f"{p['linear_gbps']:.1f} | {p['rest_ms']:.2f} |\n")
     return out
@@ -388,11 +402,11 @@ def plot_parts(rows: list[dict], path: str) -> bool:
         x = list(range(len(cells)))
         bottom = [0.0] * len(cells)
         for part, color in (("attention", "tab:blue"), ("linear", "tab:orange"), ("rest", "tab:gray")):
-            shares = [100 * max(0.0, r["parts"][f"{part}_ms"]) / r["step_ms"] for r in cells]
+            shares = [100 * max(0.0, r["parts"][f"{part}_ms"]) / r["parts"]["step_ms"] for r in cells]
             ax.bar(x, shares, bottom=bottom, color=color, label=part)
             bottom = [b + h for b, h in zip(bottom, shares)]
         for i, r in enumerate(cells):
-            ax.text(i, 101, f"{r['step_ms']:.3g} ms\n(roof {r['roofline_ms']:.2g})", ha="center",
+            ax.text(i, 101, f"{r['parts']['step_ms']:.3g} ms\n(roof {r['roofline_ms']:.2g})", ha="center",
                     va="bottom", fontsize=7)
         ax.set_xticks(x, [f"b{r['batch']}\n{r['context'] // 1024}K" for r in cells])
         ax.set_ylim(0, 118)
