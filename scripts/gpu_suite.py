@@ -262,16 +262,50 @@ GPU_MARK = re.compile(r"pytest\.mark\.gpu\b")
 
 
 def tests_step(args, scratch: str) -> tuple[Step, dict]:
-    """pytest -m gpu over the modules holding GPU tests, with a JUnit report to count from. The C++ CPU
-    attention kernel is not built (no GPU test uses it; its tests would JIT-compile it at collection)."""
+    """pytest -m gpu over the modules holding GPU tests, with a JUnit report to count from, and each test's
+    outcome written as it finishes (``scripts/pytest_outcomes.py``) to count from when pytest is stopped at
+    the step's limit before writing the report. The C++ CPU attention kernel is not built (no GPU test uses
+    it; its tests would JIT-compile it at collection)."""
     junit = os.path.join(scratch, "pytest_gpu.xml")
-    if os.path.exists(junit):  # a report left by an earlier run must not be read as this one's
-        os.remove(junit)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "--durations=10", f"--junitxml={junit}"]
+    outcomes = os.path.join(scratch, "pytest_gpu_outcomes.jsonl")
+    for stale in (junit, outcomes):  # an earlier run's must not be read as this one's
+        if os.path.exists(stale):
+            os.remove(stale)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "--durations=10", f"--junitxml={junit}",
+           "-p", "pytest_outcomes"]
     cmd += gpu_test_files()
     cmd += shlex.split(args.pytest_args)
-    env = dict(os.environ, MAGICSERVE_DISABLE_CPU_KERNEL="1", PYTHONUNBUFFERED="1")
-    return Step("tests", "GPU tests", cmd), {"env": env, "junit": junit}
+    scripts = os.path.join(REPO, "scripts")
+    env = dict(os.environ, MAGICSERVE_DISABLE_CPU_KERNEL="1", PYTHONUNBUFFERED="1", MAGICSERVE_TEST_OUTCOMES=outcomes,
+               PYTHONPATH=os.pathsep.join(p for p in (scripts, os.environ.get("PYTHONPATH")) if p))
+    return Step("tests", "GPU tests", cmd), {"env": env, "junit": junit, "outcomes": outcomes}
+
+
+def summarize_tests(junit: str, outcomes: str) -> dict:
+    """The JUnit report's summary, or, when pytest left none (stopped at its limit), the outcomes it wrote
+    test by test (marked ``partial``)."""
+    summary = summarize_junit(junit)
+    if not summary.get("missing") or not os.path.exists(outcomes):
+        return summary
+    return summarize_outcomes(outcomes) | {"partial": True}
+
+
+def summarize_outcomes(path: str) -> dict:
+    """Counts, failing test ids with their first message line, and skip reasons from
+    ``scripts/pytest_outcomes.py``'s JSON lines."""
+    summary = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "skip_reasons": {}}
+    reasons: Counter = Counter()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            entry = json.loads(line)
+            outcome = entry["outcome"]
+            summary["errors" if outcome == "error" else outcome] += 1
+            if outcome in ("failed", "error"):
+                summary["failures"].append({"test": entry["test"], "message": entry["message"]})
+            elif outcome == "skipped":
+                reasons[entry["message"]] += 1
+    summary["skip_reasons"] = dict(reasons.most_common())
+    return summary
 
 
 def summarize_junit(path: str) -> dict:
@@ -413,7 +447,10 @@ def render_tests(step: Step, tests: dict) -> list[str]:
               f"{tests['skipped']} skipped")
     lines.append(f"{counts} (pytest: `{tests.get('summary_line') or 'no summary line'}`; rc {step.rc}, "
                  f"{step.status}).")
-    if tests.get("missing"):
+    if tests.get("partial"):
+        lines.append("No JUnit report was written (pytest was stopped or crashed): the counts above are the "
+                     "tests that finished, as they finished; see the output tail and the log.")
+    elif tests.get("missing"):
         lines.append("No JUnit report was written (pytest was stopped or crashed): the counts above are not "
                      "complete; see the output tail and the log.")
     lines.append("")
@@ -526,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
 
     test_step = steps[0]
     ran = test_step.status not in ("skipped", "not run")
-    tests = summarize_junit(extras["junit"]) if ran else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    tests = (summarize_tests(extras["junit"], extras["outcomes"]) if ran
+             else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0})
     tests["summary_line"] = pytest_summary_line(test_step.tail)
     total_s = time.monotonic() - t0
     write_record(out, render(env, steps, tests, argv, started, total_s, cpu),

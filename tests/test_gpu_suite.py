@@ -45,7 +45,62 @@ def test_dry_run_on_cpu_runs_every_step_and_records_it(tmp_path):
     tests = record["tests"]  # without CUDA every GPU test is collected and skips, naming why
     assert tests["passed"] == tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 100
     assert any("CUDA" in reason for reason in tests["skip_reasons"])
+    outcomes = (tmp_path / "scratch" / "cpu" / "pytest_gpu_outcomes.jsonl").read_text().splitlines()
+    assert len(outcomes) == tests["skipped"]  # the plugin wrote every test's outcome as it went
     for step in record["steps"][1:4]:  # each benchmark's own figures were read back
         assert step["data"]["result"]["rows"], step["name"]
     markdown = out.read_text()
     assert markdown.startswith("# GPU suite: dry run on CPU") and "**every step passed**" in markdown
+
+
+SAMPLE_TESTS = '''
+import time
+
+import pytest
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("no device")
+
+
+def test_ok():
+    pass
+
+
+def test_bad():
+    assert 1 == 2, "wrong"
+
+
+@pytest.mark.skip(reason="needs CUDA")
+def test_skipped():
+    pass
+
+
+def test_setup_error(broken):
+    pass
+
+
+def test_hangs():
+    time.sleep(600)
+'''
+
+
+def test_a_test_run_stopped_at_its_limit_is_still_counted_test_by_test(tmp_path):
+    """The suite's test step stopped at its time limit leaves no JUnit report; the outcomes written as the
+    tests finished still give the counts, the failures and the skip reasons."""
+    import argparse
+
+    suite = load_suite()
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    step, extras = suite.tests_step(argparse.Namespace(pytest_args=""), str(tmp_path))
+    assert "pytest_outcomes" in step.command
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "pytest_outcomes", f"--junitxml={extras['junit']}",
+           str(tmp_path / "test_sample.py")]
+    rc, timed_out, _ = suite.run_command(cmd, 8.0, str(tmp_path / "pytest.log"), extras["env"])
+    assert timed_out and not os.path.exists(extras["junit"])
+    tests = suite.summarize_tests(extras["junit"], extras["outcomes"])
+    assert tests["partial"] and (tests["passed"], tests["failed"], tests["errors"], tests["skipped"]) == (1, 1, 1, 1)
+    assert {f["test"].split("::")[1]: f["message"] for f in tests["failures"]} == {
+        "test_bad": "AssertionError: wrong", "test_setup_error": "RuntimeError: no device"}
+    assert tests["skip_reasons"] == {"needs CUDA": 1}
