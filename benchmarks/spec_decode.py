@@ -303,6 +303,8 @@ def main() -> None:
     ap.add_argument("--corpus-tokens", type=int, default=None,
                     help="held-out tokens to spread the prompts over (default: largest batch x largest prefix; "
                          "give the extended run's value with --extend)")
+    ap.add_argument("--no-rope", action="store_true",
+                    help="leave out the draft RoPE-position measurement (original vs re-indexed acceptance)")
     ap.add_argument("--extend", metavar="STEM",
                     help="add this run's cells to the rows of STEM.json (an earlier run; a cell measured again "
                          "replaces its earlier rows) and write them all to --out")
@@ -342,6 +344,8 @@ def main() -> None:
         rows.sort(key=lambda r: (r["prefix"], r["batch"]))  # stable: a cell's own row order is kept
         rope = earlier["rope_positions"]
         command = earlier["meta"]["command"] + "` then `" + command
+    elif args.no_rope:
+        rope = None
     else:
         rope_cell = (min(4, max(args.batches)), min(4096, max(args.prefixes)))
         rope = rope_measurement(worker, make_prompts(corpus, *rope_cell), args.steps)

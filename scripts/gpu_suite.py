@@ -361,7 +361,8 @@ def spec_decode_step(args, scratch: str, tag: str, backend: str, cpu: bool) -> S
     if cpu:  # dry run: one tiny cell, two configurations (Triton's kernel in its interpreter)
         cmd = (["env", "TRITON_INTERPRET=1"] if backend == "triton" else []) + cmd
         cmd += ["--device", "cpu", "--batches", "1", "--prefixes", "64", "--ks", "0", "1", "--budgets", "32",
-                "--steps", "2", "--repeats", "1", "--adaptive-warmup", "0", "--min-run-ms", "0", "--threads", "1"]
+                "--steps", "2", "--repeats", "1", "--adaptive-warmup", "0", "--min-run-ms", "0", "--threads", "1",
+                "--no-rope"]
     else:
         block = "256" if backend == "flash" else "16"
         # batches 1 and 8: the torch backend's per-sequence loop makes batch 32 cells take minutes each; the

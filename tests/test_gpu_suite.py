@@ -97,7 +97,7 @@ def test_a_test_run_stopped_at_its_limit_is_still_counted_test_by_test(tmp_path)
     assert "pytest_outcomes" in step.command
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "pytest_outcomes", f"--junitxml={extras['junit']}",
            str(tmp_path / "test_sample.py")]
-    rc, timed_out, _ = suite.run_command(cmd, 8.0, str(tmp_path / "pytest.log"), extras["env"])
+    rc, timed_out, _ = suite.run_command(cmd, 5.0, str(tmp_path / "pytest.log"), extras["env"])
     assert timed_out and not os.path.exists(extras["junit"])
     tests = suite.summarize_tests(extras["junit"], extras["outcomes"])
     assert tests["partial"] and (tests["passed"], tests["failed"], tests["errors"], tests["skipped"]) == (1, 1, 1, 1)
