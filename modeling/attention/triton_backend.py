@@ -120,7 +120,8 @@ def launch_shape(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, ma
 class TritonAttentionBackend:
     """Paged attention through one Triton kernel (and a merge kernel for split steps). ``split_keys``: keys
     per split of decode and verification steps; ``num_splits`` fixes their split count (captured steps: it
-    must cover the longest sequence a step may hold), by default the longest sequence of each step's."""
+    must cover the longest sequence a step may hold), by default as many as each step's longest sequence
+    needs. Prefill chunks (more than :data:`SHORT_QUERY` new tokens per sequence) are never split."""
 
     name = "triton"
 
