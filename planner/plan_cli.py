@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "planned with prefix caching on)")
     src.add_argument("--trace", default=None, help="JSON-lines trace (arrival_s, prompt_tokens, output_tokens)")
     p.add_argument("--num-requests", type=int, default=200, help="requests per simulation (synthetic workloads)")
+    p.add_argument("--min-duration-s", type=float, default=Workload.min_duration_s,
+                   help="arrivals of a synthetic workload span at least this long at every simulated rate (more "
+                        "requests than --num-requests at high rates): longer measures sustained rates, shorter "
+                        "plans faster")
     p.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1 = Poisson)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel", type=_int_list("--tensor-parallel"), default=(1, 2, 4, 8),
@@ -90,8 +94,6 @@ def run(args: argparse.Namespace) -> int:
                             ("--verify-top", args.verify_top, 1), ("--max-concurrent", args.max_concurrent, 1)):
         if value < lo:
             raise SystemExit(f"magicserve plan: {flag} must be >= {lo}, got {value}")
-    if args.cv <= 0:
-        raise SystemExit(f"magicserve plan: --cv must be > 0, got {args.cv}")
     slo = SLOTarget(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
     workload = _workload(args)
     specs = speculation_space(profile) if not args.no_speculation else speculation_space(profile)[:1]
@@ -122,11 +124,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _workload(args):
+    for flag, value in (("--cv", args.cv), ("--min-duration-s", args.min_duration_s)):
+        if not value > 0:
+            raise SystemExit(f"magicserve plan: {flag} must be > 0, got {value}")
     if args.trace:
         return Workload(trace=tuple(load_trace(args.trace)), cv=args.cv, seed=args.seed)
     if args.workload in REUSE_WORKLOADS:
-        return Workload(reuse=args.workload, num_requests=args.num_requests, seed=args.seed)
-    return Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed)
+        return Workload(reuse=args.workload, num_requests=args.num_requests, seed=args.seed,
+                        min_duration_s=args.min_duration_s)
+    return Workload(shape=workload_shape(args.workload), num_requests=args.num_requests, cv=args.cv, seed=args.seed,
+                    min_duration_s=args.min_duration_s)
 
 
 def run_cost(args: argparse.Namespace) -> int:

@@ -296,7 +296,8 @@ def test_plan_cli_writes_a_config_serve_accepts(tmp_path, capsys):
     prof.save(str(tmp_path / "p.json"))
     out = tmp_path / "plan.yaml"
     rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--ttft-ms", "3000", "--tpot-ms", "50",
-               "--workload", "long_doc", "--num-requests", "60", "--verify-top", "2", "--out", str(out)])
+               "--workload", "long_doc", "--num-requests", "60", "--min-duration-s", "5", "--verify-top", "2",
+               "--out", str(out)])
     assert rc == 0
     cfg = load_config(str(out))  # what `magicserve serve --config plan.yaml` loads
     assert cfg.slo.ttft_ms == 3000 and cfg.slo.tpot_ms == 50
@@ -309,6 +310,9 @@ def test_plan_cli_writes_a_config_serve_accepts(tmp_path, capsys):
     # a profile without what the space needs: a clear error, exit code 2
     rc = main(["plan", "--profile", str(tmp_path / "missing.json"), "--ttft-ms", "1", "--tpot-ms", "1", "--out", str(out)])
     assert rc == 2 and "no such profile file" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--min-duration-s must be > 0, got 0.0"):
+        main(["plan", "--profile", str(tmp_path / "p.json"), "--ttft-ms", "1", "--tpot-ms", "1", "--min-duration-s", "0",
+              "--out", str(out)])
 
 
 def test_calibration_fit_recovers_serving_path_terms_and_the_simulator_applies_them():
