@@ -290,47 +290,48 @@ def summarize_tests(junit: str, outcomes: str) -> dict:
     return summarize_outcomes(outcomes) | {"partial": True}
 
 
-def summarize_outcomes(path: str) -> dict:
-    """Counts, failing test ids with their first message line, and skip reasons from
-    ``scripts/pytest_outcomes.py``'s JSON lines."""
+def summarize(results) -> dict:
+    """Counts, failing test ids with their first message line, and skip reasons from (test id, outcome,
+    message) triples, outcome one of passed | failed | error | skipped."""
     summary = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "skip_reasons": {}}
     reasons: Counter = Counter()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            entry = json.loads(line)
-            outcome = entry["outcome"]
-            summary["errors" if outcome == "error" else outcome] += 1
-            if outcome in ("failed", "error"):
-                summary["failures"].append({"test": entry["test"], "message": entry["message"]})
-            elif outcome == "skipped":
-                reasons[entry["message"]] += 1
+    for test_id, outcome, message in results:
+        summary["errors" if outcome == "error" else outcome] += 1
+        if outcome in ("failed", "error"):
+            summary["failures"].append({"test": test_id, "message": message[:300]})
+        elif outcome == "skipped":
+            reasons[message[:200]] += 1
     summary["skip_reasons"] = dict(reasons.most_common())
     return summary
+
+
+def summarize_outcomes(path: str) -> dict:
+    """:func:`summarize` over ``scripts/pytest_outcomes.py``'s JSON lines."""
+    with open(path, encoding="utf-8") as f:
+        entries = [json.loads(line) for line in f]
+    return summarize((e["test"], e["outcome"], e["message"]) for e in entries)
 
 
 def summarize_junit(path: str) -> dict:
-    """Counts, failing test ids with their first message line, and skip reasons from a JUnit report."""
-    summary = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "skip_reasons": {}}
+    """:func:`summarize` over a JUnit report (``missing`` when there is none)."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
-        return summary | {"missing": True}
-    reasons: Counter = Counter()
-    for case in root.iter("testcase"):
-        test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        failure, error, skipped = case.find("failure"), case.find("error"), case.find("skipped")
-        if failure is not None or error is not None:
-            node = failure if failure is not None else error
-            summary["failed" if failure is not None else "errors"] += 1
-            message = (node.get("message") or node.text or "").strip().splitlines()
-            summary["failures"].append({"test": test_id, "message": message[0][:300] if message else ""})
-        elif skipped is not None:
-            summary["skipped"] += 1
-            reasons[(skipped.get("message") or "").strip()[:200]] += 1
-        else:
-            summary["passed"] += 1
-    summary["skip_reasons"] = dict(reasons.most_common())
-    return summary
+        return summarize(()) | {"missing": True}
+    return summarize(_junit_case(case) for case in root.iter("testcase"))
+
+
+def _junit_case(case) -> tuple[str, str, str]:
+    test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+    for tag, outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+        node = case.find(tag)
+        if node is None:
+            continue
+        if tag == "skipped":
+            return test_id, outcome, (node.get("message") or "").strip()
+        lines = (node.get("message") or node.text or "").strip().splitlines()
+        return test_id, outcome, lines[0] if lines else ""
+    return test_id, "passed", ""
 
 
 def pytest_summary_line(tail: str) -> str:
