@@ -225,11 +225,11 @@ def timed_step(runner: ModelRunner, inputs: list[StepInput]) -> float:
 
 
 def timed_parts(runner: ModelRunner, inputs: list[StepInput]) -> dict:
-    """One step with ``PartTimer`` installed: its seconds (``step``, the timers' own cost included), its
-    attention's and its linear layers' seconds, and the rest (``step`` less the two parts)."""
+    """One step with ``PartTimer`` installed: its seconds (``step``, the timers' own cost included) and its
+    attention's and its linear layers' seconds."""
     with PartTimer(runner) as timer:
         step = timed_step(runner, inputs)
-    return {**timer.seconds, "step": step, "rest": step - sum(timer.seconds.values())}
+    return {**timer.seconds, "step": step}
 
 
 def main() -> None:
