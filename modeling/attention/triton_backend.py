@@ -94,6 +94,12 @@ def split_keys_for(max_len: int | None) -> int:
     return keys
 
 
+def check_split_keys(split_keys: int) -> None:
+    """Keys per split must be a positive multiple of the kernel's key tile (chunks align to tiles)."""
+    if split_keys <= 0 or split_keys % BLOCK_N:
+        raise ValueError(f"split_keys: must be a positive multiple of {BLOCK_N}, got {split_keys}")
+
+
 def launch_shape(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_q_len: int, max_keys: int,
                  split_keys: int = SPLIT_KEYS, num_splits: int | None = None) -> LaunchShape:
     """Tiles and grid for a step. Rows of a program are ``block_q`` tokens x ``g_pad`` heads: 16 (the
@@ -101,8 +107,7 @@ def launch_shape(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, ma
     so that a row is computed by products of one shape in both, and 64 in longer steps (prefill chunks).
     Short steps split their keys in chunks of ``split_keys`` positions: as many splits as the longest
     sequence (``max_keys``) needs, or ``num_splits`` when given (a captured step's, which must cover it)."""
-    if split_keys <= 0 or split_keys % BLOCK_N:
-        raise ValueError(f"split_keys: must be a positive multiple of {BLOCK_N}, got {split_keys}")
+    check_split_keys(split_keys)
     g_pad = _pow2(group)
     short = max_q_len <= SHORT_QUERY
     rows = max(16 if short else 64, g_pad)
@@ -128,7 +133,7 @@ class TritonAttentionBackend:
     def __init__(self, split_keys: int = SPLIT_KEYS, num_splits: int | None = None):
         from modeling.attention import triton_kernels  # imports triton: only when this backend is made
 
-        launch_shape(1, 1, 1, 16, 1, 1, split_keys)  # validates split_keys
+        check_split_keys(split_keys)
         self._kernel = triton_kernels.paged_attention_kernel
         self.split_keys = split_keys
         self.num_splits = num_splits
