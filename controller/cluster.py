@@ -119,6 +119,10 @@ class Cluster:
         self.rendezvous: Rendezvous | None = None
         self._migration_pairs = 0  # migration channels formed (each under its own generation)
         self._started_ray = False
+        # instances whose ranks are up: a restarted or added instance forms its KV channels with these, one
+        # instance at a time (of two restarting together, the one up last forms the pair)
+        self._up: set[str] = set()
+        self._wiring = asyncio.Lock()
 
     # -- bring-up ---------------------------------------------------------------------------------
 
@@ -246,6 +250,7 @@ class Cluster:
         self._stop_instance(inst)
 
     def _stop_instance(self, inst: Instance) -> None:
+        self._up.discard(inst.name)
         for handle in self._ranks(inst):
             try:
                 ray.kill(handle, no_restart=True)
@@ -293,6 +298,7 @@ class Cluster:
             raise ClusterError(f"{inst.role} {inst.name}: restarted {inst.generation} times already; "
                                "left out of service")
         launch = self._launches[inst.name]
+        self._up.discard(inst.name)
         for handle in self._ranks(inst):
             try:
                 ray.kill(handle, no_restart=True)
@@ -332,16 +338,29 @@ class Cluster:
 
         refs = [r for p in self.prefill for d in self.decode for r in self._pair_calls(p, d)]
         ray.get(refs, timeout=self.config.kv_transfer.timeout_s * 4 + 60)
+        self._up.update(i.name for i in self.instances)
 
     async def rewire(self, inst: Instance) -> None:
-        """Re-form every KV channel of a restarted instance with its live peers."""
-        peers = self.decode if inst.role == "prefill" else self.prefill
-        refs = []
-        for peer in peers:
-            if peer.alive:
+        """Form every KV channel of a restarted or added instance (its ranks up) with the peers whose ranks
+        are up. A peer that fails the formation is left to its own restart, which forms the pair again;
+        raises ClusterError when every pair failed."""
+        async with self._wiring:
+            self._up.add(inst.name)
+            peers = [p for p in (self.decode if inst.role == "prefill" else self.prefill) if p.name in self._up]
+            timeout = self.config.kv_transfer.timeout_s * 4 + 60
+
+            async def pair(peer: Instance) -> None:
                 p, d = (inst, peer) if inst.role == "prefill" else (peer, inst)
-                refs.extend(self._pair_calls(p, d))
-        await asyncio.gather(*refs)
+                await asyncio.wait_for(asyncio.gather(*self._pair_calls(p, d)), timeout)
+
+            results = await asyncio.gather(*(pair(peer) for peer in peers), return_exceptions=True)
+        failed = [(peer, r) for peer, r in zip(peers, results) if isinstance(r, BaseException)]
+        for peer, err in failed:
+            log.warning("%s %s: no KV channels with %s: %s: %s", inst.role, inst.name, peer.name,
+                        type(err).__name__, err)
+        if peers and len(failed) == len(peers):
+            self._up.discard(inst.name)
+            raise ClusterError(f"{inst.role} {inst.name}: no KV channel formed with any peer")
 
     async def connect_migration_pair(self, source: Instance, destination: Instance) -> None:
         """Form the channels live migration moves requests from decode ``source`` to ``destination`` over:

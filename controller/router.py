@@ -266,9 +266,7 @@ class Router:
         generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance alone."""
         rid = active.record.request_id
         if active.params.max_tokens == 0:
-            prefill = self._cheapest(active, self.prefill)
-            if prefill is None:
-                raise RouterError("UNAVAILABLE", "no prefill instance is alive")
+            prefill = await self._wait_for_prefill(active)
             active.prefill = prefill
             prefill.assigned.add(rid)
             await self._submit(active, prefill, PrefillRequest(rid, tuple(active.prompt_ids), active.params, None))
@@ -284,7 +282,8 @@ class Router:
             return
         prefill = self._cheapest(active, self.prefill)
         if prefill is None:
-            raise RouterError("UNAVAILABLE", "no prefill instance is alive")
+            await self._place_without_prefill(active, request)
+            return
         if first is not None and await self._place_at_once(active, request, prefill, first):
             return
         deadline = time.monotonic() + self.request_timeout_s
@@ -298,9 +297,48 @@ class Router:
         prefill = self._cheapest(active, self.prefill)
         if prefill is None:
             await self.abort_on(decode, rid)
-            raise RouterError("UNAVAILABLE", "no prefill instance is alive")
+            await self._place_without_prefill(active, request)
+            return
         self._assign(active, prefill, decode)
         await self._submit(active, prefill, self._prefill_request(active, decode))
+
+    async def _place_without_prefill(self, active: _Active, request: DecodeRequest) -> None:
+        """No prefill instance is in service (each dead, restarting or draining): a decode instance prefills
+        the request (``add_prefill``: from its longest cached prefix, the whole prompt when none). A request
+        that needs a prefill instance (its prompt's log-probabilities), or that no decode instance has room
+        for, waits for a prefill instance to come back, up to the request's timeout."""
+        rid = active.record.request_id
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            if active.params.prompt_logprobs is None:
+                cached = {i.name: self._cached(active, i) for i in self.decode}
+                for inst in self._decode_order(active, cached)[0]:
+                    if await self._hold_prefill(active, request, inst):
+                        log.info("%s: no prefill instance in service; prefilled on %s", rid, inst.name)
+                        if self.load_window is not None:
+                            self.load_window.cached(rid, cached[inst.name])
+                        return
+            if self._in_service(self.prefill):
+                await self._place(active)
+                return
+            if time.monotonic() > deadline:
+                raise RouterError("UNAVAILABLE", f"no prefill instance came back within {self.request_timeout_s:g} s "
+                                  "and no decode instance could prefill the request")
+            await asyncio.sleep(_PLACEMENT_RETRY_S * 10)
+
+    async def _wait_for_prefill(self, active: _Active) -> Instance:
+        """The prefill instance to compute the prompt, waiting up to the request's timeout for one to be in
+        service (a restart). Raises RouterError UNAVAILABLE when none is."""
+        deadline = time.monotonic() + self.request_timeout_s
+        while (prefill := self._cheapest(active, self.prefill)) is None:
+            if time.monotonic() > deadline:
+                raise RouterError("UNAVAILABLE", f"no prefill instance came back within {self.request_timeout_s:g} s")
+            await asyncio.sleep(_PLACEMENT_RETRY_S * 10)
+        return prefill
+
+    @staticmethod
+    def _in_service(pool: list[Instance]) -> bool:
+        return any(i.alive and not i.draining for i in pool)
 
     def _cached(self, active: _Active, inst: Instance) -> int:
         """Prompt tokens ``inst`` holds cached, by the index (0 with prefix routing off)."""
@@ -538,7 +576,8 @@ class Router:
 
     async def _retry_or_fail(self, active: _Active, reason: str) -> None:
         rid = active.record.request_id
-        self._cancel_on_workers(active)
+        # the aborts complete before any instance is asked to take it again under the same id
+        await asyncio.gather(*self._detach(active))
         if active.record.retries >= MAX_RETRIES:
             raise RouterError("UNAVAILABLE", f"request {rid} failed after {MAX_RETRIES} retries: {reason}")
         active.record.to(RequestState.QUEUED, reason)

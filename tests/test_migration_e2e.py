@@ -5,13 +5,18 @@ instance with every request completed elsewhere; bad migrate and drain calls nam
 
 from __future__ import annotations
 
+import concurrent.futures
+import re
+import time
+
 import grpc
 import pytest
 
 from controller.cli import main as cli_main
 from controller.client import Client
 from modeling.sampling import SamplingParams
-from tests.serving import Stream, assert_all_free, migration_config, prompts_of, running_server
+from tests.serving import (Stream, assert_all_free, migration_config, prompts_of, running_server, stream_ids,
+                           wait_all_alive)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +134,6 @@ def test_source_dying_after_the_commit_does_not_touch_the_request(server, refere
     fails nothing, and the stream completes with the reference's tokens while the source restarts."""
     import ray
 
-    from tests.serving import wait_all_alive
 
     prompt = prompts_of([120], seed=27)[0]
     params = dict(max_tokens=150, ignore_eos=True)
@@ -142,6 +146,67 @@ def test_source_dying_after_the_commit_does_not_touch_the_request(server, refere
     ray.kill(ray.get_actor(f"magicserve-{res.source}", namespace="magicserve"), no_restart=False)
     assert stream.join() == want
     assert wait_all_alive(server)
+
+
+def _actor(name: str):
+    """The live actor of instance ``name`` (rank 0), whichever generation it is in."""
+    import ray
+
+    names = [n for n in ray.util.list_named_actors() if n == f"magicserve-{name}" or
+             re.fullmatch(rf"magicserve-{name}-g\d+", n)]
+    assert names, f"no live actor for {name}"
+    return ray.get_actor(max(names, key=lambda n: int(n.rpartition("-g")[2]) if "-g" in n else 0),
+                         namespace="magicserve")
+
+
+def _until(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_faults_under_load_lose_no_request(server, reference):
+    """24 greedy streams, 12 in flight at a time, through three faults: the prefill instance killed (what it
+    was prefilling runs again, and what arrives while it restarts is prefilled on a decode instance), a decode
+    instance killed (its requests resume on the other one from what they streamed), and a drain (its requests
+    migrate). Every stream ends with the reference's tokens."""
+    import ray
+
+    prompts = prompts_of([30 + 7 * (i % 9) for i in range(24)], seed=51)
+    params = dict(max_tokens=48, ignore_eos=True)
+    want = [c.token_ids for c in reference.generate(prompts, SamplingParams(**params))]
+    done: list[int] = []
+
+    def call(i):
+        try:
+            return stream_ids(server, prompts[i], request_id=f"fault-{i}", **params)[0]
+        except grpc.RpcError as err:
+            return f"{err.code().name}: {err.details()}"
+        finally:
+            done.append(i)
+
+    with Client(server) as c, concurrent.futures.ThreadPoolExecutor(12) as pool:
+        decode = [i.name for i in c.status().instances if i.role == "decode"]
+        futures = [pool.submit(call, i) for i in range(24)]
+        prefill = _actor("prefill-0")
+        _until(lambda: (lambda st: st["queue_length"] + st["running"])(ray.get(prefill.status.remote())) > 0,
+               "the prefill instance never held a prompt")
+        ray.kill(prefill, no_restart=False)  # killed while it prefills the first arrivals
+
+        def running():
+            return {i.name: i.running for i in c.status().instances if i.role == "decode"}
+
+        _until(lambda: len(done) >= 2 and max(running().values()) >= 3, "no stream ended after the prefill died")
+        ray.kill(_actor(max(decode, key=running().get)), no_restart=False)
+        assert wait_all_alive(server)
+        _until(lambda: len(done) >= 14 or all(f.done() for f in futures), "streams stalled", 120)
+        drained = c.drain(max(decode, key=running().get))
+        assert drained.drained
+        c.drain(drained.instance, undo=True)
+        outcomes = [f.result(timeout=240) for f in futures]
+    assert outcomes == want
+    assert_all_free(server)
 
 
 def test_a_pool_grows_and_shrinks_while_requests_stream(server, reference):
