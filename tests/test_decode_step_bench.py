@@ -54,8 +54,9 @@ def test_served_linears_routes_only_for_the_cpu_kernel_and_restores(llama_dir):
     runner, _ = runner_and_inputs(llama_dir, "torch")
     with served_linears(runner):
         assert routed_layers(runner.model) == 0
-    if not skinny_linear_available():  # no AVX512-BF16 here: torch's linear layers serve the cpu backend too
-        return
+    if not skinny_linear_available():
+        pytest.skip("no skinny_linear on this CPU (no AVX512-BF16 or no kernel): torch's linear layers serve the cpu "
+                    "backend too")
     runner, _ = runner_and_inputs(llama_dir, "cpu")
     runner.model.to(torch.bfloat16)
     with served_linears(runner):

@@ -1,8 +1,9 @@
 """CPU paged-attention kernel (C++ extension, built once per machine) for decode and verification steps.
 
 The source is ``csrc/paged_attention.cpp``; :func:`load_cpu_kernel` builds it with
-``torch.utils.cpp_extension.load`` (``-O3 -march=native``, ninja) into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<py>_<torch>/``). ``magicserve build``
+``torch.utils.cpp_extension.load`` (``-O3 -march=native``, or the CPU that ``$MAGICSERVE_CPU_MARCH`` names;
+ninja) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions/<py>_<torch>/``). ``magicserve build``
 (:func:`build_cpu_kernel`) does it ahead of serving; otherwise the first process that needs the kernel
 compiles it (tens of seconds) and later processes load the cached ``.so``.
 
@@ -37,6 +38,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -66,9 +68,13 @@ _EXT_BASE_NAME = "magicserve_paged_attention"
 # run one after another on the calling thread whatever torch's thread count (its OpenMP calls resolve to
 # the runtime torch loaded, so torch.set_num_threads still sets the team size).
 # Tuples: torch's builder appends to the lists it is given, which would change the fingerprint mid-process.
-_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 DISABLE_ENV = "MAGICSERVE_DISABLE_CPU_KERNEL"
+# The CPU the kernel is compiled for (gcc's -march): "native" (this CPU) unless set, e.g. "skylake-avx512" for
+# AVX-512 without AVX512-BF16 or "haswell" for AVX2 only, to build for the oldest CPU of a mixed cluster (or
+# to run this CPU as a lesser one). Part of the fingerprint, so each target has a build of its own.
+MARCH_ENV = "MAGICSERVE_CPU_MARCH"
 # How a failed build ends, in every message that reports one.
 FALLBACK_NOTE = "attention falls back to the torch backend"
 # Steps whose longest per-sequence query block exceeds this go to the torch backend.
@@ -79,6 +85,15 @@ _module: ModuleType | None = None
 _error: str | None = None
 _build_seconds: float | None = None
 _compiled: bool | None = None
+
+
+def _cflags() -> tuple[str, ...]:
+    """The compiler flags: :data:`_CFLAGS` and the target CPU (``-march``, from :data:`MARCH_ENV`)."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):
+        raise ValueError(f"{MARCH_ENV}: must be a gcc -march name such as native, skylake-avx512 or haswell, "
+                         f"got {march!r}")
+    return (*_CFLAGS, f"-march={march}")
 
 
 def _cpu_fingerprint() -> str:
@@ -97,7 +112,7 @@ def _cpu_fingerprint() -> str:
                     break
     except OSError:
         pass
-    build = [os.environ.get("CXX", "c++"), *_CFLAGS, *_LDFLAGS, *map(os.path.abspath, _SOURCES), torch.__version__,
+    build = [os.environ.get("CXX", "c++"), *_cflags(), *_LDFLAGS, *map(os.path.abspath, _SOURCES), torch.__version__,
              os.path.dirname(torch.__file__), sysconfig.get_paths()["include"], sys.version]
     digest = hashlib.sha1(text.encode())
     digest.update("\0".join(build).encode())
@@ -203,16 +218,16 @@ def load_cpu_kernel() -> ModuleType:
         from torch.utils import cpp_extension  # loads setuptools: only a build or a load of the kernel needs it
 
         t0 = time.perf_counter()
-        name = _extension_name()
         _ensure_ninja_on_path()
         try:
+            name = _extension_name()
             build_dir = cpp_extension._get_build_directory(name, verbose=False)
             with exclusive_build(build_dir), _quiet_build():
                 before = _mtime(os.path.join(build_dir, f"{name}.so"))
                 module = cpp_extension.load(
                     name=name,
                     sources=[str(s) for s in _SOURCES],
-                    extra_cflags=list(_CFLAGS),
+                    extra_cflags=list(_cflags()),
                     extra_ldflags=list(_LDFLAGS),
                     with_cuda=False,
                     verbose=False,
