@@ -90,11 +90,20 @@ def pools(client) -> dict:
     return {p.pool: (p.current, p.desired) for p in client.status().pools}
 
 
-def wait_for(predicate, timeout_s: float, what: str):
+def wait_for(predicate, timeout_s: float, what: str, explain=None):
+    """Poll ``predicate``; past ``timeout_s`` fail naming ``what`` and, from ``explain()``, the state that kept it."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s" + (f": {explain()}" if explain else ""))
         time.sleep(0.1)
+
+
+def scaling_state(client) -> str:
+    """The pools and the recent resizes as the status reports them, for a failure message."""
+    status = client.status()
+    resizes = [(r.pool, list(r.added), list(r.removed), r.error) for r in status.recent_scaling]
+    return f"pools {pools(client)}, resizes (pool, added, removed, error) {resizes}"
 
 
 def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(server, reference, ray_nodes):
@@ -112,7 +121,7 @@ def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(ser
         # six at once: one instance's steps would take 76 ms, two take 40 ms: the planner adds one, whose
         # placement group waits for room; the node joins only after the 2 s placement timeout
         states, node_id = add_node_for(ray_nodes, "magicserve-decode-1", 120, after_s=3.0)
-        wait_for(lambda: pools(c)["decode"] == (2, 2), 120, "scaling decode up to 2")
+        wait_for(lambda: pools(c)["decode"] == (2, 2), 120, "scaling decode up to 2", lambda: scaling_state(c))
         got += [(p, s.join()) for p, s in zip(burst, streams)]
         resizes = [r for r in c.status().recent_scaling if r.pool == "decode"]  # oldest first
         failed = [i for i, r in enumerate(resizes) if r.error]
@@ -138,7 +147,7 @@ def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(ser
 
         loader = threading.Thread(target=steady_load, daemon=True)
         loader.start()
-        wait_for(lambda: pools(c)["decode"] == (1, 1), 180, "scaling decode back to 1")
+        wait_for(lambda: pools(c)["decode"] == (1, 1), 180, "scaling decode back to 1", lambda: scaling_state(c))
         stop.set()
         loader.join(120)
         removed = [r for r in c.status().recent_scaling if r.removed]

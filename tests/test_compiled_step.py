@@ -1,5 +1,10 @@
 """Compiled decode, verification and draft steps (``compile_steps``) against eager steps: identical logits,
-identical greedy tokens, seeded sampling that repeats exactly, and eager fallback when compiling fails."""
+identical greedy tokens, seeded sampling that repeats exactly, and eager fallback when compiling fails.
+
+Identity holds in bfloat16 where the bf16 linear layers run on the CPU extension's ``skinny_linear`` (AVX512-BF16:
+a row is computed alike whatever the step around it, compiled or not); without it, torch's bf16 GEMM (oneDNN,
+which may emulate bf16) runs the compiled and eager steps through different kernels, so those machines compare
+float32 steps."""
 
 from __future__ import annotations
 
@@ -15,8 +20,17 @@ if not cpu_kernel.cpu_kernel_available():
     pytest.skip(f"cpu attention kernel unavailable: {cpu_kernel.cpu_kernel_error()}", allow_module_level=True)
 
 
+def _identity_dtype() -> str:
+    from modeling.cpu_linear import skinny_linear_available
+
+    return "bfloat16" if skinny_linear_available() else "float32"
+
+
+DTYPE = _identity_dtype()
+
+
 def engine(directory: str, compile_steps: bool) -> ReferenceEngine:
-    return ReferenceEngine(directory, EngineConfig(dtype="bfloat16", token_budget=32, kv_cache_tokens=4096,
+    return ReferenceEngine(directory, EngineConfig(dtype=DTYPE, token_budget=32, kv_cache_tokens=4096,
                                                    attention_backend="cpu", compile_steps=compile_steps))
 
 
@@ -50,7 +64,7 @@ def test_compiled_speculation_equals_eager_autoregressive(checkpoint_dir):
 
     def worker(compile_steps: bool, **spec) -> DecodeWorker:
         return DecodeWorker(directory, DecodeWorkerConfig(
-            dtype="bfloat16", kv_cache_tokens=2048, attention_backend="cpu", compile_steps=compile_steps,
+            dtype=DTYPE, kv_cache_tokens=2048, attention_backend="cpu", compile_steps=compile_steps,
             profile_on_start=False, speculation=SpeculationConfig(**spec)))
 
     want = run_worker(worker(False, drafter="none"), prompts, params)

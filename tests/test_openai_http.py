@@ -410,7 +410,11 @@ def test_a_large_body_does_not_stall_other_streams(client, http):
     assert status == 400 and body["error"]["param"] == "prompt"  # over limits.max_prompt_tokens
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > t0 and a < t1]
     if t1 - t0 > 1.0:  # tokenizing took long enough to tell a stalled loop from a free one
-        assert max(gaps) < 0.5 * (t1 - t0), (max(gaps), t1 - t0)
+        # A loop blocked by the parse sends nothing until the 400 goes out, a gap of nearly all of t1 - t0 (the
+        # upload and the refusal take milliseconds); a free loop keeps the stream going at whatever pace the
+        # tokenizer thread leaves the decode worker on this machine's cores (on 2 cores, a gap of up to 2/3).
+        inside = [a for a in arrivals if t0 < a < t1]
+        assert inside and max(gaps) < 0.85 * (t1 - t0), (max(gaps), t1 - t0, len(inside))
 
 
 def test_penalties_bias_and_min_tokens_under_speculation_equal_the_reference(client, reference):
