@@ -23,6 +23,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -48,6 +49,18 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> tuple[float, fl
         best = min(best, time.perf_counter() - t)
         best_cpu = min(best_cpu, time.process_time() - c)
     return 2 * nbytes / best, 2 * nbytes / max(best_cpu, 1e-9)
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo where there is one."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def make_cell(batch: int, context: int, layout: str, seed: int = 0, q_len: int = 1):
@@ -141,12 +154,14 @@ def main() -> None:
         cell["cpu_fraction_of_floor"] = (cell["kv_bytes"] / bw) / (cell["cpu"]["best_ms"] / 1e3)
 
     result = {
-        "benchmark": "attention_kernel", "dtype": "bfloat16", "hkv": HKV, "hq": HQ, "head_dim": HEAD_DIM,
+        "benchmark": "attention_kernel",
+        "command": "PYTHONPATH=. python benchmarks/attention_kernel.py " + " ".join(sys.argv[1:]),
+        "dtype": "bfloat16", "hkv": HKV, "hq": HQ, "head_dim": HEAD_DIM,
         "block_size": BLOCK, "layout": args.layout, "threads": args.threads, "repeats": args.repeats,
         "kernel_build": info, "kernel_load_s": load_s, "kernel_build_or_load_s": cpu_kernel_build_seconds(),
         "copy_bandwidth_gb_s": {"before": bw_before / 1e9, "after": bw_after / 1e9,
                                 "per_cpu_s_before": bw_cpu_before / 1e9, "per_cpu_s_after": bw_cpu_after / 1e9},
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name(), "arch": platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "load_avg": os.getloadavg()},
         "cells": cells,
     }
@@ -163,8 +178,11 @@ def _markdown(r: dict) -> str:
     lines = [
         "# Decode attention: cpu kernel vs torch backend vs dense reference",
         "",
+        f"`{r['command'].strip()}`",
+        "",
         f"bf16, Hkv={r['hkv']}, Hq={r['hq']}, D={r['head_dim']}, block {r['block_size']}, {r['layout']} blocks, "
-        f"q_len 1, one layer; threads={r['threads']}; kernel build: {r['kernel_build']}; "
+        f"q_len 1, one layer; threads={r['threads']}; {r['repeats']} repeats; "
+        f"{r['machine']['cores']} CPUs ({r['machine']['cpu']}, {r['machine'].get('arch', '')}), torch {r['machine']['torch']}; kernel build: {r['kernel_build']}; "
         f"load average at the end {', '.join(f'{x:.1f}' for x in r['machine']['load_avg'])}.",
         f"Copy bandwidth (r+w) in this run: {r['copy_bandwidth_gb_s']['before']:.1f} GB/s before, "
         f"{r['copy_bandwidth_gb_s']['after']:.1f} GB/s after (per CPU second of this process: "
