@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "http_overhead", "command": "python benchmarks/http_overhead.py " + shlex.join(words),
               "hardware": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "settings": {"config": os.path.relpath(os.path.abspath(args.config), ROOT),
-                           "describe": config.describe_pools() + f", {config.model.dtype}",
+                           "describe": config.describe_pools() + f", {config.dtype_choice.dtype}",
                            "pairs": args.pairs, "prompt_tokens": args.prompt_tokens,
                            "output_tokens": args.output_tokens, "seed": args.seed},
               "summary": summarise(rows), "requests": rows}

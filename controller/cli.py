@@ -32,6 +32,7 @@ from controller.client import Client
 from controller.config import LOCAL_CONFIG, load_config
 from controller.defaults import DEFAULT_MODEL_DIR, DEMO_PROMPTS, DEMO_SAMPLING
 from modeling.attention import cpu_kernel as kernel
+from modeling.dtype_choice import choose_dtype
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.errors import MagicServeError
 from modeling.sampling import SamplingParams
@@ -59,7 +60,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL_DIR, help="local HF checkpoint directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the device computes it natively, float32 elsewhere on CPU")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -177,7 +179,9 @@ def _add_profile_parser(sub) -> None:
 def _engine(args):
     if args.threads:
         torch.set_num_threads(args.threads)
-    return ReferenceEngine(args.model, EngineConfig(dtype=args.dtype, device=args.device, kv_cache_tokens=32768))
+    choice = choose_dtype(args.dtype, "cuda" if args.device.startswith("cuda") else "cpu")
+    print(f"magicserve: {args.model} in {choice.describe()}", file=sys.stderr, flush=True)
+    return ReferenceEngine(args.model, EngineConfig(dtype=choice.dtype, device=args.device, kv_cache_tokens=32768))
 
 
 def cmd_run(args) -> int:
@@ -199,6 +203,8 @@ def cmd_serve(args) -> int:
               **({"http_port": args.http_port if args.http_port >= 0 else None} if args.http_port is not None else {}),
               **({"pass_log_rpc": True} if args.pass_log_rpc else {})}
     config = load_config(args.config, {"server": server} if server else None)
+    print(f"magicserve: starting {config.describe_pools()} of {config.model_path} in "
+          f"{config.dtype_choice.describe()}", flush=True)
 
     def ready(ports) -> None:
         host = config.server.host
@@ -243,6 +249,8 @@ def cmd_status(args) -> int:
             print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     print(f"model {st.model}: {st.running_requests} running, {st.queued_requests} queued")
+    if st.dtype:
+        print(f"dtype {st.dtype} ({st.dtype_reason})")
     print(f"{'instance':<12} {'role':<10} {'device':<8} {'alive':<6} {'queue':>5} {'running':>7} "
           f"{'free KV blocks':>16} {'cached':>7} {'prefix hits':>11} {'accept':>7}")
     for i in st.instances:
@@ -314,7 +322,8 @@ def cmd_migrate(args) -> int:
 def cmd_demo(args) -> int:
     """Bring up the embedded cluster in this process, stream the demo prompts over real gRPC."""
     config = load_config(args.config, {"server": {"port": 0, "http_port": None}})
-    print(f"magicserve demo: {config.describe_pools()} on a local Ray cluster, model {config.model_path}")
+    print(f"magicserve demo: {config.describe_pools()} on a local Ray cluster, model {config.model_path} in "
+          f"{config.dtype_choice.describe()}")
     start = time.perf_counter()
     ready: list[int] = []
     state: dict = {}

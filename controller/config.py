@@ -31,6 +31,7 @@ from controller.tool_calls import TOOL_PARSERS
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import TransferConfig
 from modeling.checkpoint import DTYPES
+from modeling.dtype_choice import AUTO, DtypeChoice, choose_dtype
 from modeling.engine import EngineConfig
 from modeling.instance_config import InstanceConfig, Problems, booleans, integers, raise_first
 from prefill_worker.config import PrefillWorkerConfig
@@ -48,7 +49,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelSection:
     path: str = ""  # local HF checkpoint dir; relative paths resolve against the config file's directory
-    dtype: str = "bfloat16"
+    # auto: bf16 where the hardware computes it natively, float32 elsewhere on CPU (modeling/dtype_choice.py)
+    dtype: str = AUTO
 
     def __post_init__(self) -> None:
         raise_first(self.check())
@@ -57,8 +59,8 @@ class ModelSection:
         errs = []
         if not self.path:
             errs.append(("path", "required (a local Hugging Face checkpoint directory)"))
-        if self.dtype not in DTYPES:
-            errs.append(("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}"))
+        if self.dtype != AUTO and self.dtype not in DTYPES:
+            errs.append(("dtype", f"must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}"))
         return errs
 
 
@@ -351,12 +353,14 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         raise_first(self.check())
-        # the pools' workers run the model's dtype on the devices their placement gives them, and cache KV when
-        # prefix caching is on; the prefill workers send with the kv_transfer settings
+        # the pools' workers run the model's dtype (auto: resolved once for all pools, whose KV must agree) on the
+        # devices their placement gives them, and cache KV when prefix caching is on; the prefill workers send
+        # with the kv_transfer settings
+        dtype = self.dtype_choice.dtype
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(self, role)
             object.__setattr__(self, role, dataclasses.replace(
-                pool, dtype=self.model.dtype, device="cuda" if pool.devices_per_instance else "cpu",
+                pool, dtype=dtype, device="cuda" if pool.devices_per_instance else "cpu",
                 prefix_caching=self.prefix_caching.enabled))
         object.__setattr__(self, "prefill", dataclasses.replace(self.prefill, transfer=self.kv_transfer))
 
@@ -391,6 +395,12 @@ class ClusterConfig:
     def describe_pools(self) -> str:
         """E.g. ``1 prefill + 1 decode instance(s)`` or ``2 colocated instance(s)``."""
         return " + ".join(f"{p.instances} {role}" for role, p in self.pools.items()) + " instance(s)"
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        """``model.dtype`` resolved for the devices the pools run on (``auto``: see modeling/dtype_choice.py)."""
+        device = "cuda" if any(p.devices_per_instance for p in self.pools.values()) else "cpu"
+        return choose_dtype(self.model.dtype, device)
 
     @property
     def model_path(self) -> str:

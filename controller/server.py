@@ -40,6 +40,7 @@ from controller.routing import Delta, Final, RouterError
 from controller.scaling import Scaler
 from modeling.checkpoint import load_config as load_model_config
 from modeling.checkpoint import read_eos_token_ids
+from modeling.dtype_choice import DtypeChoice
 from modeling.errors import InvalidRequestError
 from modeling.params import SamplingParams
 from modeling.request_check import check_token_ids
@@ -153,8 +154,9 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
     (``Cluster.drain_pass_logs``), or None where the config leaves ``DrainPassLog`` off."""
 
     def __init__(self, router: Router, validator: RequestValidator, status_fn, model_name: str, pass_log_fn=None,
-                 scaler: Scaler | None = None):
+                 scaler: Scaler | None = None, dtype_choice: DtypeChoice | None = None):
         self.router = router
+        self.dtype_choice = dtype_choice
         self.scaler = scaler
         self.validator = validator
         self.status_fn = status_fn
@@ -232,7 +234,9 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
             pools=[pb.PoolShape(pool=role, current=s["current"], desired=s["desired"], held=s["held"],
                                 instances=s["instances"])
                    for role, s in (self.scaler.shape().items() if self.scaler is not None else ())],
-            recent_scaling=[_scale_result(d, self.scaler) for d in (self.scaler.decisions if self.scaler else ())])
+            recent_scaling=[_scale_result(d, self.scaler) for d in (self.scaler.decisions if self.scaler else ())],
+            dtype=self.dtype_choice.dtype if self.dtype_choice else "",
+            dtype_reason=self.dtype_choice.reason if self.dtype_choice else "")
 
     async def ScalePool(self, request, context):
         if self.scaler is None:
@@ -505,7 +509,8 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
         scaler = Scaler(cluster, router, config.autoscale, metrics)
         planning = start_planner(config, router, scaler)
         servicer = MagicServeServicer(router, validator, cluster.statuses, model_name,
-                                      cluster.drain_pass_logs if config.server.pass_log_rpc else None, scaler)
+                                      cluster.drain_pass_logs if config.server.pass_log_rpc else None, scaler,
+                                      config.dtype_choice)
         server, port, health_servicer = await start_server(config, servicer)
         log.info("serving magicserve.v1 on %s:%d", config.server.host, port)
         http_port = None

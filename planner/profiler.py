@@ -161,7 +161,7 @@ def profile_cluster(config: ClusterConfig, grid: Grid = DEFAULT_GRID, progress: 
     config it cannot profile."""
     check_config(config)
     start = time.perf_counter()
-    loaded = load_model(config.model_path, config.model.dtype, "cpu")
+    loaded = load_model(config.model_path, config.dtype_choice.dtype, "cpu")
     limits = _limits(config, loaded.config.max_position_embeddings)
     fits, samples, decode = measure_costs(loaded, config, grid, limits, progress)
     for name, fm in fits.items():
@@ -205,7 +205,7 @@ def add_threads(config: ClusterConfig, profile: Profile, threads: Iterable[int],
     wanted = check_extension(config, profile, "--add-threads", threads)
     have = {c.threads for c in profile.instances if c.tensor_parallel == 1}
     added = [t for t in wanted if t not in have]
-    loaded = load_model(config.model_path, config.model.dtype, "cpu") if added else None
+    loaded = load_model(config.model_path, config.dtype_choice.dtype, "cpu") if added else None
     new = []
     for t in added:
         cfg = with_threads(config, t)

@@ -87,6 +87,7 @@ def test_status_shows_colocated_instances(server):
     with Client(server) as c:
         st = c.status()
     assert sorted(i.name for i in st.instances) == [f"colocated-{k}" for k in range(INSTANCES)]
+    assert (st.dtype, st.dtype_reason) == ("float32", "set in the config")  # e2e_config's model.dtype
     for i in st.instances:
         assert i.role == "colocated" and i.alive and i.device == "cpu"
         assert i.total_kv_blocks == KV_TOKENS // BLOCK
@@ -214,22 +215,60 @@ def test_requests_spread_over_instances_and_cancellation_frees_them(server):
     assert st.running_requests == 0 and all(i.running == 0 and i.queue_length == 0 for i in st.instances)
 
 
-def test_killed_instance_fails_its_request_and_rejoins(server, reference):
-    """Kill the instance running a request mid-stream: that request ends UNAVAILABLE (tokens were
-    already streamed), the other instance's request completes exactly, the actor restarts and rejoins."""
+def test_the_engine_resumes_each_sequence_from_the_tokens_it_streamed(llama_dir):
+    """``ResumableEngine.add_resume`` (what a colocated instance runs when another one died): both sequences of
+    a seeded n = 2 request, continued from a cut of an undisturbed run's output (its text sent so far and its
+    generator's state there), end with that run's tokens and text."""
+    from controller.actors import ResumableEngine
+    from decode_worker.messages import ResumedSequence, ResumeRequest
+    from modeling.forks import split_sequence_id
+
+    engine = ResumableEngine(llama_dir, EngineConfig(kv_cache_tokens=KV_TOKENS, attention_backend="torch"))
+    prompt = prompts_of([40], seed=9)[0]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=3, n=2)
+    cut = 10
+
+    def run(request_id: str) -> tuple[dict, dict, dict]:
+        tokens, text, at_cut = {0: [], 1: []}, {0: "", 1: ""}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                _, i = split_sequence_id(out.request_id)
+                tokens[i] += out.new_token_ids
+                text[i] += out.new_text
+                if len(tokens[i]) == cut:
+                    at_cut[i] = ResumedSequence(i, tokens[i], len(text[i]), engine.sampler_state(out.request_id))
+                if out.finished:
+                    engine.release(out.request_id)
+        return tokens, text, at_cut
+
+    engine.add_request(prompt, params, "whole")
+    whole, whole_text, at_cut = run("whole")
+    engine.add_resume(ResumeRequest("rest", prompt, params, (at_cut[0], at_cut[1])))
+    rest, rest_text, _ = run("rest")
+    assert whole[0] != whole[1] and all(len(whole[i]) == 24 for i in (0, 1))
+    for i in (0, 1):
+        assert whole[i][:cut] + rest[i] == whole[i]
+        assert whole_text[i][:at_cut[i].text_sent] + rest_text[i] == whole_text[i]
+
+
+def test_killed_instance_resumes_its_request_elsewhere_and_rejoins(server, reference):
+    """Kill the instance running a request mid-stream: that request continues on the other instance from the
+    tokens it streamed (seeded sampling: its generator's state follows), with the tokens of an undisturbed
+    run; the other instance's request completes exactly; the actor restarts and rejoins."""
     import ray
 
     prompts = prompts_of([50, 60], seed=5)
-    expected = reference.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True))[0].token_ids
+    seeded = dict(max_tokens=400, ignore_eos=True, temperature=0.9, seed=7)
+    expected = reference.generate(prompts[:1], SamplingParams(max_tokens=400, ignore_eos=True))[0].token_ids
+    undisturbed = reference.generate(prompts[1:], SamplingParams(**seeded))[0].token_ids
     with Client(server) as c:
-        streams = [c.generate_stream(p, max_tokens=400, ignore_eos=True) for p in prompts]
+        streams = [c.generate_stream(prompts[0], max_tokens=400, ignore_eos=True), c.generate_stream(prompts[1], **seeded)]
         firsts = [next(s) for s in streams]  # placed: prompts[0] on colocated-0, prompts[1] on colocated-1
         ray.kill(ray.get_actor("magicserve-colocated-1", namespace="magicserve"), no_restart=False)
         survivor = firsts[0].token_ids + [t for ch in streams[0] for t in ch.token_ids]
-        with pytest.raises(grpc.RpcError) as info:
-            list(streams[1])
+        resumed = firsts[1].token_ids + [t for ch in streams[1] for t in ch.token_ids]
     assert survivor == expected
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert resumed == undisturbed
     assert stream_ids(server, prompts[0], max_tokens=10, ignore_eos=True)[0] == expected[:10]
     assert wait_all_alive(server)
     again = reference.generate(prompts, SamplingParams(max_tokens=100, ignore_eos=True))

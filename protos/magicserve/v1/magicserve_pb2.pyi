@@ -348,7 +348,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling")
+    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling", "dtype", "dtype_reason")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +357,8 @@ class ClusterStatus(_message.Message):
     MIGRATIONS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     RECENT_SCALING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     queued_requests: int
     running_requests: int
@@ -365,7 +367,9 @@ class ClusterStatus(_message.Message):
     migrations_aborted: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolShape]
     recent_scaling: _containers.RepeatedCompositeFieldContainer[ScalePoolResult]
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolShape, _Mapping]]] = ..., recent_scaling: _Optional[_Iterable[_Union[ScalePoolResult, _Mapping]]] = ...) -> None: ...
+    dtype: str
+    dtype_reason: str
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolShape, _Mapping]]] = ..., recent_scaling: _Optional[_Iterable[_Union[ScalePoolResult, _Mapping]]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
 
 class PassLogRequest(_message.Message):
     __slots__ = ()
