@@ -202,6 +202,10 @@ class ServingMetrics:
         self._resumes = Counter(PREFIX + "requests_resumed", "Requests continued on another decode instance after "
                                 "the one decoding them died, from the tokens already streamed.",
                                 m, registry=reg).labels(model_name)
+        self._call_failures = Counter(PREFIX + "instance_call_failures", "Calls the router made to an instance "
+                                      "about a request that failed there (raised, timed out, or found the request "
+                                      "not as the router holds it), by instance and call.",
+                                      ["model_name", "instance", "call"], registry=reg)
         reg.register(_InstanceCollector(self))
 
     # -- the router's hooks (event loop thread) ----------------------------------------------------
@@ -235,6 +239,9 @@ class ServingMetrics:
 
     def resumed(self) -> None:
         self._resumes.inc()
+
+    def call_failed(self, instance: str, call: str) -> None:
+        self._call_failures.labels(self.model_name, instance, call).inc()
 
     def planned(self, shape: dict, attainment: float) -> None:
         """The online planner's latest decision: each pool's instances and the attainment it predicted."""

@@ -286,15 +286,32 @@ class MigrationCoordinator:
         src.assigned.discard(rid)
         dst.migrating_in.discard(rid)
         dst.assigned.add(rid)
-        loop = asyncio.get_running_loop()
-        loop.create_task(self.router.call(dst, "commit_migration", rid))
-        loop.create_task(self.router.call(src, "finish_migration", rid))
+        asyncio.get_running_loop().create_task(self._settle(active, src, dst))
         self.counts["committed"] += 1
         if self.router.metrics is not None:
             self.router.metrics.migration(True)
         m.done.set_result(MigrationOutcome(rid, src.name, dst.name, True, seconds=time.perf_counter() - m.started,
                                            source_tokens=arrived.num_output_tokens))
         active.events.put_nowait(("migration_ended", None, None))
+
+    async def _settle(self, active, src: Instance, dst: Instance) -> None:
+        """Tell both ends of a committed migration: the destination decodes the request from its next step,
+        the source frees its copy. A destination that fails its commit does not decode the request: it
+        continues elsewhere (``Router.recover``); a source that fails to free its copy is told to abort it."""
+        rid = active.record.request_id
+        committed, finished = await asyncio.gather(self.router.call(dst, "commit_migration", rid),
+                                                   self.router.call(src, "finish_migration", rid))
+        if not finished and src.alive:
+            await self.router.abort_on(src, rid)
+        if not committed:
+            self.router.recover(active, dst, f"{dst.name} did not start the migrated request (commit_migration failed)")
+
+    async def _resume_at_source(self, active, src: Instance) -> None:
+        """An aborted migration's source takes the request back (it may have stopped it for the last copy); one
+        that fails to does not decode it: it continues elsewhere (``Router.recover``)."""
+        rid = active.record.request_id
+        if not await self.router.call(src, "abort_migration", rid):
+            self.router.recover(active, src, f"{src.name} did not take the request back (abort_migration failed)")
 
     def abort(self, active, reason: str, m: PendingMigration | None = None) -> None:
         """Abort the request's undecided migration: it goes on at its source; the destination frees its copy."""
@@ -308,7 +325,7 @@ class MigrationCoordinator:
         if m.destination.alive:
             loop.create_task(self.router.abort_on(m.destination, rid))
         if m.source.alive:
-            loop.create_task(self.router.call(m.source, "abort_migration", rid))
+            loop.create_task(self._resume_at_source(active, m.source))
         self.counts["aborted"] += 1
         if self.router.metrics is not None:
             self.router.metrics.migration(False)

@@ -32,6 +32,7 @@ failed or cancelled, and the counters say how many are where.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -58,6 +59,9 @@ log = logging.getLogger("magicserve.router")
 MAX_RETRIES = 3
 RANK_CHECK_PERIOD_S = 1.0  # how often an instance's other ranks are checked (``check_ranks``)
 _PLACEMENT_RETRY_S = 0.01
+CALL_TIMEOUT_S = 30.0  # a control call (abort, commit, finish) not answered by then has failed
+# control calls whose False answer means the instance does not hold the request as the router does
+_MUST_HOLD = frozenset({"commit_migration", "finish_migration"})
 
 
 @dataclass
@@ -83,6 +87,7 @@ class _Active:
     # seeded sampling: each sequence's generator state after the last token reported (by sequence index)
     sampler_states: dict = field(default_factory=dict)
     resumes: int = 0  # times it continued on another decode instance after its own died
+    avoid: set = field(default_factory=set)  # instances that failed a call for it: placed elsewhere while others can
 
     @property
     def tokens_streamed(self) -> int:
@@ -124,6 +129,7 @@ class Router:
         self.prefix_routing = prefix_routing
         self.kv_index = PrefixIndex()  # what each instance holds cached, from its events
         self.load_window = None  # controller.online_planner.LoadWindow: what the online planner reads
+        self.call_failures = collections.Counter()  # (instance name, call) -> calls to it that failed
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -288,7 +294,7 @@ class Router:
             return
         deadline = time.monotonic() + self.request_timeout_s
         while True:
-            decode = await self._reserve_decode(request, self._decode_order(active, cached)[0])
+            decode = await self._reserve_decode(active, request, self._decode_order(active, cached)[0])
             if decode is not None:
                 break
             if time.monotonic() > deadline:
@@ -364,7 +370,7 @@ class Router:
         try:
             held = await decode.handle.add_prefill.remote(request)
         except Exception as err:
-            log.warning("decode %s unreachable: %s", decode.name, err)
+            self.call_failed(decode, "add_prefill", rid, err, active)
             held = None
         if held:
             active.record.to(RequestState.PREFILLING)
@@ -380,7 +386,7 @@ class Router:
         """The alive instance of ``pool`` to compute the prompt: the fewest assigned requests, unless some
         hold part of the prompt cached; then the cheapest by ``kv_index.cheapest`` (uncached blocks against
         the prompt blocks of the requests already assigned there)."""
-        alive = [i for i in pool if i.alive and not i.draining]
+        alive = self._usable(active, [i for i in pool if i.alive and not i.draining])
         cached = {i.name: self._cached(active, i) for i in alive}
         bs = next((self.kv_index.block_size(name) for name, c in cached.items() if c), 1)
 
@@ -406,6 +412,9 @@ class Router:
         if held is True and not isinstance(submitted, Exception):
             active.record.to(RequestState.PREFILLING)
             return True
+        for inst, method, result in ((decode, "add_remote", held), (prefill, "submit", submitted)):
+            if isinstance(result, Exception):
+                self.call_failed(inst, method, rid, result, active)
         decode.room = held is not False
         undo = [self.abort_on(inst, rid) for inst, ok in ((decode, held is True), (prefill, submitted is None)) if ok]
         await asyncio.gather(*undo)
@@ -431,18 +440,25 @@ class Router:
         """The decode instances in the order the request tries them, by the rescheduling policy (the one
         that picks migration destinations) and the prompt tokens each holds cached, and whether the first has
         room by its last report."""
-        return decode_order(self.decode, len(active.prompt_ids), active.priority, self.migrations.policy, self.active,
-                            cached, self.prefix_routing.overlap_weight)
+        return decode_order(self._usable(active, self.decode), len(active.prompt_ids), active.priority,
+                            self.migrations.policy, self.active, cached, self.prefix_routing.overlap_weight)
+
+    @staticmethod
+    def _usable(active: _Active, pool: list[Instance]) -> list[Instance]:
+        """``pool`` without the instances that failed a call for this request, unless that leaves none."""
+        return [i for i in pool if i.name not in active.avoid] or pool
 
     async def _submit(self, active: _Active, inst: Instance, request) -> None:
         """Hand the request to the instance that prefills it (re-placed if the actor is gone)."""
         active.record.to(RequestState.PREFILLING)
         try:
             await inst.handle.submit.remote(request)
-        except Exception as err:  # the actor died between choosing and submitting
-            await self._retry_or_fail(active, f"{inst.role} {inst.name} unreachable: {err}")
+        except Exception as err:  # the actor died between choosing and submitting, or its worker refused
+            self.call_failed(inst, "submit", active.record.request_id, err, active)
+            await self._retry_or_fail(active, f"submit to {inst.role} {inst.name} failed: {type(err).__name__}: {err}")
 
-    async def _reserve_decode(self, request, order: list[Instance], method: str = "add_remote") -> Instance | None:
+    async def _reserve_decode(self, active: _Active, request, order: list[Instance],
+                              method: str = "add_remote") -> Instance | None:
         """The first instance of ``order`` that holds the request with room for its KV (None: none has room):
         a ``DecodeRequest`` waiting for its prompt's KV (``add_remote``), or a ``ResumeRequest`` (``add_resume``)."""
         for inst in order:
@@ -451,7 +467,7 @@ class Router:
                 if inst.room:
                     return inst
             except Exception as err:
-                log.warning("decode %s unreachable: %s", inst.name, err)
+                self.call_failed(inst, method, request.request_id, err, active)
         return None
 
     # -- streaming --------------------------------------------------------------------------------
@@ -603,7 +619,7 @@ class Router:
         timeout; raises RouterError when no decode instance can take it."""
         rid = active.record.request_id
         active.resumes += 1
-        log.warning("resuming %s on another decode instance: %s", rid, reason)
+        log.warning("resuming %s on another instance: %s", rid, reason)
         if active.migration is not None:
             self.migrations.abort(active, reason)
         # the aborts complete before any instance is asked to take it again under the same id
@@ -615,7 +631,7 @@ class Router:
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             cached = {i.name: self._cached(active, i) for i in self.decode}
-            inst = await self._reserve_decode(request, self._decode_order(active, cached)[0], "add_resume")
+            inst = await self._reserve_decode(active, request, self._decode_order(active, cached)[0], "add_resume")
             if inst is not None:
                 active.decode, active.decoders = inst, {inst}
                 inst.assigned.add(rid)
@@ -650,15 +666,48 @@ class Router:
         active.prefill = active.decode = None
         return aborts
 
-    async def abort_on(self, inst: Instance, rid: str) -> None:
-        await self.call(inst, "abort", rid)
+    async def abort_on(self, inst: Instance, rid: str) -> bool:
+        return await self.call(inst, "abort", rid)
 
-    async def call(self, inst: Instance, method: str, rid: str) -> None:
-        """``inst.method(rid)``; an instance that died meanwhile is left to its own failure handling."""
+    async def call(self, inst: Instance, method: str, rid: str) -> bool:
+        """``inst.method(rid)``, a control call about one request (abort, commit_migration, ...); False when it
+        failed: it raised, was not answered within ``CALL_TIMEOUT_S``, or answered False to a call that must
+        succeed (``commit_migration``, ``finish_migration``). A failure is counted against the instance and
+        logged (``call_failed``); the caller recovers the request (``recover``)."""
         try:
-            await getattr(inst.handle, method).remote(rid)
+            result = await asyncio.wait_for(getattr(inst.handle, method).remote(rid), CALL_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
         except Exception as err:
-            log.debug("%s of %s on %s failed: %s", method, rid, inst.name, err)
+            self.call_failed(inst, method, rid, err)
+            return False
+        if result is False and method in _MUST_HOLD:
+            self.call_failed(inst, method, rid, "answered False: the request is not there as the router holds it")
+            return False
+        return True
+
+    def call_failed(self, inst: Instance, method: str, rid: str, error, active: _Active | None = None) -> None:
+        """A call to ``inst`` about request ``rid`` failed: counted (``call_failures``, the metrics), logged as a
+        WARNING naming the instance, the call and the error; with ``active``, the request avoids ``inst`` from
+        now on while another instance can take it."""
+        self.call_failures[(inst.name, method)] += 1
+        if self.metrics is not None:
+            self.metrics.call_failed(inst.name, method)
+        if active is not None:
+            active.avoid.add(inst.name)
+        why = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
+        log.warning("%s %s: %s(%s) failed: %s", inst.role, inst.name, method, rid, why)
+
+    def recover(self, active: _Active, inst: Instance, reason: str) -> None:
+        """A call failed on ``inst``, which holds the request (it did not take it, or kept it stopped): the
+        request continues elsewhere as when an instance dies (resumed from what it streamed, or run again when
+        nothing was), and avoids ``inst``. Nothing to do when the request ended or has left ``inst`` already."""
+        rid = active.record.request_id
+        if self.active.get(rid) is not active or active.record.state.terminal or rid not in inst.assigned:
+            return
+        inst.assigned.discard(rid)
+        active.avoid.add(inst.name)
+        self._send(rid, "failed", (reason, True))
 
     def _end(self, active: _Active, state: RequestState, reason: str = "") -> None:
         if not active.record.state.terminal:
