@@ -13,11 +13,11 @@ from controller.routing import Instance, RouterError
 class ColocatedRouter(Router):
     """Routes requests over colocated instances, each running prefill and decode (the reference engine):
     ``queued -> prefilling -> decoding -> finished``. Admission, streaming, cancellation, timeouts,
-    retries before anything was streamed and instance failover are ``Router``'s; placement is one pick
+    retries before anything was streamed and instance failover (a request its instance dropped midway resumes on
+    another one, ``ColocatedActor.add_resume``) are ``Router``'s; placement is one pick
     (the fewest assigned requests, or the cheapest by cached prefix and load: ``Router._cheapest``), and the instance's first delta for a request carries its first token."""
 
     kv_transfer = False
-    resumes_output = False  # a colocated instance's engine has no resume: a failure after output fails the request
 
     def __init__(self, instances: list[Instance], max_concurrent: int, max_queue: int, request_timeout_s: float = 600.0,
                  restart=None, check_ranks=None, metrics: ServingMetrics | None = None,

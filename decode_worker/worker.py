@@ -166,7 +166,7 @@ class DecodeWorker:
         if kv.first_token is None:
             raise InvalidRequestError("first_token", f"the transfer of {kv.request_id!r} carried none")
         if kv.sampler_state:
-            seq.sampler.generator.set_state(_generator_state(kv.sampler_state))
+            seq.sampler.generator.set_state(generator_state(kv.sampler_state))
         try:
             starts = decode_forks(kv.state)
         except ValueError as err:
@@ -179,7 +179,7 @@ class DecodeWorker:
         forks = []
         for f in starts:
             sampler = seq.sampler.for_sequence(f.index)
-            sampler.generator.set_state(_generator_state(f.sampler_state))
+            sampler.generator.set_state(generator_state(f.sampler_state))
             forks.append((f.index, f.token, sampler))
         children = self._fork(live, forks, self._fork_blocks.pop(kv.request_id, None))
         # the forks first: the first sequence may finish at its first token and free the blocks they share
@@ -256,7 +256,7 @@ class DecodeWorker:
             seq.tokens = prompt + output
             seq.sampler.catch_up(output)
             if s.sampler_state:
-                seq.sampler.generator.set_state(_generator_state(s.sampler_state))
+                seq.sampler.generator.set_state(generator_state(s.sampler_state))
             seq.status = SequenceStatus.WAITING
             live = _Live(seq, OutputStream.for_sequence(seq, self.tokenizer))
             live.stream.push(output, None)  # the text state as the client's stream has it ...
@@ -542,7 +542,7 @@ class DecodeWorker:
         rid, index = split_sequence_id(seq.request_id)
         return TokenDelta(rid, appended, text, reason is not None, reason.value if reason is not None else None, k,
                           verdict.num_accepted, logprobs, index=index, position=position, text_offset=text_offset,
-                          sampler_state=_seeded_state(seq) if reason is None else b"")
+                          sampler_state=seeded_state(seq) if reason is None else b"")
 
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> tuple:
@@ -613,7 +613,7 @@ class DecodeWorker:
         rid, index = split_sequence_id(seq.request_id)
         return TokenDelta(rid, [first_token], text, reason is not None, reason.value if reason is not None else None,
                           logprobs=logprobs, index=index, position=position, text_offset=text_offset,
-                          sampler_state=_seeded_state(seq))
+                          sampler_state=seeded_state(seq))
 
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         seq = live.seq
@@ -653,7 +653,7 @@ class DecodeWorker:
         }
 
 
-def _seeded_state(seq: Sequence) -> bytes:
+def seeded_state(seq: Sequence) -> bytes:
     """The generator's state of a seeded sampling request (what a resume elsewhere continues from); empty for
     the others (greedy draws nothing; an unseeded request continues from any fresh generator)."""
     params = seq.sampler.params
@@ -662,7 +662,7 @@ def _seeded_state(seq: Sequence) -> bytes:
     return seq.sampler.generator.get_state().numpy().tobytes()
 
 
-def _generator_state(raw: bytes) -> torch.Tensor:
+def generator_state(raw: bytes) -> torch.Tensor:
     """A ``torch.Generator`` state from the bytes another process sent."""
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
