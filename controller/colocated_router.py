@@ -7,7 +7,7 @@ from controller.actor_messages import ColocatedRequest
 from controller.kv_index import PrefixRouting
 from controller.metrics import ServingMetrics
 from controller.router import Router, _Active
-from controller.routing import Instance, RouterError
+from controller.routing import Instance
 
 
 class ColocatedRouter(Router):
@@ -15,7 +15,9 @@ class ColocatedRouter(Router):
     ``queued -> prefilling -> decoding -> finished``. Admission, streaming, cancellation, timeouts,
     retries before anything was streamed and instance failover (a request its instance dropped midway resumes on
     another one, ``ColocatedActor.add_resume``) are ``Router``'s; placement is one pick
-    (the fewest assigned requests, or the cheapest by cached prefix and load: ``Router._cheapest``), and the instance's first delta for a request carries its first token."""
+    (the fewest assigned requests, or the cheapest by cached prefix and load: ``Router._cheapest``; while none
+    is in service, the request waits for a restart up to its timeout), and the instance's first delta for a
+    request carries its first token."""
 
     kv_transfer = False
 
@@ -28,9 +30,7 @@ class ColocatedRouter(Router):
 
     async def _place(self, active: _Active) -> None:
         rid = active.record.request_id
-        inst = self._cheapest(active, self.decode)
-        if inst is None:
-            raise RouterError("UNAVAILABLE", "no colocated instance is alive")
+        inst = await self._wait_for(active, self.decode, "colocated")
         active.decode, active.decoders = inst, {inst}
         inst.assigned.add(rid)
         await self._submit(active, inst, ColocatedRequest(rid, tuple(active.prompt_ids), active.params))

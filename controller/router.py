@@ -272,7 +272,7 @@ class Router:
         generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance alone."""
         rid = active.record.request_id
         if active.params.max_tokens == 0:
-            prefill = await self._wait_for_prefill(active)
+            prefill = await self._wait_for(active, self.prefill, "prefill")
             active.prefill = prefill
             prefill.assigned.add(rid)
             await self._submit(active, prefill, PrefillRequest(rid, tuple(active.prompt_ids), active.params, None))
@@ -332,15 +332,15 @@ class Router:
                                   "and no decode instance could prefill the request")
             await asyncio.sleep(_PLACEMENT_RETRY_S * 10)
 
-    async def _wait_for_prefill(self, active: _Active) -> Instance:
-        """The prefill instance to compute the prompt, waiting up to the request's timeout for one to be in
-        service (a restart). Raises RouterError UNAVAILABLE when none is."""
+    async def _wait_for(self, active: _Active, pool: list[Instance], role: str) -> Instance:
+        """The instance of ``pool`` to compute the prompt (``_cheapest``), waiting up to the request's timeout
+        for one to be in service (a restart). Raises RouterError UNAVAILABLE when none is."""
         deadline = time.monotonic() + self.request_timeout_s
-        while (prefill := self._cheapest(active, self.prefill)) is None:
+        while (inst := self._cheapest(active, pool)) is None:
             if time.monotonic() > deadline:
-                raise RouterError("UNAVAILABLE", f"no prefill instance came back within {self.request_timeout_s:g} s")
+                raise RouterError("UNAVAILABLE", f"no {role} instance came back within {self.request_timeout_s:g} s")
             await asyncio.sleep(_PLACEMENT_RETRY_S * 10)
-        return prefill
+        return inst
 
     @staticmethod
     def _in_service(pool: list[Instance]) -> bool:

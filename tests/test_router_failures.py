@@ -268,3 +268,22 @@ def test_a_request_that_needs_a_prefill_instance_waits_for_one_to_come_back():
     waited, active, p0, d0 = asyncio.run(scenario())
     assert waited and active.prefill is p0 and active.decode is d0
     assert p0.handle.called("submit") and d0.handle.called("add_remote") and not d0.handle.called("add_prefill")
+
+
+def test_a_colocated_request_arriving_while_every_instance_restarts_waits_for_one():
+    from controller.colocated_router import ColocatedRouter
+
+    async def scenario():
+        c0 = _instance("colocated-0", "colocated")
+        router = ColocatedRouter([c0], max_concurrent=4, max_queue=4)
+        c0.alive = False
+        active = _active(router)
+        placing = asyncio.get_running_loop().create_task(router._place(active))
+        await asyncio.sleep(0.2)
+        waited = not placing.done()
+        c0.alive = True
+        await asyncio.wait_for(placing, 5.0)
+        return waited, active, c0
+
+    waited, active, c0 = asyncio.run(scenario())
+    assert waited and active.decode is c0 and [c[0].request_id for c in c0.handle.called("submit")] == ["r"]
