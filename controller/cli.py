@@ -209,6 +209,8 @@ def cmd_serve(args) -> int:
     def ready(ports) -> None:
         host = config.server.host
         http = f", OpenAI-compatible HTTP on http://{host}:{ports.http}/v1" if ports.http is not None else ""
+        if ports.startup is not None:
+            print(f"magicserve: {ports.startup.describe()}", flush=True)
         print(f"magicserve: serving {config.model_path} ({config.describe_pools()}): gRPC on {host}:{ports.grpc}"
               f"{http}; Ctrl-C to stop", flush=True)
 

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFollowerActor, RankSpec,
                                ray_actor_class)
 from controller.config import ClusterConfig
+from controller.startup import StartupTimeline
 from controller.routing import Instance
 from kv_transfer.channel import Rendezvous, TransferConfig
 from modeling.checkpoint import load_config
@@ -126,9 +127,12 @@ class Cluster:
 
     # -- bring-up ---------------------------------------------------------------------------------
 
-    def start(self) -> None:
-
-        self._init_ray(ray)
+    def start(self, timeline: StartupTimeline | None = None) -> None:
+        """Bring the pools up: Ray, placement, every worker started, KV channels formed; each phase timed
+        into ``timeline`` when one is given."""
+        timeline = timeline or StartupTimeline()
+        with timeline.phase("ray"):
+            self._init_ray(ray)
         model = self.config.model_path
         if not os.path.isdir(model):
             raise ClusterError(f"model.path: {model} is not a directory")
@@ -136,9 +140,9 @@ class Cluster:
         # the store where KV pairs and tensor-parallel groups form
         self._store, self.rendezvous = Rendezvous.host_store(self.config.kv_transfer.rendezvous_host)
         if self.config.mode == "colocated":
-            self._start_colocated(model)
+            self._start_colocated(model, timeline)
         else:
-            self._start_disaggregated(model)
+            self._start_disaggregated(model, timeline)
         log.info("cluster up: %s", self.config.describe_pools())
 
     @property
@@ -155,18 +159,23 @@ class Cluster:
             except ValueError as err:
                 raise ClusterError(str(err)) from None
 
-    def _start_disaggregated(self, model: str) -> None:
+    def _start_disaggregated(self, model: str, timeline: StartupTimeline) -> None:
         p, d, transfer = self.config.prefill, self.config.decode, self.config.kv_transfer
-        self.prefill = self._start_pool("prefill", p, PrefillActor, model, lambda name: (name, p.threads))
-        self.decode = self._start_pool("decode", d, DecodeActor, model, lambda name: (name, d.threads, transfer),
-                                       transfer)
-        self._wait_ready()
-        self._connect_all()
+        with timeline.phase("placement"):  # the groups placed, the actors asked for (they start meanwhile)
+            self.prefill = self._start_pool("prefill", p, PrefillActor, model, lambda name: (name, p.threads))
+            self.decode = self._start_pool("decode", d, DecodeActor, model, lambda name: (name, d.threads, transfer),
+                                           transfer)
+        with timeline.phase("workers"):  # processes, imports, model load, KV pool, start-up profiling
+            self._wait_ready()
+        with timeline.phase("kv channels"):
+            self._connect_all()
 
-    def _start_colocated(self, model: str) -> None:
+    def _start_colocated(self, model: str, timeline: StartupTimeline) -> None:
         c = self.config.colocated
-        self.colocated = self._start_pool("colocated", c, ColocatedActor, model, lambda name: (name, c.threads))
-        self._wait_ready()
+        with timeline.phase("placement"):
+            self.colocated = self._start_pool("colocated", c, ColocatedActor, model, lambda name: (name, c.threads))
+        with timeline.phase("workers"):
+            self._wait_ready()
 
     def _wait_ready(self) -> None:
 

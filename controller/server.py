@@ -38,6 +38,7 @@ from controller.openai_protocol import OpenAIProtocol
 from controller.router import Router
 from controller.routing import Delta, Final, RouterError
 from controller.scaling import Scaler
+from controller.startup import StartupTimeline
 from modeling.checkpoint import load_config as load_model_config
 from modeling.checkpoint import read_eos_token_ids
 from modeling.dtype_choice import DtypeChoice
@@ -448,6 +449,7 @@ class BoundPorts:
 
     grpc: int
     http: int | None
+    startup: StartupTimeline | None = None  # where the start-up went, phase by phase
 
 
 def grammar_check(model_path: str, mc) -> Callable[[StructuredOutput], object]:
@@ -495,8 +497,10 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
     drains on the way out. ``ready_callback(BoundPorts)`` once both listen."""
     cluster = Cluster(config)
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, cluster.start)
+    timeline = StartupTimeline()
+    await loop.run_in_executor(None, cluster.start, timeline)
     http = None
+    fronts_from = timeline.clock()  # the router, gRPC and HTTP servers
     try:
         tokenizer = TextTokenizer(config.model_path)
         mc = load_model_config(config.model_path)
@@ -520,8 +524,10 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
             http = HttpServer(front.app, sc.host, sc.http_port, sc.tls_cert, sc.tls_key)
             http_port = await http.start()
             log.info("serving the OpenAI-compatible API on %s:%d", sc.host, http_port)
+        timeline.add("fronts", timeline.clock() - fronts_from)
+        log.info("%s", timeline.describe())
         if ready_callback is not None:
-            ready_callback(BoundPorts(port, http_port))
+            ready_callback(BoundPorts(port, http_port, timeline))
         stop_event = stop_event or asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:

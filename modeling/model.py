@@ -127,7 +127,13 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding's own init, drawn here unless on the meta device (the loader's skeleton, which the checkpoint
+        # fills): torch's meta normal_ is a Python decomposition whose first call imports torch._dynamo (seconds
+        # of every worker's start-up)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)

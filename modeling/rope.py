@@ -14,9 +14,11 @@ from modeling.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies, float32 [head_dim // 2], after scaling."""
+    """Per-pair inverse frequencies, float32 [head_dim // 2] on the CPU, after scaling. (Computed on the CPU
+    whatever the default device: the same values everywhere, and no meta-device arithmetic, whose Python
+    decompositions import torch._dynamo on first use.)"""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -39,7 +41,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        # on the default device (that of a ``with torch.device(...)`` block around the model's construction)
+        self.register_buffer("inv_freq", inverse_frequencies(config).to(torch.empty(0).device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int [...]; returns (cos, sin), each [..., head_dim] in ``dtype``."""

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from controller.client import Client
+from controller.startup import parse_line
 
 
 def free_port() -> int:
@@ -71,6 +72,7 @@ def test_ray_start_head_then_serve(llama_dir, tmp_path):
         out = subprocess.run([sys.executable, "-m", "controller.cli", "status", "--address", f"127.0.0.1:{grpc_port}"],
                              capture_output=True, text=True, timeout=60)
         assert "prefill-0" in out.stdout and "decode-0" in out.stdout, out.stdout + out.stderr
+        assert "dtype float32 (set in the config)" in out.stdout, out.stdout
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30) as r:  # the HTTP front too
             assert json.load(r)["data"][0]["id"] == os.path.basename(llama_dir)
     finally:
@@ -81,3 +83,9 @@ def test_ray_start_head_then_serve(llama_dir, tmp_path):
             serve.kill()
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
     assert serve.returncode is not None
+    lines = [ln for ln in (tmp_path / "serve.log").read_text().splitlines() if ln.startswith("magicserve:")]
+    # the first line says what it serves in which dtype and why; the start-up's phases come before the ready line
+    assert lines[0].startswith("magicserve: starting 1 prefill + 1 decode") and lines[0].endswith(
+        "in float32 (set in the config)"), lines
+    phases = next(parse_line(ln) for ln in lines if parse_line(ln))
+    assert set(phases) == {"ray", "placement", "workers", "kv channels", "fronts"}, lines
