@@ -130,6 +130,7 @@ def plot(result: dict, path: str) -> None:
                 labelled[i] = True
                 left += width
         ax.text(left, y, f" {s['ready_s']:.1f} s", va="center", fontsize=8)
+    ax.set_xlim(0, 1.12 * max(t["summary"]["ready_s"] for t in result["trees"]))
     ax.set_yticks(range(len(result["trees"])), [t["label"][:40] for t in result["trees"]], fontsize=8)
     ax.set_xlabel("seconds from the command to the ready line (medians)")
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 * len(result["trees"])))
