@@ -13,7 +13,9 @@ One request, end to end (``Router.generate``):
 
 A request whose decode instance holds all of its prompt cached but a short suffix (a conversation's next
 turn, back on the instance that served the last one) is prefilled there instead, with no prefill instance
-and no transfer (``prefix_caching.local_prefill_tokens``).
+and no transfer (``prefix_caching.local_prefill_tokens``). While no prefill instance is in service (each dead,
+restarting or draining) every request is prefilled on a decode instance that way, from whatever it holds cached;
+one that needs a prefill instance (prompt log-probabilities, scoring) waits for one to come back.
 
 Output is numbered by position in its sequence, whoever reports it (the prefill instance's first token, the
 decode instance's deltas, both ends of a live migration): the router emits each position once, in order
@@ -25,7 +27,10 @@ A decoding request may move to another decode instance while it streams (live mi
 router's ``migrations``: ``controller/migrations.py``).
 
 A failure before anything was streamed re-runs the request elsewhere (up to ``MAX_RETRIES``); after
-that the request fails with UNAVAILABLE. Nothing is dropped silently: every request ends in finished,
+that the request fails with UNAVAILABLE. A failure after output went out resumes it on another instance from
+the tokens streamed. Every call to an instance about a request is checked: a failed one is counted against the
+instance and logged (``Router.call_failed``), and a request it left decoding nowhere is recovered
+(``Router.recover``). Nothing is dropped silently: every request ends in finished,
 failed or cancelled, and the counters say how many are where.
 """
 
@@ -268,8 +273,10 @@ class Router:
         """Hand the request to a decode instance (which reserves its KV) and the prompt to a prefill instance:
         both at once when the decode instance is thought to have room (its last hold succeeded, or a request
         has left it since), else the decode instance first, waiting for one with room. A request whose decode
-        instance holds all its prompt cached but a short suffix is prefilled there alone. A request that
-        generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance alone."""
+        instance holds all its prompt cached but a short suffix is prefilled there alone, and so is every
+        request while no prefill instance is in service (``_place_without_prefill``). A request that
+        generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance alone (waiting
+        for one to be in service)."""
         rid = active.record.request_id
         if active.params.max_tokens == 0:
             prefill = await self._wait_for(active, self.prefill, "prefill")
