@@ -103,7 +103,6 @@ class Router:
     """Routes requests over the prefill and decode instances (asyncio; one per controller)."""
 
     kv_transfer = True  # requests go prefilling -> transferring -> decoding
-    resumes_output = True  # a request its decode instance dropped midway continues on another one
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], max_concurrent: int, max_queue: int,
                  request_timeout_s: float = 600.0, restart=None, check_ranks=None,
@@ -608,11 +607,10 @@ class Router:
         await self._place(active)
 
     def _can_resume(self, active: _Active) -> bool:
-        """Whether a request whose instance failed after output went out continues elsewhere: a decode pool
-        that takes resumes, fewer than ``MAX_RETRIES`` resumes so far, and every sequence still running
-        has streamed its first token."""
+        """Whether a request whose instance failed after output went out continues elsewhere: fewer than
+        ``MAX_RETRIES`` resumes so far, and every sequence still running has streamed its first token."""
         running = self._running_sequences(active)
-        return self.resumes_output and active.resumes < MAX_RETRIES and bool(running) and \
+        return active.resumes < MAX_RETRIES and bool(running) and \
             all(active.order.emitted_tokens(i) > 0 for i in running)
 
     @staticmethod
