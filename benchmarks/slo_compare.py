@@ -1,8 +1,8 @@
 """Several SLO sweeps (benchmarks/slo_sweep.py JSON files, one per system) on one figure, and their
 goodput per core at the target attainment as a markdown table.
 
-    python benchmarks/slo_compare.py benchmarks/results/slo_sweep_chat_magicserve.json \\
-        benchmarks/results/slo_sweep_chat_vllm.json --per-core --out benchmarks/results/slo_compare_chat
+    python benchmarks/slo_compare.py runs/sweep_chat_magicserve.json runs/sweep_chat_vllm.json --per-core \\
+        --out runs/slo_compare_chat
 
 Labels and core counts come from each sweep's settings (--label / --cores there); ``--labels`` and
 ``--cores`` here override them, comma-separated in file order. Goodput is re-derived from the recorded

@@ -118,7 +118,6 @@ class ServerSection:
     # clients' ("" = the clients' token, if any, admits them too)
     admin_token_env: str = ""
     max_message_bytes: int = 4 * 1024 * 1024
-    workers: int = 16  # gRPC server threads
     # DrainPassLog: hand out (and forget) the workers' timed passes, for measuring the cluster in place
     # (benchmarks/slo_sweep.py). Off by default: a second reader would take records the first expects
     pass_log_rpc: bool = False
@@ -147,8 +146,6 @@ class ServerSection:
             errs.append(("host", f"binding {self.host!r} (not localhost) requires tls_cert/tls_key and auth_token_env"))
         if self.max_message_bytes < 1024:
             errs.append(("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}"))
-        if self.workers < 1:
-            errs.append(("workers", f"must be >= 1, got {self.workers}"))
         return errs
 
     def token(self) -> str | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modeling.instance_config import InstanceConfig, Problems, booleans, integers, one_of, raise_first, set_by
+from modeling.instance_config import (InstanceConfig, Problems, booleans, compile_steps_problems, integers, one_of,
+                                      raise_first, set_by)
 
 DRAFTERS = ("none", "self_sparse", "draft_model")
 K_POLICIES = ("fixed", "adaptive")
@@ -84,7 +85,12 @@ class DecodeWorkerConfig(InstanceConfig):
     profile_on_start: bool = True
     prefix_caching: bool = field(default=True, metadata=set_by("prefix_caching.enabled"))
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    # run decode, verification and draft steps through a compiled forward (modeling/compiled_step.py): on CUDA
+    # with the triton attention backend, CUDA graphs per batch bucket; on CPU with the cpu backend,
+    # torch.compile with the kernels as custom operators (logits identical to eager, measured no faster on
+    # small models: benchmarks/decode_step.py --compile)
+    compile_steps: bool = False
 
     def check(self) -> Problems:
         return super().check() + integers(self, ("max_num_seqs", "prefill_chunk")) + \
-            booleans(self, ("profile_on_start", "prefix_caching"))
+            booleans(self, ("profile_on_start", "prefix_caching")) + compile_steps_problems(self)

@@ -17,7 +17,7 @@ from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.forks import sequence_id, split_sequence_id
 from modeling.runner import StepInput
-from modeling.instance_config import InstanceConfig, Problems, booleans, integers, set_by
+from modeling.instance_config import InstanceConfig, Problems, booleans, compile_steps_problems, integers, set_by
 from modeling.logprobs import TokenLogprob
 from modeling.sampling import PromptLogprobs, SamplingParams, sampler_for, token_logprobs
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk
@@ -45,9 +45,15 @@ class EngineConfig(InstanceConfig):
     max_num_seqs: int = 64
     max_model_len: int | None = None
     prefix_caching: bool = field(default=True, metadata=set_by("prefix_caching.enabled"))
+    # run decode, verification and draft steps through a compiled forward (modeling/compiled_step.py): on CUDA
+    # with the triton attention backend, CUDA graphs per batch bucket; on CPU with the cpu backend,
+    # torch.compile with the kernels as custom operators (logits identical to eager, measured no faster on
+    # small models: benchmarks/decode_step.py --compile)
+    compile_steps: bool = False
 
     def check(self) -> Problems:
         errs = super().check() + integers(self, ("token_budget", "max_num_seqs")) + booleans(self, ("prefix_caching",))
+        errs += compile_steps_problems(self)
         if self.max_model_len is not None:
             errs += integers(self, ("max_model_len",))
         return errs

@@ -88,11 +88,6 @@ class InstanceConfig:
     kv_cache_tokens: int = 65536
     block_size: int = 16
     attention_backend: str = "auto"
-    # run decode, verification and draft steps through a compiled forward (modeling/compiled_step.py): on CUDA
-    # with the triton attention backend, CUDA graphs per batch bucket; on CPU with the cpu backend,
-    # torch.compile with the kernels as custom operators (logits identical to eager, measured no faster on
-    # small models: benchmarks/decode_step.py --compile)
-    compile_steps: bool = False
     dtype: str = field(default="float32", metadata=set_by("model.dtype"))
     device: str = field(default="cpu", metadata=set_by("devices_per_instance (cuda when > 0)"))
 
@@ -108,12 +103,6 @@ class InstanceConfig:
         if self.devices_per_instance % self.tensor_parallel:
             errs.append(("devices_per_instance", f"must be a multiple of tensor_parallel ({self.tensor_parallel})"))
         errs += one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        errs += booleans(self, ("compile_steps",))
-        gpu = self.devices_per_instance > 0 or str(self.device).startswith("cuda")
-        allowed = ("auto", "triton") if gpu else ("auto", "cpu")
-        if self.compile_steps is True and self.attention_backend not in allowed:
-            errs.append(("compile_steps", "runs with the triton attention backend on GPUs and the cpu backend on CPU "
-                                          f"(attention_backend {' or '.join(allowed)}), got {self.attention_backend!r}"))
         if self.kv_cache_tokens < self.block_size:
             errs.append(("kv_cache_tokens", f"must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}"))
         if self.accelerator_type and not re.fullmatch(r"[\w.\-]+", self.accelerator_type):
@@ -124,3 +113,15 @@ class InstanceConfig:
         if self.device.split(":")[0] not in DEVICES:
             errs.append(("device", f"must be cpu, cuda or cuda:<index>, got {self.device!r}"))
         return errs
+
+
+def compile_steps_problems(cfg) -> Problems:
+    """``compile_steps`` of a pool that runs decode steps (``decode``, ``colocated``; prefill chunks always run
+    eagerly): a boolean, on the attention backend whose kernels compile on the pool's device."""
+    errs = booleans(cfg, ("compile_steps",))
+    gpu = cfg.devices_per_instance > 0 or str(cfg.device).startswith("cuda")
+    allowed = ("auto", "triton") if gpu else ("auto", "cpu")
+    if cfg.compile_steps is True and cfg.attention_backend not in allowed:
+        errs.append(("compile_steps", "runs with the triton attention backend on GPUs and the cpu backend on CPU "
+                                      f"(attention_backend {' or '.join(allowed)}), got {cfg.attention_backend!r}"))
+    return errs

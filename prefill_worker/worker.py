@@ -61,8 +61,7 @@ class PrefillWorker:
         self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
         mc = self.loaded.config
         self.pool = BlockPool(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp,
-                                   compile_steps=config.compile_steps)
+        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp)
         self.cache, self.backend = self.runner.cache, self.runner.backend
         self.pass_log = PassLog()
         self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),

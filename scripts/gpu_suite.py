@@ -397,8 +397,7 @@ def load_benchmark(step: Step) -> None:
 def render(env: dict, steps: list[Step], tests: dict, argv: list[str], started: str, total_s: float, cpu: bool) -> str:
     """The markdown record of one suite run."""
     name = device_name(env)
-    failed = [s for s in steps if s.failed]
-    verdict = "every step passed" if not failed else f"{len(failed)} of {len(steps)} steps failed: " + ", ".join(s.name for s in failed)
+    verdict = suite_verdict(steps, tests)
     lines = [f"# GPU suite on {name}" if not cpu else "# GPU suite: dry run on CPU (no CUDA device; plumbing only)", "",
              f"`python scripts/gpu_suite.py {' '.join(shlex.quote(a) for a in argv)}`  ",
              f"started {started}, {total_s / 60:.1f} min in all; **{verdict}**.", ""]
@@ -413,6 +412,22 @@ def render(env: dict, steps: list[Step], tests: dict, argv: list[str], started: 
         if s.name != "tests":
             lines += render_benchmark(s)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def suite_verdict(steps: list[Step], tests: dict) -> str:
+    """One line: the steps that failed or did not run, and the GPU tests that passed, failed or were skipped."""
+    failed = [s for s in steps if s.failed]
+    idle = [s for s in steps if not s.failed and s.status in ("skipped", "not run")]
+    passed = [s for s in steps if s.status == "passed"]
+    parts = [f"{len(failed)} of {len(steps)} steps failed: " + ", ".join(s.name for s in failed) if failed
+             else f"{len(passed)} of {len(steps)} steps passed"]
+    if idle:
+        parts.append("not run: " + ", ".join(s.name for s in idle))
+    counted = tests.get("passed", 0) + tests.get("failed", 0) + tests.get("errors", 0) + tests.get("skipped", 0)
+    if counted:
+        parts.append(f"GPU tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0) + tests.get('errors', 0)} "
+                     f"failed, {tests.get('skipped', 0)} skipped of {counted}")
+    return "; ".join(parts)
 
 
 def render_environment(env: dict) -> list[str]:
