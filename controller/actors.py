@@ -11,7 +11,6 @@ The classes are plain; ``ray_actor_class`` wraps them with ``ray.remote`` (threa
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -25,20 +24,15 @@ import torch
 
 from controller.actor_messages import ColocatedRequest, WorkerCrashed
 from controller.step_gate import StepGate
-from decode_worker.messages import ResumeRequest, TokenDelta
-from decode_worker.worker import DecodeWorker, generator_state, seeded_state
+from decode_worker.messages import TokenDelta
+from decode_worker.worker import DecodeWorker
 from decode_worker.worker import follower as decode_follower
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.heads import rank_peer_id
-from modeling.block_pool import BlockTable
-from modeling.engine import ReferenceEngine, _Request
+from modeling.engine import ReferenceEngine
 from modeling.engine import follower as engine_follower
-from modeling.errors import InvalidRequestError
-from modeling.forks import sequence_id, split_sequence_id
-from modeling.output import OutputStream
-from modeling.request_check import check_room_to_generate
-from modeling.sampling import sampler_for
-from modeling.sequence import Sequence
+from modeling.forks import split_sequence_id
+from modeling.resume import ResumeRequest
 from modeling.tp import TPShard
 from modeling.tp_group import TPGroup, TPGroupConfig
 from prefill_worker.worker import PrefillWorker
@@ -291,54 +285,6 @@ class DecodeActor(_LoopActor):
         return _with_cache_events(out, self.worker)
 
 
-class ResumableEngine(ReferenceEngine):
-    """The reference engine, also continuing requests another colocated instance streamed part of (it died)."""
-
-    def add_resume(self, request: ResumeRequest) -> None:
-        """Continue ``request``: each of its sequences still running has its prompt and streamed output as its
-        tokens, computed again here (from the longest cached prefix; the sequences share their prompt's blocks
-        through it) before it samples the next; the grammar and (seeded) the generator follow the output, the
-        text state is where the client's stream stands. Its outputs carry on from the next output position.
-        Raises InvalidRequestError naming the field."""
-        rid, prompt = request.request_id, list(request.prompt_ids)
-        params = dataclasses.replace(request.params, prompt_logprobs=None)  # went out with the first token
-        n = params.num_sequences
-        indices = [s.index for s in request.sequences]
-        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < n for i in indices):
-            raise InvalidRequestError("sequences", f"one or more distinct sequence indices in [0, {n}), got {indices}")
-        if not all(s.output_ids for s in request.sequences):
-            raise InvalidRequestError("sequences.output_ids", "a resumed sequence has at least one token out")
-        if self._sequence_ids(rid):
-            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-        max_len = min(self.max_model_len, self.pool.num_blocks * self.config.block_size)
-        for s in request.sequences:
-            check_room_to_generate(len(prompt) + len(s.output_ids), max_len, "sequences.output_ids")
-        eos = frozenset(self.loaded.eos_token_ids)
-        for s in request.sequences:
-            output = list(s.output_ids)
-            sampler = sampler_for(self.loaded, params, prompt).for_sequence(s.index)
-            seq = Sequence(sequence_id(rid, s.index), prompt, sampler, eos, BlockTable(self.config.block_size), max_len)
-            seq.tokens = prompt + output
-            sampler.catch_up(output)
-            if s.sampler_state:
-                sampler.generator.set_state(generator_state(s.sampler_state))
-            stream = OutputStream.for_sequence(seq, self.tokenizer)
-            stream.push(output, None)  # the text state as the client's stream has it ...
-            stream.sent = s.text_sent  # ... of which this much went out
-            self._requests[seq.request_id] = _Request(seq, stream, arrival=time.perf_counter(), emitted=True,
-                                                      logprobs=None if params.logprobs is None else [])
-            self.scheduler.add(seq)
-
-    def sampler_state(self, sequence: str) -> bytes:
-        """The generator state of a seeded sequence after its last token (empty for the others)."""
-        req = self._requests.get(sequence)
-        return b"" if req is None else seeded_state(req.seq)
-
-    def _sequence_ids(self, request_id: str) -> list[str]:
-        """Every sequence of the request held here (a resumed request may hold only some of them)."""
-        return [sid for sid in self._requests if split_sequence_id(sid)[0] == request_id]
-
-
 class ColocatedActor(_LoopActor):
     """A colocated instance: the single-process reference engine (chunked prefill and decode share each
     step's token budget; no KV transfer, no speculation). Every step yields one ``TokenDelta`` per
@@ -347,7 +293,7 @@ class ColocatedActor(_LoopActor):
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
         torch.set_num_threads(threads)
         self.instance_id = instance_id
-        self.engine = ResumableEngine(model_path, config, tp=_driver_group(tp, instance_id, config.device))
+        self.engine = ReferenceEngine(model_path, config, tp=_driver_group(tp, instance_id, config.device))
         self._tokens_generated = 0
         self._start_loop(f"colocated-loop-{instance_id}")
 

@@ -54,9 +54,10 @@ from controller.placement import decode_order, record_placement, record_report
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from controller.routing import Delta, Final, Instance, RouterError
 from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, PoolLoad,
-                                     ResumedSequence, ResumeRequest, TokenDelta)
+                                     TokenDelta)
 from modeling.params import SamplingParams
 from modeling.prefix_cache import PrefixCacheEvents
+from modeling.resume import ResumedSequence, ResumeRequest
 from prefill_worker.messages import FirstToken, KVDestination, PrefillRequest, PrefillStepOutput
 
 log = logging.getLogger("magicserve.router")

@@ -29,37 +29,6 @@ class DecodeRequest:
 
 
 @dataclass(frozen=True)
-class ResumedSequence:
-    """One sequence of a resumed request: its index (0 .. n - 1), the tokens already streamed, the
-    characters of its output text already streamed (``text_sent``) and the generator's state after its last
-    token (``sampler_state``: seeded sampling; empty: a fresh generator)."""
-
-    index: int
-    output_ids: tuple[int, ...]
-    text_sent: int
-    sampler_state: bytes = b""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "output_ids", tuple(self.output_ids))
-
-
-@dataclass(frozen=True)
-class ResumeRequest:
-    """A request to continue where another decode instance left it (that instance died): the prompt and, for
-    each of its sequences still running, the tokens already streamed, whose KV this instance computes again
-    (from its prefix cache, where it holds part of it)."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    sequences: tuple[ResumedSequence, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
-        object.__setattr__(self, "sequences", tuple(self.sequences))
-
-
-@dataclass(frozen=True)
 class TokenDelta:
     """New tokens of one sequence of a request from one step, and their text, numbered by where they sit:
     ``position`` is the output position of ``token_ids[0]``, ``text_offset`` the characters of the sequence's

@@ -32,8 +32,7 @@ import torch
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.drafters import Drafter
 from decode_worker.live_migration import LiveMigrations
-from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationFailed, PoolLoad, ResumeRequest,
-                                    TokenDelta)
+from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed, PoolLoad, TokenDelta
 from decode_worker.metrics import WorkerMetrics
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.speculation import Speculator
@@ -51,6 +50,7 @@ from modeling.forks import decode_forks, sequence_id, split_sequence_id
 from modeling.output import OutputStream
 from modeling.params import SamplingParams
 from modeling.pass_log import PassLog
+from modeling.resume import ResumeRequest, generator_state, seeded_state
 from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request, check_room_to_generate
@@ -651,20 +651,6 @@ class DecodeWorker:
             "metrics": self.metrics.summary(),
             **self.speculator.status(),
         }
-
-
-def seeded_state(seq: Sequence) -> bytes:
-    """The generator's state of a seeded sampling request (what a resume elsewhere continues from); empty for
-    the others (greedy draws nothing; an unseeded request continues from any fresh generator)."""
-    params = seq.sampler.params
-    if params.seed is None or params.greedy:
-        return b""
-    return seq.sampler.generator.get_state().numpy().tobytes()
-
-
-def generator_state(raw: bytes) -> torch.Tensor:
-    """A ``torch.Generator`` state from the bytes another process sent."""
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def follower(model_path: str, config: DecodeWorkerConfig, tp: TPGroup, instance_id: str = "decode-0",

@@ -6,6 +6,7 @@ disaggregated system. ``step()`` reads as the skeleton of a serving loop: schedu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from modeling.pass_log import PassLog
 from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request_id, check_room_to_generate, check_token_ids
+from modeling.resume import ResumeRequest, generator_state, seeded_state
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
@@ -160,6 +162,46 @@ class ReferenceEngine:
         self.scheduler.add(seq)
         return request_id
 
+    def add_resume(self, request: ResumeRequest) -> None:
+        """Continue ``request``: each of its sequences still running has its prompt and streamed output as its
+        tokens, computed again here (from the longest cached prefix; the sequences share their prompt's blocks
+        through it) before it samples the next; the grammar and (seeded) the generator follow the output, the
+        text state is where the client's stream stands. Its outputs carry on from the next output position.
+        Raises InvalidRequestError naming the field."""
+        rid, prompt = request.request_id, list(request.prompt_ids)
+        params = dataclasses.replace(request.params, prompt_logprobs=None)  # went out with the first token
+        n = params.num_sequences
+        indices = [s.index for s in request.sequences]
+        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < n for i in indices):
+            raise InvalidRequestError("sequences", f"one or more distinct sequence indices in [0, {n}), got {indices}")
+        if not all(s.output_ids for s in request.sequences):
+            raise InvalidRequestError("sequences.output_ids", "a resumed sequence has at least one token out")
+        if self._sequence_ids(rid):
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+        max_len = min(self.max_model_len, self.pool.num_blocks * self.config.block_size)
+        for s in request.sequences:
+            check_room_to_generate(len(prompt) + len(s.output_ids), max_len, "sequences.output_ids")
+        eos = frozenset(self.loaded.eos_token_ids)
+        for s in request.sequences:
+            output = list(s.output_ids)
+            sampler = sampler_for(self.loaded, params, prompt).for_sequence(s.index)
+            seq = Sequence(sequence_id(rid, s.index), prompt, sampler, eos, BlockTable(self.config.block_size), max_len)
+            seq.tokens = prompt + output
+            sampler.catch_up(output)
+            if s.sampler_state:
+                sampler.generator.set_state(generator_state(s.sampler_state))
+            stream = OutputStream.for_sequence(seq, self.tokenizer)
+            stream.push(output, None)  # the text state as the client's stream has it ...
+            stream.sent = s.text_sent  # ... of which this much went out
+            self._requests[seq.request_id] = _Request(seq, stream, arrival=time.perf_counter(), emitted=True,
+                                                      logprobs=None if params.logprobs is None else [])
+            self.scheduler.add(seq)
+
+    def sampler_state(self, sequence: str) -> bytes:
+        """The generator state of a seeded sequence after its last token (empty for the others)."""
+        req = self._requests.get(sequence)
+        return b"" if req is None else seeded_state(req.seq)
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request (every sequence of it) and free its KV; False if unknown or already finished."""
         aborted = False
@@ -179,10 +221,8 @@ class ReferenceEngine:
             del self._requests[request_id]
 
     def _sequence_ids(self, request_id: str) -> list[str]:
-        """The ids of a request's sequences still held here."""
-        req = self._requests.get(request_id)
-        n = 1 if req is None else req.seq.sampler.params.num_sequences
-        return [sequence_id(request_id, i) for i in range(n)]
+        """Every sequence of the request held here (a resumed request may hold only some of them)."""
+        return [sid for sid in self._requests if split_sequence_id(sid)[0] == request_id]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -219,14 +219,13 @@ def test_requests_spread_over_instances_and_cancellation_frees_them(server):
 
 
 def test_the_engine_resumes_each_sequence_from_the_tokens_it_streamed(llama_dir):
-    """``ResumableEngine.add_resume`` (what a colocated instance runs when another one died): both sequences of
+    """``ReferenceEngine.add_resume`` (what a colocated instance runs when another one died): both sequences of
     a seeded n = 2 request, continued from a cut of an undisturbed run's output (its text sent so far and its
     generator's state there), end with that run's tokens and text."""
-    from controller.actors import ResumableEngine
-    from decode_worker.messages import ResumedSequence, ResumeRequest
+    from modeling.resume import ResumedSequence, ResumeRequest
     from modeling.forks import split_sequence_id
 
-    engine = ResumableEngine(llama_dir, EngineConfig(kv_cache_tokens=KV_TOKENS, attention_backend="torch"))
+    engine = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=KV_TOKENS, attention_backend="torch"))
     prompt = prompts_of([40], seed=9)[0]
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=3, n=2)
     cut = 10

@@ -14,12 +14,12 @@ import torch
 
 from controller.output_order import OutputOrder
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
-from decode_worker.messages import (DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, ResumedSequence,
-                                     TokenDelta)
+from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
 from decode_worker.migration import MigrationState, headroom_tokens, should_stop
 from decode_worker.worker import DecodeWorker
 from kv_transfer.channel import Rendezvous, TransferConfig
 from modeling.errors import InvalidRequestError
+from modeling.resume import ResumedSequence
 from modeling.sampling import SamplingParams
 from tests.checkpoints import VOCAB
 
@@ -356,7 +356,7 @@ def test_a_request_resumes_from_its_streamed_tokens_on_another_worker(llama_dir)
     string, a grammar, and seeded sampling (the generator's state rides on the deltas) all end exactly as on
     one undisturbed worker, the text going on from the characters already sent."""
     pytest.importorskip("llguidance")
-    from decode_worker.messages import ResumeRequest
+    from modeling.resume import ResumeRequest
     from modeling.structured_output import StructuredOutput
 
     prompts = prompts_of([40, 30, 35, 25], seed=7)
@@ -394,7 +394,7 @@ def test_every_running_sequence_of_a_request_resumes(llama_dir):
     """n = 3, seeded sampling: the worker dies after a few steps; another continues the request's three
     sequences from their streamed tokens, each with its own generator state (``ResumedSequence``), and every
     sequence ends as on one undisturbed worker."""
-    from decode_worker.messages import ResumeRequest
+    from modeling.resume import ResumeRequest
 
     prompt = prompts_of([30], seed=9)[0]
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.95, seed=11, n=3)

@@ -19,7 +19,8 @@ from controller.migrations import PendingMigration
 from controller.request_state import RequestRecord, RequestState
 from controller.router import Router, _Active
 from controller.routing import Delta, Final, Instance
-from decode_worker.messages import MigrationArrived, ResumeRequest, TokenDelta
+from decode_worker.messages import MigrationArrived, TokenDelta
+from modeling.resume import ResumeRequest
 from modeling.sampling import SamplingParams
 
 _ANSWERS = {"add_remote": True, "add_prefill": True, "add_resume": True, "submit": None, "abort": True,
