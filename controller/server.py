@@ -9,6 +9,7 @@ unpickled). Binds 127.0.0.1 unless configured; a non-local bind needs TLS and a 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -219,6 +220,9 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
     async def GetClusterStatus(self, request, context):
         statuses = await self.status_fn()
         q = self.router.queue_stats()
+        failures = collections.Counter()
+        for (name, _), count in self.router.call_failures.items():
+            failures[name] += count
         return pb.ClusterStatus(
             instances=[pb.InstanceStatus(
                 name=s["name"], role=s["role"], device=s.get("device", ""), alive=s.get("alive", True),
@@ -227,7 +231,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 acceptance_rate=s.get("acceptance_rate", 0.0), mean_accepted_length=s.get("mean_accepted_length", 0.0),
                 tokens_generated=s.get("tokens_generated", 0), preemptions=s.get("preemptions", 0),
                 cached_kv_blocks=s.get("cached_kv_blocks", 0), prefix_cache_queries=s.get("prefix_cache_queries", 0),
-                prefix_cache_hits=s.get("prefix_cache_hits", 0))
+                prefix_cache_hits=s.get("prefix_cache_hits", 0), call_failures=failures.get(s["name"], 0))
                 for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name,
             migrations_committed=self.router.migrations.counts["committed"],

@@ -138,6 +138,14 @@ def test_a_failed_commit_resumes_the_request_elsewhere(caplog, answer):
     assert len(resumed) == 1 and isinstance(resumed[0], ResumeRequest)
     assert not dst.handle.called("add_resume")  # the instance that failed it is avoided
     assert resumed[0].sequences[0].output_ids == (10, 11)
+    # `magicserve status` shows the failed call against the instance
+    from controller.server import MagicServeServicer
+
+    async def statuses():
+        return [{"name": i.name, "role": "decode"} for i in (src, dst, other)]
+
+    status = asyncio.run(MagicServeServicer(router, None, statuses, "m").GetClusterStatus(None, None))
+    assert {i.name: i.call_failures for i in status.instances} == {"decode-0": 0, "decode-1": 1, "decode-2": 0}
     assert isinstance(items[-1], Final) and [t for i in items if isinstance(i, Delta) for t in i.token_ids] == [12]
 
 
