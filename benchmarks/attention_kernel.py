@@ -31,6 +31,7 @@ import torch
 from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_build_seconds, load_cpu_kernel
 from modeling.attention.metadata import AttentionMetadata
 from modeling.attention.torch_backend import TorchAttentionBackend, dense_reference_attention
+from planner.profiler import cpu_model_name
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HKV, HQ, HEAD_DIM, BLOCK = 2, 8, 64, 16
@@ -49,18 +50,6 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> tuple[float, fl
         best = min(best, time.perf_counter() - t)
         best_cpu = min(best_cpu, time.process_time() - c)
     return 2 * nbytes / best, 2 * nbytes / max(best_cpu, 1e-9)
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo where there is one."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_cell(batch: int, context: int, layout: str, seed: int = 0, q_len: int = 1):
@@ -161,7 +150,7 @@ def main() -> None:
         "kernel_build": info, "kernel_load_s": load_s, "kernel_build_or_load_s": cpu_kernel_build_seconds(),
         "copy_bandwidth_gb_s": {"before": bw_before / 1e9, "after": bw_after / 1e9,
                                 "per_cpu_s_before": bw_cpu_before / 1e9, "per_cpu_s_after": bw_cpu_after / 1e9},
-        "machine": {"cpu": cpu_name(), "arch": platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_model_name(), "arch": platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "load_avg": os.getloadavg()},
         "cells": cells,
     }

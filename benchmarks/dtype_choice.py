@@ -85,19 +85,6 @@ def _timed_request(engine, prompt: list[int], params) -> tuple[float, float]:
     return steps[0], statistics.median(steps[1:])
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def run_child(kind: str, args) -> dict:
     env = {**os.environ, **KINDS[kind], "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MAGICSERVE_CPU_MARCH"):
@@ -204,11 +191,13 @@ def main() -> None:
         ap.error(f"--kinds: each must be one of {', '.join(KINDS)}, got {args.kinds!r}")
     from tqdm import tqdm
 
+    from planner.profiler import cpu_model_name
+
     results = {}
     for kind in tqdm(kinds, desc="CPU kinds", unit="kind"):
         results[kind] = run_child(kind, args)
     argv = " ".join(a for a in sys.argv[1:])
-    result = {"meta": {"command": f"python benchmarks/dtype_choice.py {argv}".strip(), "cpu": cpu_name(),
+    result = {"meta": {"command": f"python benchmarks/dtype_choice.py {argv}".strip(), "cpu": cpu_model_name(),
                        "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                        "repeats": args.repeats},
               "kinds": results}

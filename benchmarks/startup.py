@@ -24,7 +24,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # ahead of this folder, whose kv_transfer.py would shadow the package
 
-from controller.startup import PREFIX, parse_line  # noqa: E402
+from controller.startup import parse_line  # noqa: E402
 
 READY_TIMEOUT_S = 600.0
 
@@ -161,10 +161,10 @@ def main() -> None:
                 runs[tree].append(start_once(tree, args.config))
                 bar.update()
     from benchmarks._record import record
-    from benchmarks.dtype_choice import cpu_name
+    from planner.profiler import cpu_model_name
 
     names = list(dict.fromkeys(n for rs in runs.values() for r in rs for n in r["phases"]))
-    result = {"meta": {"command": "python benchmarks/startup.py " + " ".join(sys.argv[1:]), "cpu": cpu_name(),
+    result = {"meta": {"command": "python benchmarks/startup.py " + " ".join(sys.argv[1:]), "cpu": cpu_model_name(),
                        "cpus": os.cpu_count(), "config": args.config, "repeats": args.repeats},
               "phase_names": names,
               "trees": [{"tree": t, "label": git_label(t), "runs": runs[t], "summary": summarize(runs[t])}

@@ -236,12 +236,7 @@ class DecodeWorker:
         position. False when there is no room now for all of them. Raises InvalidRequestError naming the
         field."""
         rid, params, prompt = request.request_id, request.params, list(request.prompt_ids)
-        n = params.num_sequences
-        indices = [s.index for s in request.sequences]
-        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < n for i in indices):
-            raise InvalidRequestError("sequences", f"one or more distinct sequence indices in [0, {n}), got {indices}")
-        if not all(s.output_ids for s in request.sequences):
-            raise InvalidRequestError("sequences.output_ids", "a resumed sequence has at least one token out")
+        request.check_sequences()
         self._check_new(rid, prompt, params)
         if any(split_sequence_id(sid)[0] == rid for sid in self.requests):
             raise InvalidRequestError("request_id", f"{rid!r} is already on this worker")

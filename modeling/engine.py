@@ -170,12 +170,7 @@ class ReferenceEngine:
         Raises InvalidRequestError naming the field."""
         rid, prompt = request.request_id, list(request.prompt_ids)
         params = dataclasses.replace(request.params, prompt_logprobs=None)  # went out with the first token
-        n = params.num_sequences
-        indices = [s.index for s in request.sequences]
-        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < n for i in indices):
-            raise InvalidRequestError("sequences", f"one or more distinct sequence indices in [0, {n}), got {indices}")
-        if not all(s.output_ids for s in request.sequences):
-            raise InvalidRequestError("sequences.output_ids", "a resumed sequence has at least one token out")
+        request.check_sequences()
         if self._sequence_ids(rid):
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
         max_len = min(self.max_model_len, self.pool.num_blocks * self.config.block_size)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from modeling.errors import InvalidRequestError
 from modeling.params import SamplingParams
 
 if TYPE_CHECKING:  # the messages carry no torch: the router imports them
@@ -44,6 +45,16 @@ class ResumeRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         object.__setattr__(self, "sequences", tuple(self.sequences))
+
+    def check_sequences(self) -> None:
+        """Raises InvalidRequestError naming the field unless the sequences are one or more distinct indices of
+        the request's ``n`` sequences, each with at least one token out."""
+        n = self.params.num_sequences
+        indices = [s.index for s in self.sequences]
+        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < n for i in indices):
+            raise InvalidRequestError("sequences", f"one or more distinct sequence indices in [0, {n}), got {indices}")
+        if not all(s.output_ids for s in self.sequences):
+            raise InvalidRequestError("sequences.output_ids", "a resumed sequence has at least one token out")
 
 
 def seeded_state(seq: Sequence) -> bytes:
