@@ -28,10 +28,13 @@ import time
 
 import torch
 
-from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_build_seconds, load_cpu_kernel
-from modeling.attention.metadata import AttentionMetadata
-from modeling.attention.torch_backend import TorchAttentionBackend, dense_reference_attention
-from planner.profiler import cpu_model_name
+# ahead of this folder, whose kv_transfer.py would shadow the package when run as a script
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modeling.attention.cpu_kernel import CpuPagedAttentionBackend, cpu_kernel_build_seconds, load_cpu_kernel  # noqa: E402
+from modeling.attention.metadata import AttentionMetadata  # noqa: E402
+from modeling.attention.torch_backend import TorchAttentionBackend, dense_reference_attention  # noqa: E402
+from planner.profiler import cpu_model_name  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HKV, HQ, HEAD_DIM, BLOCK = 2, 8, 64, 16
