@@ -68,6 +68,16 @@ def add_node_for(nodes, group: str, timeout_s: float, after_s: float) -> tuple[l
     return states, next(n["NodeID"] for n in ray.nodes() if n["NodeID"] not in before)
 
 
+# How long the server took to come up here: the resizes' deadlines scale with it, since a slower machine
+# starts the added instance (and everything else) more slowly.
+STARTUP_S: list[float] = []
+
+
+def deadline_s(floor_s: float) -> float:
+    """``floor_s``, or ten server start-ups of this machine where that is longer."""
+    return max(floor_s, 10 * STARTUP_S[-1]) if STARTUP_S else floor_s
+
+
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory, ray_nodes):
     profile = plain_profile(str(tmp_path_factory.mktemp("profile") / "profile.json"))
@@ -82,7 +92,9 @@ def server(llama_dir, tmp_path_factory, ray_nodes):
                    "cooldown_s": 1, "scale_down_after": 2, "min_window_requests": 3,
                    "prefill": {"max_instances": 1}, "decode": {"max_instances": 2}},
     )
+    t0 = time.monotonic()
     with running_server(cfg) as address:
+        STARTUP_S.append(time.monotonic() - t0)
         yield address
 
 
@@ -120,8 +132,9 @@ def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(ser
         streams = [Stream(server, p, f"burst-{i}", **params) for i, p in enumerate(burst)]
         # six at once: one instance's steps would take 76 ms, two take 40 ms: the planner adds one, whose
         # placement group waits for room; the node joins only after the 2 s placement timeout
-        states, node_id = add_node_for(ray_nodes, "magicserve-decode-1", 120, after_s=3.0)
-        wait_for(lambda: pools(c)["decode"] == (2, 2), 120, "scaling decode up to 2", lambda: scaling_state(c))
+        states, node_id = add_node_for(ray_nodes, "magicserve-decode-1", deadline_s(120), after_s=3.0)
+        wait_for(lambda: pools(c)["decode"] == (2, 2), deadline_s(120), "scaling decode up to 2",
+                 lambda: scaling_state(c))
         got += [(p, s.join()) for p, s in zip(burst, streams)]
         resizes = [r for r in c.status().recent_scaling if r.pool == "decode"]  # oldest first
         failed = [i for i, r in enumerate(resizes) if r.error]
@@ -147,7 +160,8 @@ def test_load_adds_a_decode_instance_and_a_lighter_load_removes_one_by_drain(ser
 
         loader = threading.Thread(target=steady_load, daemon=True)
         loader.start()
-        wait_for(lambda: pools(c)["decode"] == (1, 1), 180, "scaling decode back to 1", lambda: scaling_state(c))
+        wait_for(lambda: pools(c)["decode"] == (1, 1), deadline_s(180), "scaling decode back to 1",
+                 lambda: scaling_state(c))
         stop.set()
         loader.join(120)
         removed = [r for r in c.status().recent_scaling if r.removed]
