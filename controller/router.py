@@ -410,7 +410,8 @@ class Router:
                              decode: Instance) -> bool:
         """Contact both instances together (the prefill instance's transfer waits, answered BUSY, until the
         decode instance holds the request); False, with neither holding it, when the decode instance had no
-        room or either call failed."""
+        room or either call failed. Where the decode instance had no room but the prefill instance keeps the
+        prompt (its transfer there is under way), the request waits for room on that decode instance."""
         rid = active.record.request_id
         self._assign(active, prefill, decode)
         held, submitted = await asyncio.gather(decode.handle.add_remote.remote(request),
@@ -423,6 +424,10 @@ class Router:
             if isinstance(result, Exception):
                 self.call_failed(inst, method, rid, result, active)
         decode.room = held is not False
+        if held is False and submitted is None and not await self._lets_go(prefill, rid):
+            # the prefill instance is already sending the prompt to ``decode`` (answered BUSY there until it holds
+            # the request) and keeps its id until that transfer ends: wait for room there
+            return await self._hold_when_room(active, request, decode)
         undo = [self.abort_on(inst, rid) for inst, ok in ((decode, held is True), (prefill, submitted is None)) if ok]
         await asyncio.gather(*undo)
         for inst in (prefill, decode):
@@ -430,6 +435,34 @@ class Router:
         active.prefill = active.decode = None
         active.decoders = set()
         return False
+
+    async def _lets_go(self, prefill: Instance, rid: str) -> bool:
+        """Ask ``prefill`` to drop a prompt it took; False when it keeps it (its transfer is under way)."""
+        try:
+            return await asyncio.wait_for(prefill.handle.abort.remote(rid), CALL_TIMEOUT_S) is not False
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # gone: its death is handled as any instance's
+            self.call_failed(prefill, "abort", rid, err)
+            return True
+
+    async def _hold_when_room(self, active: _Active, request: DecodeRequest, decode: Instance) -> bool:
+        """Ask ``decode`` to hold the request until it has room (back-pressure), up to the request's timeout;
+        True once it holds it. Raises RouterError RESOURCE_EXHAUSTED when it never had room."""
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            await asyncio.sleep(_PLACEMENT_RETRY_S)
+            try:
+                held = await decode.handle.add_remote.remote(request)
+            except Exception as err:  # gone: the request is recovered as any on a dead instance
+                self.call_failed(decode, "add_remote", active.record.request_id, err, active)
+                raise RouterError("UNAVAILABLE", f"{decode.name} failed while the prompt was on its way there: "
+                                  f"{type(err).__name__}: {err}") from None
+            if held:
+                active.record.to(RequestState.PREFILLING)
+                return True
+            if time.monotonic() > deadline:
+                raise RouterError("RESOURCE_EXHAUSTED", f"{decode.name} had no room for the prompt's KV in time")
 
     def _assign(self, active: _Active, prefill: Instance, decode: Instance) -> None:
         rid = active.record.request_id

@@ -29,7 +29,7 @@ _ANSWERS = {"add_remote": True, "add_prefill": True, "add_resume": True, "submit
 
 class _Actor:
     """An actor handle: ``handle.method.remote(*args)`` records the call and answers ``answers[method]``
-    (an exception is raised)."""
+    (an exception is raised; a list is answered in turn)."""
 
     def __init__(self, **answers):
         self.answers = {**_ANSWERS, **answers}
@@ -45,6 +45,8 @@ class _Actor:
 
                 async def answer():
                     a = actor.answers[method]
+                    if isinstance(a, list):  # answers in turn, the last one for good
+                        a = a.pop(0) if len(a) > 1 else a[0]
                     if isinstance(a, Exception):
                         raise a
                     return a
@@ -296,3 +298,23 @@ def test_a_colocated_request_arriving_while_every_instance_restarts_waits_for_on
 
     waited, active, c0 = asyncio.run(scenario())
     assert waited and active.decode is c0 and [c[0].request_id for c in c0.handle.called("submit")] == ["r"]
+
+
+def test_a_decode_instance_without_room_is_waited_for_while_the_prefill_instance_sends_to_it():
+    """Placement contacted both instances; the decode instance had no room, and the prefill instance, already
+    sending the prompt there, keeps it (it refuses the abort): the request waits for room on that decode
+    instance instead of being placed again under an id the prefill instance still holds."""
+    async def scenario():
+        router = Router([], [], max_concurrent=4, max_queue=4)
+        p0 = _instance("prefill-0", "prefill", abort=False)
+        d0 = _instance("decode-0", "decode", add_remote=[False, False, True])
+        router.prefill, router.decode = [p0], [d0]
+        active = _active(router)
+        await router._place(active)
+        return router, active, p0, d0
+
+    router, active, p0, d0 = asyncio.run(scenario())
+    assert active.record.state is RequestState.PREFILLING
+    assert active.prefill is p0 and active.decode is d0 and "r" in p0.assigned and "r" in d0.assigned
+    assert len(p0.handle.called("submit")) == 1 and len(d0.handle.called("add_remote")) == 3
+    assert not router.call_failures  # no room is back-pressure, not a failure
