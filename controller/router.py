@@ -42,7 +42,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from controller.actor_messages import WorkerCrashed
 from controller.admission import PriorityGate
@@ -299,14 +299,7 @@ class Router:
             return
         if first is not None and await self._place_at_once(active, request, prefill, first):
             return
-        deadline = time.monotonic() + self.request_timeout_s
-        while True:
-            decode = await self._reserve_decode(active, request, self._decode_order(active, cached)[0])
-            if decode is not None:
-                break
-            if time.monotonic() > deadline:
-                raise RouterError("RESOURCE_EXHAUSTED", "no decode instance had room for the prompt's KV in time")
-            await asyncio.sleep(_PLACEMENT_RETRY_S)  # back-pressure: wait for KV to free up
+        decode = await self._wait_for_room(active, request, lambda: self._decode_order(active, cached)[0])
         prefill = self._cheapest(active, self.prefill)
         if prefill is None:
             await self.abort_on(decode, rid)
@@ -447,22 +440,16 @@ class Router:
             return True
 
     async def _hold_when_room(self, active: _Active, request: DecodeRequest, decode: Instance) -> bool:
-        """Ask ``decode`` to hold the request until it has room (back-pressure), up to the request's timeout;
-        True once it holds it. Raises RouterError RESOURCE_EXHAUSTED when it never had room."""
-        deadline = time.monotonic() + self.request_timeout_s
-        while True:
-            await asyncio.sleep(_PLACEMENT_RETRY_S)
-            try:
-                held = await decode.handle.add_remote.remote(request)
-            except Exception as err:  # gone: the request is recovered as any on a dead instance
-                self.call_failed(decode, "add_remote", active.record.request_id, err, active)
-                raise RouterError("UNAVAILABLE", f"{decode.name} failed while the prompt was on its way there: "
-                                  f"{type(err).__name__}: {err}") from None
-            if held:
-                active.record.to(RequestState.PREFILLING)
-                return True
-            if time.monotonic() > deadline:
-                raise RouterError("RESOURCE_EXHAUSTED", f"{decode.name} had no room for the prompt's KV in time")
+        """Wait for ``decode`` to hold the request (``_wait_for_room``); True once it does. Raises RouterError
+        UNAVAILABLE when it fails meanwhile, RESOURCE_EXHAUSTED when it never had room."""
+        def there() -> list[Instance]:
+            if decode.name in active.avoid or not decode.alive:
+                raise RouterError("UNAVAILABLE", f"{decode.name} failed while the prompt was on its way there")
+            return [decode]
+
+        await self._wait_for_room(active, request, there)
+        active.record.to(RequestState.PREFILLING)
+        return True
 
     def _assign(self, active: _Active, prefill: Instance, decode: Instance) -> None:
         rid = active.record.request_id
@@ -496,6 +483,18 @@ class Router:
         except Exception as err:  # the actor died between choosing and submitting, or its worker refused
             self.call_failed(inst, "submit", active.record.request_id, err, active)
             await self._retry_or_fail(active, f"submit to {inst.role} {inst.name} failed: {type(err).__name__}: {err}")
+
+    async def _wait_for_room(self, active: _Active, request: DecodeRequest,
+                             order: Callable[[], list[Instance]]) -> Instance:
+        """The first instance of ``order()`` to hold the request, asked again every ``_PLACEMENT_RETRY_S`` while
+        none has room (back-pressure: KV frees up as requests finish), up to the request's timeout. Raises
+        RouterError RESOURCE_EXHAUSTED when none had room in time."""
+        deadline = time.monotonic() + self.request_timeout_s
+        while (decode := await self._reserve_decode(active, request, order())) is None:
+            if time.monotonic() > deadline:
+                raise RouterError("RESOURCE_EXHAUSTED", "no decode instance had room for the prompt's KV in time")
+            await asyncio.sleep(_PLACEMENT_RETRY_S)
+        return decode
 
     async def _reserve_decode(self, active: _Active, request, order: list[Instance],
                               method: str = "add_remote") -> Instance | None:
