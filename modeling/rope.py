@@ -42,7 +42,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         # on the default device (that of a ``with torch.device(...)`` block around the model's construction)
-        self.register_buffer("inv_freq", inverse_frequencies(config).to(torch.empty(0).device), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(config).to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int [...]; returns (cos, sin), each [..., head_dim] in ``dtype``."""
