@@ -10,6 +10,7 @@ PACKAGES = [
     "kv_transfer",
     "controller",
     "planner",
+    "frontend",
     "protos",
     "protos.magicserve",
     "protos.magicserve.v1",
@@ -55,5 +56,5 @@ setup(
         "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5", "openai>=1.40",
                  "jsonschema>=4", "triton>=3.7; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
-    entry_points={"console_scripts": ["magicserve=controller.cli:main"]},
+    entry_points={"console_scripts": ["magicserve=frontend.cli:main"]},
 )

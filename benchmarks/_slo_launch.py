@@ -140,9 +140,9 @@ def http_healthy(url: str) -> Callable[[], bool]:
 def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float,
                       http_port: int | None = None) -> ManagedServer:
     """``magicserve serve --config CONFIG --port PORT`` (and ``--http-port`` where given: then ready once
-    the HTTP front answers ``/health``), run as ``python -m controller.cli`` with this interpreter and this
+    the HTTP front answers ``/health``), run as ``python -m frontend.cli`` with this interpreter and this
     checkout (the console script could belong to another install)."""
-    argv = [sys.executable, "-m", "controller.cli", "serve", "--config", config_path, "--port", str(port),
+    argv = [sys.executable, "-m", "frontend.cli", "serve", "--config", config_path, "--port", str(port),
             "--http-port", str(http_port if http_port is not None else -1)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     healthy = grpc_healthy(f"{host}:{port}") if http_port is None else http_healthy(f"http://{host}:{http_port}/health")

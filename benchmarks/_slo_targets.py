@@ -1,6 +1,6 @@
 """Targets of the SLO sweep: what one request costs on a server, timed on the client.
 
-* :class:`GrpcTarget` streams magicserve's ``Generate`` RPC (``controller.client.AsyncClient``);
+* :class:`GrpcTarget` streams magicserve's ``Generate`` RPC (``frontend.client.AsyncClient``);
 * :class:`OpenAITarget` streams an OpenAI-compatible ``/v1/completions`` endpoint (``vllm serve``) over a
   small HTTP/1.1 client of its own (:func:`post_sse`: asyncio streams, chunked transfer coding,
   server-sent events), so the sweep needs no HTTP library.
@@ -110,7 +110,7 @@ class GrpcTarget:
         """Connect; returns what the server says about itself (model name, instances)."""
         import grpc
 
-        from controller.client import AsyncClient
+        from frontend.client import AsyncClient
 
         self._client = AsyncClient(self.address, token=self._token, tls_ca=self._tls_ca)
         try:

@@ -114,7 +114,7 @@ class Server:
     def __init__(self, config: str, log_path: str, timeout_s: float = 300.0):
         self.grpc_port, self.http_port = free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.http_port}"
-        cmd = [sys.executable, "-m", "controller.cli", "serve", "--config", config, "--port", str(self.grpc_port),
+        cmd = [sys.executable, "-m", "frontend.cli", "serve", "--config", config, "--port", str(self.grpc_port),
                "--http-port", str(self.http_port)]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -40,9 +40,9 @@ from benchmarks._slo_launch import free_port, magicserve_server  # noqa: E402
 from benchmarks._slo_targets import OpenAITarget, RequestRecord  # noqa: E402
 from benchmarks.prefix_reuse import token_source  # noqa: E402
 from benchmarks.slo_sweep import heldout_corpus, percentile  # noqa: E402
-from controller.client import AsyncClient  # noqa: E402
 from controller.config import LOCAL_CONFIG  # noqa: E402
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
+from frontend.client import AsyncClient  # noqa: E402
 
 SYSTEMS = ("fixed-min", "fixed-max", "elastic")
 PROFILE = os.path.join(ROOT, "benchmarks", "results", "profile_local_cpu.json")

@@ -227,10 +227,9 @@ def measure(config, profile: Profile, requests: int = 40, seed: int = 0, progres
     overlapping requests (and, without ``workload``, the output burst) and fit the host contention to the
     workers' passes meanwhile. ``profile`` must hold the mode's calibration (the burst's rate is chosen by
     simulating it)."""
-    from controller.client import Client
+    from frontend.server import serve_with_client
     from planner.calibrate import calibration_config, config_threads, drain_passes, random_prompts
     from planner.simulator import SimConfig
-    from controller.server import serve_in_thread
 
     if requests < 4:
         raise ProfileError(f"--burst-requests: must be >= 4, got {requests}")
@@ -240,7 +239,7 @@ def measure(config, profile: Profile, requests: int = 40, seed: int = 0, progres
     extra = output_burst_trace(run_config, OUTPUT_BURST_REQUESTS, seed) if workload is None else []
     rng = random.Random(seed + 1)
     prompts = random_prompts(run_config, [r.prompt_tokens for r in trace + extra], rng)
-    with serve_in_thread(run_config) as address, Client(address) as client:
+    with serve_with_client(run_config) as client:
         for _ in client.generate_stream(prompts[0][:64], max_tokens=4, ignore_eos=True):
             pass  # warm-up
         drain_passes(run_config)

@@ -83,7 +83,7 @@ def launch(config: dict, startup_timeout_s: float = 300.0):
 # -- downtime ---------------------------------------------------------------------------------------
 
 async def one_migration(address: str, prompt: list[int], max_tokens: int, migrate_after: int, rid: str) -> dict:
-    from controller.client import AsyncClient
+    from frontend.client import AsyncClient
 
     arrivals: list[tuple[float, int]] = []  # (time, tokens so far) per stream message
     call = {}
@@ -174,7 +174,7 @@ def skewed_trace(corpus: list[int], num: int, rate: float, seed: int, long_share
 
 
 async def run_trace(address: str, trace: list[dict]) -> list[dict]:
-    from controller.client import AsyncClient
+    from frontend.client import AsyncClient
 
     t0 = time.perf_counter()
 
@@ -241,7 +241,7 @@ def simulate_trace(profile_path: str, config: dict, trace: list[dict], ttft_slo:
 
 
 async def skewed_once(address: str, trace: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
-    from controller.client import AsyncClient
+    from frontend.client import AsyncClient
 
     start = time.perf_counter()
     rows = await run_trace(address, trace)

@@ -1,6 +1,6 @@
 """How long ``magicserve serve`` takes to answer, and where the time goes.
 
-Each repeat starts ``python -m controller.cli serve --config CONFIG`` (free ports), reads its start-up line
+Each repeat starts ``python -m frontend.cli serve --config CONFIG`` (free ports), reads its start-up line
 (``controller/startup.py``: Ray, placement, the workers' start, KV channels, the fronts), sends one request of
 one token over gRPC, and stops the server with SIGINT. Recorded per repeat: seconds from the command's start to
 the ready line, to the first token, and each phase; "before the cluster" is the ready time less the phases
@@ -32,7 +32,7 @@ READY_TIMEOUT_S = 600.0
 def start_once(tree: str, config: str) -> dict:
     """One start of the server in ``tree``: ready and first-token seconds, and the start-up phases."""
     env = {**os.environ, "PYTHONPATH": tree, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "controller.cli", "serve", "--config", config, "--port", "0", "--http-port", "0"]
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--config", config, "--port", "0", "--http-port", "0"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -60,7 +60,7 @@ def start_once(tree: str, config: str) -> dict:
 
 def _first_token(tree: str, address: str) -> float:
     """perf_counter time when one token came back (a client in this process, the tree's own client code)."""
-    from controller.client import Client
+    from frontend.client import Client
 
     with Client(address) as client:
         for chunk in client.generate_stream("def add(a, b):", max_tokens=1):

@@ -10,7 +10,7 @@ decode TP d.
    * a decode step of one sequence at a 128-token context (fixed costs and all-reduce latency);
    * the all-reduce share: time inside the model's all-reduces on rank 0 over the pass time.
 2. KV move: a 4K and a 16K-token prompt's KV (bfloat16) from p prefill ranks to d decode ranks, each
-   receiver rank getting exactly its heads from the sender rank holding them (``kv_transfer/heads.py``),
+   receiver rank getting exactly its heads from the sender rank holding them (``modeling/heads.py``),
    for p == d and p != d: begin to every leg's DONE (slowest sender), medians of repeats.
 
     python benchmarks/tp_scaling.py                      # -> benchmarks/results/tp_scaling.{json,md,png}
@@ -34,10 +34,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from kv_transfer import KVFingerprint, KVReceiver, KVSender, PoolReserver, Rendezvous, TransferConfig  # noqa: E402
-from kv_transfer.heads import legs_from, legs_to, plan_transfer, rank_peer_id, shard_heads  # noqa: E402
 from kv_transfer.streaming import leg_targets  # noqa: E402
 from modeling.block_pool import BlockPool  # noqa: E402
 from modeling.checkpoint import load_config  # noqa: E402
+from modeling.heads import legs_from, legs_to, plan_transfer, rank_peer_id, shard_heads  # noqa: E402
 from modeling.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from modeling.runner import StepInput  # noqa: E402
 from modeling.tp import TPShard  # noqa: E402

@@ -1,1 +1,2 @@
-"""Control plane: configuration, Ray placement, request routing, gRPC server and the CLI."""
+"""Control plane: configuration, Ray placement, request routing, migration and pool scaling (no fronts, no
+planner: ``frontend`` serves it, ``planner`` reads it)."""

@@ -25,13 +25,14 @@ import torch
 from controller.actor_messages import ColocatedRequest, WorkerCrashed
 from controller.step_gate import StepGate
 from decode_worker.messages import TokenDelta
+from decode_worker.sources import LocalPrefill, RemoteKV, Resume
 from decode_worker.worker import DecodeWorker
 from decode_worker.worker import follower as decode_follower
 from kv_transfer.channel import Rendezvous, TransferConfig
-from kv_transfer.heads import rank_peer_id
 from modeling.engine import ReferenceEngine
 from modeling.engine import follower as engine_follower
 from modeling.forks import split_sequence_id
+from modeling.heads import rank_peer_id
 from modeling.resume import ResumeRequest
 from modeling.tp import TPShard
 from modeling.tp_group import TPGroup, TPGroupConfig
@@ -204,20 +205,22 @@ class DecodeActor(_LoopActor):
     def connect(self, prefill_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
         self.worker.connect(prefill_id, Rendezvous(host, port), generation, prefill_tp=peer_tp)
 
+    # admission: every source through the worker's one door (``DecodeWorker.admit``)
+
     def add_remote(self, request) -> bool:
         """Hold ``request`` (a ``DecodeRequest``) until its KV arrives, with room reserved; False: no room."""
         with self._gate.call():
-            return self.worker.add_remote(request)
+            return self.worker.admit(request, RemoteKV())
 
     def add_prefill(self, request) -> bool:
         """Prefill ``request`` here from its cached prefix, then decode it; False: no room."""
         with self._gate.call():
-            return self.worker.add_prefill(request)
+            return self.worker.admit(request, LocalPrefill())
 
     def add_resume(self, request) -> bool:
         """Continue ``request`` (a ``ResumeRequest``) where a dead instance left it; False: no room."""
         with self._gate.call():
-            return self.worker.add_resume(request)
+            return self.worker.admit(request, Resume())
 
     def abort(self, request_id: str) -> bool:
         with self._gate.call():
@@ -233,7 +236,8 @@ class DecodeActor(_LoopActor):
         self.worker.migrations.connect(destination, Rendezvous(host, port), generation, destination_tp)
 
     def migrate_in(self, request, num_tokens: int):
-        """Destination: the positions reserved for a request migrating here, or None (no room)."""
+        """Destination: the positions reserved for a request migrating here, or None (no room); admitted
+        through the worker's door as ``MigrationIn`` with room for the steps its source runs meanwhile."""
         with self._gate.call():
             return self.worker.migrations.begin_in(request, num_tokens)
 

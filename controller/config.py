@@ -27,7 +27,6 @@ import yaml
 
 from controller.kv_index import PrefixRouting
 from controller.migration_policy import PolicyConfig
-from controller.tool_calls import TOOL_PARSERS
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import TransferConfig
 from modeling.checkpoint import DTYPES
@@ -37,6 +36,7 @@ from modeling.instance_config import InstanceConfig, Problems, booleans, integer
 from prefill_worker.config import PrefillWorkerConfig
 
 MODES = ("disaggregated", "colocated")
+TOOL_PARSERS = ("hermes", "llama3_json")  # server.tool_call_parser: the parsers of frontend/tool_calls.py
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster_configs")
 LOCAL_CONFIG = os.path.join(CONFIG_DIR, "local.yaml")
@@ -280,7 +280,7 @@ class AutoscaleSection:
     bounds. ``placement_timeout_s``: how long a new instance may wait for Ray to place it (an autoscaling
     Ray cluster adds a node meanwhile); ``drain_timeout_s``: how long an instance may take to empty.
 
-    ``enabled`` runs the online planner (``controller/online_planner.py``): every ``interval_s`` it replays
+    ``enabled`` runs the online planner (``planner/online.py``): every ``interval_s`` it replays
     the requests of the last ``window_s`` seconds (``headroom`` times faster) on the hardware ``profile``
     (``magicserve profile``) for the pool sizes within the bounds and resizes to the smallest that meets
     the ``slo:`` section's targets (each decision within ``decision_time_limit_s``); it grows a pool at once

@@ -2,7 +2,7 @@
 reports the request arrived, abort on any failure before), the global rescheduling policy's rounds, and
 draining a decode instance. The decode workers' side is ``decode_worker/live_migration.py``; the policy
 (where to move what) is ``controller/migration_policy.py``; tokens stream in order across the hand-over
-(``Router._stream``)."""
+(``controller/streaming.py``)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from controller.control_calls import ControlCalls
 from controller.migration_policy import InstanceLoad, MigrationHistory, PolicyConfig, pick_instance, plan_migrations
 from controller.placement import instance_load, record_report
+from controller.request_run import MigrationEnded, RequestRun
 from controller.request_state import RequestState
+from controller.router_context import RouterContext
 from controller.routing import Instance, RouterError
 from decode_worker.messages import DecodeRequest, MigrationArrived
-
-if TYPE_CHECKING:  # the router imports this module
-    from controller.router import Router
 
 log = logging.getLogger("magicserve.router")
 
@@ -70,8 +69,9 @@ class MigrationCoordinator:
     callable(source, destination) forming the migration channel between two decode instances (None: this
     router cannot migrate)."""
 
-    def __init__(self, router: "Router", connect_pair=None):
-        self.router = router
+    def __init__(self, context: RouterContext, calls: ControlCalls, connect_pair=None):
+        self.context = context
+        self.calls = calls
         self._connect_pair = connect_pair
         self._pairs: set[tuple] = set()  # (source, destination, their generations) with a formed channel
         self._pair_locks: dict[tuple, asyncio.Lock] = {}
@@ -103,7 +103,7 @@ class MigrationCoordinator:
         (INVALID_ARGUMENT / NOT_FOUND / FAILED_PRECONDITION) when it cannot start. ``destination`` None: the
         freest other decode instance (the policy's pick)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        active = self.router.active.get(request_id)
+        active = self.context.runs.get(request_id)
         if active is None:
             raise RouterError("NOT_FOUND", f"request_id: {request_id!r} is not running")
         if active.params.num_sequences > 1:
@@ -112,9 +112,9 @@ class MigrationCoordinator:
                                                      "prompt's KV blocks; such requests do not migrate")
         if destination is None:
             destination = await self._pick_destination(active)
-        dst = next((d for d in self.router.decode if d.name == destination), None)
+        dst = next((d for d in self.context.decode if d.name == destination), None)
         if dst is None:
-            names = ", ".join(d.name for d in self.router.decode) or "none"
+            names = ", ".join(d.name for d in self.context.decode) or "none"
             raise RouterError("INVALID_ARGUMENT", f"destination: no decode instance {destination!r} (decode "
                                                   f"instances: {names})")
         src = active.decode
@@ -132,9 +132,7 @@ class MigrationCoordinator:
             raise RouterError("FAILED_PRECONDITION", "this router cannot form migration channels")
         started = time.perf_counter()
         m = PendingMigration(src, dst, started, asyncio.get_running_loop().create_future())
-        active.migration = m
-        active.record.to(RequestState.MIGRATING)
-        dst.migrating_in.add(request_id)
+        active.migration_started(m)
         try:
             await self._start(active, m)
         except Exception as err:  # noqa: BLE001 - an unreachable end or a refusal aborts, never loses the request
@@ -146,7 +144,7 @@ class MigrationCoordinator:
             self.abort(active, f"not committed within {timeout_s}s", m)
             return m.done.result()
 
-    async def _start(self, active, m: PendingMigration) -> None:
+    async def _start(self, active: RequestRun, m: PendingMigration) -> None:
         rid = active.record.request_id
         await self._ensure_pair(m.source, m.destination)
         if m.done.done():
@@ -157,7 +155,7 @@ class MigrationCoordinator:
         if capacity is None:
             raise _Refused(f"{m.destination.name} has no room for the request's KV")
         if m.done.done():  # aborted meanwhile (the request ended): free what was just reserved
-            await self.router.abort_on(m.destination, rid)
+            await self.calls.abort_on(m.destination, rid)
             return
         why = await m.source.handle.migrate_out.remote(rid, m.destination.name, capacity)
         if why is not None:
@@ -190,10 +188,10 @@ class MigrationCoordinator:
                 return inst, None
 
         loads = []
-        for inst, rep in await asyncio.gather(*(report(i) for i in self.router.decode if i.alive)):
+        for inst, rep in await asyncio.gather(*(report(i) for i in self.context.decode if i.alive)):
             if rep is not None:
                 record_report(inst, rep)
-                loads.append(instance_load(inst, rep, self.router.active))
+                loads.append(instance_load(inst, rep, self.context.runs))
         return loads
 
     async def reschedule_once(self) -> list[MigrationOutcome]:
@@ -223,9 +221,9 @@ class MigrationCoordinator:
     async def drain(self, name: str, timeout_s: float = 600.0, undo: bool = False) -> DrainOutcome:
         """Stop placing requests on decode instance ``name`` and migrate its requests away (each as soon as it
         decodes there); returns once it holds none, or after ``timeout_s``. ``undo``: back into service."""
-        inst = next((d for d in self.router.decode if d.name == name), None)
+        inst = next((d for d in self.context.decode if d.name == name), None)
         if inst is None:
-            names = ", ".join(d.name for d in self.router.decode) or "none"
+            names = ", ".join(d.name for d in self.context.decode) or "none"
             raise RouterError("INVALID_ARGUMENT", f"instance: no decode instance {name!r} (decode instances: {names})")
         if undo:
             inst.draining = False
@@ -242,12 +240,12 @@ class MigrationCoordinator:
                 return DrainOutcome(name, True, tuple(outcomes), len(on_it - moved))
             on_it |= here
             # a request of several sequences does not migrate: it finishes where it is
-            movable = [rid for rid in here if self.router.active[rid].record.state is RequestState.DECODING
-                       and self.router.active[rid].migration is None and self.router.active[rid].params.num_sequences == 1]
+            movable = [rid for rid in here if self.context.runs[rid].record.state is RequestState.DECODING
+                       and self.context.runs[rid].migration is None and self.context.runs[rid].params.num_sequences == 1]
             started = []
             loads = await self.instance_loads() if movable else []
             for rid in movable[: max(1, self.policy.max_migrations_per_round)]:
-                dst = self._destination_for(self.router.active[rid], loads, inst)
+                dst = self._destination_for(self.context.runs[rid], loads, inst)
                 if dst is not None:
                     started.append(self.migrate(rid, dst))
             results = await asyncio.gather(*started, return_exceptions=True)
@@ -258,7 +256,7 @@ class MigrationCoordinator:
         return DrainOutcome(name, False, tuple(outcomes), len(on_it - moved - self._requests_on(inst)))
 
     def _requests_on(self, inst: Instance) -> set[str]:
-        return {rid for rid, a in self.router.active.items() if a.decode is inst and not a.record.state.terminal}
+        return {rid for rid, a in self.context.runs.items() if a.decode is inst and not a.record.state.terminal}
 
     @staticmethod
     def _pair_key(src: Instance, dst: Instance) -> tuple:
@@ -275,63 +273,56 @@ class MigrationCoordinator:
     def on_arrived(self, inst: Instance, arrived: MigrationArrived) -> None:
         """The destination holds the request's KV and state: commit (the one decision point)."""
         rid = arrived.request_id
-        active = self.router.active.get(rid)
+        active = self.context.runs.get(rid)
         m = None if active is None else active.migration
         if m is None or m.destination is not inst or m.done.done():
             return  # aborted already: the abort sent to the destination frees its copy
-        src, dst = m.source, m.destination
-        active.migration = None
-        active.decode = dst
-        active.decoders.add(dst)  # the source's last deltas still count: the router emits each position once
-        src.assigned.discard(rid)
-        dst.migrating_in.discard(rid)
-        dst.assigned.add(rid)
+        src, dst = active.migration_committed()
         asyncio.get_running_loop().create_task(self._settle(active, src, dst))
         self.counts["committed"] += 1
-        if self.router.metrics is not None:
-            self.router.metrics.migration(True)
+        if self.context.metrics is not None:
+            self.context.metrics.migration(True)
         m.done.set_result(MigrationOutcome(rid, src.name, dst.name, True, seconds=time.perf_counter() - m.started,
                                            source_tokens=arrived.num_output_tokens))
-        active.events.put_nowait(("migration_ended", None, None))
+        active.tell(MigrationEnded())
 
-    async def _settle(self, active, src: Instance, dst: Instance) -> None:
+    async def _settle(self, active: RequestRun, src: Instance, dst: Instance) -> None:
         """Tell both ends of a committed migration: the destination decodes the request from its next step,
         the source frees its copy. A destination that fails its commit does not decode the request: it
         continues elsewhere (``Router.recover``); a source that fails to free its copy is told to abort it."""
         rid = active.record.request_id
-        committed, finished = await asyncio.gather(self.router.call(dst, "commit_migration", rid),
-                                                   self.router.call(src, "finish_migration", rid))
+        committed, finished = await asyncio.gather(self.calls.call(dst, "commit_migration", rid),
+                                                   self.calls.call(src, "finish_migration", rid))
         if not finished and src.alive:
-            await self.router.abort_on(src, rid)
+            await self.calls.abort_on(src, rid)
         if not committed:
-            self.router.recover(active, dst, f"{dst.name} did not start the migrated request (commit_migration failed)")
+            self.calls.recover(active, dst, f"{dst.name} did not start the migrated request (commit_migration failed)")
 
-    async def _resume_at_source(self, active, src: Instance) -> None:
+    async def _resume_at_source(self, active: RequestRun, src: Instance) -> None:
         """An aborted migration's source takes the request back (it may have stopped it for the last copy); one
         that fails to does not decode it: it continues elsewhere (``Router.recover``)."""
         rid = active.record.request_id
-        if not await self.router.call(src, "abort_migration", rid):
-            self.router.recover(active, src, f"{src.name} did not take the request back (abort_migration failed)")
+        if not await self.calls.call(src, "abort_migration", rid):
+            self.calls.recover(active, src, f"{src.name} did not take the request back (abort_migration failed)")
 
-    def abort(self, active, reason: str, m: PendingMigration | None = None) -> None:
+    def abort(self, active: RequestRun, reason: str, m: PendingMigration | None = None) -> None:
         """Abort the request's undecided migration: it goes on at its source; the destination frees its copy."""
         m = m or active.migration
         if m is None or m.done.done():
             return
         rid = active.record.request_id
-        active.migration = None
-        m.destination.migrating_in.discard(rid)
+        active.migration_dropped(m)
         loop = asyncio.get_running_loop()
         if m.destination.alive:
-            loop.create_task(self.router.abort_on(m.destination, rid))
+            loop.create_task(self.calls.abort_on(m.destination, rid))
         if m.source.alive:
             loop.create_task(self._resume_at_source(active, m.source))
         self.counts["aborted"] += 1
-        if self.router.metrics is not None:
-            self.router.metrics.migration(False)
+        if self.context.metrics is not None:
+            self.context.metrics.migration(False)
         log.info("migration of %s from %s to %s aborted: %s", rid, m.source.name, m.destination.name, reason)
         m.done.set_result(MigrationOutcome(rid, m.source.name, m.destination.name, False, reason,
                                            time.perf_counter() - m.started))
-        active.events.put_nowait(("migration_ended", None, None))
+        active.tell(MigrationEnded())
 
 

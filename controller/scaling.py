@@ -19,7 +19,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from controller.config import AutoscaleSection
-from controller.online_planner import Decision
 from controller.routing import Instance, RouterError
 
 log = logging.getLogger("magicserve.scaling")
@@ -125,10 +124,12 @@ class Scaler:
 
     async def plan_forever(self, planner, policy, window, interval_s: float, headroom: float,
                            min_requests: int) -> None:
-        """The online planner's loop (``controller/online_planner.py``): every ``interval_s``, a decision on
-        the window's requests (simulated off the event loop), then the resizes the policy allows, pools sized
-        by hand left alone. A decision or resize that fails is logged and the loop goes on: the cluster keeps
-        serving at the shape it has."""
+        """The online planner's loop: every ``interval_s``, a decision on the window's requests (simulated off
+        the event loop), then the resizes the policy allows, pools sized by hand left alone. A decision or
+        resize that fails is logged and the loop goes on: the cluster keeps serving at the shape it has.
+        The server that wires it passes ``planner`` (``decide``, ``smallest``), ``policy`` (``actions``,
+        ``acted``) and ``window`` (``summary``, ``plan_inputs``, ``acceptance``): ``planner/online.py``'s
+        ``OnlinePlanner``, ``ScalePolicy`` and ``LoadWindow``."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval_s)
@@ -136,8 +137,7 @@ class Scaler:
                 summary = window.summary()
                 current = {role: len(insts) for role, insts in self.in_service().items()}
                 if summary["requests"] < min_requests:  # too little load to plan for: the smallest shape
-                    smallest = {pool: lo for pool, (lo, _) in planner.bounds.items()}
-                    decision = Decision(smallest, {}, summary, 0.0, True)
+                    decision = planner.smallest(summary)
                 else:
                     trace, measured = window.plan_inputs(headroom)
                     acceptance = summary["acceptance"] = window.acceptance()

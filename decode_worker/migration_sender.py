@@ -2,7 +2,7 @@
 
 A decode instance of ``tp`` ranks migrates a request to another of ``destination_tp`` ranks the way a
 prefill instance hands a prompt to a decode instance: each source rank sends only its own heads, over its
-own pair channels, to the destination ranks the transfer plan (:mod:`kv_transfer.heads`) assigns them.
+own pair channels, to the destination ranks the transfer plan (:mod:`modeling.heads`) assigns them.
 Block ids are the same on every rank of an instance, so one list of source blocks and one of destination
 blocks describe every leg. The driver (rank 0) decides the rounds and the stop; each rank runs them on its
 legs with an instance of this class. The request's state (and a draft model's cache) travels on rank 0's
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
-from kv_transfer.heads import HeadRange, peer_ranks, rank_peer_id
 from kv_transfer.sender import KVSender, TransferFailure
 from kv_transfer.streaming import leg_targets
 from modeling.config import ModelConfig
+from modeling.heads import HeadRange, peer_ranks, rank_peer_id
 from modeling.kv_cache import PagedKVCache
 
 

@@ -5,6 +5,9 @@ Each step every running sequence needs blocks for its tokens plus the step's k d
 pool runs short, k drops to 0 first (a plain decode step needs the least), then the newest sequences are
 preempted: their KV is dropped and they wait, first in first out, to be recomputed once there is room.
 
+Every block it reserves (admission, resumption, each step's room) goes through one call,
+``KVSlots.allocate_slots`` (``decode_worker/kv_slots.py``); this module decides who gets a seat and when.
+
 Sequences are any objects with ``request_id``, ``num_tokens``, ``num_computed``, ``block_table`` and
 ``status`` (``modeling.sequence.Sequence``, or the simulator's stand-in); with a prefix cache, also ``tokens``
 and ``prompt_ids``: a preempted sequence resumes from its longest cached prefix, and a sequence that leaves
@@ -16,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterator
 
+from decode_worker.kv_slots import KVSlots, SlotGrant
 from decode_worker.messages import PoolLoad
 from modeling.block_pool import BlockPool
-from modeling.errors import OutOfBlocksError
 from modeling.prefix_cache import PrefixCache
 from modeling.sequence import SequenceStatus
 
@@ -30,6 +33,7 @@ class DecodeScheduler:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.prefix_cache = prefix_cache
+        self.slots = KVSlots(pool, prefix_cache)
         self.running: dict[str, object] = {}  # request id -> sequence, in admission order
         self.preempted: deque = deque()  # FIFO
         self.num_preemptions = 0
@@ -40,14 +44,15 @@ class DecodeScheduler:
         return len(self.running) + len(num_tokens) <= self.max_num_seqs and \
             self.pool.can_allocate(sum(self.pool.blocks_for_tokens(n + 1) for n in num_tokens))
 
-    def reserve(self, seq, num_tokens: int) -> bool:
-        """Give ``seq`` blocks for ``num_tokens`` positions and its first decode step (on top of the blocks it
-        holds already: a cached prefix), if there is room for them beside the running ones."""
-        need = self.pool.blocks_for_tokens(num_tokens + 1) - len(seq.block_table.blocks)
-        if len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need):
-            return False
-        seq.block_table.ensure_capacity(self.pool, num_tokens + 1)
-        return True
+    def reserve(self, seq, num_tokens: int, num_forks: int = 0, cached_upto: int | None = None) -> SlotGrant | None:
+        """Admit ``seq`` with blocks for ``num_tokens`` positions and its first decode step (on top of the blocks
+        it holds: a cached prefix, looked up here first with ``cached_upto``), and the own blocks of its
+        ``num_forks`` further sequences, if there are seats for all of them beside the running ones and
+        blocks in the pool; None, with nothing taken, when not."""
+        if len(self.running) + 1 + num_forks > self.max_num_seqs:
+            return None
+        return self.slots.allocate_slots(seq, num_tokens, lookahead_tokens=1, num_forks=num_forks,
+                                         cached_upto=cached_upto)
 
     def start(self, seq) -> None:
         """``seq`` (its prompt computed) joins the running batch."""
@@ -80,16 +85,14 @@ class DecodeScheduler:
         sequences when the pool runs short."""
         batch, preempted = list(self.running.values()), []
         while batch:
-            try:
-                for seq in batch:
-                    seq.block_table.ensure_capacity(self.pool, seq.num_tokens + k)
+            # a sequence granted room keeps it when a later one cannot get its own: the retry needs less
+            if all(self.slots.allocate_slots(seq, seq.num_tokens, lookahead_tokens=k) is not None for seq in batch):
                 return k, batch, preempted
-            except OutOfBlocksError:
-                if k > 0:
-                    k = 0
-                    continue
-                preempted.append(batch.pop())
-                self._preempt(preempted[-1])
+            if k > 0:
+                k = 0
+                continue
+            preempted.append(batch.pop())
+            self._preempt(preempted[-1])
         return 0, batch, preempted
 
     def resume_first(self, seq) -> None:
@@ -107,9 +110,8 @@ class DecodeScheduler:
             if not self.can_reserve(seq.num_tokens):
                 return
             self.preempted.popleft()
-            if self.prefix_cache is not None:
-                self.prefix_cache.attach(seq, seq.num_tokens - 1)
-            seq.block_table.ensure_capacity(self.pool, seq.num_tokens)
+            # can_reserve left room for its tokens and one more, whatever the cache holds: this cannot fail
+            self.slots.allocate_slots(seq, seq.num_tokens, cached_upto=seq.num_tokens - 1)
             self.start(seq)
             yield seq
 

@@ -17,31 +17,19 @@ from __future__ import annotations
 
 import logging
 
+from decode_worker.kv_inbox import GivenBlocks
 from decode_worker.migration_sender import MigrationLegs
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.errors import TransferError
-from kv_transfer.heads import peer_ranks, rank_peer_id
 from kv_transfer.rank_sync import exchange_outcomes
 from kv_transfer.receiver import KVReceiver
+from modeling.heads import peer_ranks, rank_peer_id
 from modeling.runner import ModelRunner
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import TPFollower
 
 log = logging.getLogger("magicserve.decode")
-
-
-class _DriverBlocks:
-    """BlockReserver of a follower rank: the blocks the driver reserved; freeing them is the driver's."""
-
-    def __init__(self):
-        self.given: dict[str, list[int]] = {}
-
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        return self.given.pop(request_id, None)
-
-    def release_reservation(self, request_id: str) -> None:
-        pass
 
 
 class DecodeRankFollower(TPFollower):
@@ -52,7 +40,7 @@ class DecodeRankFollower(TPFollower):
         model = runner.model
         self.config = model.config
         heads = group.shard.kv_heads(self.config)
-        self._blocks = _DriverBlocks()
+        self._blocks = GivenBlocks()  # the blocks the driver reserved; freeing them is the driver's
         fingerprint = KVFingerprint.of(self.config, runner.block_size, runner.cache.spec.dtype)
         self.receiver = KVReceiver(runner.cache, self._blocks, rank_peer_id(instance_id, group.rank, group.size),
                                    fingerprint, heads, transfer)
@@ -81,7 +69,7 @@ class DecodeRankFollower(TPFollower):
         self.migration.connect(destination, destination_tp, rendezvous, generation)
 
     def _reserve(self, request_id: str, slot: int, num_tokens: int, blocks: list[int], have_blocks: int = 0) -> None:
-        self._blocks.given[request_id] = list(blocks)
+        self._blocks.give(request_id, blocks)
         self.receiver.reserve(request_id, num_tokens, have_blocks)
         self._slots[request_id] = slot
         self.group.barrier()  # the driver hands out the block ids only once every rank expects them

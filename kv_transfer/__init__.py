@@ -1,9 +1,10 @@
 """KV transfer: moves a prompt's paged KV from a prefill worker to a decode worker over torch.distributed.
 
 Modules (each one job): ``descriptors`` (fingerprint, handshake descriptor, replies; JSON, no pickle),
-``heads`` (TP head ranges and the N-sender / M-receiver plan), ``channel`` (2-rank gloo / NCCL pair
-groups from the controller's TCP store; control frames), ``blocks`` (one layer's K or V of some blocks
-on the wire), ``streaming`` (the layer-written hook), ``sender`` / ``receiver`` (the two halves).
+``channel`` (2-rank gloo / NCCL pair groups from the controller's TCP store; control frames), ``blocks``
+(one layer's K or V of some blocks on the wire), ``streaming`` (the layer-written hook), ``sender`` /
+``receiver`` (the two halves). The TP head ranges and the N-sender / M-receiver plan are
+:mod:`modeling.heads` (re-exported here).
 
 Protocol, per (prefill, decode) pair channel (rank 0 = prefill, rank 1 = decode):
 
@@ -41,10 +42,10 @@ Prefill-side API (KVSender, driven by prefill_worker): ``connect(decode_id, rend
 from kv_transfer.channel import PairChannel, Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint, PeerHello, TransferDescriptor
 from kv_transfer.errors import FingerprintMismatchError, TransferError
-from kv_transfer.heads import HeadRange, TransferLeg, plan_transfer, shard_heads
 from kv_transfer.receiver import BlockReserver, KVReceiver, PoolReserver, ReceivedKV, ReceiveFailure, ReceiverEvents
 from kv_transfer.sender import KVSender, LegTarget, SenderEvents, StreamGroup, TransferFailure
 from kv_transfer.streaming import LayerStreamingContext
+from modeling.heads import HeadRange, TransferLeg, plan_transfer, shard_heads
 
 __all__ = [
     "BlockReserver", "FingerprintMismatchError", "HeadRange", "KVFingerprint", "KVReceiver", "KVSender",

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from kv_transfer.errors import FingerprintMismatchError
-from kv_transfer.heads import HeadRange
 from modeling.config import ModelConfig
+from modeling.heads import HeadRange
 from modeling.kv_cache import KVCacheSpec
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -1,8 +1,9 @@
 """The receiving half of KV transfer (runs in the decode worker).
 
 The decode worker owns the requests and their blocks; the receiver only asks it for room through a
-:class:`BlockReserver` (``reserve`` / ``release_reservation``: the DecodeWorker methods of the same
-names, or :class:`PoolReserver` over a bare BlockPool), writes the bytes into the cache and reports which
+:class:`BlockReserver` (``reserve`` / ``release_reservation``: the decode worker's ``GivenBlocks``, which hands
+over the blocks its one allocation call granted, in ``decode_worker/kv_inbox.py``, or :class:`PoolReserver`
+over a bare BlockPool), writes the bytes into the cache and reports which
 prompts are complete (KV and the first token the prefill worker sampled, which ends every transfer) or
 failed. Its ``_reservations`` are transfers in flight, not requests: the owner decides what a request is.
 
@@ -33,8 +34,8 @@ from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, PromptEnd,
 from kv_transfer.errors import TransferError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-from kv_transfer.heads import HeadRange
 from modeling.block_pool import BlockPool, BlockTable
+from modeling.heads import HeadRange
 from modeling.kv_cache import PagedKVCache
 
 

@@ -38,7 +38,7 @@ from kv_transfer.channel import (DESCRIPTOR, FIRST_TOKEN, PIECES, PREFILL_RANK, 
 from kv_transfer.descriptors import (_DTYPE_NAMES, KVFingerprint, PeerHello, Piece, PromptEnd, Reply,
                                      TransferDescriptor, decode_reply, encode)
 from kv_transfer.errors import TransferError
-from kv_transfer.heads import HeadRange
+from modeling.heads import HeadRange
 from modeling.kv_cache import PagedKVCache
 
 

@@ -10,10 +10,10 @@ from typing import Callable
 
 import torch
 
-from kv_transfer.heads import legs_from, plan_transfer, rank_peer_id
 from kv_transfer.sender import KVSender, LegTarget
 from modeling.attention import AttentionBackend, AttentionMetadata, PagedAttentionContext
 from modeling.config import ModelConfig
+from modeling.heads import legs_from, plan_transfer, rank_peer_id
 from modeling.kv_cache import PagedKVCache
 from modeling.runner import ModelRunner, StepInput
 
@@ -57,7 +57,7 @@ def forward_streaming(runner: ModelRunner, sender: KVSender, inputs: list[StepIn
 def leg_targets(config: ModelConfig, rank: int, tp: int, decode_id: str, decode_tp: int,
                 reserved: bool) -> list[LegTarget]:
     """The legs prefill rank ``rank`` of ``tp`` sends for one prompt to a decode instance of ``decode_tp``
-    ranks (the N x M plan of :mod:`kv_transfer.heads`); ``reserved``: the decode instance holds room for
+    ranks (the N x M plan of :mod:`modeling.heads`); ``reserved``: the decode instance holds room for
     the request already. May be empty: with replicated heads, some prefill ranks send nothing."""
     legs = legs_from(plan_transfer(config.num_key_value_heads, tp, decode_tp), rank)
     return [LegTarget(rank_peer_id(decode_id, leg.dst_rank, decode_tp), leg.heads, reserved) for leg in legs]

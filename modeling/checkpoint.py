@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kv_transfer.heads import HeadRange
 from modeling.config import ModelConfig, _token_ids
 from modeling.errors import CheckpointError
+from modeling.heads import HeadRange
 from modeling.model import CausalLM
 from modeling.rope import RotaryEmbedding
 from modeling.tp import DROP, TensorSlice, TPShard, shard_layout, slice_plan

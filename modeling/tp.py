@@ -4,7 +4,7 @@ column/row-parallel linears). ``modeling/model.py`` knows nothing of it.
 Rank ``r`` of ``t`` holds:
 
 * attention: the query heads ``[r * Hq/t, (r+1) * Hq/t)`` and the KV heads of
-  :func:`kv_transfer.heads.shard_heads` (an even split, or one replicated head each when ``t > Hkv``),
+  :func:`modeling.heads.shard_heads` (an even split, or one replicated head each when ``t > Hkv``),
   so every local query head's KV head is local; ``q/k/v_proj`` are column-parallel (output rows),
   ``o_proj`` row-parallel (input columns) followed by one all-reduce;
 * MLP: ``gate_proj``/``up_proj`` column-parallel over ``intermediate_size / t``, ``down_proj``
@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kv_transfer.heads import HeadRange, shard_heads
 from modeling.config import ModelConfig
+from modeling.heads import HeadRange, shard_heads
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ speculation give the in-place speed of verify and draft passes relative to plain
 (``verify_pass_scale``, ``draft_pass_scale``), the costs the real policy learns online.
 
 The measurements are kept in the profile's ``samples`` so ``refit`` can fit them again without serving.
+Serving is the caller's: ``serve(config)`` is a context manager that serves a config and yields a client
+connected to it (``frontend.server.serve_with_client``, passed in by ``magicserve profile``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ import time
 
 from tqdm import tqdm
 
-from controller.client import Client
 from controller.config import parse_config, to_dict
-from planner.profile import (Calibration, Profile, ProfileError, mixed_pass_seconds, prefill_features,
-                                        transfer_features)
 from decode_worker.policy import PassShape, fit_nonnegative_relative
 from modeling.checkpoint import load_config as load_model_config
+from planner.profile import (Calibration, Profile, ProfileError, mixed_pass_seconds, prefill_features,
+                             transfer_features)
 
 
 def config_threads(config) -> int:
@@ -158,16 +159,14 @@ def predicted_s(profile: Profile, row: dict, drafter: str | None = None, tps: di
     return profile.target_model(*shape).predict_pass(pass_shape)
 
 
-def measure(config, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool
+def measure(config, serve, lengths: list[int], output_tokens: tuple[int, ...], seed: int, progress: bool
             ) -> tuple[list[dict], list[dict]]:
-    """Serve ``config`` for real and time isolated requests (one at a time) of the given prompt lengths;
-    output lengths cycle through ``output_tokens`` so the decode slope is identifiable. Returns the
-    requests' rows and the workers' timed passes."""
-    from controller.server import serve_in_thread  # Ray, starlette, the workers: only calibration serves
-
+    """Serve ``config`` for real (``serve``: see the module doc) and time isolated requests (one at a time)
+    of the given prompt lengths; output lengths cycle through ``output_tokens`` so the decode slope is
+    identifiable. Returns the requests' rows and the workers' timed passes."""
     prompts = random_prompts(config, [64, 64] + lengths, random.Random(seed))
     shift = 2 % len(output_tokens)  # the timed requests' outputs continue the warm-ups' cycle
-    with serve_in_thread(config) as address, Client(address) as client:
+    with serve(config) as client:
         time_isolated(client, prompts[:2], output_tokens)  # two warm-up requests (not recorded)
         drain_passes(config)
         rows = time_isolated(client, prompts[2:], output_tokens[shift:] + output_tokens[:shift])
@@ -182,13 +181,12 @@ SPECULATIVE_OUTPUT_TOKENS = 65
 MIN_REFERENCE_PASSES = 10  # plain decode passes of the speculating run needed to serve as the reference
 
 
-def measure_speculative_passes(config, lengths: list[int], seed: int, progress: bool) -> list[dict]:
-    """Serve ``config`` with its speculation for real, isolated requests of the given prompt lengths
-    (``SPECULATIVE_OUTPUT_TOKENS`` each); the workers' timed passes (``drain_passes``)."""
-    from controller.server import serve_in_thread  # Ray, starlette, the workers: only calibration serves
-
+def measure_speculative_passes(config, serve, lengths: list[int], seed: int, progress: bool) -> list[dict]:
+    """Serve ``config`` with its speculation for real (``serve``: see the module doc), isolated requests of
+    the given prompt lengths (``SPECULATIVE_OUTPUT_TOKENS`` each); the workers' timed passes
+    (``drain_passes``)."""
     prompts = random_prompts(config, [64] + lengths, random.Random(seed + 5))
-    with serve_in_thread(config) as address, Client(address) as client:
+    with serve(config) as client:
         time_isolated(client, prompts[:1], (8,))  # warm-up
         drain_passes(config)
         time_isolated(client, prompts[1:], (SPECULATIVE_OUTPUT_TOKENS,))
@@ -327,20 +325,21 @@ def _chunk_of(run_config) -> int:
     return run_config.colocated.token_budget if run_config.mode == "colocated" else run_config.prefill.token_budget
 
 
-def calibrate(config, profile: Profile, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS, seed: int = 0,
-              progress: bool = True) -> CalibrationRun:
-    """Fit the serving-path terms of ``config``'s mode on isolated requests (speculation is switched off for
-    the run; a speculating config's verify and draft pass scales come from a second run with it on)."""
+def calibrate(config, profile: Profile, serve, requests: int = 16, output_tokens: tuple[int, ...] = OUTPUT_TOKENS,
+              seed: int = 0, progress: bool = True) -> CalibrationRun:
+    """Fit the serving-path terms of ``config``'s mode on isolated requests served by ``serve`` (see the
+    module doc; speculation is switched off for the run; a speculating config's verify and draft pass scales
+    come from a second run with it on)."""
     run_config = calibration_config(config)
     mode, threads = run_config.mode, config_threads(run_config)
     max_prompt = max_calibration_prompt(run_config)
-    rows, plain_passes = measure(run_config, calibration_lengths(max_prompt, requests, seed), output_tokens, seed,
-                                 progress)
+    rows, plain_passes = measure(run_config, serve, calibration_lengths(max_prompt, requests, seed), output_tokens,
+                                 seed, progress)
     passes: dict[str, list[dict[str, float]]] = {"prefill": pass_rows(plain_passes, "prefill")} if plain_passes else {}
     cal = fit(profile, mode, rows, _chunk_of(run_config), passes.get("prefill", []), threads)
     spec = config.decode.speculation if mode == "disaggregated" else None
     if spec is not None and spec.enabled:
-        spec_passes = measure_speculative_passes(calibration_config(config, keep_speculation=True),
+        spec_passes = measure_speculative_passes(calibration_config(config, keep_speculation=True), serve,
                                                  calibration_lengths(max_prompt, SPECULATIVE_REQUESTS, seed + 7),
                                                  seed, progress)
         # the reference: plain decode passes of the speculating worker itself (its k = 0 steps), the costs

@@ -1,6 +1,6 @@
 """``magicserve profile``: the command line over the profiler (``planner/profiler.py``), the analytical GPU
 profiles (``planner/analytical.py``), tensor-parallel shapes (``planner/tp_profile.py``) and the calibration
-(``planner/calibrate.py``). Arguments are defined in ``controller/cli.py``."""
+(``planner/calibrate.py``). Arguments are defined in ``frontend/cli.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from planner.profiler import DEFAULT_GRID, QUICK_GRID, add_threads, profile_clus
 from planner.tp_profile import add_tensor_parallel
 
 
-def run_cli(args) -> int:
-    """``magicserve profile`` (arguments defined in controller/cli.py)."""
+def run_cli(args, serve) -> int:
+    """``magicserve profile`` (arguments defined in frontend/cli.py); ``serve(config)``: a context manager
+    serving a config and yielding a client connected to it, for the calibration (``planner/calibrate.py``)."""
     if args.analytical:
         profile = analytical.profile_from_args(args)
         for c in profile.instances:
@@ -59,7 +60,7 @@ def run_cli(args) -> int:
     else:
         profile = profile_cluster(config, QUICK_GRID if args.quick else DEFAULT_GRID, progress=not args.no_progress)
     if calibrating:
-        run = calibrate(config, profile, requests=args.calibration_requests, progress=not args.no_progress)
+        run = calibrate(config, profile, serve, requests=args.calibration_requests, progress=not args.no_progress)
         cal = run.calibration
         _print_calibration(cal)
         stale = samples_prefix(cal.mode, cal.threads)  # an earlier calibration's measurements of it go

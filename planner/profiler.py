@@ -57,9 +57,6 @@ from tqdm import tqdm
 
 from controller.config import ClusterConfig
 from controller.defaults import REPO_ROOT
-from planner.profile import (
-    CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
-    ProfileError, describe_shape, prefill_features, transfer_features)
 from decode_worker.config import SpeculationConfig
 from decode_worker.drafters import SelfSparseDrafter, window_start
 from decode_worker.policy import FEATURES as PASS_FEATURES
@@ -67,13 +64,16 @@ from decode_worker.policy import PassShape
 from decode_worker.worker import DecodeWorker
 from kv_transfer.channel import Rendezvous
 from kv_transfer.descriptors import KVFingerprint
-from kv_transfer.heads import HeadRange
 from kv_transfer.receiver import KVReceiver, PoolReserver
 from kv_transfer.sender import LegTarget
 from modeling.block_pool import BlockTable
 from modeling.checkpoint import load_model
+from modeling.heads import HeadRange
 from modeling.runner import StepInput
 from modeling.sampling import SamplingParams
+from planner.profile import (
+    CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
+    ProfileError, describe_shape, prefill_features, transfer_features)
 from planner.replay import rewind
 from prefill_worker.worker import PrefillWorker
 

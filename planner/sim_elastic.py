@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from controller.config import AutoscaleSection
-from controller.online_planner import Decision, LoadWindow, OnlinePlanner, ScalePolicy
+from planner.online import Decision, LoadWindow, OnlinePlanner, ScalePolicy
 from planner.profile import Profile
 from planner.search import SLOTarget
 from planner.simulator import SimConfig, SimResult, Simulation
@@ -120,7 +120,7 @@ def simulate_elastic(profile: Profile, config: SimConfig, trace: list[RequestSpe
         summary = window.summary()
         current = {pool: sim.pool_size(pool) for pool in bounds}
         if summary["requests"] < autoscale.min_window_requests:
-            decision = Decision({pool: lo for pool, (lo, _) in bounds.items()}, {}, summary, 0.0, True)
+            decision = planner.smallest(summary)
         else:
             plan_trace, measured = window.plan_inputs(autoscale.headroom)
             acceptance = summary["acceptance"] = window.acceptance()

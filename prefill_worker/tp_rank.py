@@ -13,10 +13,10 @@ from __future__ import annotations
 from kv_transfer.channel import Rendezvous
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.errors import TransferError
-from kv_transfer.heads import peer_ranks, rank_peer_id
 from kv_transfer.rank_sync import exchange_outcomes
 from kv_transfer.sender import KVSender
 from kv_transfer.streaming import forward_streaming, leg_targets
+from modeling.heads import peer_ranks, rank_peer_id
 from modeling.runner import ModelRunner
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import StepDescription, TPFollower

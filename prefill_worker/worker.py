@@ -17,7 +17,6 @@ import torch
 from kv_transfer.channel import Rendezvous
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.errors import TransferError
-from kv_transfer.heads import peer_ranks, rank_peer_id
 from kv_transfer.rank_sync import FollowerOutcomes, exchange_outcomes
 from kv_transfer.sender import KVSender
 from kv_transfer.streaming import forward_streaming, leg_targets
@@ -25,6 +24,7 @@ from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError
 from modeling.forks import ForkStart, encode_forks
+from modeling.heads import peer_ranks, rank_peer_id
 from modeling.pass_log import PassLog
 from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt

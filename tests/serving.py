@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-from controller.client import Client
 from controller.config import ClusterConfig, parse_config
-from controller.server import serve_in_thread
+from frontend.client import Client
+from frontend.server import serve_in_thread
 from tests.checkpoints import VOCAB
 
 

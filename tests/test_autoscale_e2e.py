@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from controller.client import Client
+from frontend.client import Client
 from modeling.sampling import SamplingParams
 from tests.serving import Stream, e2e_config, prompts_of, running_server
 

@@ -13,8 +13,8 @@ import os
 import grpc
 import pytest
 
-from controller.client import AsyncClient, Client
 from controller.config import CONFIG_DIR, LOCAL_CONFIG, ConfigError, load_config, parse_config
+from frontend.client import AsyncClient, Client
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
 from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_alive, wait_all_free
@@ -222,8 +222,8 @@ def test_the_engine_resumes_each_sequence_from_the_tokens_it_streamed(llama_dir)
     """``ReferenceEngine.add_resume`` (what a colocated instance runs when another one died): both sequences of
     a seeded n = 2 request, continued from a cut of an undisturbed run's output (its text sent so far and its
     generator's state there), end with that run's tokens and text."""
-    from modeling.resume import ResumedSequence, ResumeRequest
     from modeling.forks import split_sequence_id
+    from modeling.resume import ResumedSequence, ResumeRequest
 
     engine = ReferenceEngine(llama_dir, EngineConfig(kv_cache_tokens=KV_TOKENS, attention_backend="torch"))
     prompt = prompts_of([40], seed=9)[0]

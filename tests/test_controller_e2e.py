@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from controller.client import AsyncClient, Client
+from frontend.client import AsyncClient, Client
 from modeling.sampling import SamplingParams
 from tests.checkpoints import VOCAB
 from tests.serving import e2e_config, prompts_of, running_server, stream_ids, wait_all_alive, wait_all_free

@@ -12,8 +12,8 @@ import math
 import pytest
 import yaml
 
-from controller.cli import main as cli_main
 from controller.config import load_config
+from frontend.cli import main as cli_main
 from planner.cost_search import (CostPlanner, CostSpace, geometric_bisection, make_slices, steady_span_s)
 from planner.gpu_catalog import load_catalog
 from planner.search import SLOTarget, Workload

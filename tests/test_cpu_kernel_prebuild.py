@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _magicserve_build(cwd, **env) -> subprocess.CompletedProcess:
     environ = {**os.environ, "PYTHONPATH": REPO, **env}
     environ.pop("MAGICSERVE_DISABLE_CPU_KERNEL", None)
-    return subprocess.run([sys.executable, "-m", "controller.cli", "build"], cwd=cwd, env=environ,
+    return subprocess.run([sys.executable, "-m", "frontend.cli", "build"], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=600)
 
 

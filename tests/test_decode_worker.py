@@ -171,7 +171,7 @@ def test_waiting_for_kv_admit_abort_and_back_pressure(llama_dir):
     with pytest.raises(InvalidRequestError, match="already on this worker"):
         worker.add_remote(DecodeRequest("a", tuple(prompt), params))
     with pytest.raises(InvalidRequestError, match="not waiting for KV"):
-        worker.reserve("stranger", 10)  # a transfer the worker holds no request for is refused
+        worker.receiver.reserve("stranger", 10)  # a transfer the worker gave no blocks for is refused
     # the KV is kv_transfer's to write; here the worker's runner prefills the reserved blocks
     worker.runner.run([StepInput(prompt, 0, blocks, num_logits=0)])
     first = worker.kv_received(ReceivedKV("a", tuple(blocks), len(prompt), first_token=7))

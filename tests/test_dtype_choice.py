@@ -66,7 +66,7 @@ def test_the_config_resolves_auto_once_for_every_pool():
 
 def test_magicserve_run_says_what_it_chose_and_why():
     env = {**os.environ, "PYTHONPATH": REPO, "ONEDNN_MAX_CPU_ISA": "AVX2", "MAGICSERVE_DISABLE_CPU_KERNEL": "1"}
-    out = subprocess.run([sys.executable, "-m", "controller.cli", "run", "--prompt", "import os", "--max-tokens", "4",
+    out = subprocess.run([sys.executable, "-m", "frontend.cli", "run", "--prompt", "import os", "--max-tokens", "4",
                           "--threads", "1"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     # this CPU's flags may have bf16 or not: the ISA cap rules it out either way

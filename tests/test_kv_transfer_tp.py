@@ -12,8 +12,8 @@ import torch
 
 from kv_transfer import (HeadRange, KVFingerprint, KVReceiver, KVSender, LegTarget, PoolReserver, Rendezvous,
                          TransferConfig, plan_transfer, shard_heads)
-from kv_transfer.heads import legs_from, legs_to
 from modeling.block_pool import BlockPool
+from modeling.heads import legs_from, legs_to
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from tests.kv_procs import context, run_procs
 

@@ -13,8 +13,8 @@ import time
 import grpc
 import pytest
 
-from controller.cli import main as cli_main
-from controller.client import Client
+from frontend.cli import main as cli_main
+from frontend.client import Client
 from modeling.sampling import SamplingParams
 from tests.serving import (Stream, assert_all_free, migration_config, prompts_of, running_server, stream_ids,
                            wait_all_alive)

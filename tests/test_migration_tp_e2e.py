@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.client import Client
+from frontend.client import Client
 from modeling.sampling import SamplingParams
 from tests.serving import Stream, assert_all_free, migration_config, prompts_of, running_server
 

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from controller.config import ConfigError, parse_config
-from controller.online_planner import Decision, LoadWindow, OnlinePlanner, ScalePolicy
 from decode_worker.config import SpeculationConfig
+from planner.online import Decision, LoadWindow, OnlinePlanner, ScalePolicy
 from planner.profile import Profile
 from planner.search import SLOTarget
 from planner.simulator import PoolPlan, SimConfig, simulate
@@ -88,6 +88,11 @@ def test_a_decision_is_bounded_in_time(planner):
     d = quick.decide(chat(400), {"prefill": 1, "decode": 1})
     assert d.seconds < 3.0 and not d.met
     assert all(lo <= d.shape[pool] <= hi for pool, (lo, hi) in quick.bounds.items())  # a shape within the bounds
+
+
+def test_too_little_load_decides_the_smallest_shape(planner):
+    d = planner.smallest({"requests": 2})
+    assert (d.shape, d.predicted, d.inputs, d.met) == ({"prefill": 1, "decode": 1}, {}, {"requests": 2}, True)
 
 
 def test_the_policy_grows_at_once_and_shrinks_after_a_streak_outside_the_cooldown():

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from controller.config import parse_config
-from controller.server import serving
+from frontend.server import serving
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.sampling import SamplingParams
 
@@ -242,7 +242,7 @@ def test_grpc_structured_output(http):
     options, and a grammar the engine cannot compile is INVALID_ARGUMENT naming the field."""
     grpc = pytest.importorskip("grpc")
     jsonschema = pytest.importorskip("jsonschema")
-    from controller.client import Client
+    from frontend.client import Client
 
     with Client(f"127.0.0.1:{http[1].grpc}", token=TOKEN) as c:
         r = c.generate(PROMPT, max_tokens=100, structured_output={"json_schema": RECORD_SCHEMA})
@@ -485,7 +485,7 @@ def test_n_sequences_and_best_of(client, http, reference):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, n=2,
                                   extra_body={"ignore_eos": True})
     assert [c.text for c in r.choices] == [ref.text, ref.text]
-    from controller.client import Client
+    from frontend.client import Client
 
     with Client(f"127.0.0.1:{http[1].grpc}", token=TOKEN) as c:
         res = c.generate(PROMPT, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True, n=3, logprobs=1)
@@ -499,7 +499,7 @@ def test_n_sequences_and_best_of(client, http, reference):
 def test_operator_calls_need_the_operator_token(http):
     import grpc
 
-    from controller.client import Client
+    from frontend.client import Client
 
     with Client(f"127.0.0.1:{http[1].grpc}", token=TOKEN) as c:
         assert c.generate(PROMPT, max_tokens=2).finish_reason == "length"  # clients' calls take the clients' token

@@ -10,11 +10,11 @@ import os
 
 import pytest
 
-from controller.chat_template import ChatTemplate, ChatTemplateError
 from controller.config import ConfigError, parse_config
 from controller.metrics import MonotonicTotals, ServingMetrics
-from controller.openai_output import ChoiceResult, ResponseBuilder
-from controller.openai_protocol import OpenAIError, OpenAIProtocol
+from frontend.chat_template import ChatTemplate, ChatTemplateError
+from frontend.openai_output import ChoiceResult, ResponseBuilder
+from frontend.openai_protocol import OpenAIError, OpenAIProtocol
 from modeling.tokenizer import TextTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -335,7 +335,7 @@ def test_output_constraints_from_each_surface(protocol):
     choice = protocol.completion({"model": "m", "prompt": "x", "structured_outputs": {"choice": ["yes", "no"]}})
     assert choice.params.structured == StructuredOutput.choice(["yes", "no"])
     pytest.importorskip("llguidance")
-    from controller.server import grammar_check
+    from frontend.server import grammar_check
     from modeling.checkpoint import load_config
 
     checked = dataclasses.replace(protocol, grammar_check=grammar_check(MODEL_DIR, load_config(MODEL_DIR)))

@@ -10,15 +10,15 @@ import random
 
 import pytest
 
-from controller.cli import main as cli_main
 from controller.config import load_config
+from decode_worker.policy import FEATURES as PASS_FEATURES
+from decode_worker.policy import PassShape
+from frontend.cli import main as cli_main
 from planner import analytical
 from planner.profile import (
     CONTEXT_UNBOUNDED, PREFILL_FEATURES, TRANSFER_FEATURES, AcceptanceEntry, FittedModel, InstanceCosts, Profile,
     ProfileError, prefill_features)
 from planner.profiler import check_config
-from decode_worker.policy import FEATURES as PASS_FEATURES
-from decode_worker.policy import PassShape
 
 H100 = analytical.GPUS["H100-80GB-SXM"]
 

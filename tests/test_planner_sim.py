@@ -289,7 +289,7 @@ def test_plan_config_is_a_valid_cluster_config(tmp_path):
 
 
 def test_plan_cli_writes_a_config_serve_accepts(tmp_path, capsys):
-    from controller.cli import main
+    from frontend.cli import main
 
     prof = make_profile(prefill_per_token=2e-4, step_s=0.004)
     prof = Profile(**{**prof.__dict__, "device_type": "cpu", "devices_per_node": 3})

@@ -13,11 +13,11 @@ import time
 import torch
 
 from kv_transfer import KVFingerprint, KVReceiver, PoolReserver, Rendezvous, TransferConfig
-from kv_transfer.heads import HeadRange
 from modeling.attention import make_backend
 from modeling.block_pool import BlockPool
 from modeling.checkpoint import load_model
 from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.heads import HeadRange
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.runner import ModelRunner, StepInput
 from modeling.sampling import SamplingParams
@@ -42,8 +42,8 @@ def prompts() -> dict[str, list[int]]:
 
 def prefill_proc(ckpt, rdv, reserved_q, first_q, finished):
     from prefill_worker.config import PrefillWorkerConfig
-    from prefill_worker.worker import PrefillWorker
     from prefill_worker.messages import KVDestination, PrefillRequest
+    from prefill_worker.worker import PrefillWorker
 
     worker = PrefillWorker(ckpt, PrefillWorkerConfig(block_size=BLOCK, kv_cache_tokens=1024, token_budget=48,
                                                      attention_backend="torch", transfer=CONFIG), "prefill-0")

@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from controller.client import Client
 from controller.startup import parse_line
+from frontend.client import Client
 
 
 def free_port() -> int:
@@ -54,7 +54,7 @@ def test_ray_start_head_then_serve(llama_dir, tmp_path):
         "decode: {kv_cache_tokens: 4096, attention_backend: torch}\n"
         f"server: {{port: {grpc_port}, http_port: {http_port}}}\n")
     log = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen([sys.executable, "-m", "controller.cli", "serve", "--config", str(config)],
+    serve = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--config", str(config)],
                              stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         with Client(f"127.0.0.1:{grpc_port}") as client:
@@ -69,7 +69,7 @@ def test_ray_start_head_then_serve(llama_dir, tmp_path):
                     assert time.time() < deadline, (tmp_path / "serve.log").read_text()
                     time.sleep(1)
             assert len(result.token_ids) == 8 and result.finish_reason == "length"
-        out = subprocess.run([sys.executable, "-m", "controller.cli", "status", "--address", f"127.0.0.1:{grpc_port}"],
+        out = subprocess.run([sys.executable, "-m", "frontend.cli", "status", "--address", f"127.0.0.1:{grpc_port}"],
                              capture_output=True, text=True, timeout=60)
         assert "prefill-0" in out.stdout and "decode-0" in out.stdout, out.stdout + out.stderr
         assert "dtype float32 (set in the config)" in out.stdout, out.stdout

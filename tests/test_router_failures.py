@@ -17,7 +17,8 @@ import pytest
 
 from controller.migrations import PendingMigration
 from controller.request_state import RequestRecord, RequestState
-from controller.router import Router, _Active
+from controller.request_run import MigrationEnded, OutputArrived, RequestRun
+from controller.router import Router
 from controller.routing import Delta, Final, Instance
 from decode_worker.messages import MigrationArrived, TokenDelta
 from modeling.resume import ResumeRequest
@@ -61,30 +62,27 @@ def _instance(name: str, role: str, **answers) -> Instance:
     return Instance(name, role, _Actor(**answers))
 
 
-def _active(router: Router, rid: str = "r", **params) -> _Active:
-    active = _Active(RequestRecord(rid, router.counters), [1, 2, 3], SamplingParams(**{"max_tokens": 8, **params}),
-                     asyncio.Queue(), time.perf_counter())
+def _active(router: Router, rid: str = "r", **params) -> RequestRun:
+    active = RequestRun(RequestRecord(rid, router.counters), [1, 2, 3], SamplingParams(**{"max_tokens": 8, **params}),
+                        time.perf_counter())
     router.active[rid] = active
     return active
 
 
-def _decoding_on(router: Router, src: Instance, rid: str = "r") -> _Active:
+def _decoding_on(router: Router, src: Instance, rid: str = "r") -> RequestRun:
     """A request decoding on ``src`` that streamed its first two tokens."""
     active = _active(router, rid)
     for state in (RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.DECODING):
         active.record.to(state)
-    active.decode, active.decoders = src, {src}
-    src.assigned.add(rid)
+    active.place(src)
     active.order.accept(TokenDelta(rid, [10, 11], "ab", False, position=0))
     return active
 
 
-def _migrating(router: Router, src: Instance, dst: Instance) -> _Active:
+def _migrating(router: Router, src: Instance, dst: Instance) -> RequestRun:
     """The request on ``src`` migrating to ``dst``, arrived there: the router commits now."""
     active = _decoding_on(router, src)
-    active.migration = PendingMigration(src, dst, time.perf_counter(), asyncio.get_running_loop().create_future())
-    active.record.to(RequestState.MIGRATING)
-    dst.migrating_in.add("r")
+    active.migration_started(PendingMigration(src, dst, time.perf_counter(), asyncio.get_running_loop().create_future()))
     router.migrations.on_arrived(dst, MigrationArrived("r", 2))
     return active
 
@@ -94,13 +92,13 @@ async def _settled() -> None:
         await asyncio.sleep(0)
 
 
-async def _stream_until(router: Router, active: _Active, *candidates: Instance) -> list:
+async def _stream_until(router: Router, active: RequestRun, *candidates: Instance) -> list:
     """Run the request's stream; once one of ``candidates`` takes it (``add_resume``), that instance
     finishes it."""
     async def finish_when_resumed():
         while not (took := [i for i in candidates if i.handle.called("add_resume")]):
             await asyncio.sleep(0.001)
-        active.events.put_nowait(("delta", TokenDelta("r", [12], "c", True, "length", position=2), took[0]))
+        active.tell(OutputArrived(TokenDelta("r", [12], "c", True, "length", position=2), took[0]))
 
     task = asyncio.get_running_loop().create_task(finish_when_resumed())
     items = await asyncio.wait_for(_collect(router, active), 5.0)
@@ -108,8 +106,8 @@ async def _stream_until(router: Router, active: _Active, *candidates: Instance) 
     return items
 
 
-async def _collect(router: Router, active: _Active) -> list:
-    return [item async for item in router._stream(active)]
+async def _collect(router: Router, active: RequestRun) -> list:
+    return [item async for item in router.streaming.stream(active)]
 
 
 def _warned(caplog, *words) -> bool:
@@ -126,7 +124,7 @@ def test_a_failed_commit_resumes_the_request_elsewhere(caplog, answer):
         src = _instance("decode-0", "decode")
         dst = _instance("decode-1", "decode", commit_migration=answer)
         other = _instance("decode-2", "decode")
-        router.decode = [src, dst, other]
+        router.decode[:] = [src, dst, other]
         active = _migrating(router, src, dst)
         items = await _stream_until(router, active, src, other)
         return router, src, dst, other, items
@@ -141,7 +139,7 @@ def test_a_failed_commit_resumes_the_request_elsewhere(caplog, answer):
     assert not dst.handle.called("add_resume")  # the instance that failed it is avoided
     assert resumed[0].sequences[0].output_ids == (10, 11)
     # `magicserve status` shows the failed call against the instance
-    from controller.server import MagicServeServicer
+    from frontend.server import MagicServeServicer
 
     async def statuses():
         return [{"name": i.name, "role": "decode"} for i in (src, dst, other)]
@@ -155,13 +153,13 @@ def test_a_commit_that_succeeds_leaves_the_request_on_its_destination():
     async def scenario():
         router = Router([], [], max_concurrent=4, max_queue=4)
         src, dst = _instance("decode-0", "decode"), _instance("decode-1", "decode")
-        router.decode = [src, dst]
+        router.decode[:] = [src, dst]
         active = _migrating(router, src, dst)
         await _settled()
         return router, src, dst, active
 
     router, src, dst, active = asyncio.run(scenario())
-    assert not router.call_failures and active.decode is dst and active.events.get_nowait()[0] == "migration_ended"
+    assert not router.call_failures and active.decode is dst and isinstance(active.events.get_nowait(), MigrationEnded)
     assert active.events.empty() and not src.handle.called("abort") and not dst.handle.called("abort")
 
 
@@ -170,7 +168,7 @@ def test_a_source_that_fails_to_free_its_copy_is_told_to_abort_it(caplog):
         router = Router([], [], max_concurrent=4, max_queue=4)
         src = _instance("decode-0", "decode", finish_migration=RuntimeError("boom"))
         dst = _instance("decode-1", "decode")
-        router.decode = [src, dst]
+        router.decode[:] = [src, dst]
         active = _migrating(router, src, dst)
         await _settled()
         return router, src, dst, active
@@ -180,7 +178,7 @@ def test_a_source_that_fails_to_free_its_copy_is_told_to_abort_it(caplog):
     assert _warned(caplog, "decode-0", "finish_migration", "RuntimeError: boom")
     assert src.handle.called("abort") == [("r",)]
     assert active.decode is dst and "r" in dst.assigned  # the request goes on where it moved
-    assert active.events.get_nowait()[0] == "migration_ended" and active.events.empty()
+    assert isinstance(active.events.get_nowait(), MigrationEnded) and active.events.empty()
 
 
 def test_a_source_that_fails_to_take_an_aborted_migration_back_resumes_it_elsewhere(caplog):
@@ -188,7 +186,7 @@ def test_a_source_that_fails_to_take_an_aborted_migration_back_resumes_it_elsewh
         router = Router([], [], max_concurrent=4, max_queue=4)
         src = _instance("decode-0", "decode", abort_migration=RuntimeError("stuck"))
         dst, other = _instance("decode-1", "decode"), _instance("decode-2", "decode")
-        router.decode = [src, dst, other]
+        router.decode[:] = [src, dst, other]
         active = _decoding_on(router, src)
         active.migration = PendingMigration(src, dst, time.perf_counter(), asyncio.get_running_loop().create_future())
         active.record.to(RequestState.MIGRATING)
@@ -209,7 +207,7 @@ def test_a_failed_abort_is_counted_and_logged(caplog):
     async def scenario():
         router = Router([], [], max_concurrent=4, max_queue=4)
         inst = _instance("decode-0", "decode", abort=ConnectionError("unreachable"))
-        return router, await router.abort_on(inst, "r")
+        return router, await router.calls.abort_on(inst, "r")
 
     router, ok = asyncio.run(scenario())
     assert ok is False and router.call_failures == {("decode-0", "abort"): 1}
@@ -227,11 +225,11 @@ def test_a_placement_call_that_raises_is_counted_and_the_request_placed_elsewher
         p1 = _instance("prefill-1", "prefill")
         d0 = _instance("decode-0", "decode", **(bad if failing == "add_remote" else {}))
         d1 = _instance("decode-1", "decode")
-        router.prefill, router.decode = [p0, p1], [d0, d1]
+        router.prefill[:], router.decode[:] = [p0, p1], [d0, d1]
         p1.assigned.add("x")  # p0 is the cheaper prefill instance, d0 is first for decode
         d1.assigned.add("x")
         active = _active(router)
-        await router._place(active)
+        await router.placer.place(active)
         return router, active, (p0, p1, d0, d1)
 
     router, active, (p0, p1, d0, d1) = asyncio.run(scenario())
@@ -251,9 +249,9 @@ def test_with_no_prefill_instance_in_service_a_decode_instance_prefills_the_requ
         router = Router([], [], max_concurrent=4, max_queue=4)
         p0, d0 = _instance("prefill-0", "prefill"), _instance("decode-0", "decode")
         p0.alive = False  # restarting
-        router.prefill, router.decode = [p0], [d0]
+        router.prefill[:], router.decode[:] = [p0], [d0]
         active = _active(router)
-        await router._place(active)
+        await router.placer.place(active)
         return active, p0, d0
 
     active, p0, d0 = asyncio.run(scenario())
@@ -267,9 +265,9 @@ def test_a_request_that_needs_a_prefill_instance_waits_for_one_to_come_back():
         router = Router([], [], max_concurrent=4, max_queue=4)
         p0, d0 = _instance("prefill-0", "prefill"), _instance("decode-0", "decode")
         p0.alive = False
-        router.prefill, router.decode = [p0], [d0]
+        router.prefill[:], router.decode[:] = [p0], [d0]
         active = _active(router, prompt_logprobs=1)
-        placing = asyncio.get_running_loop().create_task(router._place(active))
+        placing = asyncio.get_running_loop().create_task(router.placer.place(active))
         await asyncio.sleep(0.3)
         waited = not placing.done() and not p0.handle.calls
         p0.alive = True  # back
@@ -289,7 +287,7 @@ def test_a_colocated_request_arriving_while_every_instance_restarts_waits_for_on
         router = ColocatedRouter([c0], max_concurrent=4, max_queue=4)
         c0.alive = False
         active = _active(router)
-        placing = asyncio.get_running_loop().create_task(router._place(active))
+        placing = asyncio.get_running_loop().create_task(router.placer.place(active))
         await asyncio.sleep(0.2)
         waited = not placing.done()
         c0.alive = True
@@ -308,9 +306,9 @@ def test_a_decode_instance_without_room_is_waited_for_while_the_prefill_instance
         router = Router([], [], max_concurrent=4, max_queue=4)
         p0 = _instance("prefill-0", "prefill", abort=False)
         d0 = _instance("decode-0", "decode", add_remote=[False, False, True])
-        router.prefill, router.decode = [p0], [d0]
+        router.prefill[:], router.decode[:] = [p0], [d0]
         active = _active(router)
-        await router._place(active)
+        await router.placer.place(active)
         return router, active, p0, d0
 
     router, active, p0, d0 = asyncio.run(scenario())

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from controller.config import AutoscaleSection, PoolBounds
-from controller.online_planner import OnlinePlanner
 from decode_worker.config import SpeculationConfig
+from planner.online import OnlinePlanner
 from planner.profile import Profile
 from planner.search import SLOTarget
 from planner.sim_elastic import simulate_elastic

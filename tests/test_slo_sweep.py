@@ -334,7 +334,7 @@ def test_managed_server_stops_its_process_group(tmp_path):
 def served(llama_dir):
     """(gRPC address, HTTP front URL) of one real server."""
     from controller.config import parse_config
-    from controller.server import serving
+    from frontend.server import serving
 
     cfg = parse_config({
         "model": {"path": llama_dir, "dtype": "float32"},

@@ -15,7 +15,7 @@ import os
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from controller.chat_template import ChatTemplate
+from frontend.chat_template import ChatTemplate
 from modeling.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")

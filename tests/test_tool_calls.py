@@ -10,8 +10,9 @@ import random
 import jsonschema
 import pytest
 
-from controller.tool_calls import (ToolCall, ToolStream, history_message, parse_output, parse_tools,
-                                   to_openai, tool_parser)
+from controller.config import TOOL_PARSERS
+from frontend.tool_calls import (ToolCall, ToolStream, history_message, parse_output, parse_tools, to_openai,
+                                 tool_parser)
 from modeling.errors import InvalidRequestError
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -145,6 +146,11 @@ def test_llama3_parse():
         assert (out.content, out.calls) == (text, [])
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         tool_parser("mistral")
+
+
+def test_every_parser_a_config_may_name_exists():
+    for name in TOOL_PARSERS:
+        assert tool_parser(name) is not None
 
 
 def test_named_and_required_output():

@@ -29,17 +29,18 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controller.chat_template import ChatTemplate
 from controller.cluster import Cluster
 from controller.colocated_router import ColocatedRouter
 from controller.config import ClusterConfig
-from controller.http_server import HttpServer, OpenAIServer
 from controller.metrics import ServingMetrics
-from controller.openai_protocol import OpenAIProtocol
 from controller.router import Router
 from controller.routing import Delta, Final, RouterError
 from controller.scaling import Scaler
 from controller.startup import StartupTimeline
+from frontend.chat_template import ChatTemplate
+from frontend.client import Client
+from frontend.http_server import HttpServer, OpenAIServer
+from frontend.openai_protocol import OpenAIProtocol
 from modeling.checkpoint import load_config as load_model_config
 from modeling.checkpoint import read_eos_token_ids
 from modeling.dtype_choice import DtypeChoice
@@ -474,7 +475,7 @@ def start_planner(config: ClusterConfig, router: Router, scaler: Scaler) -> asyn
     a = config.autoscale
     if not a.enabled:
         return None
-    from controller.online_planner import LoadWindow, OnlinePlanner, ScalePolicy
+    from planner.online import LoadWindow, OnlinePlanner, ScalePolicy
     from planner.profile import Profile
     from planner.search import SLOTarget
     from planner.simulator import SimConfig
@@ -596,3 +597,10 @@ def serve_in_thread(config: ClusterConfig, start_timeout_s: float = 180.0):
     """:func:`serving`, yielding the gRPC address ``host:port``."""
     with serving(config, start_timeout_s) as ports:
         yield f"{config.server.host}:{ports.grpc}"
+
+
+@contextlib.contextmanager
+def serve_with_client(config: ClusterConfig, start_timeout_s: float = 180.0):
+    """:func:`serve_in_thread`, yielding a :class:`Client` connected to it (the calibration's ``serve``)."""
+    with serve_in_thread(config, start_timeout_s) as address, Client(address) as client:
+        yield client

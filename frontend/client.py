@@ -1,6 +1,6 @@
 """Python client library for magicserve's gRPC API, sync and asyncio.
 
-    from controller.client import Client
+    from frontend.client import Client
     with Client("127.0.0.1:50051") as c:
         for chunk in c.generate_stream("def add(a, b):", max_tokens=32):
             print(chunk.text, end="")

@@ -8,7 +8,7 @@
 
 Same security rules as gRPC: 127.0.0.1 unless configured, a non-local bind needs TLS and a bearer token
 (the config enforces it), and with ``server.auth_token_env`` set every route but ``/health`` needs
-``Authorization: Bearer <token>``. Bodies are parsed and validated here (``controller/openai_protocol.py``);
+``Authorization: Bearer <token>``. Bodies are parsed and validated here (``frontend/openai_protocol.py``);
 malformed JSON or a bad parameter is an OpenAI error object with HTTP 400 naming the parameter and never
 reaches the router. Router refusals map to 429 (queue full), 503 (unavailable), 504 (timeout).
 
@@ -33,10 +33,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from controller.metrics import CONTENT_TYPE, ServingMetrics
-from controller.openai_output import ChoiceResult, ResponseBuilder, best_choices, model_list, now, usage
-from controller.openai_protocol import ROUTER_STATUS, OpenAIError, OpenAIProtocol, ParsedRequest
 from controller.router import Router
 from controller.routing import Delta, RouterError
+from frontend.openai_output import ChoiceResult, ResponseBuilder, best_choices, model_list, now, usage
+from frontend.openai_protocol import ROUTER_STATUS, OpenAIError, OpenAIProtocol, ParsedRequest
 
 log = logging.getLogger("magicserve.http")
 

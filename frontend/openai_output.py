@@ -1,5 +1,5 @@
 """The OpenAI API's response shapes: whole responses, stream chunks and log-probabilities, for one parsed
-request (``controller/openai_protocol.py``). No torch, no HTTP.
+request (``frontend/openai_protocol.py``). No torch, no HTTP.
 
 Log-probabilities follow vLLM's rendering of the OpenAI schema:
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from controller.openai_protocol import ParsedRequest
-from controller.tool_calls import ToolStream, parse_output, to_openai, tool_parser
+from frontend.openai_protocol import ParsedRequest
+from frontend.tool_calls import ToolStream, parse_output, to_openai, tool_parser
 from modeling.logprobs import TokenLogprob, cumulative
 from modeling.tokenizer import TextTokenizer
 

@@ -28,9 +28,9 @@ import time
 import grpc
 import torch
 
-from controller.client import Client
 from controller.config import LOCAL_CONFIG, load_config
 from controller.defaults import DEFAULT_MODEL_DIR, DEMO_PROMPTS, DEMO_SAMPLING
+from frontend.client import Client
 from modeling.attention import cpu_kernel as kernel
 from modeling.dtype_choice import choose_dtype
 from modeling.engine import EngineConfig, ReferenceEngine
@@ -42,11 +42,18 @@ from planner.profile_cli import run_cli as run_profile
 
 
 def serve_forever(config, **kwargs):
-    """``controller.server.serve_forever``, imported when a command starts a cluster: the server module
+    """``frontend.server.serve_forever``, imported when a command starts a cluster: the server module
     brings Ray and the worker actors, which the client commands never need."""
-    from controller.server import serve_forever as serve
+    from frontend.server import serve_forever as serve
 
     return serve(config, **kwargs)
+
+
+def serve_with_client(config):
+    """``frontend.server.serve_with_client`` (the calibration's ``serve``), imported as ``serve_forever`` is."""
+    from frontend.server import serve_with_client as serve
+
+    return serve(config)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -388,7 +395,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    return run_profile(args)
+    return run_profile(args, serve_with_client)
 
 
 def cmd_plan(args) -> int:

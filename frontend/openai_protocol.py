@@ -1,12 +1,12 @@
 """The OpenAI API's request shapes: JSON bodies in, (prompt ids, SamplingParams) out. Response and
-stream-chunk objects are built by ``controller/openai_output.py``.
+stream-chunk objects are built by ``frontend/openai_output.py``.
 
 Validation is complete and names the parameter: a request the router sees has a known model, a
 non-empty prompt within the limits, and sampling parameters that ``SamplingParams.validate`` accepts.
 vLLM's sampling surface is served (penalties, min_p, min_tokens, logit_bias, stop_token_ids, n, best_of,
 logprobs, echo, prompt_logprobs, ...). Parameters vLLM accepts that magicserve does not implement are
 refused by name (``UNSUPPORTED``), never ignored; unknown parameters are refused as the OpenAI API refuses
-them. No torch, no HTTP here (``controller/http_server.py`` serves it).
+them. No torch, no HTTP here (``frontend/http_server.py`` serves it).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from controller.chat_template import ChatTemplate, ChatTemplateError
-from controller.tool_calls import ToolRequest, history_message, parse_tools
+from frontend.chat_template import ChatTemplate, ChatTemplateError
+from frontend.tool_calls import ToolRequest, history_message, parse_tools
 from modeling.errors import InvalidRequestError
 from modeling.params import MAX_LOGPROBS, SamplingParams
 from modeling.request_check import check_token_ids
@@ -163,7 +163,7 @@ class OpenAIProtocol:
     # compiles (validates) a grammar against the model's vocabulary, raising InvalidRequestError; None: the
     # workers alone check it (a bad grammar then fails the request when it is admitted)
     grammar_check: Callable[[StructuredOutput], object] | None = None
-    # how tool calls are found in free output (tool_choice auto; controller/tool_calls.py); None: auto refused
+    # how tool calls are found in free output (tool_choice auto; frontend/tool_calls.py); None: auto refused
     tool_parser: str | None = "hermes"
 
     # -- requests ---------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ How the output becomes calls depends on ``tool_choice``:
     named     the output is the arguments object of the named function (generated under its schema)
     required  the output is a JSON array ``[{"name": ..., "parameters": {...}}, ...]`` (generated under a
               schema that admits only the request's tools)
-    auto      a tool-call parser (``TOOL_PARSERS``) finds the calls the model wrote in its free text:
+    auto      a tool-call parser (:func:`tool_parser`) finds the calls the model wrote in its free text:
               ``hermes`` (Qwen, Hermes: ``<tool_call>{...}</tool_call>`` blocks) or ``llama3_json``
               (Llama 3.1 / 3.2: the whole output is ``{"name": ..., "parameters": {...}}``, several
               separated by ``; ``)
@@ -34,7 +34,6 @@ from modeling.structured_output import StructuredOutput
 
 MAX_TOOLS = 128
 TOOL_CHOICES = ("none", "auto", "required")
-TOOL_PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}", re.ASCII)
 _TOOL_KEYS = ("type", "function")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
@@ -478,9 +477,10 @@ _PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
 
 
 def tool_parser(name: str) -> ToolParser:
-    """The tool-call parser called ``name`` (one of ``TOOL_PARSERS``); ValueError for any other name."""
+    """The tool-call parser called ``name`` (one of ``controller.config.TOOL_PARSERS``, the names a config may
+    give); ValueError for any other name."""
     if name not in _PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; allowed: {', '.join(TOOL_PARSERS)}")
+        raise ValueError(f"unknown tool-call parser {name!r}; allowed: {', '.join(_PARSERS)}")
     return _PARSERS[name]()
 
 

@@ -306,6 +306,10 @@ class OnlinePlanner:
             chosen, met = nxt, bool(passing)
         return Decision(chosen, predicted, dict(inputs or {}), time.perf_counter() - t0, met, correction)
 
+    def smallest(self, inputs: dict | None = None) -> Decision:
+        """The smallest shape the bounds allow, decided without simulating (too little load to plan for)."""
+        return Decision({pool: lo for pool, (lo, _) in self.bounds.items()}, {}, dict(inputs or {}), 0.0, True)
+
 
 @dataclass
 class ScalePolicy:

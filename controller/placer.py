@@ -1,0 +1,244 @@
+"""Where a request runs: the decode instance that holds its KV and the prefill instance that computes its prompt
+(no torch, no Ray).
+
+``Placer.place`` hands the request to a decode instance (which reserves its KV) and the prompt to a prefill
+instance: both at once when the decode instance is thought to have room (its last hold succeeded, or a request
+has left it since), else the decode instance first, waiting for one with room (back-pressure: KV frees up as
+requests finish). A request whose decode instance holds all its prompt cached but a short suffix is prefilled
+there alone (``prefix_caching.local_prefill_tokens``), and so is every request while no prefill instance is in
+service. A request that generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance
+alone. The order of the decode instances is the rescheduling policy's (``controller/placement.py``), by the load
+each pushes and the prefix each holds cached (``controller/kv_index.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from controller.control_calls import ControlCalls
+from controller.kv_index import blocks_of, cheapest
+from controller.placement import decode_order
+from controller.request_run import RequestRun, RunFailed
+from controller.router_context import PLACEMENT_RETRY_S, RouterContext
+from controller.routing import Instance, RouterError
+from decode_worker.messages import DecodeRequest
+from prefill_worker.messages import KVDestination, PrefillRequest
+
+log = logging.getLogger("magicserve.router")
+
+
+class Placer:
+    """Places requests over the context's pools. ``policy``: the rescheduling policy's thresholds now (the
+    migration coordinator's, which a configuration may replace)."""
+
+    def __init__(self, context: RouterContext, calls: ControlCalls, policy: Callable):
+        self.context = context
+        self.calls = calls
+        self._policy = policy
+
+    async def place(self, run: RequestRun) -> None:
+        """Place ``run`` (see the module doc)."""
+        ctx, rid = self.context, run.request_id
+        if run.params.max_tokens == 0:
+            prefill = await self.wait_for(run, ctx.prefill, "prefill")
+            run.place_on_prefill(prefill)
+            await self.submit(run, prefill, PrefillRequest(rid, tuple(run.prompt_ids), run.params, None))
+            return
+        request = DecodeRequest(rid, tuple(run.prompt_ids), run.params)
+        cached = {i.name: ctx.cached(run, i) for i in ctx.decode}
+        order, has_room = self.decode_order(run, cached)
+        first = order[0] if order and has_room and order[0].room else None
+        if first is not None and self._prefills_there(run, cached[first.name]) and \
+                await self._hold_prefill(run, request, first):
+            if ctx.load_window is not None:  # no prefill instance computes any of it
+                ctx.load_window.cached(rid, len(run.prompt_ids) - 1)
+            return
+        prefill = self.cheapest(run, ctx.prefill)
+        if prefill is None:
+            await self._place_without_prefill(run, request)
+            return
+        if first is not None and await self._place_at_once(run, request, prefill, first):
+            return
+        decode = await self._wait_for_room(run, request, lambda: self.decode_order(run, cached)[0])
+        prefill = self.cheapest(run, ctx.prefill)
+        if prefill is None:
+            await self.calls.abort_on(decode, rid)
+            await self._place_without_prefill(run, request)
+            return
+        run.place(decode, prefill)
+        await self.submit(run, prefill, self._prefill_request(run, decode))
+
+    async def _place_without_prefill(self, run: RequestRun, request: DecodeRequest) -> None:
+        """No prefill instance is in service (each dead, restarting or draining): a decode instance prefills the
+        request (``add_prefill``: from its longest cached prefix, the whole prompt when none). A request that
+        needs a prefill instance (its prompt's log-probabilities), or that no decode instance has room for,
+        waits for a prefill instance to come back, up to the request's timeout."""
+        ctx, rid = self.context, run.request_id
+        deadline = time.monotonic() + ctx.request_timeout_s
+        while True:
+            if run.params.prompt_logprobs is None:
+                cached = {i.name: ctx.cached(run, i) for i in ctx.decode}
+                for inst in self.decode_order(run, cached)[0]:
+                    if await self._hold_prefill(run, request, inst):
+                        log.info("%s: no prefill instance in service; prefilled on %s", rid, inst.name)
+                        if ctx.load_window is not None:
+                            ctx.load_window.cached(rid, cached[inst.name])
+                        return
+            if ctx.in_service(ctx.prefill):
+                await self.place(run)
+                return
+            if time.monotonic() > deadline:
+                raise RouterError("UNAVAILABLE", f"no prefill instance came back within {ctx.request_timeout_s:g} s "
+                                  "and no decode instance could prefill the request")
+            await asyncio.sleep(PLACEMENT_RETRY_S * 10)
+
+    async def wait_for(self, run: RequestRun, pool: list[Instance], role: str) -> Instance:
+        """The instance of ``pool`` to compute the prompt (``cheapest``), waiting up to the request's timeout for
+        one to be in service (a restart). Raises RouterError UNAVAILABLE when none is."""
+        deadline = time.monotonic() + self.context.request_timeout_s
+        while (inst := self.cheapest(run, pool)) is None:
+            if time.monotonic() > deadline:
+                raise RouterError("UNAVAILABLE", f"no {role} instance came back within "
+                                  f"{self.context.request_timeout_s:g} s")
+            await asyncio.sleep(PLACEMENT_RETRY_S * 10)
+        return inst
+
+    def _prefills_there(self, run: RequestRun, cached: int) -> bool:
+        """Whether a decode instance holding ``cached`` prompt tokens prefills the rest itself: a cache hit leaving
+        at most ``local_prefill_tokens`` to compute, for a request that needs nothing only a prefill instance
+        gives (the prompt's log-probabilities)."""
+        missing = len(run.prompt_ids) - cached
+        return cached > 0 and missing <= self.context.prefix_routing.local_prefill_tokens and \
+            run.params.prompt_logprobs is None
+
+    async def _hold_prefill(self, run: RequestRun, request: DecodeRequest, decode: Instance) -> bool:
+        """Have ``decode`` prefill the request from its cache; False (it holds nothing) when it has no room or
+        cannot be reached."""
+        run.place(decode)
+        try:
+            held = await decode.handle.add_prefill.remote(request)
+        except Exception as err:
+            self.calls.failed(decode, "add_prefill", run.request_id, err, run)
+            held = None
+        if held:
+            run.prefilling()
+            if self.context.metrics is not None:
+                self.context.metrics.local_prefill()
+            return True
+        decode.room = held is not False
+        run.unplace()
+        return False
+
+    def cheapest(self, run: RequestRun, pool: list[Instance]) -> Instance | None:
+        """The alive instance of ``pool`` to compute the prompt: the fewest assigned requests, unless some hold
+        part of the prompt cached; then the cheapest by ``kv_index.cheapest`` (uncached blocks against the prompt
+        blocks of the requests already assigned there)."""
+        ctx = self.context
+        alive = self.usable(run, [i for i in pool if i.alive and not i.draining])
+        cached = {i.name: ctx.cached(run, i) for i in alive}
+        bs = next((ctx.kv_index.block_size(name) for name, c in cached.items() if c), 1)
+
+        def queued(inst: Instance) -> int:
+            return sum(blocks_of(len(ctx.runs[r].prompt_ids), bs) for r in inst.assigned if r in ctx.runs)
+
+        chosen = cheapest(alive, len(run.prompt_ids), bs, lambda i: cached[i.name], queued,
+                          ctx.prefix_routing.overlap_weight)
+        if chosen is not None and ctx.load_window is not None:
+            ctx.load_window.cached(run.request_id, cached[chosen.name])
+        return chosen
+
+    async def _place_at_once(self, run: RequestRun, request: DecodeRequest, prefill: Instance,
+                             decode: Instance) -> bool:
+        """Contact both instances together (the prefill instance's transfer waits, answered BUSY, until the decode
+        instance holds the request); False, with neither holding it, when the decode instance had no room or
+        either call failed. Where the decode instance had no room but the prefill instance keeps the prompt (its
+        transfer there is under way), the request waits for room on that decode instance."""
+        rid = run.request_id
+        run.place(decode, prefill)
+        held, submitted = await asyncio.gather(decode.handle.add_remote.remote(request),
+                                               prefill.handle.submit.remote(self._prefill_request(run, decode)),
+                                               return_exceptions=True)
+        if held is True and not isinstance(submitted, Exception):
+            run.prefilling()
+            return True
+        for inst, method, result in ((decode, "add_remote", held), (prefill, "submit", submitted)):
+            if isinstance(result, Exception):
+                self.calls.failed(inst, method, rid, result, run)
+        decode.room = held is not False
+        if held is False and submitted is None and not await self.calls.lets_go(prefill, rid):
+            # the prefill instance is already sending the prompt to ``decode`` (answered BUSY there until it holds
+            # the request) and keeps its id until that transfer ends: wait for room there
+            return await self._hold_when_room(run, request, decode)
+        undo = [self.calls.abort_on(inst, rid) for inst, ok in ((decode, held is True), (prefill, submitted is None))
+                if ok]
+        await asyncio.gather(*undo)
+        run.unplace()
+        return False
+
+    async def _hold_when_room(self, run: RequestRun, request: DecodeRequest, decode: Instance) -> bool:
+        """Wait for ``decode`` to hold the request (``_wait_for_room``); True once it does. Raises RouterError
+        UNAVAILABLE when it fails meanwhile, RESOURCE_EXHAUSTED when it never had room."""
+        def there() -> list[Instance]:
+            if decode.name in run.avoid or not decode.alive:
+                raise RouterError("UNAVAILABLE", f"{decode.name} failed while the prompt was on its way there")
+            return [decode]
+
+        await self._wait_for_room(run, request, there)
+        run.prefilling()
+        return True
+
+    @staticmethod
+    def _prefill_request(run: RequestRun, decode: Instance) -> PrefillRequest:
+        return PrefillRequest(run.request_id, tuple(run.prompt_ids), run.params,
+                              KVDestination(decode.name, reserved=True))
+
+    def decode_order(self, run: RequestRun, cached: dict[str, int]) -> tuple[list[Instance], bool]:
+        """The decode instances in the order the request tries them, by the rescheduling policy (the one that
+        picks migration destinations) and the prompt tokens each holds cached, and whether the first has room by
+        its last report."""
+        ctx = self.context
+        return decode_order(self.usable(run, ctx.decode), len(run.prompt_ids), run.priority, self._policy(),
+                            ctx.runs, cached, ctx.prefix_routing.overlap_weight)
+
+    @staticmethod
+    def usable(run: RequestRun, pool: list[Instance]) -> list[Instance]:
+        """``pool`` without the instances that failed a call for this request, unless that leaves none."""
+        return [i for i in pool if i.name not in run.avoid] or pool
+
+    async def submit(self, run: RequestRun, inst: Instance, request) -> None:
+        """Hand the request to the instance that prefills it; when the actor is gone or refuses, the run is told
+        it failed (retryable: its stream runs it again elsewhere)."""
+        run.prefilling()
+        try:
+            await inst.handle.submit.remote(request)
+        except Exception as err:  # the actor died between choosing and submitting, or its worker refused
+            self.calls.failed(inst, "submit", run.request_id, err, run)
+            run.tell(RunFailed(f"submit to {inst.role} {inst.name} failed: {type(err).__name__}: {err}", True))
+
+    async def _wait_for_room(self, run: RequestRun, request: DecodeRequest,
+                             order: Callable[[], list[Instance]]) -> Instance:
+        """The first instance of ``order()`` to hold the request, asked again every ``PLACEMENT_RETRY_S`` while
+        none has room, up to the request's timeout. Raises RouterError RESOURCE_EXHAUSTED when none had room in
+        time."""
+        deadline = time.monotonic() + self.context.request_timeout_s
+        while (decode := await self.reserve_decode(run, request, order())) is None:
+            if time.monotonic() > deadline:
+                raise RouterError("RESOURCE_EXHAUSTED", "no decode instance had room for the prompt's KV in time")
+            await asyncio.sleep(PLACEMENT_RETRY_S)
+        return decode
+
+    async def reserve_decode(self, run: RequestRun, request, order: list[Instance],
+                             method: str = "add_remote") -> Instance | None:
+        """The first instance of ``order`` that holds the request with room for its KV (None: none has room): a
+        ``DecodeRequest`` waiting for its prompt's KV (``add_remote``), or a ``ResumeRequest`` (``add_resume``)."""
+        for inst in order:
+            try:
+                inst.room = await getattr(inst.handle, method).remote(request)
+                if inst.room:
+                    return inst
+            except Exception as err:
+                self.calls.failed(inst, method, request.request_id, err, run)
+        return None
