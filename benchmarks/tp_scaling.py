@@ -34,7 +34,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from kv_transfer import KVFingerprint, KVReceiver, KVSender, PoolReserver, Rendezvous, TransferConfig  # noqa: E402
-from kv_transfer.streaming import leg_targets  # noqa: E402
+from kv_transfer.sender import leg_targets  # noqa: E402
 from modeling.block_pool import BlockPool  # noqa: E402
 from modeling.checkpoint import load_config  # noqa: E402
 from modeling.heads import legs_from, legs_to, plan_transfer, rank_peer_id, shard_heads  # noqa: E402

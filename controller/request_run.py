@@ -238,13 +238,14 @@ class RequestRun:
             self.record.to(RequestState.DECODING)
 
     def first_tokens(self, first: FirstToken) -> list[TokenDelta]:
-        """The first token of each sequence as the prefill instance sampled it, as output pieces at position 0
-        (their text comes with the decode instance's first delta of that sequence, which repeats the token)."""
+        """The first token of each sequence as the prefill instance sampled it, with its text, as output pieces
+        at position 0 (the decode instance continues after them)."""
         rid = self.request_id
-        pieces = [TokenDelta(rid, [first.token_id], "", False, logprobs=() if first.logprob is None else (first.logprob,),
+        pieces = [TokenDelta(rid, [first.token_id], first.text, False,
+                             logprobs=() if first.logprob is None else (first.logprob,),
                              prompt_logprobs=first.prompt_logprobs)]
-        pieces += [TokenDelta(rid, [token], "", False, logprobs=() if lp is None else (lp,), index=index)
-                   for index, token, lp in first.forks]
+        pieces += [TokenDelta(rid, [token], text, False, logprobs=() if lp is None else (lp,), index=index)
+                   for index, token, lp, text in first.forks]
         return pieces
 
     def emit(self, piece: TokenDelta) -> tuple[Delta | None, StreamTimes]:

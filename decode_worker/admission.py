@@ -5,7 +5,8 @@ sequence(s) and text stream the same way, reserves its blocks with one call (``D
 over ``KVSlots.allocate_slots``: the cached prefix, its positions, the first step and its further
 sequences' own blocks together) and is held in the worker's ``requests`` from then until it finishes:
 
-* ``RemoteKV`` / ``MigrationIn``: ``waiting_for_kv``, the transfer expected into its blocks (``KVInbox``);
+* ``RemoteKV`` / ``MigrationIn``: ``waiting_for_kv``, the transfer expected into its blocks (``KVInbox``, the
+  receiving KV connector, told after the allocation);
 * ``LocalPrefill``: ``prefilling``, queued for the worker's steps to compute (``PrefillQueue``);
 * ``Resume``: ``waiting``, its sequences ahead of the preempted, their blocks reserved when they resume;
 * ``Fork``: a further sequence of a request whose prompt is computed, on blocks reserved with it.
@@ -28,6 +29,7 @@ from modeling.block_pool import BlockTable
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError
 from modeling.forks import sequence_id, split_sequence_id
+from modeling.kv_connector import KVRequest
 from modeling.output import OutputStream
 from modeling.params import SamplingParams
 from modeling.request_check import check_request, check_room_to_generate
@@ -103,7 +105,8 @@ class Admission:
         if grant is None:
             return False
         try:
-            self.inbox.expect(request.request_id, num_tokens, list(grant.blocks), grant.cached_blocks)
+            external = num_tokens - grant.cached_blocks * self._block_size  # the sender skips the cached blocks
+            self.inbox.update_state_after_alloc(KVRequest(request.request_id, num_tokens), grant.blocks, external)
         except ValueError:  # e.g. a cancelled transfer under this id still drains into its old blocks
             self.drop(request.request_id)
             raise

@@ -4,8 +4,6 @@ forked from it through the admission door (``Fork``), each from its own first to
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from decode_worker.admission import Admission
@@ -15,7 +13,7 @@ from decode_worker.sequence_output import SequenceOutput
 from decode_worker.sources import Fork
 from kv_transfer.receiver import ReceivedKV
 from modeling.errors import InvalidRequestError
-from modeling.forks import decode_forks, sequence_id
+from modeling.forks import decode_starts, sequence_id
 from modeling.prefix_cache import PrefixCache
 from modeling.resume import generator_state
 from modeling.sampling import RequestSampler
@@ -30,32 +28,30 @@ class FirstTokens:
         self.prefix_cache = prefix_cache
 
     def after_transfer(self, held: HeldRequest, kv: ReceivedKV) -> list[TokenDelta]:
-        """The prompt's KV and first token arrived: every sequence starts from its first token (the router
-        streams their ids, with their log-probabilities, from prefill: the deltas here carry their text,
-        numbered to follow them). Raises InvalidRequestError naming the field the transfer got wrong."""
+        """The prompt's KV and first token arrived: every sequence starts from its first token, which the
+        router streamed from the prefill instance with its text and log-probability; the deltas here continue
+        after it (the next position, the characters after those the client has). Raises InvalidRequestError
+        naming the field the transfer got wrong."""
         seq = held.seq
         if kv.first_token is None:
             raise InvalidRequestError("first_token", f"the transfer of {kv.request_id!r} carried none")
         if kv.sampler_state:
             seq.sampler.generator.set_state(generator_state(kv.sampler_state))
         try:
-            starts = decode_forks(kv.state)
+            starts = decode_starts(kv.state)
         except ValueError as err:
             raise InvalidRequestError("state", str(err)) from None
-        if len(starts) != seq.sampler.params.num_sequences - 1:
-            raise InvalidRequestError("state", f"{len(starts)} further sequences arrived for a request of "
+        if len(starts.forks) != seq.sampler.params.num_sequences - 1:
+            raise InvalidRequestError("state", f"{len(starts.forks)} further sequences arrived for a request of "
                                       f"{seq.sampler.params.num_sequences}")
         seq.num_computed = seq.num_prompt
         self.prefix_cache.commit(seq, seq.num_prompt)
         forks = []
-        for f in starts:
+        for f in starts.forks:
             sampler = seq.sampler.for_sequence(f.index)
             sampler.generator.set_state(generator_state(f.sampler_state))
             forks.append((f.index, f.token, sampler))
-        deltas = self._start_all(held, kv.first_token, forks)
-        # the router has each first token's id and log-probability from prefill: these deltas carry its text,
-        # numbered to follow it (the router holds them until the token itself has gone out)
-        return [dataclasses.replace(d, token_ids=[], position=1) for d in deltas]
+        return self._start_all(held, kv.first_token, forks, sent=starts.text_sent)
 
     def after_prefill(self, held: HeldRequest, logits: torch.Tensor) -> list[TokenDelta]:
         """The prompt was computed here: every sequence samples its first token from the last position's
@@ -69,9 +65,11 @@ class FirstTokens:
         return self._start_all(held, token, forks, logits[:1])
 
     def _start_all(self, held: HeldRequest, token: int, forks: list[tuple[int, int, RequestSampler]],
-                   logits: torch.Tensor | None = None) -> list[TokenDelta]:
+                   logits: torch.Tensor | None = None, sent: tuple[int, ...] | None = None) -> list[TokenDelta]:
         """Fork the further sequences ``(index, first token, sampler)`` off ``held``, then start them all;
-        with ``logits`` [1, V], each delta carries its first token's log-probabilities."""
+        with ``logits`` [1, V], each delta carries its first token's log-probabilities. ``sent``: the first
+        tokens were streamed already (by the prefill instance), with this many characters of text by sequence
+        index: the deltas start after them."""
         rid, seq = held.seq.request_id, held.seq
         prompt, params = tuple(seq.prompt_ids), seq.sampler.params
         pairs = [(held, token)]
@@ -80,5 +78,7 @@ class FirstTokens:
             self.admission.admit(DecodeRequest(sid, prompt, params), Fork(rid, index, sampler))
             pairs.append((self.admission.requests[sid], first))
         # every fork first: the first sequence may finish at its first token and free the blocks they share
+        if sent is not None:
+            return [self.output.start_after(h, tok, sent[i] if i < len(sent) else 0) for i, (h, tok) in enumerate(pairs)]
         return [self.output.start(h, tok, () if logits is None else self.output.logprobs(h.seq, logits, [tok]))
                 for h, tok in pairs]

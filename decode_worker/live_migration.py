@@ -21,7 +21,8 @@ from decode_worker.drafters import DraftLayout
 from decode_worker.held import HeldRequest
 from decode_worker.messages import DecodeRequest, MigrationArrived, MigrationFailed, TokenDelta
 from decode_worker.migration import MigrationState, OutgoingMigration, headroom_tokens, should_stop
-from decode_worker.migration_sender import MigrationLegs
+from decode_worker.migration_sender import (AdvanceMigrations, BeginMigration, CancelMigration, MigrationLegs,
+                                            SyncMigrations)
 from decode_worker.ranks import FollowerRanks
 from decode_worker.sources import MigrationIn
 from kv_transfer.channel import Rendezvous
@@ -137,8 +138,7 @@ class LiveMigrations:
         m = OutgoingMigration(request_id, capacity_tokens, slot=next(self._slots), ranks_caught_up=ranks is None)
         self.outgoing[request_id] = m
         if ranks is not None:  # every rank sends its own heads (a rank that cannot fails its slot)
-            ranks.call("mig_begin", request_id=request_id, slot=m.slot, capacity_tokens=capacity_tokens,
-                       src_blocks=src_blocks, destination=destination)
+            ranks.call(BeginMigration(request_id, m.slot, capacity_tokens, tuple(src_blocks), destination))
         return None
 
     def commit(self, request_id: str) -> bool:
@@ -163,7 +163,7 @@ class LiveMigrations:
         # commit: this rank's sender counts the transfer when it reads that DONE; the other ranks forget theirs
         del self.outgoing[request_id]
         if self.host.ranks is not None:
-            self.host.ranks.call("mig_cancel", request_id=request_id)
+            self.host.ranks.call(CancelMigration(request_id))
         self.host.release(request_id)
         return True
 
@@ -215,7 +215,7 @@ class LiveMigrations:
         failed = [(f.request_id, str(f.error)) for f in self.legs.poll()]
         ranks = self.host.ranks
         if ranks is not None and self.outgoing:
-            ranks.call("mig_sync")
+            ranks.call(SyncMigrations())
             reports = ranks.exchange()[1:]
             by_slot = {m.slot: m for m in self.outgoing.values()}
             for m in self.outgoing.values():
@@ -253,7 +253,8 @@ class LiveMigrations:
             m.rounds += 1
         legs.flush()
         if self.host.ranks is not None and (rounds or ends):
-            self.host.ranks.call("mig_advance", rounds=rounds, ends=ends)
+            self.host.ranks.call(AdvanceMigrations(tuple((rid, tuple(b), n) for rid, b, n in rounds),
+                                                   tuple((rid, tuple(b), n) for rid, b, n in ends)))
 
     def _stop_and_copy(self, m: OutgoingMigration, held: HeldRequest) -> list:
         """Stop the request here and send the rest of its KV and its state; returns the end for the other
@@ -280,5 +281,5 @@ class LiveMigrations:
             return False
         self.legs.cancel(request_id)
         if self.host.ranks is not None:
-            self.host.ranks.call("mig_cancel", request_id=request_id)
+            self.host.ranks.call(CancelMigration(request_id))
         return True

@@ -6,18 +6,53 @@ own pair channels, to the destination ranks the transfer plan (:mod:`modeling.he
 Block ids are the same on every rank of an instance, so one list of source blocks and one of destination
 blocks describe every leg. The driver (rank 0) decides the rounds and the stop; each rank runs them on its
 legs with an instance of this class. The request's state (and a draft model's cache) travels on rank 0's
-legs only; the other ranks end theirs with the positions sent.
+legs only; the other ranks end theirs with the positions sent. The driver tells the other ranks each
+decision as a typed action (:class:`BeginMigration`, :class:`AdvanceMigrations`, :class:`CancelMigration`,
+:class:`SyncMigrations`; ``decode_worker/tp_rank.py`` runs them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
-from kv_transfer.sender import KVSender, TransferFailure
-from kv_transfer.streaming import leg_targets
+from kv_transfer.sender import KVSender, TransferFailure, leg_targets
 from modeling.config import ModelConfig
 from modeling.heads import HeadRange, peer_ranks, rank_peer_id
 from modeling.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class BeginMigration:
+    """``MigrationLegs.begin`` on every rank; ``slot`` numbers the migration in outcome reports."""
+
+    request_id: str
+    slot: int
+    capacity_tokens: int
+    src_blocks: tuple[int, ...]
+    destination: str
+
+
+@dataclass(frozen=True)
+class AdvanceMigrations:
+    """After a step, in order: each round ``(request id, blocks, ready blocks)`` (``send_round``), a flush, then
+    each stop-and-copy ``(request id, blocks, positions)`` (``end``)."""
+
+    rounds: tuple[tuple[str, tuple[int, ...], int], ...]
+    ends: tuple[tuple[str, tuple[int, ...], int], ...]
+
+
+@dataclass(frozen=True)
+class CancelMigration:
+    """Forget the request's migration (committed elsewhere, aborted, finished or preempted)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SyncMigrations:
+    """Apply the destinations' replies and report caught-up and failed migrations' slots."""
 
 
 class MigrationLegs:

@@ -22,9 +22,10 @@ class FollowerRanks:
         """Ranks in the instance, the driver included."""
         return self._group.size
 
-    def call(self, action: str, **args: Any) -> None:
-        """Every follower runs ``action`` (one of ``DecodeRankFollower.actions``) with ``args``."""
-        self._runner.call(action, **args)
+    def call(self, action: Any) -> None:
+        """Every follower runs ``action`` (a frozen dataclass of one of the types ``DecodeRankFollower``
+        registers: ``decode_worker/kv_inbox.py``'s and ``decode_worker/migration_sender.py``'s)."""
+        self._runner.call(action)
 
     def barrier(self) -> None:
         """Wait until every rank got here."""
@@ -32,5 +33,5 @@ class FollowerRanks:
 
     def exchange(self) -> list[tuple[list[int], list[int]]]:
         """Each rank's (done, failed) slots, in rank order (the driver's own, first, are empty); every
-        follower takes part after a ``call`` that tells it to (``kv_sync``, ``mig_sync``)."""
+        follower takes part after a ``call`` that tells it to (``SyncKV``, ``SyncMigrations``)."""
         return exchange_outcomes(self._group, [], [])

@@ -33,7 +33,17 @@ class SequenceOutput:
         self.on_leave = on_leave
 
     def start(self, held: HeldRequest, first_token: int, logprobs: tuple = ()) -> TokenDelta:
-        """Start decoding a sequence whose prompt is computed, from its first token."""
+        """Start decoding a sequence whose prompt is computed, from its first token (sampled here): the delta
+        carries the token and its text."""
+        return self._start(held, first_token, logprobs, None)
+
+    def start_after(self, held: HeldRequest, first_token: int, text_sent: int) -> TokenDelta:
+        """Start decoding a sequence from a first token the client already has, with ``text_sent`` characters
+        of its text (the prefill instance sampled and streamed it): the delta continues after them, at the next
+        position (no token; the text only where this side's cut differs, a finish where the token ends it)."""
+        return self._start(held, first_token, (), text_sent)
+
+    def _start(self, held: HeldRequest, first_token: int, logprobs: tuple, text_sent: int | None) -> TokenDelta:
         seq = held.seq
         self.scheduler.start(seq)
         position, text_offset = len(seq.tokens) - seq.num_prompt, held.stream.sent
@@ -44,8 +54,12 @@ class SequenceOutput:
             self.finish(held, reason)
         else:
             self.speculator.drafter.admit(seq)
+        ids = [first_token]
+        if text_sent is not None:  # the token and the first ``text_sent`` characters went out with prefill's
+            skip = min(text_sent, len(text))
+            ids, text, position, text_offset = [], text[skip:], position + 1, text_offset + skip
         rid, index = split_sequence_id(seq.request_id)
-        return TokenDelta(rid, [first_token], text, reason is not None, reason.value if reason is not None else None,
+        return TokenDelta(rid, ids, text, reason is not None, reason.value if reason is not None else None,
                           logprobs=logprobs, index=index, position=position, text_offset=text_offset,
                           sampler_state=seeded_state(seq))
 

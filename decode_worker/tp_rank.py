@@ -1,24 +1,26 @@
 """A follower rank of a tensor-parallel decode instance that receives its own KV heads.
 
 The driver (rank 0, the :class:`DecodeWorker`) owns every request and block; this rank mirrors its
-reservations. The driver tells it each reservation (``kv_reserve``: the same block ids on every rank, and
-the transfer's slot), each release, and when to report: on ``kv_sync`` the rank polls its receiver and
-all ranks exchange outcomes (:mod:`kv_transfer.rank_sync`). Between those calls it runs the driver's
-forward passes like any follower.
+reservations. The driver tells it, as typed actions (``decode_worker/kv_inbox.py``), each reservation
+(:class:`ReserveKV`: the same block ids on every rank, and the transfer's slot), each release
+(:class:`ReleaseKV`), and when to report: on :class:`SyncKV` the rank polls its receiver and all ranks exchange
+outcomes (:mod:`kv_transfer.rank_sync`). Between those calls it runs the driver's forward passes like any
+follower.
 
 Live migration: the rank sends its own heads of a request migrating away to the destination ranks that
-hold them (:class:`MigrationLegs`). The driver announces each migration (``mig_begin``, with its slot), the
-blocks of each round and each stop-and-copy (``mig_advance``), and forgets them (``mig_cancel``); on
-``mig_sync`` the rank applies its destinations' replies and reports which migrations it has caught up and
-which failed.
+hold them (:class:`MigrationLegs`). The driver announces each migration (:class:`BeginMigration`, with its
+slot), the blocks of each round and each stop-and-copy (:class:`AdvanceMigrations`), and forgets them
+(:class:`CancelMigration`); on :class:`SyncMigrations` the rank applies its destinations' replies and reports
+which migrations it has caught up and which failed.
 """
 
 from __future__ import annotations
 
 import logging
 
-from decode_worker.kv_inbox import GivenBlocks
-from decode_worker.migration_sender import MigrationLegs
+from decode_worker.kv_inbox import GivenBlocks, ReleaseKV, ReserveKV, SyncKV
+from decode_worker.migration_sender import (AdvanceMigrations, BeginMigration, CancelMigration, MigrationLegs,
+                                            SyncMigrations)
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.errors import TransferError
@@ -47,13 +49,17 @@ class DecodeRankFollower(TPFollower):
         self._slots: dict[str, int] = {}
         self._done: list[int] = []
         self._failed: list[int] = []
-        self.actions.update(kv_reserve=self._reserve, kv_release=self._release, kv_sync=self._sync)
+        self.on(ReserveKV, self._reserve)
+        self.on(ReleaseKV, self._release)
+        self.on(SyncKV, self._sync)
         self.migration = MigrationLegs(runner.cache, instance_id, group.rank, group.size, self.config,
                                        runner.block_size, heads, transfer)
         self._outgoing: dict[str, int] = {}  # request id -> slot of a migration leaving from this rank
         self._outgoing_failed: list[int] = []
-        self.actions.update(mig_begin=self._mig_begin, mig_advance=self._mig_advance, mig_sync=self._mig_sync,
-                            mig_cancel=self._mig_cancel)
+        self.on(BeginMigration, self._mig_begin)
+        self.on(AdvanceMigrations, self._mig_advance)
+        self.on(SyncMigrations, self._mig_sync)
+        self.on(CancelMigration, self._mig_cancel)
 
     def connect(self, prefill_id: str, rendezvous: Rendezvous, generation: int = 0, prefill_tp: int = 1) -> None:
         """Form this rank's channels with the prefill ranks holding its heads (called by the controller
@@ -68,17 +74,17 @@ class DecodeRankFollower(TPFollower):
         migrates there (called by the controller beside the serving loop, as the driver's is)."""
         self.migration.connect(destination, destination_tp, rendezvous, generation)
 
-    def _reserve(self, request_id: str, slot: int, num_tokens: int, blocks: list[int], have_blocks: int = 0) -> None:
-        self._blocks.give(request_id, blocks)
-        self.receiver.reserve(request_id, num_tokens, have_blocks)
-        self._slots[request_id] = slot
+    def _reserve(self, action: ReserveKV) -> None:
+        self._blocks.give(action.request_id, list(action.blocks))
+        self.receiver.reserve(action.request_id, action.num_tokens, action.cached_blocks)
+        self._slots[action.request_id] = action.slot
         self.group.barrier()  # the driver hands out the block ids only once every rank expects them
 
-    def _release(self, request_id: str) -> None:
-        self._slots.pop(request_id, None)
-        self.receiver.release(request_id)
+    def _release(self, action: ReleaseKV) -> None:
+        self._slots.pop(action.request_id, None)
+        self.receiver.release(action.request_id)
 
-    def _sync(self) -> None:
+    def _sync(self, action: SyncKV) -> None:
         events = self.receiver.poll()
         self._done += [self._slots.pop(kv.request_id) for kv in events.completed if kv.request_id in self._slots]
         for f in events.failed:  # the driver learns only that this rank failed; the reason is logged here
@@ -88,27 +94,26 @@ class DecodeRankFollower(TPFollower):
 
     # -- live migration (the driver's decisions, on this rank's heads) -----------------------------
 
-    def _mig_begin(self, request_id: str, slot: int, capacity_tokens: int, src_blocks: list[int],
-                   destination: str) -> None:
+    def _mig_begin(self, action: BeginMigration) -> None:
         try:
-            self.migration.begin(request_id, capacity_tokens, src_blocks, destination)
+            self.migration.begin(action.request_id, action.capacity_tokens, list(action.src_blocks), action.destination)
         except (TransferError, ValueError):
-            self._outgoing_failed.append(slot)
+            self._outgoing_failed.append(action.slot)
             return
-        self._outgoing[request_id] = slot
+        self._outgoing[action.request_id] = action.slot
 
-    def _mig_advance(self, rounds: list[list], ends: list[list]) -> None:
-        for request_id, blocks, ready in rounds:
-            self.migration.send_round(request_id, blocks, ready)
+    def _mig_advance(self, action: AdvanceMigrations) -> None:
+        for request_id, blocks, ready in action.rounds:
+            self.migration.send_round(request_id, list(blocks), ready)
         self.migration.flush()
-        for request_id, blocks, num_tokens in ends:
-            self.migration.end(request_id, blocks, num_tokens)
+        for request_id, blocks, num_tokens in action.ends:
+            self.migration.end(request_id, list(blocks), num_tokens)
 
-    def _mig_cancel(self, request_id: str) -> None:
-        if self._outgoing.pop(request_id, None) is not None:
-            self.migration.cancel(request_id)
+    def _mig_cancel(self, action: CancelMigration) -> None:
+        if self._outgoing.pop(action.request_id, None) is not None:
+            self.migration.cancel(action.request_id)
 
-    def _mig_sync(self) -> None:
+    def _mig_sync(self, action: SyncMigrations) -> None:
         for f in self.migration.poll():
             slot = self._outgoing.pop(f.request_id, None)
             if slot is not None:

@@ -2,8 +2,9 @@
 
 Modules (each one job): ``descriptors`` (fingerprint, handshake descriptor, replies; JSON, no pickle),
 ``channel`` (2-rank gloo / NCCL pair groups from the controller's TCP store; control frames), ``blocks``
-(one layer's K or V of some blocks on the wire), ``streaming`` (the layer-written hook), ``sender`` /
-``receiver`` (the two halves). The TP head ranges and the N-sender / M-receiver plan are
+(one layer's K or V of some blocks on the wire), ``sender`` / ``receiver`` (the two halves), ``connector``
+(the sending half as the prefill worker's KV connector, :mod:`modeling.kv_connector`; the receiving half's is
+``decode_worker/kv_inbox.py``). The TP head ranges and the N-sender / M-receiver plan are
 :mod:`modeling.heads` (re-exported here).
 
 Protocol, per (prefill, decode) pair channel (rank 0 = prefill, rank 1 = decode):
@@ -33,7 +34,7 @@ Decode-side API (KVReceiver; the decode worker, which owns the requests, is the 
 ``connect(prefill_id, rendezvous)``, ``reserve(request_id, num_tokens) -> list[int] | None``,
 ``poll() -> ReceiverEvents(completed=[ReceivedKV], failed=[ReceiveFailure])``, ``release(request_id)``.
 
-Prefill-side API (KVSender, driven by prefill_worker): ``connect(decode_id, rendezvous)``,
+Prefill-side API (KVSender, driven by ``connector.TransferConnector``): ``connect(decode_id, rendezvous)``,
 ``begin(request_id, num_tokens, src_blocks, [LegTarget])``, ``open_group(ready) -> StreamGroup``
 (``send_layer(i)``, ``close()``), ``finish_prompt(request_id, first_token, sampler_state)``,
 ``poll() -> SenderEvents(done, failed)``.
@@ -43,13 +44,12 @@ from kv_transfer.channel import PairChannel, Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint, PeerHello, TransferDescriptor
 from kv_transfer.errors import FingerprintMismatchError, TransferError
 from kv_transfer.receiver import BlockReserver, KVReceiver, PoolReserver, ReceivedKV, ReceiveFailure, ReceiverEvents
-from kv_transfer.sender import KVSender, LegTarget, SenderEvents, StreamGroup, TransferFailure
-from kv_transfer.streaming import LayerStreamingContext
+from kv_transfer.sender import KVSender, LegTarget, SenderEvents, StreamGroup, TransferFailure, leg_targets
 from modeling.heads import HeadRange, TransferLeg, plan_transfer, shard_heads
 
 __all__ = [
     "BlockReserver", "FingerprintMismatchError", "HeadRange", "KVFingerprint", "KVReceiver", "KVSender",
-    "LayerStreamingContext", "LegTarget", "PairChannel", "PeerHello", "PoolReserver", "ReceiveFailure",
-    "ReceivedKV", "ReceiverEvents", "Rendezvous", "SenderEvents", "StreamGroup", "TransferConfig",
-    "TransferDescriptor", "TransferError", "TransferFailure", "TransferLeg", "plan_transfer", "shard_heads",
+    "LegTarget", "PairChannel", "PeerHello", "PoolReserver", "ReceiveFailure", "ReceivedKV", "ReceiverEvents",
+    "Rendezvous", "SenderEvents", "StreamGroup", "TransferConfig", "TransferDescriptor", "TransferError",
+    "TransferFailure", "TransferLeg", "leg_targets", "plan_transfer", "shard_heads",
 ]

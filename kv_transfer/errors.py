@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from modeling.errors import MagicServeError
+from modeling.errors import KVConnectorError
 
 
-class TransferError(MagicServeError):
-    """A KV transfer failed. ``retryable``: the same request may succeed on another attempt or another
-    peer (peer died, stalled, no room); False for a configuration error that will fail again."""
+class TransferError(KVConnectorError):
+    """A KV transfer failed (the transfer connector's :class:`~modeling.errors.KVConnectorError`).
+    ``retryable``: the same request may succeed on another attempt or another peer (peer died, stalled, no
+    room); False for a configuration error that will fail again."""
 
     def __init__(self, message: str, retryable: bool, request_id: str | None = None):
-        self.retryable = retryable
         self.request_id = request_id
         prefix = f"request {request_id!r}: " if request_id is not None else ""
-        super().__init__(prefix + message)
+        super().__init__(prefix + message, retryable)
 
 
 class FingerprintMismatchError(TransferError):

@@ -38,7 +38,8 @@ from kv_transfer.channel import (DESCRIPTOR, FIRST_TOKEN, PIECES, PREFILL_RANK, 
 from kv_transfer.descriptors import (_DTYPE_NAMES, KVFingerprint, PeerHello, Piece, PromptEnd, Reply,
                                      TransferDescriptor, decode_reply, encode)
 from kv_transfer.errors import TransferError
-from modeling.heads import HeadRange
+from modeling.config import ModelConfig
+from modeling.heads import HeadRange, legs_from, plan_transfer, rank_peer_id
 from modeling.kv_cache import PagedKVCache
 
 
@@ -50,6 +51,15 @@ class LegTarget:
     peer: str
     heads: HeadRange
     reserved: bool = False
+
+
+def leg_targets(config: ModelConfig, rank: int, tp: int, decode_id: str, decode_tp: int,
+                reserved: bool) -> list[LegTarget]:
+    """The legs sending rank ``rank`` of ``tp`` sends for one request to an instance of ``decode_tp`` ranks (the
+    N x M plan of :mod:`modeling.heads`); ``reserved``: that instance holds room for the request already. May
+    be empty: with replicated heads, some sending ranks send nothing."""
+    legs = legs_from(plan_transfer(config.num_key_value_heads, tp, decode_tp), rank)
+    return [LegTarget(rank_peer_id(decode_id, leg.dst_rank, decode_tp), leg.heads, reserved) for leg in legs]
 
 
 @dataclass(frozen=True)

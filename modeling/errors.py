@@ -36,3 +36,12 @@ class InvalidRequestError(MagicServeError, ValueError):
 
 class OutOfBlocksError(MagicServeError):
     """The KV block pool cannot satisfy an allocation."""
+
+
+class KVConnectorError(MagicServeError):
+    """A KV connector cannot take a request's KV where it was asked to go (or come from). ``retryable``: the
+    same request may succeed on another attempt or another peer; False for an error that will recur."""
+
+    def __init__(self, message: str, retryable: bool):
+        self.retryable = retryable
+        super().__init__(message)

@@ -40,22 +40,40 @@ class ForkStart:
     sampler_state: bytes
 
 
-def encode_forks(forks: list[ForkStart]) -> str:
-    """The forks as the KV transfer's end carries them (``PromptEnd.state``), '' when there are none."""
-    if not forks:
+@dataclass(frozen=True)
+class SequenceStarts:
+    """What the end of a prompt's KV transfer carries besides the first token (``PromptEnd.state``): how the
+    further sequences start (``forks``, sequences 1 .. n-1 in order) and, by sequence index, the characters of
+    each first token's text the client already has from the prefill instance (``text_sent``; missing: 0). The
+    decode instance continues each sequence after them: at the next position, the next character."""
+
+    forks: tuple[ForkStart, ...] = ()
+    text_sent: tuple[int, ...] = ()
+
+    def sent(self, index: int) -> int:
+        return self.text_sent[index] if index < len(self.text_sent) else 0
+
+
+def encode_starts(starts: SequenceStarts) -> str:
+    """``starts`` as the KV transfer's end carries them, '' when there is nothing to carry."""
+    if not starts.forks and not any(starts.text_sent):
         return ""
-    return json.dumps([[f.index, f.token, f.sampler_state.hex()] for f in forks], separators=(",", ":"))
+    return json.dumps({"forks": [[f.index, f.token, f.sampler_state.hex()] for f in starts.forks],
+                       "text_sent": list(starts.text_sent)}, separators=(",", ":"))
 
 
-def decode_forks(text: str) -> list[ForkStart]:
-    """Inverse of :func:`encode_forks`; raises ValueError on a malformed text."""
+def decode_starts(text: str) -> SequenceStarts:
+    """Inverse of :func:`encode_starts`; raises ValueError on a malformed text."""
     if not text:
-        return []
+        return SequenceStarts()
     try:
         raw = json.loads(text)
-        forks = [ForkStart(int(i), int(t), bytes.fromhex(s)) for i, t, s in raw]
-    except (TypeError, ValueError) as err:
+        forks = tuple(ForkStart(int(i), int(t), bytes.fromhex(s)) for i, t, s in raw["forks"])
+        sent = tuple(int(c) for c in raw["text_sent"])
+    except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"malformed sequence starts: {err}") from None
     if [f.index for f in forks] != list(range(1, len(forks) + 1)):
         raise ValueError("sequence starts must number 1 .. n - 1 in order")
-    return forks
+    if any(c < 0 for c in sent):
+        raise ValueError("text_sent must be non-negative character counts")
+    return SequenceStarts(forks, sent)

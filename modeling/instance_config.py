@@ -116,8 +116,9 @@ class InstanceConfig:
 
 
 def compile_steps_problems(cfg) -> Problems:
-    """``compile_steps`` of a pool that runs decode steps (``decode``, ``colocated``; prefill chunks always run
-    eagerly): a boolean, on the attention backend whose kernels compile on the pool's device."""
+    """``compile_steps`` of a pool (small steps compiled: decode, verification and draft steps, prefill chunks of
+    at most 16 tokens per sequence): a boolean, on the attention backend whose kernels compile on the pool's
+    device."""
     errs = booleans(cfg, ("compile_steps",))
     gpu = cfg.devices_per_instance > 0 or str(cfg.device).startswith("cuda")
     allowed = ("auto", "triton") if gpu else ("auto", "cpu")

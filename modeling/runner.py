@@ -2,7 +2,9 @@
 
 Shared by the reference engine, the prefill worker and the decode worker: each builds a list of
 :class:`StepInput` (which tokens of which sequence to compute, where its blocks are), and gets back
-logits for the last ``num_logits`` positions of each input.
+logits for the last ``num_logits`` positions of each input. A KV connector's layer hook
+(:class:`~modeling.kv_connector.LayerHook`) rides along: eagerly it is called around each layer's cache write,
+after a compiled step for every layer (a compiled step cannot call back inside the pass).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.attention import AttentionBackend, AttentionMetadata, PagedAttentionContext
+from modeling.attention import AttentionBackend, AttentionMetadata, LayerHookContext, PagedAttentionContext
 from modeling.compiled_step import CompiledSteps
 from modeling.kv_cache import PagedKVCache
+from modeling.kv_connector import LayerHook
 from modeling.model import CausalLM
 from modeling.step_graphs import GraphSteps
 
@@ -78,13 +81,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None) -> torch.Tensor:
+    def run(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None,
+            kv_hook: LayerHook | None = None) -> torch.Tensor:
         """Compute the step; returns float32 logits [sum(num_logits), vocab] in input order. On CUDA the
         step has finished when this returns (every caller reads the logits next), so the pass timings the
-        workers take around it (cost models, pass logs) are device time, not kernel-launch time."""
+        workers take around it (cost models, pass logs) are device time, not kernel-launch time.
+        ``kv_hook``: as in :meth:`forward`."""
         if not inputs:
             return torch.empty(0, self.model.config.vocab_size)
-        hidden, logit_rows = self.forward(inputs, sink_len, window_starts)
+        hidden, logit_rows = self.forward(inputs, sink_len, window_starts, kv_hook)
         if not logit_rows:
             logits = torch.empty(0, self.model.config.vocab_size)
         else:
@@ -95,14 +100,27 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def forward(self, inputs: list[StepInput], sink_len: int = 0,
-                window_starts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None,
+                kv_hook: LayerHook | None = None) -> tuple[torch.Tensor, list[int]]:
         """The step's forward pass without logits: (final hidden states [T, hidden], logit row indices).
-        Writes the inputs' KV into the cache."""
+        Writes the inputs' KV into the cache. ``kv_hook``: a KV connector's layer hook, each of whose methods
+        sees every layer exactly once, in order: around each layer's cache write when the step runs eagerly;
+        ``wait_for_layer_load`` for every layer before and ``save_kv_layer`` for every layer after a compiled
+        step (:mod:`modeling.compiled_step`, :mod:`modeling.step_graphs`)."""
         input_ids, positions, meta, logit_rows = self.build(inputs, sink_len, window_starts)
         hidden = None
+        loads_waited = False
         if self.compiled is not None and self.compiled.eligible(meta):
+            if kv_hook is not None:
+                for layer in range(self.model.config.num_hidden_layers):
+                    kv_hook.wait_for_layer_load(layer)
+                loads_waited = True
             hidden = self.compiled.forward(input_ids, positions, meta)  # None: it failed, run eagerly
+            if hidden is not None and kv_hook is not None:
+                for layer in range(self.model.config.num_hidden_layers):
+                    kv_hook.save_kv_layer(layer)
         if hidden is None:
-            hidden = self.model(input_ids, positions, PagedAttentionContext(self.cache, meta, self.backend))
+            ctx = PagedAttentionContext(self.cache, meta, self.backend) if kv_hook is None else \
+                LayerHookContext(self.cache, meta, self.backend, kv_hook, loads=not loads_waited)
+            hidden = self.model(input_ids, positions, ctx)
         return hidden, logit_rows

@@ -71,17 +71,22 @@ class Sequence:
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token; return why the sequence must stop, if it must."""
         self.tokens.append(token)
-        params = self.sampler.params
         grammar = self.sampler.grammar
         if grammar is not None:
             grammar.advance(token)
             if grammar.finished:  # the output is complete: nothing but EOS could follow
                 return FinishReason.STOP
+        return self.stop_reason(token, len(self.output_ids))
+
+    def stop_reason(self, token: int, num_output: int) -> FinishReason | None:
+        """Why the sequence stops when its ``num_output``-th output token is ``token`` (its grammar aside), if
+        it does."""
+        params = self.sampler.params
         if token in params.stop_token_ids:
             return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
-        if len(self.output_ids) >= params.max_tokens or len(self.tokens) >= self.max_model_len:
+        if num_output >= params.max_tokens or self.num_prompt + num_output >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -2,11 +2,16 @@
 
 The driver (rank 0) is the whole worker (engine, prefill or decode worker) with a
 :class:`TPDriverRunner` in place of its :class:`ModelRunner`: before each forward it broadcasts a compact
-:class:`StepDescription` (token ids, positions, block tables and the sparse-view settings as int64, plus
-a small JSON side payload for what is not a number), then runs its own shard. Followers
+:class:`StepDescription` (token ids, positions, block tables and the sparse-view settings as int64),
+then runs its own shard. Followers
 (:class:`TPFollower`) hold only their shard of the model and of the KV cache; they loop receiving
 descriptions and running the same forward, so the all-reduces inside it line up across ranks. Only the
 driver computes logits and samples.
+
+Between forwards the driver may have every follower run an *action* (``TPDriverRunner.call``): a small frozen
+dataclass of plain values (strings, numbers, booleans, None, tuples and string-keyed dicts of them), e.g. a
+KV-transfer instruction. It travels as JSON naming its class; a follower rebuilds it only as one of the
+action types it registered (``TPFollower.on``) and runs that type's handler.
 
 Wire format per step, over the group's control channel: ``int64 [op, n_numbers, n_side_bytes, 0]``,
 then the numbers (int64), then the side payload (uint8 JSON) when there is one.
@@ -14,10 +19,11 @@ then the numbers (int64), then the side payload (uint8 JSON) when there is one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +33,7 @@ from modeling.checkpoint import LoadedModel, load_model
 from modeling.compiled_step import CompiledSteps, compiled_steps_supported
 from modeling.cpu_linear import use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
+from modeling.kv_connector import LayerHook
 from modeling.runner import ModelRunner, StepInput
 from modeling.step_graphs import GraphSteps
 from modeling.tp import install_all_reduce
@@ -39,9 +46,46 @@ _OPS = (OP_RUN, OP_STOP, OP_CALL)
 
 
 @dataclass(frozen=True)
+class CopyBlocks:
+    """Action: copy whole KV blocks (source, destination) in the follower's cache."""
+
+    copies: tuple[tuple[int, int], ...]
+
+
+def encode_action(action: Any) -> dict[str, Any]:
+    """The JSON-able form of an action (a dataclass instance): its class name and its fields."""
+    if not dataclasses.is_dataclass(action) or isinstance(action, type):
+        raise TypeError(f"action: expected a dataclass instance, got {action!r}")
+    fields = {f.name: getattr(action, f.name) for f in dataclasses.fields(action)}
+    return {"action": type(action).__name__, "fields": fields}
+
+
+def decode_action(side: dict[str, Any], types: dict[str, type]) -> Any:
+    """The action ``side`` describes, rebuilt as one of ``types`` (class name -> class; JSON lists become
+    tuples). Raises TPError for anything else."""
+    name = side.get("action") if isinstance(side, dict) else None
+    cls = types.get(name) if isinstance(name, str) else None
+    fields = side.get("fields") if cls is not None else None
+    if not isinstance(fields, dict):
+        raise TPError(f"protocol error: follower has no action {name!r}")
+    try:
+        return cls(**{name: _frozen(value) for name, value in fields.items()})
+    except TypeError as err:
+        raise TPError(f"protocol error: malformed {cls.__name__}: {err}") from None
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
 class StepDescription:
-    """What every rank runs next. ``op``: OP_RUN (a forward over ``inputs``), OP_CALL (a named
-    follower action with ``side`` arguments, e.g. a KV-transfer instruction) or OP_STOP."""
+    """What every rank runs next. ``op``: OP_RUN (a forward over ``inputs``), OP_CALL (a follower action,
+    ``side`` as :func:`encode_action` gives it) or OP_STOP."""
 
     op: int
     inputs: list[StepInput] = field(default_factory=list)
@@ -128,42 +172,50 @@ class TPDriverRunner(ModelRunner):
         super().__init__(model, cache, backend)
         self.group = group
 
-    def forward(self, inputs: list[StepInput], sink_len: int = 0,
-                window_starts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def forward(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None,
+                kv_hook: LayerHook | None = None) -> tuple[torch.Tensor, list[int]]:
         self.announce(inputs, sink_len, window_starts)
-        return super().forward(inputs, sink_len, window_starts)
+        return super().forward(inputs, sink_len, window_starts, kv_hook)
 
-    def announce(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None,
-                 side: dict[str, Any] | None = None) -> None:
-        """Tell the followers the forward this rank is about to run itself (a worker that wraps its own
-        forward, like the prefill worker's KV streaming, calls this and then runs it)."""
-        broadcast_step(self.group, StepDescription(OP_RUN, inputs, sink_len, window_starts, side))
+    def announce(self, inputs: list[StepInput], sink_len: int = 0, window_starts: list[int] | None = None) -> None:
+        """Tell the followers the forward this rank is about to run itself."""
+        broadcast_step(self.group, StepDescription(OP_RUN, inputs, sink_len, window_starts))
 
-    def call(self, name: str, **args: Any) -> None:
-        """Have every follower run its action ``name`` with JSON-serialisable ``args``."""
-        broadcast_step(self.group, StepDescription(OP_CALL, side={"name": name, "args": args}))
+    def call(self, action: Any) -> None:
+        """Have every follower run ``action`` (a frozen dataclass of plain values, one of the types the
+        followers registered with :meth:`TPFollower.on`)."""
+        broadcast_step(self.group, StepDescription(OP_CALL, side=encode_action(action)))
 
     def stop(self) -> None:
         """Release the followers from their loops."""
         broadcast_step(self.group, StepDescription(OP_STOP))
 
 
+ActionT = TypeVar("ActionT")
+
+
 class TPFollower:
     """A follower rank: its shard of the model and cache, running what the driver describes.
 
-    ``actions`` maps OP_CALL names to callables (keyword arguments from the description); a worker kind
-    that needs more than forward passes (the prefill worker's KV streaming) registers them, and may
-    replace ``run_step`` to wrap the forward (e.g. to stream each layer's KV as it is written)."""
+    A worker kind that needs more than forward passes (the prefill worker's KV streaming) registers a handler
+    per action type (:meth:`on`), and may replace ``run_step`` to wrap the forward (e.g. to hand it a KV
+    connector's layer hook)."""
 
-    def __init__(self, runner: ModelRunner, group: TPGroup,
-                 actions: dict[str, Callable[..., None]] | None = None):
+    def __init__(self, runner: ModelRunner, group: TPGroup):
         self.runner = runner
         self.group = group
-        self.actions = {"kv_copy": self._copy_blocks, **(actions or {})}
+        self.actions: dict[type, Callable[[Any], None]] = {}
         self.steps = 0
+        self.on(CopyBlocks, self._copy_blocks)
 
-    def _copy_blocks(self, copies: list[list[int]]) -> None:
-        self.runner.cache.copy_blocks([(src, dst) for src, dst in copies])
+    def on(self, action_type: type[ActionT], handler: Callable[[ActionT], None]) -> None:
+        """Run ``handler(action)`` for each action of ``action_type`` the driver sends."""
+        if any(t.__name__ == action_type.__name__ and t is not action_type for t in self.actions):
+            raise ValueError(f"action_type: another action is named {action_type.__name__!r}")
+        self.actions[action_type] = handler
+
+    def _copy_blocks(self, action: CopyBlocks) -> None:
+        self.runner.cache.copy_blocks(list(action.copies))
 
     def run_step(self, desc: StepDescription) -> None:
         self.runner.forward(desc.inputs, desc.sink_len, desc.window_starts)
@@ -176,10 +228,8 @@ class TPFollower:
             if desc.op == OP_STOP:
                 return self.steps
             if desc.op == OP_CALL:
-                name = desc.side["name"]
-                if name not in self.actions:
-                    raise TPError(f"protocol error: follower has no action {name!r}")
-                self.actions[name](**desc.side["args"])
+                action = decode_action(desc.side, {t.__name__: t for t in self.actions})
+                self.actions[type(action)](action)
                 continue
             if desc.inputs:
                 self.run_step(desc)
@@ -193,7 +243,7 @@ def copy_kv_blocks(runner: ModelRunner, copies: list[tuple[int, int]]) -> None:
         return
     runner.cache.copy_blocks(copies)
     if isinstance(runner, TPDriverRunner):
-        runner.call("kv_copy", copies=[list(c) for c in copies])
+        runner.call(CopyBlocks(tuple((src, dst) for src, dst in copies)))
 
 
 def load_for_rank(path: str, dtype: str, device: str, group: TPGroup | None) -> LoadedModel:

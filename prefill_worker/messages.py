@@ -48,8 +48,9 @@ class PrefillRequest:
 @dataclass(frozen=True)
 class FirstToken:
     """The first generated token, for the router to stream (the decode worker gets it, with the sampler's
-    state, over the KV transfer), with its log-probability and the prompt's when the request asked for them.
-    ``token_id`` None: the request generates nothing (``max_tokens`` 0; it scored its prompt)."""
+    state, over the KV transfer), with its text, its log-probability and the prompt's when the request asked
+    for them. ``token_id`` None: the request generates nothing (``max_tokens`` 0; it scored its prompt). The
+    decode instance continues each sequence after it: at the next position, after ``text``."""
 
     request_id: str
     token_id: int | None
@@ -57,8 +58,9 @@ class FirstToken:
     num_prompt_tokens: int
     logprob: TokenLogprob | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-    # n > 1: the first tokens of sequences 1 .. n-1, (index, token id, log-probability or None)
-    forks: tuple[tuple[int, int, TokenLogprob | None], ...] = ()
+    # n > 1: the first tokens of sequences 1 .. n-1, (index, token id, log-probability or None, text)
+    forks: tuple[tuple[int, int, TokenLogprob | None, str], ...] = ()
+    text: str = ""  # the first token's text (stop strings and held-back characters as the decode side cuts them)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """The prefill worker: chunked prefill over its own paged KV cache, first-token sampling, and the
-hand-off of each prompt's KV to kv_transfer.
+hand-off of each prompt's KV through its KV connector (:mod:`modeling.kv_connector`; by default the
+prefill -> decode transfer, ``kv_transfer/connector.py``).
 
 A plain class (the controller wraps it as a Ray actor). ``step()`` is the loop's skeleton:
 
-    apply transfer events (free acknowledged KV)  ->  schedule chunks  ->  announce new transfers
-    ->  forward, streaming each layer's KV as it is written  ->  sample first tokens
+    apply the connector's outcomes (free acknowledged KV)  ->  schedule chunks  ->  tell the connector of
+    new prompts  ->  forward, the connector saving each layer's KV as it is written  ->  sample first tokens
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.channel import Rendezvous
+from kv_transfer.connector import TPTransferConnector, TransferConnector
 from kv_transfer.descriptors import KVFingerprint
-from kv_transfer.errors import TransferError
-from kv_transfer.rank_sync import FollowerOutcomes, exchange_outcomes
 from kv_transfer.sender import KVSender
-from kv_transfer.streaming import forward_streaming, leg_targets
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.checkpoint import LoadedModel
-from modeling.errors import InvalidRequestError
-from modeling.forks import ForkStart, encode_forks
-from modeling.heads import peer_ranks, rank_peer_id
+from modeling.errors import InvalidRequestError, KVConnectorError
+from modeling.forks import ForkStart, SequenceStarts, encode_starts
+from modeling.heads import rank_peer_id
+from modeling.kv_connector import HandOff, KVConnector, KVPeer, KVRequest, StepKV
+from modeling.output import OutputStream
 from modeling.pass_log import PassLog
 from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt
@@ -32,7 +33,8 @@ from modeling.request_check import check_request
 from modeling.runner import StepInput
 from modeling.sampling import PromptLogprobs, sampler_for, token_logprobs
 from modeling.scheduler import ScheduledChunk
-from modeling.sequence import Sequence
+from modeling.sequence import FinishReason, Sequence
+from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, load_for_rank
 from prefill_worker.config import PrefillWorkerConfig
@@ -47,21 +49,25 @@ class _Request:
     seq: Sequence
     arrival: float
     prompt_scorer: PromptLogprobs | None = None
+    kv_told: bool = False  # the connector knows the request (its blocks are allocated)
 
 
 class PrefillWorker:
-    """Owns a model, a paged KV cache, a chunked-prefill scheduler and a KV sender."""
+    """Owns a model, a paged KV cache, a chunked-prefill scheduler and a KV connector."""
 
     def __init__(self, model: LoadedModel | str, config: PrefillWorkerConfig = PrefillWorkerConfig(),
-                 instance_id: str = "prefill-0", tp: TPGroup | None = None):
+                 instance_id: str = "prefill-0", tp: TPGroup | None = None, kv_connector: KVConnector | None = None):
         """``tp``: drive a tensor-parallel instance as its rank 0 (the other ranks run :func:`follower`);
-        ``model`` is then a path, loaded as this rank's shard, and each rank sends its own KV heads."""
+        ``model`` is then a path, loaded as this rank's shard, and each rank sends its own KV heads.
+        ``kv_connector``: where prompts' KV goes (None: the prefill -> decode transfer, ``self.transfer``)."""
         self.config = config
         self.instance_id = instance_id
         self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
+        self.tokenizer = load_tokenizer_if_present(self.loaded.path)  # the first tokens' text
         mc = self.loaded.config
         self.pool = BlockPool(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp)
+        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp,
+                                   compile_steps=config.compile_steps)
         self.cache, self.backend = self.runner.cache, self.runner.backend
         self.pass_log = PassLog()
         self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
@@ -72,10 +78,10 @@ class PrefillWorker:
         self.tp_size = 1 if self.tp is None else self.tp.size
         self.sender = KVSender(self.cache, rank_peer_id(instance_id, 0, self.tp_size), self.fingerprint,
                                self.loaded.kv_heads, config.transfer)
-        self._decode_tp: dict[str, int] = {}  # decode instance -> its tensor-parallel degree
-        # TP: transfers the other ranks are still sending, and those done here waiting on them
-        self._rank_outcomes = None if self.tp is None else FollowerOutcomes(self.tp.size)
-        self._sent_here: set[str] = set()
+        here = TransferConnector(self.sender, mc, 0, self.tp_size, config.layerwise_streaming)
+        self.transfer = here if self.tp is None else TPTransferConnector(here, self.runner, self.tp)
+        self.kv: KVConnector = self.transfer if kv_connector is None else kv_connector
+        self.kv.register_kv_cache(self.cache)
         self._requests: dict[str, _Request] = {}
 
     # -- control ----------------------------------------------------------------------------------
@@ -83,9 +89,7 @@ class PrefillWorker:
     def connect(self, decode_id: str, rendezvous: Rendezvous, generation: int = 0, decode_tp: int = 1) -> None:
         """Form this rank's KV channels to a decode instance of ``decode_tp`` ranks: one per decode rank it
         sends heads to (their receivers connect concurrently; the other ranks connect on their own)."""
-        for r in peer_ranks(self.loaded.config.num_key_value_heads, self.tp_size, decode_tp, 0, sending=True):
-            self.sender.connect(rank_peer_id(decode_id, r, decode_tp), rendezvous, generation)
-        self._decode_tp[decode_id] = decode_tp
+        self.transfer.connect(decode_id, rendezvous, generation, decode_tp)
 
     def close(self) -> None:
         """Release a tensor-parallel instance's followers (nothing to do on one rank)."""
@@ -95,13 +99,13 @@ class PrefillWorker:
     def transfer_stats(self) -> dict:
         """The KV sender's cumulative counts (``TransferStats``) for the whole instance: under tensor
         parallelism every rank sends its own heads, so the bytes are rank 0's share times the ranks."""
-        st = self.sender.stats
+        st = self.transfer.stats
         return {"kv_transfers_completed": st.completed, "kv_transfers_failed": st.failed,
                 "kv_transfer_bytes": st.bytes * self.tp_size, "kv_transfer_seconds": st.seconds}
 
     def transfers_pending(self) -> int:
         """Transfers not yet acknowledged by every receiving rank."""
-        return self.sender.pending() + len(self._sent_here)
+        return self.transfer.pending()
 
     def add_request(self, request: PrefillRequest) -> None:
         """Validate and queue a prompt. Raises InvalidRequestError naming the field."""
@@ -143,9 +147,9 @@ class PrefillWorker:
     def step(self) -> PrefillStepOutput:
         """One iteration; returns first tokens, acknowledged transfers and failures."""
         out = PrefillStepOutput()
-        self._apply_transfer_events(out)
+        self._apply_kv_outcomes(out)
         chunks = self.scheduler.schedule()
-        chunks = self._begin_transfers(chunks, out)
+        chunks = self._tell_connector(chunks, out)
         if chunks:
             t0 = time.perf_counter()
             logits = self._forward(chunks)
@@ -155,73 +159,43 @@ class PrefillWorker:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _apply_transfer_events(self, out: PrefillStepOutput) -> None:
-        events = self.sender.poll()
-        done = events.done
-        failed = [(f.request_id, str(f.error), f.error.retryable) for f in events.failed]
-        if self._rank_outcomes is not None:
-            done = self._done_on_every_rank(done, failed)
-        for rid in done:
+    def _apply_kv_outcomes(self, out: PrefillStepOutput) -> None:
+        """Free the prompts whose KV the connector is done with (acknowledged, or failed)."""
+        finished = self.kv.get_finished()
+        for rid in finished.sent:
             self.scheduler.release(rid)
             self._requests.pop(rid, None)
             out.transferred.append(rid)
-        for rid, why, retryable in failed:
-            self.scheduler.release(rid)
-            self._requests.pop(rid, None)
-            out.failed.append(PrefillFailure(rid, why, retryable))
+        for f in finished.failed:
+            self.scheduler.release(f.request_id)
+            self._requests.pop(f.request_id, None)
+            out.failed.append(PrefillFailure(f.request_id, f.reason, f.retryable))
 
-    def _done_on_every_rank(self, done: list[str], failed: list[tuple[str, str, bool]]) -> list[str]:
-        """TP: the transfers every rank has finished (this rank's now or earlier); a transfer any rank failed
-        joins ``failed`` (its blocks are freed once; the other ranks' legs fail or drain on their own)."""
-        self._sent_here.update(done)
-        for rid, _, _ in failed:
-            self._rank_outcomes.forget(rid)
-        if not self._rank_outcomes:
-            return []
-        self.runner.call("kv_sync")
-        self._rank_outcomes.absorb(exchange_outcomes(self.tp, [], []))
-        failed_here = {rid for rid, _, _ in failed}
-        for rid, why in self._rank_outcomes.failures():
-            self._rank_outcomes.forget(rid)
-            self._sent_here.discard(rid)
-            if rid not in failed_here:
-                failed.append((rid, why, True))
-        ready = [rid for rid in self._sent_here if self._rank_outcomes.all_done(rid)]
-        for rid in ready:
-            self._rank_outcomes.forget(rid)
-            self._sent_here.discard(rid)
-        return ready
-
-    def _begin_transfers(self, chunks: list[ScheduledChunk], out: PrefillStepOutput) -> list[ScheduledChunk]:
-        """Announce the KV of prompts starting this step; drop those whose destination is unreachable."""
+    def _tell_connector(self, chunks: list[ScheduledChunk], out: PrefillStepOutput) -> list[ScheduledChunk]:
+        """Tell the connector of the prompts starting this step (their blocks are allocated); drop those whose
+        KV cannot go where asked."""
         kept = []
         for c in chunks:
-            dest = self._requests[c.seq.request_id].request.destination
-            if dest is not None and not self.sender.transferring(c.seq.request_id):  # its first chunk
-                rid, decode_tp = c.seq.request_id, self._decode_tp.get(dest.decode_id, 1)
+            req = self._requests[c.seq.request_id]
+            if not req.kv_told:  # its first chunk
+                req.kv_told = True
+                rid, dest = c.seq.request_id, req.request.destination
+                peer = None if dest is None else KVPeer(dest.decode_id, dest.reserved)
+                kv_request = KVRequest(rid, c.seq.num_prompt, peer)
                 try:
-                    self.sender.begin(rid, c.seq.num_prompt, c.seq.block_table.blocks,
-                                      leg_targets(self.loaded.config, 0, self.tp_size,
-                                                  dest.decode_id, decode_tp, dest.reserved))
-                except TransferError as err:
+                    self.kv.update_state_after_alloc(kv_request, c.seq.block_table.blocks, 0)
+                except KVConnectorError as err:
                     self.scheduler.release(rid)
                     del self._requests[rid]
                     out.failed.append(PrefillFailure(rid, str(err), err.retryable))
                     continue
-                if self.tp is not None:
-                    self.runner.call("kv_begin", request_id=rid, slot=self._rank_outcomes.track(rid),
-                                     num_tokens=c.seq.num_prompt, src_blocks=list(c.seq.block_table.blocks),
-                                     decode_id=dest.decode_id, decode_tp=decode_tp,
-                                     reserved=dest.reserved)
             kept.append(c)
         return kept
 
-    def _ready_blocks(self, chunk: ScheduledChunk) -> int:
+    def _final_blocks(self, chunk: ScheduledChunk) -> int:
         """Blocks of the prompt whose KV is final once this chunk is computed."""
         end = chunk.start + chunk.num_tokens
-        if chunk.sample:
-            return self.pool.blocks_for_tokens(end)
-        return end // self.config.block_size if self.config.layerwise_streaming else 0
+        return self.pool.blocks_for_tokens(end) if chunk.sample else end // self.config.block_size
 
     def _num_logits(self, chunk: ScheduledChunk) -> int:
         """Logits at the chunk's last position when it samples, at all of them when they score the prompt."""
@@ -232,14 +206,13 @@ class PrefillWorker:
 
     @torch.inference_mode()
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run the chunks; KV streams out layer by layer (or after the pass). Returns the logits of every
-        chunk's ``_num_logits`` last positions, in chunk order [rows, V]."""
+        """Run the chunks, the connector saving (sending) each layer's KV as the runner writes it. Returns the
+        logits of every chunk's ``_num_logits`` last positions, in chunk order [rows, V]."""
         inputs = [StepInput(c.seq.tokens[c.start : c.start + c.num_tokens], c.start, c.seq.block_table.blocks,
                             num_logits=self._num_logits(c)) for c in chunks]
-        ready = {c.seq.request_id: self._ready_blocks(c) for c in chunks}
-        if self.tp is not None:
-            self.runner.announce(inputs, side={"ready": ready})
-        hidden, rows = forward_streaming(self.runner, self.sender, inputs, ready, self.config.layerwise_streaming)
+        self.kv.start_load_kv(StepKV({c.seq.request_id: self._final_blocks(c) for c in chunks}))
+        hidden, rows = self.runner.forward(inputs, kv_hook=self.kv)
+        self.kv.wait_for_save()
         if not rows:
             return torch.empty(0, self.loaded.config.vocab_size)
         model = self.loaded.model
@@ -248,7 +221,6 @@ class PrefillWorker:
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[FirstToken]:
         now = time.perf_counter()
         firsts = []
-        ends = []  # (request id, first token, sampler state hex): every rank ends its legs with them
         row = 0
         for c in chunks:
             seq = c.seq
@@ -275,21 +247,26 @@ class PrefillWorker:
             # the further sequences first: they start where the first one starts (its grammar included)
             forks = [self._fork_start(seq, i, last[0]) for i in range(1, params.num_sequences)]
             token = seq.sampler.choose(last[0], seq.tokens)
-            seq.append_token(token)
+            texts = [self._first_text(seq, token, seq.append_token(token))]
+            texts += [self._first_text(seq, f.token, seq.stop_reason(f.token, 1)) for f in forks]
             firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt,
                                      self._logprob(params, last, token), prompt_logprobs,
-                                     tuple((f.index, f.token, self._logprob(params, last, f.token)) for f in forks)))
+                                     tuple((f.index, f.token, self._logprob(params, last, f.token), text)
+                                           for f, text in zip(forks, texts[1:])), texts[0]))
             self.scheduler.hand_off(seq)
             if req.request.destination is not None:  # the first token ends the transfer: decode continues from it
                 state = seq.sampler.generator.get_state().numpy().tobytes()
-                self.sender.finish_prompt(seq.request_id, token, state, state=encode_forks(forks))
-                ends.append([seq.request_id, token, state.hex(), encode_forks(forks)])
+                starts = encode_starts(SequenceStarts(tuple(forks), tuple(len(t) for t in texts)))
+                self.kv.request_finished(seq.request_id, HandOff(token, state, starts))
             else:  # nothing to transfer: done with this prompt
                 self.scheduler.release(seq.request_id)
                 del self._requests[seq.request_id]
-        if ends and self.tp is not None:
-            self.runner.call("kv_finish", ends=ends)
         return firsts
+
+    def _first_text(self, seq: Sequence, token: int, reason: FinishReason | None) -> str:
+        """The text of a sequence's first token as its decode instance's output stream cuts it (stop strings,
+        characters held back while they could start one): the client gets it with the token."""
+        return OutputStream.for_sequence(seq, self.tokenizer).push([token], reason)[0]
 
     @staticmethod
     def _fork_start(seq: Sequence, index: int, logits: torch.Tensor) -> ForkStart:

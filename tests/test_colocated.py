@@ -31,8 +31,7 @@ BLOCK = 16
     ({"mode": 1}, "mode: must be a string, got 1"),
     ({"mode": "colocated", "colocated": {"token_budget": 0}}, "colocated.token_budget: must be >= 1, got 0"),
     ({"colocated": {"speculation": {}}}, "colocated.speculation: unknown field; allowed: instances,"),
-    # prefill chunks always run eagerly; the gRPC server runs on asyncio, with no thread pool to size
-    ({"prefill": {"compile_steps": True}}, "prefill.compile_steps: unknown field; allowed: instances,"),
+    # the gRPC server runs on asyncio, with no thread pool to size
     ({"server": {"workers": 16}}, "server.workers: unknown field; allowed: host,"),
 ])
 def test_bad_mode_and_colocated_fields_are_config_errors(raw, message):

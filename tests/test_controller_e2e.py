@@ -53,6 +53,19 @@ def test_text_prompt_unary_and_stream_agree(server):
     assert unary.text == "".join(ch.text for ch in streamed)
 
 
+def test_the_first_token_streams_with_its_text(server, reference):
+    """The prefill instance streams the first token with its text (one route for every token): the client's
+    first delta is the token and its text, and the decode instance continues after them, repeating neither."""
+    prompt = "def add(a, b):"
+    want = reference.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    with Client(server) as c:
+        streamed = [ch for ch in c.generate_stream(prompt, max_tokens=12, ignore_eos=True) if ch.token_ids or ch.text]
+    first = streamed[0]
+    assert first.token_ids == want.token_ids[:1] and first.text and want.text.startswith(first.text)
+    assert [t for ch in streamed for t in ch.token_ids] == want.token_ids
+    assert "".join(ch.text for ch in streamed) == want.text
+
+
 def _instances(address):
     with Client(address) as c:
         return {i.name: i for i in c.status().instances}

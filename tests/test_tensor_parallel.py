@@ -206,7 +206,7 @@ def prefill_rank(path, rdv, rank, p, d, handoff, firsts_q):
             out = worker.step()
             assert not out.failed, out.failed
             for ft in out.first_tokens:
-                firsts_q.put((ft.request_id, [ft.token_id] + [token for _, token, _ in ft.forks]))
+                firsts_q.put((ft.request_id, [ft.token_id] + [token for _, token, _, _ in ft.forks]))
             transferred.update(out.transferred)
         return {"blocks_free": worker.pool.num_free == worker.pool.num_blocks}
     finally:

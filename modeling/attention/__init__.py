@@ -3,12 +3,14 @@
 A backend implements ``forward(q, k, v, k_cache, v_cache, meta, sliding_window=None) -> out`` (shapes in
 :class:`TorchAttentionBackend`); ``sliding_window`` is the layer's window (the visibility rule of
 :mod:`modeling.attention.metadata`). :class:`PagedAttentionContext` adapts a backend to the model's
-AttentionContext: for each layer it writes the new keys/values into the cache, then attends.
+AttentionContext: for each layer it writes the new keys/values into the cache, then attends;
+:class:`LayerHookContext` also calls a KV connector's layer hook around each write
+(:mod:`modeling.kv_connector`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,11 +23,15 @@ from modeling.attention.triton_backend import (TritonAttentionBackend, split_key
                                                triton_import_error)
 from modeling.kv_cache import PagedKVCache
 
+if TYPE_CHECKING:
+    from modeling.kv_connector import LayerHook
+
 BACKENDS = ("torch", "flash", "triton", "cpu", "auto")
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "LayerHookContext",
     "PagedAttentionContext",
     "TorchAttentionBackend",
     "make_backend",
@@ -92,5 +98,27 @@ class PagedAttentionContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None = None) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
+        k_cache, v_cache = self.cache.layer(layer)
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, sliding_window)
+
+
+class LayerHookContext(PagedAttentionContext):
+    """PagedAttentionContext that calls ``hook.wait_for_layer_load(layer)`` before each layer's cache write and
+    ``hook.save_kv_layer(layer)`` right after it, before the layer's attention (its KV for this step is final
+    from that point on, so a connector may send it while the later layers compute). ``loads``: False when the
+    caller has waited for every layer's loads already (a compiled step that fell back to eager)."""
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, backend: AttentionBackend, hook: "LayerHook",
+                 loads: bool = True):
+        super().__init__(cache, meta, backend)
+        self.hook = hook
+        self.loads = loads
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
+        if self.loads:
+            self.hook.wait_for_layer_load(layer)
+        self.cache.write(layer, self.meta.slot_mapping, k, v)
+        self.hook.save_kv_layer(layer)
         k_cache, v_cache = self.cache.layer(layer)
         return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, sliding_window)
