@@ -388,8 +388,14 @@ def check_runner_against_torch(directory: str, dtype: str, backend: str) -> None
         # no less accurate than the oracle in the same dtype (mean error is dominated by weight rounding)
         err_f, err_t = (f - r).abs().mean().item(), (t - r).abs().mean().item()
         assert err_f <= 1.5 * err_t + 1e-3 * scale, f"{kind}: {backend} {err_f} vs torch {err_t}"
-        agree = (f.argmax(-1) == t.argmax(-1)).float().mean().item()
-        assert agree >= 0.95, f"{kind}: {backend} and torch pick the same token at {agree:.3f} of positions"
+        # picks the float32 oracle's token about as often as the torch backend does in the same dtype (3 % of the
+        # positions, at least one, either way): on the tiny random checkpoints many top logits nearly tie, and
+        # rounding in the dtype decides such a tie either way
+        rows = r.shape[0]
+        agree_f = (f.argmax(-1) == r.argmax(-1)).sum().item()
+        agree_t = (t.argmax(-1) == r.argmax(-1)).sum().item()
+        assert agree_f >= agree_t - max(1, 0.03 * rows), (
+            f"{kind}: {backend} picks the float32 token at {agree_f} of {rows} positions, torch at {agree_t}")
 
 
 # -- 2. speculative decoding on CUDA: greedy output equals autoregressive output ------------------------
