@@ -29,8 +29,8 @@ from controller.kv_index import PrefixRouting
 from controller.migration_policy import PolicyConfig
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import TransferConfig
-from modeling.checkpoint import DTYPES
 from modeling.dtype_choice import AUTO, DtypeChoice, choose_dtype
+from modeling.dtypes import DTYPES
 from modeling.engine import EngineConfig
 from modeling.instance_config import InstanceConfig, Problems, booleans, integers, raise_first
 from prefill_worker.config import PrefillWorkerConfig

@@ -51,19 +51,16 @@ from decode_worker.tp_rank import DecodeRankFollower
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
-from modeling.block_pool import BlockPool
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.forks import split_sequence_id
+from modeling.instance_core import InstanceCore, follower_runner
 from modeling.params import SamplingParams
 from modeling.pass_log import PassLog
-from modeling.prefix_cache import PrefixCache
-from modeling.prefix_hash import kv_salt
 from modeling.resume import ResumeRequest
 from modeling.sequence import FinishReason, SequenceStatus
-from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, forward_follower, load_for_rank
+from modeling.tp_runner import TPDriverRunner, TPFollower
 
 
 class DecodeWorker:
@@ -79,20 +76,16 @@ class DecodeWorker:
         self.config = config
         self.instance_id = instance_id
         self.transfer = transfer
-        self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
+        self.core = core = InstanceCore.build(model, config, tp, compile_steps=config.compile_steps,
+                                              prefix_caching=config.prefix_caching)
+        self.loaded, self.pool, self.runner, self.cache = core.loaded, core.pool, core.runner, core.cache
+        self.prefix_cache, self.tokenizer = core.prefix_cache, core.tokenizer
         mc = self.loaded.config
         self.max_model_len = mc.max_position_embeddings
-        self.tokenizer = load_tokenizer_if_present(self.loaded.path)
-        self.pool = BlockPool(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp,
-                                   compile_steps=config.compile_steps)
-        self.cache = self.runner.cache
         self.metrics = WorkerMetrics()
         self.pass_log = PassLog()
         self.speculator = Speculator(self.runner, config, mc.vocab_size, self.metrics, self.pass_log)
         self.requests: dict[str, HeldRequest] = {}  # every sequence it holds; the scheduler orders the running
-        self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
-                                        config.prefix_caching)
         self.scheduler = DecodeScheduler(self.pool, config.max_num_seqs, self.prefix_cache)
         self.tp = tp if tp is not None and tp.shard.sharded else None
         self.ranks = None if self.tp is None else FollowerRanks(self.runner, self.tp)
@@ -331,8 +324,5 @@ def follower(model_path: str, config: DecodeWorkerConfig, tp: TPGroup, instance_
     """A non-driver rank of a tensor-parallel decode instance: its shard and cache, ready to ``serve()``
     (draft passes over the sparse view and verification are forwards like any other); with ``transfer``,
     it receives its own KV heads from the prefill ranks that hold them (:class:`DecodeRankFollower`)."""
-    base = forward_follower(model_path, config.dtype, config.device, config.kv_cache_tokens // config.block_size,
-                            config.block_size, config.attention_backend, tp)
-    if transfer is None:
-        return base
-    return DecodeRankFollower(base.runner, tp, instance_id, transfer)
+    runner = follower_runner(model_path, config, tp)
+    return TPFollower(runner, tp) if transfer is None else DecodeRankFollower(runner, tp, instance_id, transfer)

@@ -351,14 +351,13 @@ class OpenAIProtocol:
             min_p=_number(body, "min_p", 0.0, 1.0, 0.0), min_tokens=_integer(body, "min_tokens", 0) or 0,
             logit_bias=self._logit_bias(body.get("logit_bias")),
             include_stop_str_in_output=_flag(body, "include_stop_str_in_output"),
-            # best_of > n ranks sequences by their cumulative log-probability, so it needs them computed
-            logprobs=logprobs if logprobs is not None or best_of in (None, n) else 0,
+            logprobs=logprobs,
             prompt_logprobs=internal_prompt_logprobs,
             skip_special_tokens=_flag(body, "skip_special_tokens", True),
             spaces_between_special_tokens=_flag(body, "spaces_between_special_tokens", True),
             n=n, best_of=best_of, structured=extras.get("structured"))
         try:
-            params = params.validate(self.vocab_size)
+            params = params.with_ranking_logprobs().validate(self.vocab_size)
         except InvalidRequestError as err:
             raise invalid(err.field, err.reason) from None
         priority = _integer(body, "priority") or 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -117,10 +116,8 @@ class RequestValidator:
             if s.HasField("spaces_between_special_tokens") else True,
             n=n, best_of=best_of, structured=self.structured(s),
         )
-        if best_of is not None and best_of > n and params.logprobs is None:  # ranking needs them
-            params = dataclasses.replace(params, logprobs=0)
         try:
-            return params.validate(self.vocab_size)
+            return params.with_ranking_logprobs().validate(self.vocab_size)
         except InvalidRequestError as err:
             raise InvalidRequestError(f"sampling.{err.field}", err.reason) from None
 

@@ -14,10 +14,9 @@ import torch
 
 from kv_transfer.errors import FingerprintMismatchError
 from modeling.config import ModelConfig
+from modeling.dtypes import DTYPE_NAMES
 from modeling.heads import HeadRange
 from modeling.kv_cache import KVCacheSpec
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class KVFingerprint:
         return KVFingerprint(
             model_type=fp["model_type"], hidden_size=fp["hidden_size"], vocab_size=fp["vocab_size"],
             num_layers=fp["num_hidden_layers"], num_kv_heads=fp["num_key_value_heads"], head_dim=fp["head_dim"],
-            block_size=block_size, dtype=_DTYPE_NAMES[dtype],
+            block_size=block_size, dtype=DTYPE_NAMES[dtype],
         )
 
     def check_cache(self, spec: KVCacheSpec, heads: HeadRange) -> None:
@@ -48,7 +47,7 @@ class KVFingerprint:
         expect = {"num_layers": self.num_layers, "num_kv_heads": heads.size, "head_dim": self.head_dim,
                   "block_size": self.block_size, "dtype": self.dtype}
         got = {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-               "block_size": spec.block_size, "dtype": _DTYPE_NAMES.get(spec.dtype, str(spec.dtype))}
+               "block_size": spec.block_size, "dtype": DTYPE_NAMES.get(spec.dtype, str(spec.dtype))}
         for name, want in expect.items():
             if got[name] != want:
                 raise ValueError(f"cache.{name}: expected {want} for heads [{heads.start}, {heads.end}), "
@@ -197,8 +196,8 @@ def decode_prompt_end(data: bytes) -> PromptEnd:
     if not isinstance(shape, list) or len(shape) > 8 or \
             any(isinstance(d, bool) or not isinstance(d, int) or not 0 < d < 1 << 31 for d in shape):
         raise ValueError(f"extra_shape: expected up to 8 positive dimensions, got {shape!r}")
-    if shape and dtype not in _DTYPE_NAMES.values():
-        raise ValueError(f"extra_dtype: must be one of {', '.join(_DTYPE_NAMES.values())}, got {dtype!r}")
+    if shape and dtype not in DTYPE_NAMES.values():
+        raise ValueError(f"extra_dtype: must be one of {', '.join(DTYPE_NAMES.values())}, got {dtype!r}")
     return PromptEnd(str(raw["request_id"]), int(raw["transfer_id"]), None if token is None else int(token), state,
                      num_tokens, str(raw.get("state", "")), tuple(shape), dtype if shape else "")
 

@@ -32,9 +32,8 @@ from kv_transfer.channel import (DECODE_RANK, DESCRIPTOR, FIRST_TOKEN, PIECES, R
 from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, PromptEnd, Reply, TransferDescriptor,
                                      decode_descriptor, decode_pieces, decode_prompt_end, encode)
 from kv_transfer.errors import TransferError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 from modeling.block_pool import BlockPool, BlockTable
+from modeling.dtypes import DTYPES
 from modeling.heads import HeadRange
 from modeling.kv_cache import PagedKVCache
 
@@ -368,7 +367,7 @@ class KVReceiver:
                     end = decode_prompt_end(payload)
                     extra = None
                     if end.extra_shape:  # the tensor follows the frame on the data path
-                        extra = torch.empty(end.extra_shape, dtype=_DTYPES[end.extra_dtype], device=channel.device)
+                        extra = torch.empty(end.extra_shape, dtype=DTYPES[end.extra_dtype], device=channel.device)
                         channel.recv_data(extra)
                         extra = extra.to(self.cache.device)  # staged in host memory when gloo carried it
                     with self._lock:

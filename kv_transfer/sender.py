@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from kv_transfer.blocks import send_region
 from kv_transfer.channel import (DESCRIPTOR, FIRST_TOKEN, PIECES, PREFILL_RANK, REPLY, PairChannel, PendingSend,
                                   Rendezvous, TransferConfig)
-from kv_transfer.descriptors import (_DTYPE_NAMES, KVFingerprint, PeerHello, Piece, PromptEnd, Reply,
-                                     TransferDescriptor, decode_reply, encode)
+from kv_transfer.descriptors import (KVFingerprint, PeerHello, Piece, PromptEnd, Reply, TransferDescriptor,
+                                     decode_reply, encode)
 from kv_transfer.errors import TransferError
 from modeling.config import ModelConfig
+from modeling.dtypes import DTYPE_NAMES
 from modeling.heads import HeadRange, legs_from, plan_transfer, rank_peer_id
 from modeling.kv_cache import PagedKVCache
 
@@ -286,7 +287,7 @@ class KVSender:
             end = PromptEnd(request_id, leg.descriptor.transfer_id, first_token, sampler_state.hex(),
                             num_tokens if tr.live else None, state,
                             () if extra is None else tuple(extra.shape),
-                            "" if extra is None else _DTYPE_NAMES[extra.dtype])
+                            "" if extra is None else DTYPE_NAMES[extra.dtype])
             try:
                 # counted in the leg's pending sends: the transfer is done only once this frame is sent
                 link.post(link.channel.send_frame(FIRST_TOKEN, encode(end), wait=False), leg)

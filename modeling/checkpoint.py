@@ -16,13 +16,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from modeling.config import ModelConfig, _token_ids
+from modeling.dtypes import parse_dtype
 from modeling.errors import CheckpointError
 from modeling.heads import HeadRange
 from modeling.model import CausalLM
 from modeling.rope import RotaryEmbedding
 from modeling.tp import DROP, TensorSlice, TPShard, shard_layout, slice_plan
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SINGLE_WEIGHTS = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -43,17 +43,6 @@ class LoadedModel:
     def kv_heads(self) -> HeadRange:
         """The global KV heads this (possibly sharded) model computes and caches."""
         return self.shard.kv_heads(self.config)
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """'float32' | 'bfloat16' | 'float16' (or a torch dtype) -> torch dtype."""
-    if isinstance(name, torch.dtype):
-        if name in DTYPES.values():
-            return name
-        raise ValueError(f"dtype: unsupported {name}; allowed: {', '.join(DTYPES)}")
-    if name not in DTYPES:
-        raise ValueError(f"dtype: unsupported {name!r}; allowed: {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def read_json(directory: str, name: str, required: bool = True) -> dict[str, Any] | None:

@@ -13,26 +13,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from modeling.block_pool import BlockPool, BlockTable
+from modeling.block_pool import BlockTable
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.forks import sequence_id, split_sequence_id
 from modeling.runner import StepInput
 from modeling.instance_config import InstanceConfig, Problems, booleans, compile_steps_problems, integers, set_by
+from modeling.instance_core import InstanceCore, follower_runner
 from modeling.logprobs import TokenLogprob
 from modeling.sampling import PromptLogprobs, SamplingParams, sampler_for, token_logprobs
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
-from modeling.prefix_cache import PrefixCache
-from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request_id, check_room_to_generate, check_token_ids
 from modeling.resume import ResumeRequest, generator_state, seeded_state
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
-from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import (TPDriverRunner, TPFollower, build_runner, copy_kv_blocks, forward_follower,
-                                load_for_rank)
+from modeling.tp_runner import TPDriverRunner, TPFollower, copy_kv_blocks
 
 
 @dataclass(frozen=True)
@@ -112,17 +109,11 @@ class ReferenceEngine:
         """``tp``: drive a tensor-parallel instance as its rank 0 (the other ranks run
         :func:`follower` with the same config); ``model`` is then a path, loaded as this rank's shard."""
         self.config = config
-        self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
-        mc = self.loaded.config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.tokenizer = load_tokenizer_if_present(self.loaded.path)
-        num_blocks = config.kv_cache_tokens // config.block_size
-        self.pool = BlockPool(num_blocks, config.block_size)
-        self.runner = build_runner(self.loaded, num_blocks, config.block_size, config.attention_backend, tp,
-                                   compile_steps=config.compile_steps)
-        self.cache = self.runner.cache
-        self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
-                                        config.prefix_caching)
+        self.core = core = InstanceCore.build(model, config, tp, compile_steps=config.compile_steps,
+                                              prefix_caching=config.prefix_caching)
+        self.loaded, self.pool, self.runner, self.cache = core.loaded, core.pool, core.runner, core.cache
+        self.prefix_cache, self.tokenizer = core.prefix_cache, core.tokenizer
+        self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
         self.scheduler = ChunkedPrefillScheduler(config, self.pool, self.prefix_cache)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -378,5 +369,4 @@ class ReferenceEngine:
 
 def follower(model_path: str, config: EngineConfig, tp: TPGroup) -> TPFollower:
     """A non-driver rank of a tensor-parallel engine: its shard and cache, ready to ``serve()``."""
-    return forward_follower(model_path, config.dtype, config.device, config.kv_cache_tokens // config.block_size,
-                            config.block_size, config.attention_backend, tp)
+    return TPFollower(follower_runner(model_path, config, tp), tp)

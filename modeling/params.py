@@ -26,7 +26,7 @@ sequence stops when the grammar is complete.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from modeling.errors import InvalidRequestError
 from modeling.structured_output import StructuredOutput
@@ -88,6 +88,13 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """Sequences generated: ``best_of`` when given, else ``n``."""
         return self.best_of if self.best_of is not None else self.n
+
+    def with_ranking_logprobs(self) -> "SamplingParams":
+        """These parameters, computing the log-probabilities ``best_of`` > n ranks its sequences by (their
+        cumulative log-probability): ``logprobs`` 0 when none were asked for."""
+        if self.num_sequences > self.n and self.logprobs is None:
+            return replace(self, logprobs=0)
+        return self
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidRequestError naming the first bad field; return self when all are valid."""

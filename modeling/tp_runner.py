@@ -283,11 +283,3 @@ def build_runner(loaded: LoadedModel, num_blocks: int, block_size: int, attentio
     elif compiled:
         runner.compiled = CompiledSteps(loaded.model, cache)
     return runner
-
-
-def forward_follower(model_path: str, dtype: str, device: str, num_blocks: int, block_size: int,
-                     attention_backend: str, tp: TPGroup) -> TPFollower:
-    """A follower rank that only runs forward passes (the engine's and the decode worker's followers):
-    this rank's shard of the model and a cache of ``num_blocks`` blocks, ready to ``serve()``."""
-    loaded = load_for_rank(model_path, dtype, device, tp)
-    return TPFollower(build_runner(loaded, num_blocks, block_size, attention_backend, tp), tp)

@@ -19,24 +19,22 @@ from kv_transfer.channel import Rendezvous
 from kv_transfer.connector import TPTransferConnector, TransferConnector
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.sender import KVSender
-from modeling.block_pool import BlockPool, BlockTable
+from modeling.block_pool import BlockTable
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, KVConnectorError
 from modeling.forks import ForkStart, SequenceStarts, encode_starts
 from modeling.heads import rank_peer_id
+from modeling.instance_core import InstanceCore, follower_runner
 from modeling.kv_connector import HandOff, KVConnector, KVPeer, KVRequest, StepKV
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
-from modeling.prefix_cache import PrefixCache
-from modeling.prefix_hash import kv_salt
 from modeling.request_check import check_request
 from modeling.runner import StepInput
 from modeling.sampling import PromptLogprobs, sampler_for, token_logprobs
 from modeling.scheduler import ScheduledChunk
 from modeling.sequence import FinishReason, Sequence
-from modeling.tokenizer import load_tokenizer_if_present
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, TPFollower, build_runner, load_for_rank
+from modeling.tp_runner import TPDriverRunner, TPFollower
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.messages import FirstToken, PrefillFailure, PrefillRequest, PrefillStepOutput
 from prefill_worker.scheduler import PrefillScheduler
@@ -62,16 +60,13 @@ class PrefillWorker:
         ``kv_connector``: where prompts' KV goes (None: the prefill -> decode transfer, ``self.transfer``)."""
         self.config = config
         self.instance_id = instance_id
-        self.loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
-        self.tokenizer = load_tokenizer_if_present(self.loaded.path)  # the first tokens' text
+        self.core = core = InstanceCore.build(model, config, tp, compile_steps=config.compile_steps,
+                                              prefix_caching=config.prefix_caching)
+        self.loaded, self.pool, self.runner, self.cache = core.loaded, core.pool, core.runner, core.cache
+        self.prefix_cache, self.tokenizer = core.prefix_cache, core.tokenizer  # tokenizer: the first tokens' text
+        self.backend = self.runner.backend
         mc = self.loaded.config
-        self.pool = BlockPool(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.runner = build_runner(self.loaded, self.pool.num_blocks, config.block_size, config.attention_backend, tp,
-                                   compile_steps=config.compile_steps)
-        self.cache, self.backend = self.runner.cache, self.runner.backend
         self.pass_log = PassLog()
-        self.prefix_cache = PrefixCache(self.pool, kv_salt(self.loaded.path, self.loaded.dtype, config.block_size),
-                                        config.prefix_caching)
         self.scheduler = PrefillScheduler(config, self.pool, self.prefix_cache)
         self.fingerprint = KVFingerprint.of(mc, config.block_size, self.loaded.dtype)
         self.tp = tp if tp is not None and tp.shard.sharded else None
@@ -284,7 +279,4 @@ class PrefillWorker:
 def follower(model_path: str, config: PrefillWorkerConfig, tp: TPGroup, instance_id: str = "prefill-0") -> TPFollower:
     """A non-driver rank of a tensor-parallel prefill instance: its shard, its cache and a KV sender for its
     heads, ready to ``serve()``."""
-    loaded = load_for_rank(model_path, config.dtype, config.device, tp)
-    runner = build_runner(loaded, config.kv_cache_tokens // config.block_size, config.block_size,
-                          config.attention_backend, tp)
-    return PrefillRankFollower(runner, tp, instance_id, config)
+    return PrefillRankFollower(follower_runner(model_path, config, tp), tp, instance_id, config)

@@ -1,0 +1,71 @@
+"""What every serving instance is built on, built in one place.
+
+The reference engine, the prefill worker and the decode worker each run one :class:`InstanceCore`: the model
+(this rank's shard under tensor parallelism), the block pool, the runner over its paged KV cache, the prefix
+cache keyed to the model, dtype and block size, and the checkpoint's tokenizer. Each puts its own scheduler,
+connector and request state around it. A tensor-parallel instance's other ranks hold only a runner over their
+shard and their part of the same blocks (:func:`follower_runner`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modeling.block_pool import BlockPool
+from modeling.checkpoint import LoadedModel
+from modeling.instance_config import InstanceConfig
+from modeling.kv_cache import PagedKVCache
+from modeling.prefix_cache import PrefixCache
+from modeling.prefix_hash import kv_salt
+from modeling.runner import ModelRunner
+from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
+from modeling.tp_group import TPGroup
+from modeling.tp_runner import build_runner, load_for_rank
+
+
+@dataclass(frozen=True)
+class InstanceCore:
+    """One instance's model, block pool, runner (and its KV cache), prefix cache and tokenizer (None when the
+    checkpoint has no ``tokenizer.json``)."""
+
+    loaded: LoadedModel
+    pool: BlockPool
+    runner: ModelRunner
+    prefix_cache: PrefixCache
+    tokenizer: TextTokenizer | None
+
+    @property
+    def cache(self) -> PagedKVCache:
+        """The paged KV cache the runner reads and writes (this rank's KV heads)."""
+        return self.runner.cache
+
+    @classmethod
+    def build(cls, model: LoadedModel | str, config: InstanceConfig, tp: TPGroup | None = None, *,
+              compile_steps: bool, prefix_caching: bool, num_blocks: int | None = None) -> "InstanceCore":
+        """The core of an instance run as ``config`` says (dtype, device, block size, attention backend).
+
+        ``model``: a loaded model, or a checkpoint path loaded here as this rank runs it (its shard with the
+        all-reduces installed under a sharded ``tp``). ``tp``: build rank 0 of a tensor-parallel instance, whose
+        runner broadcasts every forward to the other ranks (they build theirs with :func:`follower_runner`).
+        ``compile_steps``: compile the small steps where supported (``build_runner``); ``prefix_caching``: keep
+        full blocks' KV for later prompts (the prefix cache is built either way, off when false);
+        ``num_blocks``: the KV cache's blocks (None: ``kv_cache_tokens // block_size``)."""
+        loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
+        tokenizer = load_tokenizer_if_present(loaded.path)
+        pool = BlockPool(_num_blocks(config, num_blocks), config.block_size)
+        runner = build_runner(loaded, pool.num_blocks, config.block_size, config.attention_backend, tp,
+                              compile_steps=compile_steps)
+        prefix_cache = PrefixCache(pool, kv_salt(loaded.path, loaded.dtype, config.block_size), prefix_caching)
+        return cls(loaded, pool, runner, prefix_cache, tokenizer)
+
+
+def follower_runner(model_path: str, config: InstanceConfig, tp: TPGroup, num_blocks: int | None = None) -> ModelRunner:
+    """A non-driver rank of a tensor-parallel instance: its shard of the model and a runner over a cache of the
+    driver's blocks for its KV heads (``num_blocks`` as :meth:`InstanceCore.build` takes it; steps run eagerly,
+    as every rank of a sharded model does)."""
+    loaded = load_for_rank(model_path, config.dtype, config.device, tp)
+    return build_runner(loaded, _num_blocks(config, num_blocks), config.block_size, config.attention_backend, tp)
+
+
+def _num_blocks(config: InstanceConfig, num_blocks: int | None) -> int:
+    return config.kv_cache_tokens // config.block_size if num_blocks is None else num_blocks
