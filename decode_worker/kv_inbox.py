@@ -140,17 +140,13 @@ class KVInbox(KVConnector):
 
     def request_finished(self, request_id: str, hand_off: HandOff | None = None) -> BlockRelease:
         """Stop expecting the request's transfer, on every rank; its blocks are released (``on_release``) once
-        no bytes are in flight into them (the decode worker calls this ``drop``)."""
+        no bytes are in flight into them (the request left while waiting for its KV)."""
         if self._arrived.pop(request_id, None) is None:
             self.receiver.release(request_id)
         else:  # complete here, waiting on other ranks: no bytes are in flight on this rank
             self._on_release(request_id)
         self._forget_on_ranks(request_id)
         return BlockRelease.WHEN_FINISHED
-
-    def drop(self, request_id: str) -> None:
-        """``request_finished``: the request left while waiting for its KV."""
-        self.request_finished(request_id)
 
     # -- worker side ------------------------------------------------------------------------------------------
 
@@ -171,11 +167,6 @@ class KVInbox(KVConnector):
             failed.append(KVFailure(f.request_id, str(f.error), f.error.retryable))
         return FinishedKV(received=list(completed), failed=failed)
 
-    def poll(self) -> tuple[list[ReceivedKV], list[KVFailure]]:
-        """``get_finished`` as the decode worker reads it: (received, failed)."""
-        finished = self.get_finished()
-        return finished.received, finished.failed
-
     def _complete_on_every_rank(self, completed: list[ReceivedKV], failed: list[KVFailure]) -> list[ReceivedKV]:
         """TP: the transfers every rank completed (this rank now or earlier); those a follower failed fail
         here too (``failed``), their blocks freed on every rank."""
@@ -186,7 +177,7 @@ class KVInbox(KVConnector):
         self._ranks.call(SyncKV())
         self._outcomes.absorb(self._ranks.exchange())
         for rid, why in self._outcomes.failures():
-            self.drop(rid)
+            self.request_finished(rid)
             failed.append(KVFailure(rid, why, True))
         ready = [rid for rid in self._arrived if self._outcomes.all_done(rid)]
         for rid in ready:

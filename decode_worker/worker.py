@@ -167,15 +167,15 @@ class DecodeWorker:
         failure leaves the request on its source)."""
         if self.inbox is None:
             return []
-        completed, failed = self.inbox.poll()
+        finished = self.inbox.get_finished()
         out: list = []
-        for kv in completed:
+        for kv in finished.received:
             try:
                 out.extend(self.kv_received(kv))
             except InvalidRequestError as err:  # no first token, or a migration state that does not fit
                 self.admission.drop(kv.request_id)
                 out.append(self._transfer_failed(kv.request_id, str(err), False))
-        return out + [self._transfer_failed(f.request_id, f.reason, f.retryable) for f in failed]
+        return out + [self._transfer_failed(f.request_id, f.reason, f.retryable) for f in finished.failed]
 
     def _transfer_failed(self, request_id: str, reason: str, retryable: bool) -> DecodeFailure | MigrationFailed:
         if request_id in self.migrations.incoming:
@@ -255,7 +255,7 @@ class DecodeWorker:
         status = held.seq.status
         if status is SequenceStatus.WAITING_FOR_KV:  # its blocks are freed once no bytes are in flight
             self.migrations.forget(request_id)
-            self.inbox.drop(request_id)
+            self.inbox.request_finished(request_id)
         elif status is SequenceStatus.PREFILLING:  # nothing of it was cached: its blocks were never complete
             self.prefills.cancel(request_id)
             self.admission.drop(request_id)
