@@ -48,12 +48,18 @@ def test_a_failed_call_moves_the_run_off_the_instance_and_avoids_it_once():
     assert not run.left(d)  # not there any more
 
 
-def test_a_migration_moves_the_run_between_the_instances_counts():
+def _migrating() -> tuple[RequestRun, Instance, Instance, PendingMigration]:
+    """A run decoding on ``s`` whose migration to ``t`` started."""
     run, src, dst = _run(), Instance("s", "decode", None), Instance("t", "decode", None)
     run.place(src)
     _decoding(run)
     m = PendingMigration(src, dst, 0.0, None)
     run.migration_started(m)
+    return run, src, dst, m
+
+
+def test_a_migration_moves_the_run_between_the_instances_counts():
+    run, src, dst, _ = _migrating()
     assert run.state is RequestState.MIGRATING and dst.migrating_in == {"r"}
     assert run.migration_committed() == (src, dst)
     assert run.decode is dst and run.decoders == {src, dst} and dst.assigned == {"r"} and not src.assigned
@@ -63,11 +69,7 @@ def test_a_migration_moves_the_run_between_the_instances_counts():
 
 
 def test_an_aborted_migration_leaves_the_run_on_its_source():
-    run, src, dst = _run(), Instance("s", "decode", None), Instance("t", "decode", None)
-    run.place(src)
-    _decoding(run)
-    m = PendingMigration(src, dst, 0.0, None)
-    run.migration_started(m)
+    run, src, dst, m = _migrating()
     run.migration_dropped(m)
     assert run.decode is src and run.migration is None and not dst.migrating_in and src.assigned == {"r"}
 
