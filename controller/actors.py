@@ -47,11 +47,14 @@ LOAD_REPORT_PERIOD_S = 0.1  # a decode instance's block counts alone are reporte
 
 
 def _cache_status(worker) -> dict:
-    """The KV blocks and prefix-cache counters of a worker with a block ``pool`` and its ``prefix_cache``."""
-    stats, pool = worker.prefix_cache.stats, worker.pool
+    """The KV blocks, prefix-cache and KV-tier counters of a worker with a block ``pool``, its ``prefix_cache``
+    and its instance ``core`` (``kv_tiers``: each tier's ``TierStats``, by tier name)."""
+    stats, pool, tiers = worker.prefix_cache.stats, worker.pool, worker.core.tiers
     return {"free_kv_blocks": pool.num_free, "total_kv_blocks": pool.num_blocks,
             "cached_kv_blocks": pool.num_cached, "prefix_cache_queries": stats.queries,
-            "prefix_cache_hits": stats.hits, "prefix_cache_evictions": pool.num_evictions}
+            "prefix_cache_hits": stats.hits, "prefix_cache_tier_hits": stats.tier_hits,
+            "prefix_cache_evictions": pool.num_evictions,
+            "kv_tiers": {} if tiers is None else {name: t.as_dict() for name, t in tiers.stats().items()}}
 
 
 def _scheduler_status(instance_id: str, role: str, worker) -> dict:
@@ -126,9 +129,15 @@ class _LoopActor:
             raise RuntimeError(f"worker loop crashed: {self._crashed}")
         return self.instance_id
 
+    def _core(self):
+        return self.worker.core
+
     def shutdown(self) -> None:
+        """Stop the loop, then finish the KV tiers' queued writes (the instance's core)."""
         self._stop = True
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._core().close()
 
 
 @dataclass(frozen=True)
@@ -297,7 +306,8 @@ class ColocatedActor(_LoopActor):
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
         torch.set_num_threads(threads)
         self.instance_id = instance_id
-        self.engine = ReferenceEngine(model_path, config, tp=_driver_group(tp, instance_id, config.device))
+        self.engine = ReferenceEngine(model_path, config, tp=_driver_group(tp, instance_id, config.device),
+                                      instance_id=instance_id)
         self._tokens_generated = 0
         self._start_loop(f"colocated-loop-{instance_id}")
 
@@ -322,6 +332,9 @@ class ColocatedActor(_LoopActor):
 
     def _pass_log(self):
         return self.engine.pass_log
+
+    def _core(self):
+        return self.engine.core
 
     def _step(self) -> list:
         if not self.engine.has_unfinished():

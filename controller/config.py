@@ -32,7 +32,7 @@ from kv_transfer.channel import TransferConfig
 from modeling.dtype_choice import AUTO, DtypeChoice, choose_dtype
 from modeling.dtypes import DTYPES
 from modeling.engine import EngineConfig
-from modeling.instance_config import InstanceConfig, Problems, booleans, integers, raise_first
+from modeling.instance_config import InstanceConfig, KVTiersConfig, Problems, booleans, integers, raise_first
 from prefill_worker.config import PrefillWorkerConfig
 
 MODES = ("disaggregated", "colocated")
@@ -345,20 +345,21 @@ class ClusterConfig:
     limits: LimitsSection = field(default_factory=LimitsSection)
     migration: MigrationSection = field(default_factory=MigrationSection)
     prefix_caching: PrefixCachingSection = field(default_factory=PrefixCachingSection)
+    kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
     autoscale: AutoscaleSection = field(default_factory=AutoscaleSection)
     source: str = ""
 
     def __post_init__(self) -> None:
         raise_first(self.check())
         # the pools' workers run the model's dtype (auto: resolved once for all pools, whose KV must agree) on the
-        # devices their placement gives them, and cache KV when prefix caching is on; the prefill workers send
-        # with the kv_transfer settings
+        # devices their placement gives them, and cache KV (with the tiers below) when prefix caching is on; the
+        # prefill workers send with the kv_transfer settings
         dtype = self.dtype_choice.dtype
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(self, role)
             object.__setattr__(self, role, dataclasses.replace(
                 pool, dtype=dtype, device="cuda" if pool.devices_per_instance else "cpu",
-                prefix_caching=self.prefix_caching.enabled))
+                prefix_caching=self.prefix_caching.enabled, kv_tiers=self.kv_tiers))
         object.__setattr__(self, "prefill", dataclasses.replace(self.prefill, transfer=self.kv_transfer))
 
     def check(self) -> Problems:

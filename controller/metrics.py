@@ -82,7 +82,26 @@ _INSTANCE_COUNTERS = {
     "preemptions": ("num_preemptions", "Sequences a decode instance preempted (KV dropped, recomputed later)."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the instance's prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the instance's prefix cache (not computed)."),
+    "prefix_cache_tier_hits": ("prefix_cache_tier_hits", "Prompt tokens of the prefix-cache hits loaded from a KV "
+                               "tier below the pool (host memory, disk)."),
     "prefix_cache_evictions": ("prefix_cache_evictions", "Cached KV blocks evicted to make room."),
+}
+# KV tier counters (``TierStats`` fields, per instance and tier): field -> (metric name, help)
+_TIER_COUNTERS = {
+    "hits": ("kv_tier_hits", "KV blocks loaded from the tier into the instance's pool."),
+    "bytes_in": ("kv_tier_load_bytes", "Bytes of KV loaded from the tier into the pool."),
+    "load_s": ("kv_tier_load_seconds", "Seconds spent loading KV blocks from the tier."),
+    "stored": ("kv_tier_stored", "KV blocks written into the tier."),
+    "bytes_out": ("kv_tier_store_bytes", "Bytes of KV written into the tier."),
+    "evicted": ("kv_tier_evictions", "KV blocks the tier dropped to make room."),
+    "corrupt": ("kv_tier_corrupt", "Tier entries found truncated or failing their checksum (recomputed)."),
+    "dropped": ("kv_tier_dropped_writes", "KV blocks not written to the tier because its writer was behind."),
+}
+# KV tier gauges: field -> (metric name, help)
+_TIER_GAUGES = {
+    "blocks": ("kv_tier_blocks", "KV blocks the tier holds."),
+    "bytes": ("kv_tier_bytes", "Bytes the tier holds."),
+    "capacity_bytes": ("kv_tier_capacity_bytes", "Bytes the tier may hold."),
 }
 
 
@@ -131,6 +150,10 @@ class _InstanceCollector:
                                       labels=labels + ["k"])
         counters = {key: CounterMetricFamily(PREFIX + name, doc, labels=labels)
                     for key, (name, doc) in _INSTANCE_COUNTERS.items()}
+        tier_counters = {key: CounterMetricFamily(PREFIX + name, doc, labels=labels + ["tier"])
+                         for key, (name, doc) in _TIER_COUNTERS.items()}
+        tier_gauges = {key: GaugeMetricFamily(PREFIX + name, doc, labels=labels + ["tier"])
+                       for key, (name, doc) in _TIER_GAUGES.items()}
         for st in statuses:
             lv = [o.model_name, st["name"], st["role"]]
             blocks, free = st.get("total_kv_blocks", 0), st.get("free_kv_blocks", 0)
@@ -147,13 +170,19 @@ class _InstanceCollector:
                 rate.add_metric(lv, st.get("acceptance_rate", 0.0))
                 mean_len.add_metric(lv, st.get("mean_accepted_length", 0.0))
                 k_now.add_metric(lv, st.get("last_k", 0))
+            for tier, values in (st.get("kv_tiers") or {}).items():
+                for key, family in tier_gauges.items():
+                    family.add_metric(lv + [tier], values.get(key, 0))
             for name in o._totals.names(st["name"]):
                 if name.startswith("k_steps/"):
                     k_steps.add_metric(lv + [name.split("/", 1)[1]], o._totals.total(st["name"], name))
+                elif name.startswith("kv_tier/"):
+                    _, tier, key = name.split("/")
+                    tier_counters[key].add_metric(lv + [tier], o._totals.total(st["name"], name))
                 elif name in counters:
                     counters[name].add_metric(lv, o._totals.total(st["name"], name))
         yield from (used, total, usage, cached, alive, generation, running, *queues.values(), rate, mean_len, k_now, k_steps,
-                    *counters.values())
+                    *counters.values(), *tier_counters.values(), *tier_gauges.values())
 
 
 class ServingMetrics:
@@ -266,6 +295,8 @@ class ServingMetrics:
                 continue  # did not answer: keep its last counts
             values = {key: float(st[key]) for key in _INSTANCE_COUNTERS if key in st}
             values.update({f"k_steps/{k}": float(n) for k, n in (st.get("k_counts") or {}).items()})
+            values.update({f"kv_tier/{tier}/{key}": float(v) for tier, fields in (st.get("kv_tiers") or {}).items()
+                           for key, v in fields.items() if key in _TIER_COUNTERS})
             self._totals.update(st["name"], int(st.get("generation", 0)), values)
         with self._lock:
             self._statuses = [dict(st) for st in statuses]

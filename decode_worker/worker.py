@@ -60,7 +60,7 @@ from modeling.pass_log import PassLog
 from modeling.resume import ResumeRequest
 from modeling.sequence import FinishReason, SequenceStatus
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, TPFollower
+from modeling.tp_runner import TPFollower
 
 
 class DecodeWorker:
@@ -77,7 +77,7 @@ class DecodeWorker:
         self.instance_id = instance_id
         self.transfer = transfer
         self.core = core = InstanceCore.build(model, config, tp, compile_steps=config.compile_steps,
-                                              prefix_caching=config.prefix_caching)
+                                              prefix_caching=config.prefix_caching, instance_id=instance_id)
         self.loaded, self.pool, self.runner, self.cache = core.loaded, core.pool, core.runner, core.cache
         self.prefix_cache, self.tokenizer = core.prefix_cache, core.tokenizer
         mc = self.loaded.config
@@ -271,9 +271,8 @@ class DecodeWorker:
         return bool(self.requests)
 
     def close(self) -> None:
-        """Release a tensor-parallel instance's followers (nothing to do on one rank)."""
-        if isinstance(self.runner, TPDriverRunner):
-            self.runner.stop()
+        """Release a tensor-parallel instance's followers and finish the KV tiers' writes (``InstanceCore.close``)."""
+        self.core.close()
 
     # -- speculation settings and reports ---------------------------------------------------------
 

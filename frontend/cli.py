@@ -267,6 +267,11 @@ def cmd_status(args) -> int:
         print(f"{i.name:<12} {i.role:<10} {i.device:<8} {str(i.alive):<6} {i.queue_length:>5} {i.running:>7} "
               f"{i.free_kv_blocks:>7}/{i.total_kv_blocks:<8} {i.cached_kv_blocks:>7} {hits:>11} "
               f"{i.acceptance_rate:>7.2f} {i.call_failures:>12}")
+    for i in st.instances:
+        for t in i.kv_tiers:
+            print(f"{i.name:<12} kv tier {t.tier}: {t.blocks} blocks, {t.bytes / 2**20:.0f}/{t.capacity_bytes / 2**20:.0f} MiB, "
+                  f"{t.hits} blocks loaded in {t.load_seconds:.2f} s, {t.stored} stored, {t.evictions} evicted, "
+                  f"{t.corrupt} corrupt")
     for p in st.pools:
         held = ", held" if p.held else ""
         print(f"pool {p.pool}: {p.current} in service, {p.desired} desired{held} ({', '.join(p.instances)})")

@@ -229,7 +229,8 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 acceptance_rate=s.get("acceptance_rate", 0.0), mean_accepted_length=s.get("mean_accepted_length", 0.0),
                 tokens_generated=s.get("tokens_generated", 0), preemptions=s.get("preemptions", 0),
                 cached_kv_blocks=s.get("cached_kv_blocks", 0), prefix_cache_queries=s.get("prefix_cache_queries", 0),
-                prefix_cache_hits=s.get("prefix_cache_hits", 0), call_failures=failures.get(s["name"], 0))
+                prefix_cache_hits=s.get("prefix_cache_hits", 0), call_failures=failures.get(s["name"], 0),
+                prefix_cache_tier_hits=s.get("prefix_cache_tier_hits", 0), kv_tiers=_tier_statuses(s))
                 for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name,
             migrations_committed=self.router.migrations.counts["committed"],
@@ -304,6 +305,14 @@ def _pass_log_messages(logs: list[dict]) -> list[pb.InstancePasses]:
                                      shape_json=json.dumps(r["shape"], separators=(",", ":")))
                         for r in records[start:start + PASS_LOG_BATCH]]))
     return out
+
+
+def _tier_statuses(status: dict) -> list:
+    """An instance status's KV tiers (``kv_tiers``: tier -> ``TierStats`` fields) as ``KVTierStatus`` messages."""
+    return [pb.KVTierStatus(tier=tier, hits=t["hits"], load_bytes=t["bytes_in"], load_seconds=t["load_s"],
+                            stored=t["stored"], evictions=t["evicted"], corrupt=t["corrupt"], blocks=t["blocks"],
+                            bytes=t["bytes"], capacity_bytes=t["capacity_bytes"])
+            for tier, t in (status.get("kv_tiers") or {}).items()]
 
 
 def _scale_result(d, scaler) -> pb.ScalePoolResult:

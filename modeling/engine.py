@@ -29,7 +29,7 @@ from modeling.request_check import check_request_id, check_room_to_generate, che
 from modeling.resume import ResumeRequest, generator_state, seeded_state
 from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, TPFollower, copy_kv_blocks
+from modeling.tp_runner import TPFollower, copy_kv_blocks
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,14 @@ class _Request:
 class ReferenceEngine:
     """Colocated prefill + decode in one process."""
 
-    def __init__(self, model: LoadedModel | str, config: EngineConfig = EngineConfig(), tp: TPGroup | None = None):
+    def __init__(self, model: LoadedModel | str, config: EngineConfig = EngineConfig(), tp: TPGroup | None = None,
+                 instance_id: str = "colocated-0"):
         """``tp``: drive a tensor-parallel instance as its rank 0 (the other ranks run
-        :func:`follower` with the same config); ``model`` is then a path, loaded as this rank's shard."""
+        :func:`follower` with the same config); ``model`` is then a path, loaded as this rank's shard.
+        ``instance_id`` names its KV tiers' directory."""
         self.config = config
         self.core = core = InstanceCore.build(model, config, tp, compile_steps=config.compile_steps,
-                                              prefix_caching=config.prefix_caching)
+                                              prefix_caching=config.prefix_caching, instance_id=instance_id)
         self.loaded, self.pool, self.runner, self.cache = core.loaded, core.pool, core.runner, core.cache
         self.prefix_cache, self.tokenizer = core.prefix_cache, core.tokenizer
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
@@ -214,9 +216,8 @@ class ReferenceEngine:
         return self.scheduler.has_work()
 
     def close(self) -> None:
-        """Release a tensor-parallel instance's followers (nothing to do on one rank)."""
-        if isinstance(self.runner, TPDriverRunner):
-            self.runner.stop()
+        """Release a tensor-parallel instance's followers and finish the KV tiers' writes (``InstanceCore.close``)."""
+        self.core.close()
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ got -1``).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -67,6 +68,52 @@ def one_of(name: str, value, allowed: tuple[str, ...]) -> Problems:
     return [] if value in allowed else [(name, f"must be one of {', '.join(allowed)}, got {value!r}")]
 
 
+# where the disk tier lives when ``disk_dir`` is empty: $MAGICSERVE_KV_DIR, else the user's cache directory
+DISK_DIR_ENV = "MAGICSERVE_KV_DIR"
+
+
+@dataclass(frozen=True)
+class KVTiersConfig:
+    """Per instance: ``host_memory_mb`` of host memory (0: no host tier) and ``disk_mb`` of files under
+    ``disk_dir`` (0: no disk tier; empty dir: ``$MAGICSERVE_KV_DIR`` or ``~/.cache/magicserve/kv``), each an
+    LRU cache of full KV blocks. ``write_queue_blocks``: blocks waiting for the disk writer at most (a block
+    cached while the queue is full is not written to disk, and counted)."""
+
+    enabled: bool = True
+    host_memory_mb: int = 256
+    disk_dir: str = ""
+    disk_mb: int = 2048
+    write_queue_blocks: int = 4096
+
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = booleans(self, ("enabled",)) + integers(self, ("host_memory_mb", "disk_mb"), low=0)
+        errs += integers(self, ("write_queue_blocks",), low=1)
+        if not isinstance(self.disk_dir, str):
+            errs.append(("disk_dir", f"must be a directory path (a string), got {self.disk_dir!r}"))
+        return errs
+
+    @property
+    def active(self) -> bool:
+        """Enabled with at least one tier of non-zero size."""
+        return self.enabled and (self.host_memory_mb > 0 or self.disk_mb > 0)
+
+    def resolved_disk_dir(self) -> str:
+        """The disk tier's root directory on this node."""
+        if self.disk_dir:
+            return os.path.abspath(os.path.expanduser(self.disk_dir))
+        env = os.environ.get(DISK_DIR_ENV)
+        if env:
+            return os.path.abspath(os.path.expanduser(env))
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "magicserve", "kv")
+
+
+TIERS_OFF = KVTiersConfig(enabled=False)
+
+
 @dataclass(frozen=True)
 class InstanceConfig:
     """Placement (``instances`` of ``tensor_parallel`` ranks, each rank with its share of
@@ -90,6 +137,7 @@ class InstanceConfig:
     attention_backend: str = "auto"
     dtype: str = field(default="float32", metadata=set_by("model.dtype"))
     device: str = field(default="cpu", metadata=set_by("devices_per_instance (cuda when > 0)"))
+    kv_tiers: KVTiersConfig = field(default=TIERS_OFF, metadata=set_by("kv_tiers"))
 
     def __post_init__(self) -> None:
         raise_first(self.check())

@@ -2,7 +2,8 @@
 
 The reference engine, the prefill worker and the decode worker each run one :class:`InstanceCore`: the model
 (this rank's shard under tensor parallelism), the block pool, the runner over its paged KV cache, the prefix
-cache keyed to the model, dtype and block size, and the checkpoint's tokenizer. Each puts its own scheduler,
+cache keyed to the model, dtype and block size with the KV tiers below it (``modeling/kv_tiers``, as the config's
+``kv_tiers`` asks), and the checkpoint's tokenizer. Each puts its own scheduler,
 connector and request state around it. A tensor-parallel instance's other ranks hold only a runner over their
 shard and their part of the same blocks (:func:`follower_runner`).
 """
@@ -15,24 +16,26 @@ from modeling.block_pool import BlockPool
 from modeling.checkpoint import LoadedModel
 from modeling.instance_config import InstanceConfig
 from modeling.kv_cache import PagedKVCache
+from modeling.kv_tiers.tiers import KVTiers
 from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt
 from modeling.runner import ModelRunner
 from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import build_runner, load_for_rank
+from modeling.tp_runner import TPDriverRunner, build_runner, load_for_rank
 
 
 @dataclass(frozen=True)
 class InstanceCore:
-    """One instance's model, block pool, runner (and its KV cache), prefix cache and tokenizer (None when the
-    checkpoint has no ``tokenizer.json``)."""
+    """One instance's model, block pool, runner (and its KV cache), prefix cache, tokenizer (None when the
+    checkpoint has no ``tokenizer.json``) and KV tiers (None: none)."""
 
     loaded: LoadedModel
     pool: BlockPool
     runner: ModelRunner
     prefix_cache: PrefixCache
     tokenizer: TextTokenizer | None
+    tiers: KVTiers | None = None
 
     @property
     def cache(self) -> PagedKVCache:
@@ -41,7 +44,8 @@ class InstanceCore:
 
     @classmethod
     def build(cls, model: LoadedModel | str, config: InstanceConfig, tp: TPGroup | None = None, *,
-              compile_steps: bool, prefix_caching: bool, num_blocks: int | None = None) -> "InstanceCore":
+              compile_steps: bool, prefix_caching: bool, num_blocks: int | None = None,
+              instance_id: str = "instance") -> "InstanceCore":
         """The core of an instance run as ``config`` says (dtype, device, block size, attention backend).
 
         ``model``: a loaded model, or a checkpoint path loaded here as this rank runs it (its shard with the
@@ -49,14 +53,28 @@ class InstanceCore:
         runner broadcasts every forward to the other ranks (they build theirs with :func:`follower_runner`).
         ``compile_steps``: compile the small steps where supported (``build_runner``); ``prefix_caching``: keep
         full blocks' KV for later prompts (the prefix cache is built either way, off when false);
-        ``num_blocks``: the KV cache's blocks (None: ``kv_cache_tokens // block_size``)."""
+        ``num_blocks``: the KV cache's blocks (None: ``kv_cache_tokens // block_size``); ``instance_id`` names
+        the disk tier's directory. The tiers run with prefix caching on an instance whose rank 0 holds every KV
+        head (a sharded tensor-parallel instance has none)."""
         loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
         tokenizer = load_tokenizer_if_present(loaded.path)
         pool = BlockPool(_num_blocks(config, num_blocks), config.block_size)
         runner = build_runner(loaded, pool.num_blocks, config.block_size, config.attention_backend, tp,
                               compile_steps=compile_steps)
-        prefix_cache = PrefixCache(pool, kv_salt(loaded.path, loaded.dtype, config.block_size), prefix_caching)
-        return cls(loaded, pool, runner, prefix_cache, tokenizer)
+        salt = kv_salt(loaded.path, loaded.dtype, config.block_size)
+        tiers = None
+        if prefix_caching and not loaded.shard.sharded:
+            tiers = KVTiers.build(config.kv_tiers, runner.cache, salt, loaded.path, instance_id)
+        prefix_cache = PrefixCache(pool, salt, prefix_caching, tiers)
+        return cls(loaded, pool, runner, prefix_cache, tokenizer, tiers)
+
+    def close(self) -> None:
+        """Release a tensor-parallel instance's followers; finish the tiers' queued writes and release their
+        directory."""
+        if isinstance(self.runner, TPDriverRunner):
+            self.runner.stop()
+        if self.tiers is not None:
+            self.tiers.close()
 
 
 def follower_runner(model_path: str, config: InstanceConfig, tp: TPGroup, num_blocks: int | None = None) -> ModelRunner:

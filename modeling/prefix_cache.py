@@ -6,11 +6,17 @@ Only final tokens enter the cache: the caller says how many of a sequence's posi
 (computed, and not a speculative draft that verification may reject), and only blocks those positions fill
 completely are cached, so a cancelled or failed request never leaves a half-written block behind. A prompt
 keeps at least its last token to compute: its logits sample the first output token.
+
+Below the pool may sit tiers (:class:`LowerTiers`, ``modeling/kv_tiers``): every block the cache caches is
+handed to them too, and a prompt whose prefix runs past the pool's cached blocks loads the blocks the tiers
+hold next into fresh blocks (cached in the pool from then on) instead of computing them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from modeling.block_pool import BlockPool
 from modeling.prefix_hash import block_hashes
@@ -31,19 +37,35 @@ class PrefixCacheEvents:
 
 @dataclass
 class PrefixCacheStats:
-    """Prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens)."""
+    """Prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens);
+    ``tier_hits``: those of the hits loaded from the tiers below the pool."""
 
     queries: int = 0
     hits: int = 0
+    tier_hits: int = 0
+
+
+class LowerTiers(Protocol):
+    """Where full blocks' KV goes below the pool (``modeling/kv_tiers/tiers.py`` ``KVTiers``)."""
+
+    def find(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes``, from the first, the tiers hold."""
+
+    def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
+        """Write the KV of ``hashes[i]`` into ``blocks[i]`` from the first on; how many were loaded."""
+
+    def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """Keep the KV of ``blocks`` (final, cached under ``hashes``)."""
 
 
 class PrefixCache:
     """``enabled`` False: lookups find nothing and nothing is cached (the pool behaves as without caching)."""
 
-    def __init__(self, pool: BlockPool, salt: bytes, enabled: bool = True):
+    def __init__(self, pool: BlockPool, salt: bytes, enabled: bool = True, tiers: LowerTiers | None = None):
         self.pool = pool
         self.salt = salt
         self.enabled = enabled
+        self.tiers = tiers if enabled else None
         self.stats = PrefixCacheStats()
         self._hashed: dict[str, list[int]] = {}  # sequence id -> hashes of its full blocks seen so far
         self._computed_in_full: set[str] = set()  # sequences that must compute every prompt position
@@ -80,12 +102,29 @@ class PrefixCache:
         upto = len(seq.prompt_ids) - 1 if upto is None else upto
         hashes = block_hashes(seq.tokens[:upto], self.pool.block_size, self.salt)
         blocks = self.pool.cached_prefix(hashes)
+        if self.tiers is not None and len(blocks) < len(hashes):
+            blocks += self._load_from_tiers(hashes[len(blocks):], blocks[-1] if blocks else None)
         seq.block_table.blocks = list(blocks)
         seq.num_computed = len(blocks) * self.pool.block_size
         self._hashed[seq.request_id] = hashes[: len(blocks)]
         self.stats.queries += upto + 1
         self.stats.hits += seq.num_computed
         return seq.num_computed
+
+    def _load_from_tiers(self, hashes: list[int], after: int | None) -> list[int]:
+        """Fresh blocks holding the leading run of ``hashes`` the tiers hold (as many as the pool has room
+        for), cached in the pool."""
+        want = min(self.tiers.find(hashes), self.pool.num_free)
+        if not want:
+            return []
+        blocks = self.pool.allocate(want, after=after)
+        got = self.tiers.load(hashes[:want], blocks)
+        if got < want:
+            self.pool.free(blocks[got:])
+        for block, block_hash in zip(blocks[:got], hashes[:got]):
+            self.pool.cache(block, block_hash)
+        self.stats.tier_hits += got * self.pool.block_size
+        return blocks[:got]
 
     def commit(self, seq, num_final: int) -> None:
         """Cache the blocks the sequence's first ``num_final`` positions fill completely (their KV is final)."""
@@ -101,6 +140,8 @@ class PrefixCache:
                                start_block=start)
         for i in range(start, full):
             self.pool.cache(seq.block_table.blocks[i], hashed[i])
+        if self.tiers is not None:
+            self.tiers.save(seq.block_table.blocks[start:full], hashed[start:full])
 
     def forget(self, seq_id: str) -> None:
         """The sequence ended: drop what was kept for it (its cached blocks stay in the pool)."""

@@ -69,6 +69,7 @@ from kv_transfer.sender import LegTarget
 from modeling.block_pool import BlockTable
 from modeling.checkpoint import load_model
 from modeling.heads import HeadRange
+from modeling.instance_config import TIERS_OFF
 from modeling.runner import StepInput
 from modeling.sampling import SamplingParams
 from planner.profile import (
@@ -343,18 +344,20 @@ def prefill_cache_tokens(config: ClusterConfig, grid: Grid, limits: Limits) -> t
 
 
 def profiled_prefill_config(config: ClusterConfig, tokens: int):
-    """The config's PrefillWorkerConfig with a cache of ``tokens`` (at most the configured size)."""
+    """The config's PrefillWorkerConfig with a cache of ``tokens`` (at most the configured size), no KV tiers."""
     cfg = config.prefill
-    return dataclasses.replace(cfg, kv_cache_tokens=max(cfg.block_size, min(cfg.kv_cache_tokens, tokens)))
+    return dataclasses.replace(cfg, kv_cache_tokens=max(cfg.block_size, min(cfg.kv_cache_tokens, tokens)),
+                               kv_tiers=TIERS_OFF)
 
 
 def profiled_decode_config(config: ClusterConfig, grid: Grid, limits: Limits):
-    """The config's DecodeWorkerConfig with a cache for the grid's decode cells and the acceptance runs."""
+    """The config's DecodeWorkerConfig with a cache for the grid's decode cells and the acceptance runs, no KV
+    tiers."""
     cfg = config.decode
     steps = grid.acceptance_steps + 4
     acceptance = grid.acceptance_batch * (limits.max_prompt + steps * (limits.max_k + 1) + 2 * cfg.block_size)
     tokens = min(cfg.kv_cache_tokens, max(grid.max_kv_tokens + 64 * (limits.max_k + 2) * cfg.block_size, acceptance))
-    return dataclasses.replace(cfg, kv_cache_tokens=tokens, profile_on_start=False)
+    return dataclasses.replace(cfg, kv_cache_tokens=tokens, profile_on_start=False, kv_tiers=TIERS_OFF)
 
 
 def _prefill_worker(loaded, config: ClusterConfig, tokens: int):

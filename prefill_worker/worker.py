@@ -34,7 +34,7 @@ from modeling.sampling import PromptLogprobs, sampler_for, token_logprobs
 from modeling.scheduler import ScheduledChunk
 from modeling.sequence import FinishReason, Sequence
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, TPFollower
+from modeling.tp_runner import TPFollower
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.messages import FirstToken, PrefillFailure, PrefillRequest, PrefillStepOutput
 from prefill_worker.scheduler import PrefillScheduler
@@ -61,7 +61,7 @@ class PrefillWorker:
         self.config = config
         self.instance_id = instance_id
         self.core = core = InstanceCore.build(model, config, tp, compile_steps=config.compile_steps,
-                                              prefix_caching=config.prefix_caching)
+                                              prefix_caching=config.prefix_caching, instance_id=instance_id)
         self.loaded, self.pool, self.runner, self.cache = core.loaded, core.pool, core.runner, core.cache
         self.prefix_cache, self.tokenizer = core.prefix_cache, core.tokenizer  # tokenizer: the first tokens' text
         self.backend = self.runner.backend
@@ -87,9 +87,8 @@ class PrefillWorker:
         self.transfer.connect(decode_id, rendezvous, generation, decode_tp)
 
     def close(self) -> None:
-        """Release a tensor-parallel instance's followers (nothing to do on one rank)."""
-        if isinstance(self.runner, TPDriverRunner):
-            self.runner.stop()
+        """Release a tensor-parallel instance's followers and finish the KV tiers' writes (``InstanceCore.close``)."""
+        self.core.close()
 
     def transfer_stats(self) -> dict:
         """The KV sender's cumulative counts (``TransferStats``) for the whole instance: under tensor

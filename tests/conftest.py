@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
+# The KV tiers' disk directories of every instance the tests start (workers inherit the environment), away from
+# the user's cache directory.
+os.environ.setdefault("MAGICSERVE_KV_DIR", tempfile.mkdtemp(prefix="magicserve-kv-tests-"))
 # Tests use tiny tensors: one thread avoids OpenMP oversubscription on small CI machines.
 torch.set_num_threads(1)
 # Without CUDA, Triton kernels run in Triton's CPU interpreter (read when Triton is first imported).

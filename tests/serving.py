@@ -3,6 +3,8 @@ random prompts, small gRPC client calls, and a stream consumed on a thread."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 import time
 
@@ -22,9 +24,11 @@ def prompts_of(lengths, seed):
 
 def e2e_config(model_dir: str, **sections) -> ClusterConfig:
     """A config for end-to-end tests: float32 model, local Ray, any free port, small limits (8 running,
-    4 queued); ``sections`` replace whole top-level sections or set ``mode``."""
+    4 queued), KV tiers in a directory of their own (as a freshly deployed cluster's); ``sections`` replace
+    whole top-level sections or set ``mode``."""
     raw = {"model": {"path": model_dir, "dtype": "float32"}, "ray": {"num_cpus": 6, "num_gpus": 0},
            "server": {"port": 0, "http_port": None},
+           "kv_tiers": {"disk_dir": tempfile.mkdtemp(prefix="kv-tiers-", dir=os.environ.get("MAGICSERVE_KV_DIR"))},
            "limits": {"max_concurrent_requests": 8, "max_queue_length": 4, "max_tokens": 512, "max_prompt_tokens": 600}}
     return parse_config({**raw, **sections})
 

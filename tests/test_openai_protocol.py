@@ -279,16 +279,21 @@ def test_monotonic_totals_survive_restarts():
     assert t.total("d0", "x") == 25
 
 
-def test_instance_counters_never_go_backwards():
+def _sample(metrics: ServingMetrics, name: str, **labels):
+    """The value of the first sample ``name`` whose labels include ``labels`` (None: none)."""
     parser = pytest.importorskip("prometheus_client.parser")
+    for fam in parser.text_string_to_metric_families(metrics.exposition().decode()):
+        for s in fam.samples:
+            if s.name == name and set(labels.items()) <= set(s.labels.items()):
+                return s.value
+    return None
+
+
+def test_instance_counters_never_go_backwards():
     m = ServingMetrics("m")
 
     def value(name, **labels):
-        for fam in parser.text_string_to_metric_families(m.exposition().decode()):
-            for s in fam.samples:
-                if s.name == name and set(labels.items()) <= set(s.labels.items()):
-                    return s.value
-        return None
+        return _sample(m, name, **labels)
 
     st = {"name": "decode-0", "role": "decode", "device": "cpu", "alive": True, "generation": 0, "draft_tokens": 40,
           "accepted_tokens": 30, "k_counts": {3: 10}, "total_kv_blocks": 8, "free_kv_blocks": 6}
@@ -305,7 +310,46 @@ def test_instance_counters_never_go_backwards():
     assert value("magicserve:instance_generation") == 1
 
 
+def test_kv_tier_series_carry_the_tier_and_never_go_backwards():
+    from modeling.kv_tiers.stats import TierStats
+
+    m = ServingMetrics("m")
+
+    def value(name, **labels):
+        return _sample(m, name, **labels)
+
+    disk = TierStats(hits=5, bytes_in=500, load_s=0.25, stored=9, blocks=9, bytes=900, capacity_bytes=4096)
+    st = {"name": "prefill-0", "role": "prefill", "device": "cpu", "generation": 0, "prefix_cache_tier_hits": 80,
+          "kv_tiers": {"disk": disk.as_dict(), "host": TierStats(capacity_bytes=1024).as_dict()}}
+    m.observe_instances([st])
+    assert value("magicserve:kv_tier_hits_total", tier="disk", instance="prefill-0") == 5
+    assert value("magicserve:kv_tier_load_seconds_total", tier="disk") == 0.25
+    assert value("magicserve:kv_tier_bytes", tier="disk") == 900
+    assert value("magicserve:kv_tier_capacity_bytes", tier="host") == 1024
+    assert value("magicserve:prefix_cache_tier_hits_total") == 80
+    restarted = {**disk.as_dict(), "hits": 2, "blocks": 1}
+    m.observe_instances([{**st, "generation": 1, "kv_tiers": {"disk": restarted}}])
+    assert value("magicserve:kv_tier_hits_total", tier="disk") == 7  # banked across the restart
+    assert value("magicserve:kv_tier_blocks", tier="disk") == 1
+
+
 # -- config -----------------------------------------------------------------------------------------
+
+
+def test_kv_tiers_config_names_the_field():
+    base = {"model": {"path": "x"}}
+    cfg = parse_config(base)
+    assert cfg.kv_tiers.active and cfg.decode.kv_tiers == cfg.prefill.kv_tiers == cfg.kv_tiers  # on by default
+    off = parse_config({**base, "kv_tiers": {"enabled": False}})
+    assert not off.colocated.kv_tiers.active
+    for bad, why in [({"disk_mb": -1}, "kv_tiers.disk_mb: must be >= 0, got -1"),
+                     ({"host_memory_mb": "1G"}, "kv_tiers.host_memory_mb: must be an integer"),
+                     ({"write_queue_blocks": 0}, "kv_tiers.write_queue_blocks: must be >= 1"),
+                     ({"disk": 1}, "kv_tiers.disk: unknown field")]:
+        with pytest.raises(ConfigError, match=why):
+            parse_config({**base, "kv_tiers": bad})
+    with pytest.raises(ConfigError, match="decode.kv_tiers: not set here; it follows kv_tiers"):
+        parse_config({**base, "decode": {"kv_tiers": {}}})
 
 
 def test_http_port_config():

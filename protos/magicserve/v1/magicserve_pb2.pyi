@@ -314,7 +314,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated", "preemptions", "cached_kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "call_failures")
+    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated", "preemptions", "cached_kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "call_failures", "prefix_cache_tier_hits", "kv_tiers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,8 @@ class InstanceStatus(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CALL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TIER_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     device: str
@@ -347,7 +349,33 @@ class InstanceStatus(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     call_failures: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., call_failures: _Optional[int] = ...) -> None: ...
+    prefix_cache_tier_hits: int
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStatus]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., call_failures: _Optional[int] = ..., prefix_cache_tier_hits: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
+
+class KVTierStatus(_message.Message):
+    __slots__ = ("tier", "hits", "load_bytes", "load_seconds", "stored", "evictions", "corrupt", "blocks", "bytes", "capacity_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    hits: int
+    load_bytes: int
+    load_seconds: float
+    stored: int
+    evictions: int
+    corrupt: int
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    def __init__(self, tier: _Optional[str] = ..., hits: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., stored: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling", "dtype", "dtype_reason")

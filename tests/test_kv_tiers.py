@@ -1,0 +1,211 @@
+"""KV tiers below the pool (``modeling/kv_tiers``): blocks evicted from an instance's pool come back from host
+memory or disk instead of being computed, with the tokens of an engine without caching (float32, greedy); a
+corrupt or truncated file is recomputed, never served; a restarted instance finds its disk tier; no tier holds
+more than its capacity."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from modeling.block_pool import BlockPool, BlockTable
+from modeling.engine import EngineConfig, ReferenceEngine
+from modeling.instance_config import KVTiersConfig
+from modeling.kv_tiers.disk import HEADER, DiskTier
+from modeling.kv_tiers.host import HostTier
+from modeling.prefix_cache import PrefixCache
+from modeling.prefix_hash import block_hashes
+from modeling.sampling import SamplingParams
+
+BLOCK = 16
+POOL_TOKENS = 512  # 32 blocks: a 320-token document is evicted by two other long prompts
+CFG = EngineConfig(kv_cache_tokens=POOL_TOKENS, block_size=BLOCK, token_budget=128, attention_backend="torch")
+GREEDY = SamplingParams(max_tokens=8)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 380) for _ in range(n)]
+
+
+def _engine(llama_dir, tmp_path, host_mb: int = 0, disk_mb: int = 16, name: str = "colocated-0") -> ReferenceEngine:
+    tiers = KVTiersConfig(host_memory_mb=host_mb, disk_dir=str(tmp_path), disk_mb=disk_mb)
+    return ReferenceEngine(llama_dir, EngineConfig(**{**CFG.__dict__, "kv_tiers": tiers}), instance_id=name)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    return ReferenceEngine(llama_dir, EngineConfig(**{**CFG.__dict__, "prefix_caching": False}))
+
+
+def _run(engine, prompts):
+    return [c.token_ids for c in engine.generate(prompts, GREEDY)]
+
+
+def _evict_document(engine, rng) -> None:
+    """Two prompts that together need more than the pool: every block of earlier prompts is evicted."""
+    _run(engine, [_tokens(rng, 400)])
+    _run(engine, [_tokens(rng, 400)])
+    if engine.core.tiers is not None:
+        engine.core.tiers.flush()
+
+
+def _document_served_then_evicted(engine, seed: int) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """A 320-token document with one question served, then evicted from the pool: (document, the two prompts
+    (the second not served yet), the first's output)."""
+    rng = random.Random(seed)
+    doc = _tokens(rng, 320)
+    prompts = [doc + _tokens(rng, rng.randint(4, 12)) for _ in range(2)]
+    out = _run(engine, prompts[:1])
+    _evict_document(engine, rng)
+    return doc, prompts, out
+
+
+@pytest.mark.parametrize("host_mb,disk_mb", [(0, 16), (16, 0), (16, 16)], ids=["disk", "host", "host+disk"])
+def test_a_document_evicted_from_the_pool_is_loaded_from_a_tier(llama_dir, tmp_path, plain, host_mb, disk_mb):
+    engine = _engine(llama_dir, tmp_path, host_mb, disk_mb)
+    try:
+        doc, (first, second), out = _document_served_then_evicted(engine, 0)
+        assert engine.pool.cached_run(block_hashes(doc, BLOCK, engine.prefix_cache.salt)) == 0  # gone from the pool
+        stats = engine.prefix_cache.stats
+        tier_hits0, hits0 = stats.tier_hits, stats.hits
+        out += _run(engine, [second])
+        # the document's 20 full blocks came from the tier: only the question was computed
+        assert stats.tier_hits - tier_hits0 == len(doc) // BLOCK * BLOCK
+        assert stats.hits - hits0 == len(doc) // BLOCK * BLOCK
+        assert out == _run(plain, [first, second])
+        tiers = engine.core.tiers.stats()
+        assert sum(t.hits for t in tiers.values()) == len(doc) // BLOCK
+        assert all(t.bytes <= t.capacity_bytes for t in tiers.values())
+    finally:
+        engine.close()
+
+
+def test_a_corrupt_or_truncated_file_is_recomputed_not_served(llama_dir, tmp_path, plain):
+    engine = _engine(llama_dir, tmp_path, host_mb=0, disk_mb=16)
+    try:
+        _, (first, second), out = _document_served_then_evicted(engine, 1)
+        disk = engine.core.tiers.disk
+        files = sorted(os.path.join(disk.directory, f) for f in os.listdir(disk.directory) if f.endswith(".kv"))
+        assert files
+        for i, path in enumerate(files):  # every file: a flipped payload byte or a cut-off end
+            with open(path, "r+b") as f:
+                if i % 2:
+                    f.truncate(os.path.getsize(path) - 3)
+                else:
+                    f.seek(HEADER.size + 5)
+                    byte = f.read(1)
+                    f.seek(HEADER.size + 5)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+        tier_hits0 = engine.prefix_cache.stats.tier_hits
+        out += _run(engine, [second])
+        assert out == _run(plain, [first, second])
+        assert disk.stats.corrupt >= 1
+        # the first of the document's blocks failed its check: nothing after it was loaded
+        assert engine.prefix_cache.stats.tier_hits == tier_hits0
+    finally:
+        engine.close()
+
+
+def test_a_restarted_instance_finds_its_disk_tier(llama_dir, tmp_path, plain):
+    rng = random.Random(2)
+    doc = _tokens(rng, 320)
+    first, second = doc + _tokens(rng, 4), doc + _tokens(rng, 8)
+    before = _engine(llama_dir, tmp_path)
+    out = _run(before, [first])
+    before.close()  # finishes the queued writes
+    after = _engine(llama_dir, tmp_path)
+    try:
+        assert len(after.core.tiers.disk) >= len(doc) // BLOCK
+        out += _run(after, [second])
+        assert after.prefix_cache.stats.tier_hits == len(doc) // BLOCK * BLOCK
+        assert out == _run(plain, [first, second])
+    finally:
+        after.close()
+
+
+def test_a_second_instance_of_the_same_name_takes_its_own_directory(tmp_path):
+    one = DiskTier.open(str(tmp_path), "decode-0", 1 << 20)
+    two = DiskTier.open(str(tmp_path), "decode-0", 1 << 20)
+    try:
+        assert one.directory != two.directory and two.directory.endswith("decode-0.1")
+    finally:
+        one.close()
+        two.close()
+    again = DiskTier.open(str(tmp_path), "decode-0", 1 << 20)  # released: the first directory is free again
+    assert again.directory == one.directory
+    again.close()
+
+
+def test_the_tiers_never_hold_more_than_their_capacity(llama_dir, tmp_path):
+    engine = _engine(llama_dir, tmp_path, host_mb=1, disk_mb=1)
+    rng = random.Random(3)
+    try:
+        for _ in range(6):
+            _run(engine, [_tokens(rng, 480)])
+        engine.core.tiers.flush()
+        tiers = engine.core.tiers
+        block_bytes = tiers.block_bytes
+        assert tiers.host.stats.evicted > 0 and tiers.disk.stats.evicted > 0
+        assert tiers.host.stats.bytes <= 1 << 20 and len(tiers.host) == tiers.host.stats.blocks
+        on_disk = sum(os.path.getsize(os.path.join(tiers.disk.directory, f))
+                      for f in os.listdir(tiers.disk.directory) if f.endswith(".kv"))
+        assert on_disk == tiers.disk.stats.bytes <= 1 << 20
+        assert on_disk // (HEADER.size + block_bytes) == len(tiers.disk)
+    finally:
+        engine.close()
+
+
+def test_host_tier_evicts_the_least_recently_used():
+    import torch
+
+    tier = HostTier(capacity_bytes=3 * 64)
+    for h in range(3):
+        tier.put(h, torch.zeros(16, dtype=torch.float32))
+    assert tier.get(0) is not None  # 0 is now the most recently used
+    tier.put(3, torch.zeros(16, dtype=torch.float32))
+    assert 1 not in tier and all(h in tier for h in (0, 2, 3))
+    assert not tier.put(4, torch.zeros(64, dtype=torch.float32))  # larger than the tier: not kept
+    assert tier.stats.bytes == 3 * 64 and tier.stats.evicted == 1
+
+
+class _ListedTiers:
+    """Tiers holding ``held`` hashes, of which the load finds only the first ``loadable`` (the rest evicted
+    between the lookup and the load)."""
+
+    def __init__(self, held: list[int], loadable: int):
+        self.held, self.loadable, self.saved = held, loadable, []
+
+    def find(self, hashes):
+        n = 0
+        while n < len(hashes) and hashes[n] in self.held:
+            n += 1
+        return n
+
+    def load(self, hashes, blocks):
+        return min(len(hashes), self.loadable)
+
+    def save(self, blocks, hashes):
+        self.saved += list(hashes)
+
+
+class _Seq:
+    def __init__(self, request_id: str, tokens: list[int]):
+        self.request_id, self.prompt_ids, self.tokens = request_id, tokens, tokens
+        self.block_table, self.num_computed = BlockTable(4), 0
+
+
+def test_a_load_that_falls_short_gives_the_rest_back_to_the_pool():
+    pool = BlockPool(num_blocks=10, block_size=4)
+    tokens = list(range(4 * 5 + 1))
+    hashes = block_hashes(tokens[:-1], 4, b"s")
+    tiers = _ListedTiers(held=hashes[:4], loadable=2)
+    cache = PrefixCache(pool, b"s", tiers=tiers)
+    seq = _Seq("a", tokens)
+    assert cache.attach(seq) == 8  # 4 found, 2 loaded: the other 2 blocks went back
+    assert len(seq.block_table.blocks) == 2 and pool.num_free == 8
+    assert pool.cached_run(hashes) == 2 and cache.stats.tier_hits == 8
+    seq.block_table.ensure_capacity(pool, len(tokens))
+    cache.commit(seq, len(tokens))  # the computed blocks go down to the tiers, the loaded ones do not again
+    assert tiers.saved == hashes[2:5]
