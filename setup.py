@@ -16,6 +16,8 @@ PACKAGES = [
     "protos.magicserve.v1",
 ]
 
+MOONCAKE = "mooncake-transfer-engine-non-cuda>=0.3.13; platform_system == 'Linux' and platform_machine == 'x86_64'"
+
 setup(
     name="magicserve",
     version="0.1.0",
@@ -53,8 +55,12 @@ setup(
         # triton: the Triton attention kernels run in Triton's CPU interpreter in the tests (CUDA builds of
         # torch bring their own Triton). 3.7 or later: 3.6's interpreter fails on scalar loads under NumPy 2.4
         # (it converts 1-element arrays to scalars, which NumPy 2.4 refuses); with NumPy 2.2 it passes them all
+        # the cluster-wide KV store (kv_tiers.store.backend: mooncake): Mooncake Store's client, master and
+        # segment server, TCP transport (RDMA where the NICs have it); its libraries need libibverbs1 installed
+        "store": [MOONCAKE],
         "test": ["pytest>=7", "transformers>=4.43", "grpcio-tools>=1.85.1", "matplotlib>=3.5", "openai>=1.40",
-                 "jsonschema>=4", "triton>=3.7; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+                 "jsonschema>=4", "triton>=3.7; platform_system == 'Linux' and platform_machine == 'x86_64'",
+                 MOONCAKE],
     },
     entry_points={"console_scripts": ["magicserve=frontend.cli:main"]},
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFollowerActor, RankSpec,
                                ray_actor_class)
 from controller.config import ClusterConfig
+from controller.kv_store import MooncakeStoreService
 from controller.startup import StartupTimeline
 from controller.routing import Instance
 from kv_transfer.channel import Rendezvous, TransferConfig
@@ -118,6 +120,7 @@ class Cluster:
         self._pools: dict[str, tuple] = {}  # role -> (pool config, actor class, model, args, transfer)
         self._store = None
         self.rendezvous: Rendezvous | None = None
+        self._kv_store: MooncakeStoreService | None = None
         self._migration_pairs = 0  # migration channels formed (each under its own generation)
         self._started_ray = False
         # instances whose ranks are up: a restarted or added instance forms its KV channels with these, one
@@ -139,11 +142,24 @@ class Cluster:
         self._check_parallelism(model)
         # the store where KV pairs and tensor-parallel groups form
         self._store, self.rendezvous = Rendezvous.host_store(self.config.kv_transfer.rendezvous_host)
+        self._start_kv_store(timeline)
         if self.config.mode == "colocated":
             self._start_colocated(model, timeline)
         else:
             self._start_disaggregated(model, timeline)
         log.info("cluster up: %s", self.config.describe_pools())
+
+    def _start_kv_store(self, timeline: StartupTimeline) -> None:
+        """Start the cluster's KV store when the config asks for one without naming its master; every instance
+        then connects to it."""
+        tiers = self.config.kv_tiers
+        store = tiers.store
+        if not (tiers.enabled and store.enabled and not store.master_address):
+            return
+        with timeline.phase("kv store"):
+            self._kv_store = MooncakeStoreService.start(store, self.config.kv_transfer.rendezvous_host)
+        store = dataclasses.replace(store, master_address=self._kv_store.master_address)
+        self.config = dataclasses.replace(self.config, kv_tiers=dataclasses.replace(tiers, store=store))
 
     @property
     def instances(self) -> list[Instance]:
@@ -423,3 +439,6 @@ class Cluster:
                 pass
         if self._started_ray:
             ray.shutdown()
+        if self._kv_store is not None:
+            self._kv_store.stop()
+            self._kv_store = None

@@ -72,18 +72,56 @@ def one_of(name: str, value, allowed: tuple[str, ...]) -> Problems:
 DISK_DIR_ENV = "MAGICSERVE_KV_DIR"
 
 
+STORE_BACKENDS = ("none", "mooncake")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """``kv_tiers.store``: a cluster-wide KV store below every instance's own tiers, where any instance finds
+    blocks another computed. ``backend``: ``none`` or ``mooncake`` (Mooncake Store: the
+    ``mooncake-transfer-engine`` package and ``libibverbs1``). ``master_address``: ``host:port`` of its master;
+    empty: ``magicserve serve`` starts a master and a segment server holding ``segment_mb`` of the store on the
+    head node. ``protocol``: ``tcp`` or ``rdma`` (on ``rdma_devices``, empty: found automatically);
+    ``local_buffer_mb``: each instance's transfer buffer; ``retry_s``: after a failed call the instances compute
+    instead for this long before trying the store again."""
+
+    backend: str = "none"
+    master_address: str = ""
+    segment_mb: int = 4096
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    local_buffer_mb: int = 64
+    retry_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = one_of("backend", self.backend, STORE_BACKENDS) + one_of("protocol", self.protocol, ("tcp", "rdma"))
+        errs += integers(self, ("segment_mb", "local_buffer_mb")) + positive(self, ("retry_s",))
+        if self.master_address and not re.fullmatch(r"[\w.\-]+:\d{1,5}", self.master_address):
+            errs.append(("master_address", f"must be host:port, got {self.master_address!r}"))
+        return [(f"store.{name}", why) for name, why in errs]
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+
 @dataclass(frozen=True)
 class KVTiersConfig:
     """Per instance: ``host_memory_mb`` of host memory (0: no host tier) and ``disk_mb`` of files under
     ``disk_dir`` (0: no disk tier; empty dir: ``$MAGICSERVE_KV_DIR`` or ``~/.cache/magicserve/kv``), each an
-    LRU cache of full KV blocks. ``write_queue_blocks``: blocks waiting for the disk writer at most (a block
-    cached while the queue is full is not written to disk, and counted)."""
+    LRU cache of full KV blocks; below them the cluster-wide ``store`` (:class:`KVStoreConfig`).
+    ``write_queue_blocks``: blocks waiting for the writer at most (a block cached while the queue is full is not
+    written to disk or the store, and counted)."""
 
     enabled: bool = True
     host_memory_mb: int = 256
     disk_dir: str = ""
     disk_mb: int = 2048
     write_queue_blocks: int = 4096
+    store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     def __post_init__(self) -> None:
         raise_first(self.check())
@@ -97,8 +135,8 @@ class KVTiersConfig:
 
     @property
     def active(self) -> bool:
-        """Enabled with at least one tier of non-zero size."""
-        return self.enabled and (self.host_memory_mb > 0 or self.disk_mb > 0)
+        """Enabled with at least one tier: of non-zero size, or the store."""
+        return self.enabled and (self.host_memory_mb > 0 or self.disk_mb > 0 or self.store.enabled)
 
     def resolved_disk_dir(self) -> str:
         """The disk tier's root directory on this node."""

@@ -1,10 +1,14 @@
 """KV tiers end to end on a real local Ray cluster: a document evicted from every pool is served again from the
-disk tiers (the prefill instance computes only the new tokens, the decode instance receives only them), with
-the reference engine's tokens, and ``magicserve status`` shows the tiers' hits."""
+disk tiers or the cluster's store (the prefill instance computes only the new tokens, the decode instance
+receives only them), with the reference engine's tokens; a new cluster's instances serve a document the last
+one computed, from the store; ``magicserve status`` shows the tiers' hits."""
 
 from __future__ import annotations
 
+import pytest
+
 from frontend.client import Client
+from modeling.kv_tiers.store import client_problem
 from modeling.sampling import SamplingParams
 from tests.serving import e2e_config, prompts_of, running_server, stream_ids
 
@@ -46,3 +50,65 @@ def test_a_document_evicted_from_every_pool_is_served_from_the_tiers(llama_dir, 
     loaded = {n: sum(t.hits for t in after[n].kv_tiers) - sum(t.hits for t in before[n].kv_tiers) for n in after}
     assert loaded == {"prefill-0": doc_tokens // BLOCK, "decode-0": doc_tokens // BLOCK}
     assert all(t.corrupt == 0 and t.bytes <= t.capacity_bytes for i in after.values() for t in i.kv_tiers)
+
+
+needs_store = pytest.mark.skipif(client_problem() is not None, reason=f"Mooncake Store: {client_problem()}")
+
+
+def _store_only_config(llama_dir, master_address: str = ""):
+    """1 prefill + 1 decode instance whose only tier is the store (``master_address`` empty: the cluster
+    starts one)."""
+    return e2e_config(
+        llama_dir,
+        prefill={"kv_cache_tokens": 1024, "attention_backend": "torch", "token_budget": 128},
+        decode={"kv_cache_tokens": 2048, "attention_backend": "torch",
+                "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
+        kv_tiers={"host_memory_mb": 0, "disk_mb": 0,
+                  "store": {"backend": "mooncake", "master_address": master_address, "segment_mb": 256}},
+    )
+
+
+@needs_store
+def test_a_new_cluster_serves_a_document_the_last_one_computed_from_the_store(llama_dir, reference):
+    """Two clusters one after the other over one store: the second one's instances (new processes, empty pools,
+    no disk) load the document the first one computed, and its prefill computes only the question."""
+    from controller.kv_store import MooncakeStoreService
+    from modeling.instance_config import KVStoreConfig
+
+    doc, q1, q2 = prompts_of([320, 20, 24], seed=41)
+    greedy = dict(max_tokens=16, ignore_eos=True)
+    store = MooncakeStoreService.start(KVStoreConfig(backend="mooncake", segment_mb=256))
+    try:
+        with running_server(_store_only_config(llama_dir, store.master_address)) as address:
+            first, _ = stream_ids(address, doc + q1, **greedy)
+        with running_server(_store_only_config(llama_dir, store.master_address)) as address:
+            before = _instances(address)
+            second, _ = stream_ids(address, doc + q2, **greedy)
+            after = _instances(address)
+    finally:
+        store.stop()
+    assert [first, second] == [c.token_ids for c in reference.generate([doc + q1, doc + q2], SamplingParams(**greedy))]
+    doc_tokens = len(doc) // BLOCK * BLOCK
+    grew = {n: after[n].prefix_cache_tier_hits - before[n].prefix_cache_tier_hits for n in after}
+    assert grew == {"prefill-0": doc_tokens, "decode-0": doc_tokens}
+    assert after["prefill-0"].prefix_cache_hits - before["prefill-0"].prefix_cache_hits == doc_tokens
+    assert {n: [t.tier for t in i.kv_tiers] for n, i in after.items()} == {"prefill-0": ["store"], "decode-0": ["store"]}
+
+
+@needs_store
+def test_serve_starts_the_store_when_no_master_is_named(llama_dir, reference):
+    """``kv_tiers.store.master_address`` empty: the cluster starts a master and a segment server, the instances
+    write to it, and a document evicted from both pools comes back from it."""
+    doc, q1, q2, *others = prompts_of([320, 20, 24, 500, 500, 500, 500], seed=43)
+    greedy = dict(max_tokens=16, ignore_eos=True)
+    with running_server(_store_only_config(llama_dir)) as address:
+        first, _ = stream_ids(address, doc + q1, **greedy)
+        for other in others:  # 2000 prompt tokens through pools of 1024 and 2048: the document is evicted
+            stream_ids(address, other, **greedy)
+        before = _instances(address)
+        second, _ = stream_ids(address, doc + q2, **greedy)
+        after = _instances(address)
+    assert [first, second] == [c.token_ids for c in reference.generate([doc + q1, doc + q2], SamplingParams(**greedy))]
+    stored = {n: i.kv_tiers[0].stored for n, i in after.items()}
+    assert all(v > 0 for v in stored.values()), stored
+    assert after["prefill-0"].prefix_cache_tier_hits - before["prefill-0"].prefix_cache_tier_hits == len(doc) // BLOCK * BLOCK

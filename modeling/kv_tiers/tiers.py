@@ -3,12 +3,14 @@
 The prefix cache (``modeling/prefix_cache.py``) drives it from the worker's thread: ``save`` when it caches
 blocks (their KV is final), ``find`` and ``load`` when a prompt's prefix runs past what the pool holds. A save
 copies the blocks' KV out of the cache at once (on a GPU: an asynchronous copy to pinned host memory), keeps
-it in the host tier and queues it for the disk tier, whose writer thread writes it off the step. A load
-takes each block from the host tier, else from its file (checked), and writes them into the given blocks.
+it in the host tier and queues it for the writer thread, which writes it to the disk tier and the cluster's
+store off the step. A load takes each block from the host tier, else from its file (checked), else from the
+store (checked), and writes them into the given blocks.
 
 Keys: a block's content hash already covers its tokens, every token before it, the model path, dtype and
-block size (the prefix cache's salt); the disk tier's directory adds a fingerprint of the checkpoint's files
-and the tensor-parallel layout, so a changed checkpoint at the same path never meets old files.
+block size (the prefix cache's salt); the disk tier's directory and the store's key prefix add a fingerprint
+of the checkpoint's files and the tensor-parallel layout, so a changed checkpoint at the same path never meets
+old blocks.
 """
 
 from __future__ import annotations
@@ -28,40 +30,54 @@ from modeling.instance_config import KVTiersConfig
 from modeling.kv_tiers.disk import DiskTier
 from modeling.kv_tiers.host import HostTier
 from modeling.kv_tiers.stats import TierStats
+from modeling.kv_tiers.store import StoreTier
 
 log = logging.getLogger("magicserve.kv_tiers")
 
 MB = 1 << 20
+STORE_CONNECT_WAIT_S = 5.0  # an instance starting waits this long for the store before serving without it
+
+
+SAMPLE_BYTES = 1 << 20
 
 
 def checkpoint_fingerprint(model_path: str) -> str:
-    """Names, sizes and modification times of the checkpoint directory's files, hashed."""
+    """The checkpoint directory's file names, sizes and the bytes of each file's first and last MiB, hashed:
+    the same on every node holding a copy of the checkpoint, different once its weights change."""
     h = hashlib.sha256()
     try:
         entries = sorted(os.scandir(model_path), key=lambda e: e.name)
     except OSError:
         entries = []
     for e in entries:
-        if e.is_file():
-            st = e.stat()
-            h.update(f"{e.name}\x1f{st.st_size}\x1f{st.st_mtime_ns}\n".encode())
+        if not e.is_file():
+            continue
+        size = e.stat().st_size
+        h.update(f"{e.name}\x1f{size}\n".encode())
+        with open(e.path, "rb") as f:
+            h.update(f.read(SAMPLE_BYTES))
+            if size > 2 * SAMPLE_BYTES:
+                f.seek(size - SAMPLE_BYTES)
+                h.update(f.read(SAMPLE_BYTES))
     return h.hexdigest()[:16]
 
 
 class KVTiers:
-    """The host tier and the disk tier (either may be None) of one instance's cache."""
+    """The host tier, the disk tier and the cluster's store (each may be None) of one instance's cache."""
 
-    def __init__(self, cache: PagedKVCache, host: HostTier | None, disk: DiskTier | None, write_queue_blocks: int = 4096):
+    def __init__(self, cache: PagedKVCache, host: HostTier | None, disk: DiskTier | None,
+                 write_queue_blocks: int = 4096, store: StoreTier | None = None):
         spec = cache.spec
         self.cache = cache
         self.host = host
         self.disk = disk
+        self.store = store
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.block_bytes = spec.bytes_per_block
         self._pending_copy: torch.cuda.Event | None = None  # the last device -> host copy of a save
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue_blocks)
         self._writer = None
-        if disk is not None:
+        if disk is not None or store is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
 
@@ -74,15 +90,20 @@ class KVTiers:
         if not config.active:
             return None
         host = HostTier(config.host_memory_mb * MB) if config.host_memory_mb else None
+        namespace = hashlib.sha256(salt + b"\x1f" + checkpoint_fingerprint(model_path).encode() + b"\x1f" +
+                                   layout.encode()).hexdigest()[:16]
         disk = None
         if config.disk_mb:
-            namespace = hashlib.sha256(salt + b"\x1f" + checkpoint_fingerprint(model_path).encode() + b"\x1f" +
-                                       layout.encode()).hexdigest()[:16]
             disk = DiskTier.open(os.path.join(config.resolved_disk_dir(), namespace), instance_name,
                                  config.disk_mb * MB)
             log.info("kv tiers of %s: host %d MiB, disk %d MiB in %s (%d blocks found)", instance_name,
                      config.host_memory_mb, config.disk_mb, disk.directory, len(disk))
-        return cls(cache, host, disk, config.write_queue_blocks)
+        store = StoreTier(config.store, namespace) if config.store.enabled else None
+        tiers = cls(cache, host, disk, config.write_queue_blocks, store)
+        if store is not None and not store.wait_connected(STORE_CONNECT_WAIT_S):
+            log.warning("kv tiers of %s: the store at %s is not reachable yet; serving without it meanwhile",
+                        instance_name, config.store.master_address)
+        return tiers
 
     # -- lookups and loads (the worker's thread) --------------------------------------------------
 
@@ -93,6 +114,8 @@ class KVTiers:
             if not ((self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)):
                 break
             n += 1
+        if self.store is not None and n < len(hashes):
+            n += self.store.find(hashes[n:])
         return n
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
@@ -103,20 +126,19 @@ class KVTiers:
         per_tier: list[TierStats] = []
         for h in hashes:
             t0 = time.perf_counter()
-            kv = self.host.get(h) if self.host is not None else None
-            tier = self.host
-            if kv is None and self.disk is not None:
-                payload = self.disk.read(h, self.block_bytes)
-                if payload is not None:
-                    kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.cache.spec.dtype).view(self.block_shape)
-                    tier = self.disk
-                    if self.host is not None:
-                        self.host.put(h, self._pinned(kv))
+            kv, tier = self._local(h)
             if kv is None:
                 break
             tier.stats.load_s += time.perf_counter() - t0
             parts.append(kv)
             per_tier.append(tier.stats)
+        if self.store is not None and len(parts) < len(hashes):
+            t0 = time.perf_counter()
+            rest = hashes[len(parts):]
+            for h, payload in zip(rest, self.store.read(rest, self.block_bytes)):
+                parts.append(self._promote(h, payload))
+                per_tier.append(self.store.stats)
+            self.store.stats.load_s += time.perf_counter() - t0
         if not parts:
             return 0
         t0 = time.perf_counter()
@@ -131,23 +153,43 @@ class KVTiers:
             stats.load_s += share
         return len(parts)
 
+    def _local(self, block_hash: int):
+        """(the block's KV, the tier it came from) from the host or disk tier; (None, None) when neither has it."""
+        kv = self.host.get(block_hash) if self.host is not None else None
+        if kv is not None:
+            return kv, self.host
+        if self.disk is not None:
+            payload = self.disk.read(block_hash, self.block_bytes)
+            if payload is not None:
+                return self._promote(block_hash, payload), self.disk
+        return None, None
+
+    def _promote(self, block_hash: int, payload) -> torch.Tensor:
+        """A block's payload from a lower tier as its KV tensor, kept in the host tier too."""
+        kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.cache.spec.dtype).view(self.block_shape)
+        if self.host is not None:
+            self.host.put(block_hash, self._pinned(kv))
+        return kv
+
     # -- write-down (the worker's thread; disk writes on the writer thread) ------------------------
 
     def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """Keep the KV of ``blocks`` (final, cached under ``hashes``) in the tiers that lack it."""
-        todo = [(b, h) for b, h in zip(blocks, hashes)
-                if (self.host is not None and h not in self.host) or (self.disk is not None and h not in self.disk)]
+        todo = [(b, h) for b, h in zip(blocks, hashes) if self.store is not None or
+                (self.host is not None and h not in self.host) or (self.disk is not None and h not in self.disk)]
         if not todo:
             return
         copies = self._copy_out([b for b, _ in todo])
         for (_, h), kv in zip(todo, copies):
             if self.host is not None:
                 self.host.put(h, kv)
-            if self.disk is not None:
+            if self._writer is not None:
                 try:
                     self._queue.put_nowait((h, kv, self._pending_copy))
                 except queue.Full:
-                    self.disk.stats.dropped += 1
+                    for tier in (self.disk, self.store):
+                        if tier is not None:
+                            tier.stats.dropped += 1
 
     def _copy_out(self, blocks: list[int]) -> list[torch.Tensor]:
         """The blocks' KV on the host, one [L, 2, bs, H, D] tensor each (views of one copy)."""
@@ -172,15 +214,25 @@ class KVTiers:
             self._pending_copy = None
 
     def _write_loop(self) -> None:
+        retry_s = self.store.config.retry_s if self.store is not None else None
         while True:
-            item = self._queue.get()
+            if self.store is not None and not self.store.connected and self.store.ready_to_retry():
+                self.store.connect()
+            try:
+                item = self._queue.get(timeout=retry_s)
+            except queue.Empty:
+                continue
             try:
                 if item is None:
                     return
                 block_hash, kv, copied = item
                 if copied is not None:
                     copied.synchronize()
-                self.disk.write(block_hash, kv.contiguous().view(torch.uint8).numpy().tobytes())
+                payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+                if self.disk is not None:
+                    self.disk.write(block_hash, payload)
+                if self.store is not None:
+                    self.store.write(block_hash, payload)
             except OSError as err:  # a full or failing disk: the block stays computable
                 log.warning("kv disk tier: writing block %016x failed: %s", item[0], err)
             finally:
@@ -199,12 +251,10 @@ class KVTiers:
             self._writer = None
         if self.disk is not None:
             self.disk.close()
+        if self.store is not None:
+            self.store.close()
 
     def stats(self) -> dict[str, TierStats]:
-        """Each tier's counters, by name (``host``, ``disk``)."""
-        out = {}
-        if self.host is not None:
-            out["host"] = self.host.stats
-        if self.disk is not None:
-            out["disk"] = self.disk.stats
-        return out
+        """Each tier's counters, by name (``host``, ``disk``, ``store``)."""
+        tiers = {"host": self.host, "disk": self.disk, "store": self.store}
+        return {name: tier.stats for name, tier in tiers.items() if tier is not None}
