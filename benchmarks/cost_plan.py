@@ -135,8 +135,12 @@ def write_md(result: dict, path: str) -> None:
         lines.append(f"| {g['model']} | {g['workload']} | {g['tightness']} | {g['options']} | {g['screen_s']:.0f} | "
                      f"{first:.0f} | {g['screen_s'] + first:.0f} |")
     slowest = max(g["screen_s"] + g["rows"][0]["plan_s"] for g in result["groups"])
+    loads = sorted(g["load_avg_1min"] for g in result["groups"] if "load_avg_1min" in g)
+    load = (f"; the 1-minute load average after each group: median {loads[len(loads) // 2]:.1f}, max {loads[-1]:.1f} "
+            f"(on {os.cpu_count()} cores; the search's own processes count in it)") if loads else ""
     lines += ["", f"Slowest single search (`magicserve plan --objective cost` for one rate): {slowest:.0f} s "
-              f"(target: under 120 s) on {result['machine']}.", "", f"![cost](" + os.path.basename(path[:-3]) + ".png)"]
+              f"(target: under 120 s) on {result['machine']}{load}.", "",
+              f"![cost](" + os.path.basename(path[:-3]) + ".png)"]
     write_lines(path, lines)
 
 
@@ -237,6 +241,7 @@ def main() -> int:
                          "rows": []}
                 for rate in RATES[wl]:
                     group["rows"].append(run_point(planner, rate * MODELS[model]["rate_scale"]))
+                group["load_avg_1min"] = os.getloadavg()[0]  # other work on the cores slows the searches
                 result["groups"].append(group)
     record(result, args.out, write_md)
     plot(result, args.out + ".png")

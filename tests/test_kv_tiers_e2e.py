@@ -5,6 +5,10 @@ one computed, from the store; ``magicserve status`` shows the tiers' hits."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import time
+
 import pytest
 
 from frontend.client import Client
@@ -112,3 +116,44 @@ def test_serve_starts_the_store_when_no_master_is_named(llama_dir, reference):
     stored = {n: i.kv_tiers[0].stored for n, i in after.items()}
     assert all(v > 0 for v in stored.values()), stored
     assert after["prefill-0"].prefix_cache_tier_hits - before["prefill-0"].prefix_cache_tier_hits == len(doc) // BLOCK * BLOCK
+
+
+@needs_store
+def test_a_request_resumed_after_its_decode_instance_died_loads_its_kv_from_the_store(llama_dir, reference):
+    """The decode instance serving a request is killed mid-stream: the instance that resumes it (the other one,
+    or the same one restarted, both without its KV) loads the prompt and the tokens decoded so far from the store
+    instead of computing them, and the client gets the reference's tokens."""
+    import ray
+
+    from controller.kv_store import MooncakeStoreService
+    from modeling.instance_config import KVStoreConfig
+
+    prompt = prompts_of([330], seed=47)[0]
+    greedy = dict(max_tokens=240, ignore_eos=True)
+    expected = reference.generate([prompt], SamplingParams(**greedy))[0].token_ids
+    store = MooncakeStoreService.start(KVStoreConfig(backend="mooncake", segment_mb=256))
+    cfg = _store_only_config(llama_dir, store.master_address)
+    cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, instances=2))
+    try:
+        with running_server(cfg) as address:
+            before = _instances(address)
+            actors = [ray.get_actor(f"magicserve-decode-{j}", namespace="magicserve") for j in range(2)]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                future = pool.submit(stream_ids, address, prompt, **greedy)
+                deadline, victim = time.monotonic() + 60, None
+                while victim is None:  # the instance decoding it, 64 tokens in (4 full blocks of output stored)
+                    for a, name in zip(actors, ("decode-0", "decode-1")):
+                        if ray.get(a.request_loads.remote()).holds and \
+                                ray.get(a.status.remote())["tokens_generated"] >= 64:
+                            victim = a
+                    assert time.monotonic() < deadline, "the request never reached 64 tokens on a decode instance"
+                    time.sleep(0.02)
+                ray.kill(victim, no_restart=False)
+                ids, _ = future.result(timeout=240)
+            after = _instances(address)
+    finally:
+        store.stop()
+    assert ids == expected
+    resumed_from_store = sum(after[n].prefix_cache_tier_hits for n in after if n.startswith("decode")) - \
+        sum(before[n].prefix_cache_tier_hits for n in before if n.startswith("decode"))
+    assert resumed_from_store >= len(prompt) // BLOCK * BLOCK, resumed_from_store
