@@ -167,3 +167,25 @@ def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: flo
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{kv_space_gib:g}")
     return ManagedServer("vllm", argv, http_healthy(f"http://127.0.0.1:{port}/health"), startup_timeout_s, env=env,
                          stop_grace_s=30.0)
+
+
+def local_magicserve(name: str, model_dir: str, sections: dict, workdir: str,
+                     startup_timeout_s: float) -> tuple[ManagedServer, str]:
+    """``cluster_configs/local.yaml`` serving ``model_dir`` with ``sections`` replacing its top-level sections
+    (a pool's section is merged into the file's), written to ``workdir/NAME.yaml``, its HTTP front on a free
+    port: (the server, its base URL)."""
+    import yaml
+
+    from controller.config import LOCAL_CONFIG
+
+    with open(LOCAL_CONFIG, encoding="utf-8") as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["path"] = os.path.abspath(model_dir)
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if key in ("prefill", "decode", "colocated") else value
+    http = free_port()
+    cfg["server"]["http_port"] = http
+    path = os.path.join(workdir, f"{name}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg, f)
+    return magicserve_server(path, "127.0.0.1", free_port(), startup_timeout_s, http), f"http://127.0.0.1:{http}"

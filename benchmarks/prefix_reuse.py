@@ -33,15 +33,13 @@ import sys
 import tempfile
 import time
 
-import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._slo_launch import free_port, magicserve_server, vllm_server  # noqa: E402
+from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
 from benchmarks._slo_targets import OpenAITarget, RequestRecord  # noqa: E402
 from benchmarks.slo_sweep import heldout_corpus, percentile  # noqa: E402
-from controller.config import LOCAL_CONFIG  # noqa: E402
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from planner.reuse_workload import (MultiTurnShape, ReuseRequest, SharedDocsShape, multi_turn_trace,  # noqa: E402
                                     prompt_lengths, shared_docs_trace)
@@ -169,16 +167,8 @@ def server_for(system: str, args, workdir: str):
         port = free_port()
         return vllm_server(args.model, port, 8192, args.vllm_kv_space_gib, args.launch_timeout_s, [],
                            prefix_caching=True), f"http://127.0.0.1:{port}"
-    with open(LOCAL_CONFIG, encoding="utf-8") as f:
-        cfg = yaml.safe_load(f)
-    cfg["model"]["path"] = os.path.abspath(args.model)
-    cfg["prefix_caching"] = {"enabled": system == "magicserve"}
-    cfg["server"]["http_port"] = free_port()
-    path = os.path.join(workdir, f"{system}.yaml")
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg, f)
-    http = cfg["server"]["http_port"]
-    return magicserve_server(path, "127.0.0.1", free_port(), args.launch_timeout_s, http), f"http://127.0.0.1:{http}"
+    return local_magicserve(system, args.model, {"prefix_caching": {"enabled": system == "magicserve"}}, workdir,
+                            args.launch_timeout_s)
 
 
 async def run_system(system: str, args, workload: dict, take, workdir: str) -> dict:

@@ -1,0 +1,265 @@
+"""A production conversation trace whose reused prompts do not fit the KV pools: magicserve with its KV tiers,
+without them, and vLLM's CPU build with the same KV memory, each replayed by vLLM's benchmark client
+(``vllm bench serve --dataset-name timed_trace``), same weights, same cores, one run.
+
+The trace is Mooncake's (FAST'25 release, Kimi's production conversations: ``FAST25-release/traces/
+conversation_trace.jsonl`` in github.com/kvcache-ai/Mooncake; each request lists the hashes of its prompt's
+512-token blocks). It is made to fit the bundled model and 2 cores:
+
+* conversations are sampled whole (a request is kept when its first block after the shared system prompt
+  hashes into 1 of ``--sample`` buckets), so the reuse between a conversation's turns stays as it was;
+* each 512-token block becomes ``--chunk`` tokens (vLLM's ``timed_trace`` expands each hash into that many
+  random tokens, the same ones wherever the hash recurs), prompts are cut at ``--max-prompt`` tokens and
+  outputs scaled by the same factor (at least 4 tokens);
+* time is compressed ``--speedup`` times.
+
+The pools are sized so the working set does not fit them (``--prefill-kv`` and ``--decode-kv`` tokens; vLLM
+gets their sum): without tiers a returning turn finds its history evicted. With tiers (host memory and the
+disk tier under a fresh directory) it is loaded back. Per system: the share of prompt tokens found cached (the
+prefill pool's, vLLM's), TTFT p50/p99, TPOT p50 and goodput at ``--ttft-slo-ms`` / ``--tpot-slo-ms`` as
+``vllm bench serve`` reports it; beside them the hit rate of an unbounded cache on the same requests.
+
+    python benchmarks/kv_tiers.py --trace PATH/conversation_trace.jsonl
+
+Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``benchmarks/results/kv_tiers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks._record import record  # noqa: E402
+from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
+from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
+
+SYSTEMS = ("magicserve-tiers", "magicserve-no-tiers", "vllm")
+TRACE_BLOCK = 512  # tokens per hash in Mooncake's traces
+VLLM = os.path.join(ROOT, ".peers", "vllm", "bin", "vllm")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+
+
+def sampled_trace(path: str, sample: int, chunk: int, max_prompt: int, speedup: float) -> list[dict]:
+    """The trace's requests of the sampled conversations, scaled to ``chunk`` tokens per block and compressed
+    in time (timestamps in seconds from the first)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            hashes = r["hash_ids"]
+            key = hashes[1] if len(hashes) > 1 else hashes[0]
+            if int(hashlib.sha256(f"0:{key}".encode()).hexdigest(), 16) % sample:
+                continue
+            blocks = min(len(hashes), max_prompt // chunk)
+            prompt = min(-(-r["input_length"] * chunk // TRACE_BLOCK), blocks * chunk)
+            rows.append({"timestamp": r["timestamp"] / 1000.0, "input_length": prompt,
+                         "output_length": max(4, round(r["output_length"] * chunk / TRACE_BLOCK)),
+                         "hash_ids": hashes[:blocks]})
+    t0 = rows[0]["timestamp"]
+    for r in rows:
+        r["timestamp"] = (r["timestamp"] - t0) / speedup
+    return rows
+
+
+def unbounded_hit_rate(rows: list[dict], chunk: int) -> float:
+    """Prompt tokens an unbounded cache of every earlier prompt's full blocks finds (its prefix run)."""
+    seen: set[int] = set()
+    found = total = 0
+    for r in rows:
+        run = 0
+        for h in r["hash_ids"]:
+            if h not in seen or (run + 1) * chunk > r["input_length"] - 1:
+                break
+            run += 1
+        found += run * chunk
+        total += r["input_length"]
+        seen.update(r["hash_ids"][:r["input_length"] // chunk])
+    return found / total
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Counter totals of ``/metrics`` by name, summed over labels, plus magicserve's prefill-pool prefix counts."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+            if s.labels.get("role") == "prefill":
+                out[f"prefill/{s.name}"] = out.get(f"prefill/{s.name}", 0.0) + s.value
+    return out
+
+
+def hit_rate(system: str, before: dict, after: dict) -> float | None:
+    if system == "vllm":
+        names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    else:
+        names = ("prefill/magicserve:prefix_cache_hits_total", "prefill/magicserve:prefix_cache_queries_total")
+    hits, queries = (after.get(n, 0.0) - before.get(n, 0.0) for n in names)
+    return hits / queries if queries else None
+
+
+def server_for(system: str, args, workdir: str):
+    if system == "vllm":
+        port = free_port()  # the same KV tokens: its space is whole GiB, so the block count is set instead
+        blocks = ["--block-size", "32", "--num-gpu-blocks-override", str((args.prefill_kv + args.decode_kv) // 32),
+                  "--served-model-name", os.path.basename(os.path.abspath(args.model))]
+        return vllm_server(args.model, port, args.max_prompt + 1024, 1, args.launch_timeout_s, blocks,
+                           prefix_caching=True), f"http://127.0.0.1:{port}"
+    sections = {"prefill": {"kv_cache_tokens": args.prefill_kv}, "decode": {"kv_cache_tokens": args.decode_kv},
+                "kv_tiers": {"enabled": system == "magicserve-tiers", "disk_dir": tempfile.mkdtemp(dir=workdir)}}
+    return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s)
+
+
+def bench(args, url: str, trace_path: str, n: int, name: str, workdir: str) -> dict:
+    """``vllm bench serve`` over the trace against ``url``; its saved result and the command."""
+    cmd = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+           "--model", os.path.abspath(args.model), "--tokenizer", os.path.abspath(args.model),
+           "--served-model-name", os.path.basename(os.path.abspath(args.model)),
+           "--dataset-name", "timed_trace", "--dataset-path", trace_path,
+           "--timed-trace-chunk-hash-size", str(args.chunk), "--num-prompts", str(n), "--ignore-eos",
+           "--temperature", "0", "--seed", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--goodput", f"ttft:{args.ttft_slo_ms:g}", f"tpot:{args.tpot_slo_ms:g}",
+           "--save-result", "--result-dir", workdir, "--result-filename", f"{name}.json"]
+    with open(os.path.join(workdir, f"{name}.bench.log"), "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE},
+                              timeout=args.time_limit_s)
+    if proc.returncode:
+        raise RuntimeError(f"vllm bench serve failed for {name} (log: {log.name})")
+    with open(os.path.join(workdir, f"{name}.json"), encoding="utf-8") as f:
+        res = json.load(f)
+    keep = ("completed", "failed", "duration", "request_throughput", "request_goodput", "median_ttft_ms",
+            "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "total_input_tokens", "total_output_tokens")
+    return {**{k: res.get(k) for k in keep}, "command": " ".join(shlex.quote(c) for c in cmd)}
+
+
+def run_system(system: str, args, trace_path: str, n: int, workdir: str) -> dict:
+    server, url = server_for(system, args, workdir)
+    with server:
+        before = scrape(url)
+        t0 = time.monotonic()
+        out = bench(args, url, trace_path, n, system, workdir)
+        out["wall_s"] = time.monotonic() - t0
+        after = scrape(url)
+    out["hit_rate"] = hit_rate(system, before, after)
+    if system.startswith("magicserve"):
+        out["tier_hit_tokens"] = after.get("magicserve:prefix_cache_tier_hits_total", 0.0) - \
+            before.get("magicserve:prefix_cache_tier_hits_total", 0.0)
+    print(f"[{system}] {json.dumps({k: v for k, v in out.items() if k != 'command'})}", file=sys.stderr, flush=True)
+    return out
+
+
+def write_md(result: dict, path: str) -> None:
+    a = result["args"]
+    lines = ["# KV tiers on a production conversation trace", "", f"Command: `{result['command']}`", "",
+             f"Machine: {result['machine']}. Mooncake's conversation trace, {result['requests']} requests of the "
+             f"conversations sampled 1 in {a['sample']} over its hour, each 512-token block as {a['chunk']} tokens "
+             f"(prompts up to {a['max_prompt']}, mean {result['mean_prompt']:.0f}), {a['speedup']:g}x faster "
+             f"({result['span_s']:.0f} s). Pools: prefill {a['prefill_kv']} + decode {a['decode_kv']} KV tokens "
+             f"(vLLM: their sum); the working set of the replay is {result['unique_tokens']} distinct prompt tokens. "
+             f"SLOs for goodput: TTFT {a['ttft_slo_ms']:g} ms, TPOT {a['tpot_slo_ms']:g} ms.", "",
+             f"An unbounded cache finds {result['unbounded_hit_rate']:.1%} of the prompt tokens.", "",
+             "| system | prompt tokens found cached | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | goodput (req/s) "
+             "| completed / failed |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in result["systems"].items():
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
+        lines.append(f"| {name} | {hit} | {r['median_ttft_ms'] / 1000:.2f} | {r['p99_ttft_ms'] / 1000:.2f} | "
+                     f"{r['median_tpot_ms']:.1f} | {r['request_goodput']:.3f} | {r['completed']} / {r['failed']} |")
+    s = result["systems"]
+    if "magicserve-tiers" in s and "magicserve-no-tiers" in s:
+        t, n = s["magicserve-tiers"], s["magicserve-no-tiers"]
+        lines += ["", f"With tiers / without: goodput {t['request_goodput'] / max(n['request_goodput'], 1e-9):.2f}x, "
+                      f"TTFT p50 {t['median_ttft_ms'] / n['median_ttft_ms']:.2f}x; the tiers supplied "
+                      f"{t['tier_hit_tokens']:.0f} prompt tokens."]
+    lines += ["", "The prefill pool's hit rate counts the prompts prefill instances computed (a turn prefilled on its "
+              "decode instance from the KV it kept is not among them); vLLM's, every prompt.", "",
+              "Each system's `vllm bench serve` command is in the JSON.", "", f"![kv tiers]({os.path.basename(path[:-3])}.png)"]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["systems"])
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (key, label, scale) in zip(axes, (("hit_rate", "prompt tokens found cached", 1.0),
+                                              ("median_ttft_ms", "TTFT p50 (s)", 1e-3),
+                                              ("request_goodput", "goodput (req/s)", 1.0))):
+        vals = [(result["systems"][n][key] or 0.0) * scale for n in names]
+        ax.bar(names, vals, color=["tab:blue", "tab:gray", "tab:orange"][:len(names)])
+        if key == "hit_rate":
+            ax.axhline(result["unbounded_hit_rate"], color="k", ls="--", lw=1, label="unbounded cache")
+            ax.legend(fontsize=8)
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", required=True, help="Mooncake's conversation_trace.jsonl")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "kv_tiers"))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--sample", type=int, default=60, help="keep 1 conversation in this many")
+    ap.add_argument("--chunk", type=int, default=32, help="tokens per 512-token block of the trace")
+    ap.add_argument("--max-prompt", type=int, default=3072)
+    ap.add_argument("--speedup", type=float, default=12.0, help="time compression")
+    ap.add_argument("--prefill-kv", type=int, default=4096)
+    ap.add_argument("--decode-kv", type=int, default=8192)
+    ap.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    ap.add_argument("--vllm", default=VLLM)
+    ap.add_argument("--launch-timeout-s", type=float, default=600.0)
+    ap.add_argument("--time-limit-s", type=float, default=1800.0)
+    ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "kv_tiers"))
+    args = ap.parse_args()
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+    os.makedirs(args.scratch, exist_ok=True)
+    rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
+    trace_path = os.path.join(args.scratch, "trace.jsonl")
+    with open(trace_path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    result = {"command": "python benchmarks/kv_tiers.py " + " ".join(
+                  shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": {k: v for k, v in vars(args).items()
+                                                                                 if k not in ("vllm", "scratch")},
+              "requests": len(rows), "span_s": rows[-1]["timestamp"],
+              "mean_prompt": sum(r["input_length"] for r in rows) / len(rows),
+              "unique_tokens": len({h for r in rows for h in r["hash_ids"]}) * args.chunk,
+              "unbounded_hit_rate": unbounded_hit_rate(rows, args.chunk), "systems": {}}
+    print(f"{len(rows)} requests over {result['span_s']:.0f} s; unbounded hit rate "
+          f"{result['unbounded_hit_rate']:.1%}", file=sys.stderr, flush=True)
+    for system in systems:
+        result["systems"][system] = run_system(system, args, trace_path, len(rows), args.scratch)
+    record(result, args.out, write_md)
+    plot(result, args.out + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
