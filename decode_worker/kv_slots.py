@@ -54,9 +54,8 @@ class KVSlots:
         ``seq``: any object with ``request_id``, ``block_table`` and ``num_computed`` (with ``cached_upto``,
         also ``tokens``; with ``num_forks``, also ``prompt_ids``)."""
         looked_up = cached_upto is not None and self.prefix_cache is not None and not seq.block_table.blocks
-        if looked_up:
-            self.prefix_cache.attach(seq, cached_upto)  # marks the cached prefix computed
-        cached = len(seq.block_table.blocks) if looked_up else 0
+        if looked_up:  # the pool's cached prefix, marked computed; the tiers' blocks once the rest is known to fit
+            self.prefix_cache.attach(seq, cached_upto, load_tiers=False)
         fork_blocks = num_forks * self.fork_blocks_each(len(seq.prompt_ids)) if num_forks else 0
         need = self.pool.blocks_for_tokens(num_tokens + lookahead_tokens) - len(seq.block_table.blocks)
         if not self.pool.can_allocate(max(0, need) + fork_blocks):
@@ -65,6 +64,9 @@ class KVSlots:
                 seq.num_computed = 0
                 self.prefix_cache.forget(seq.request_id)
             return None
+        if looked_up:  # fresh blocks out of ``need``, their KV loaded instead of computed or sent
+            self.prefix_cache.load_from_tiers(seq)
+        cached = len(seq.block_table.blocks) if looked_up else 0
         seq.block_table.ensure_capacity(self.pool, num_tokens + lookahead_tokens)
         forks = self.pool.allocate(fork_blocks) if fork_blocks else []
         return SlotGrant(tuple(seq.block_table.blocks), cached, tuple(forks))

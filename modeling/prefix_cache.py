@@ -69,12 +69,13 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._hashed: dict[str, list[int]] = {}  # sequence id -> hashes of its full blocks seen so far
         self._computed_in_full: set[str] = set()  # sequences that must compute every prompt position
+        self._looked_up: dict[str, list[int]] = {}  # sequence id -> its prefix's hashes, attached, tiers not asked
         self._publishing = False
 
     @property
     def num_tracked(self) -> int:
         """Sequences with per-sequence state here (0 once every one has ended)."""
-        return len(self._hashed.keys() | self._computed_in_full)
+        return len(self._hashed.keys() | self._computed_in_full | self._looked_up.keys())
 
     def take_events(self) -> PrefixCacheEvents | None:
         """The cache's changes since the last call (None: none, or caching is off). The first call lists
@@ -93,23 +94,42 @@ class PrefixCache:
         """The sequence needs every prompt position computed (its prompt's log-probabilities): no lookup."""
         self._computed_in_full.add(seq_id)
 
-    def attach(self, seq, upto: int | None = None) -> int:
+    def attach(self, seq, upto: int | None = None, load_tiers: bool = True) -> int:
         """A sequence about to be scheduled with no blocks and nothing computed (new, or preempted) starts
         from the cached blocks of the longest cached prefix of its first ``upto`` tokens (default: its prompt
-        but the last token), marked computed; returns how many tokens that covers (0 for any other sequence)."""
+        but the last token), marked computed; returns how many tokens that covers (0 for any other sequence).
+        With ``load_tiers`` the blocks the tiers hold after the pool's run are loaded too (:meth:`load_from_tiers`;
+        a caller that must first know the rest fits attaches without, then calls it)."""
         if not self.enabled or seq.block_table.blocks or seq.num_computed or seq.request_id in self._computed_in_full:
             return 0
         upto = len(seq.prompt_ids) - 1 if upto is None else upto
         hashes = block_hashes(seq.tokens[:upto], self.pool.block_size, self.salt)
         blocks = self.pool.cached_prefix(hashes)
-        if self.tiers is not None and len(blocks) < len(hashes):
-            blocks += self._load_from_tiers(hashes[len(blocks):], blocks[-1] if blocks else None)
         seq.block_table.blocks = list(blocks)
         seq.num_computed = len(blocks) * self.pool.block_size
         self._hashed[seq.request_id] = hashes[: len(blocks)]
         self.stats.queries += upto + 1
         self.stats.hits += seq.num_computed
+        if self.tiers is not None:
+            self._looked_up[seq.request_id] = hashes
+            if load_tiers:
+                self.load_from_tiers(seq)
         return seq.num_computed
+
+    def load_from_tiers(self, seq) -> int:
+        """Right after :meth:`attach`: extend the sequence's cached prefix with fresh blocks holding what the
+        tiers have next (as many as the pool has room for; cached in the pool), marked computed; returns how
+        many tokens they cover."""
+        hashes = self._looked_up.pop(seq.request_id, None)
+        held = len(seq.block_table.blocks)
+        if hashes is None or held >= len(hashes):
+            return 0
+        loaded = self._load_from_tiers(hashes[held:], seq.block_table.blocks[-1] if held else None)
+        seq.block_table.blocks += loaded
+        self._hashed[seq.request_id] += hashes[held:held + len(loaded)]
+        seq.num_computed += len(loaded) * self.pool.block_size
+        self.stats.hits += len(loaded) * self.pool.block_size
+        return len(loaded) * self.pool.block_size
 
     def _load_from_tiers(self, hashes: list[int], after: int | None) -> list[int]:
         """Fresh blocks holding the leading run of ``hashes`` the tiers hold (as many as the pool has room
@@ -147,3 +167,4 @@ class PrefixCache:
         """The sequence ended: drop what was kept for it (its cached blocks stay in the pool)."""
         self._hashed.pop(seq_id, None)
         self._computed_in_full.discard(seq_id)
+        self._looked_up.pop(seq_id, None)

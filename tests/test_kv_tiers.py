@@ -184,6 +184,7 @@ class _ListedTiers:
         return n
 
     def load(self, hashes, blocks):
+        self.loads = getattr(self, "loads", 0) + 1
         return min(len(hashes), self.loadable)
 
     def save(self, blocks, hashes):
@@ -209,3 +210,23 @@ def test_a_load_that_falls_short_gives_the_rest_back_to_the_pool():
     seq.block_table.ensure_capacity(pool, len(tokens))
     cache.commit(seq, len(tokens))  # the computed blocks go down to the tiers, the loaded ones do not again
     assert tiers.saved == hashes[2:5]
+
+
+def test_a_decode_admission_loads_from_the_tiers_only_once_the_rest_fits():
+    """``KVSlots.allocate_slots`` asks the tiers only when the whole grant fits: an admission that waits for room
+    loads nothing (it would load again at every retry), and one that fits loads the blocks into its grant."""
+    from decode_worker.kv_slots import KVSlots
+
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tokens = list(range(4 * 6 + 1))
+    hashes = block_hashes(tokens[:-1], 4, b"s")
+    tiers = _ListedTiers(held=hashes[:4], loadable=4)
+    slots = KVSlots(pool, PrefixCache(pool, b"s", tiers=tiers))
+    squatter = pool.allocate(3)  # 5 free: the 7 blocks the sequence needs do not fit
+    seq = _Seq("a", tokens)
+    assert slots.allocate_slots(seq, len(tokens), cached_upto=len(tokens) - 1) is None
+    assert getattr(tiers, "loads", 0) == 0 and pool.num_free == 5 and slots.prefix_cache.num_tracked == 0
+    pool.free(squatter)
+    grant = slots.allocate_slots(seq, len(tokens), cached_upto=len(tokens) - 1)
+    assert grant is not None and grant.cached_blocks == 4 and tiers.loads == 1 and seq.num_computed == 16
+    assert len(grant.blocks) == 7 and pool.num_free == 1
