@@ -230,3 +230,23 @@ def test_a_decode_admission_loads_from_the_tiers_only_once_the_rest_fits():
     grant = slots.allocate_slots(seq, len(tokens), cached_upto=len(tokens) - 1)
     assert grant is not None and grant.cached_blocks == 4 and tiers.loads == 1 and seq.num_computed == 16
     assert len(grant.blocks) == 7 and pool.num_free == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_mb,disk_mb", [(16, 0), (0, 16)], ids=["host", "disk"])
+def test_on_cuda_a_document_evicted_from_the_pool_is_loaded_from_a_tier(llama_dir, tmp_path, host_mb, disk_mb):
+    """The pool on the GPU: saves copy asynchronously into pinned host memory, loads copy back; tokens equal a
+    CUDA engine's without caching (float32)."""
+    cuda = dict(device="cuda", dtype="float32")
+    plain = ReferenceEngine(llama_dir, EngineConfig(**{**CFG.__dict__, **cuda, "prefix_caching": False}))
+    tiers = KVTiersConfig(host_memory_mb=host_mb, disk_dir=str(tmp_path), disk_mb=disk_mb)
+    engine = ReferenceEngine(llama_dir, EngineConfig(**{**CFG.__dict__, **cuda, "kv_tiers": tiers}))
+    try:
+        doc, (first, second), out = _document_served_then_evicted(engine, 4)
+        out += _run(engine, [second])
+        assert engine.prefix_cache.stats.tier_hits == len(doc) // BLOCK * BLOCK
+        assert out == _run(plain, [first, second])
+        if host_mb:
+            assert all(kv.is_pinned() for kv in engine.core.tiers.host._entries.values())
+    finally:
+        engine.close()
