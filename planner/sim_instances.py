@@ -42,6 +42,7 @@ from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
 from modeling.prefix_cache import PrefixCache
+from planner.sim_tiers import SimTierConfig, SimTiers
 from modeling.prefix_hash import block_hashes
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerLimits
 from modeling.sequence import FinishReason, SequenceStatus
@@ -146,12 +147,14 @@ class SimSequence:
 SIM_SALT = b"simulated"
 
 
-def pool_and_cache(capacity_tokens: int, block_size: int, caching: bool) -> tuple[BlockPool, PrefixCache | None]:
-    """An instance's block pool: the counting one, or with caching the real one and its prefix cache."""
+def pool_and_cache(capacity_tokens: int, block_size: int, caching: bool,
+                   tiers: SimTierConfig | None = None) -> tuple[BlockPool, PrefixCache | None]:
+    """An instance's block pool: the counting one, or with caching the real one and its prefix cache (over
+    simulated tiers when ``tiers`` is given)."""
     if not caching:
         return CountingBlockPool(capacity_tokens // block_size, block_size), None
     pool = BlockPool(capacity_tokens // block_size, block_size)
-    return pool, PrefixCache(pool, SIM_SALT)
+    return pool, PrefixCache(pool, SIM_SALT, tiers=SimTiers(tiers, block_size) if tiers is not None else None)
 
 
 def cached_tokens(pool: BlockPool, cache: PrefixCache | None, req: SimRequest) -> int:
@@ -248,6 +251,8 @@ class _Instance:
             return
         duration, done = planned
         duration *= self.sim.step_factor(self, duration)
+        if self.prefix_cache is not None and self.prefix_cache.tiers is not None:
+            duration += self.prefix_cache.tiers.take_load_seconds()  # loaded on the worker's thread first
         self.step_s = duration
         self.busy = True
         self.steps += 1
@@ -290,12 +295,12 @@ class PrefillSim(_Instance):
     role = "prefill"
 
     def __init__(self, sim, name: str, costs: StepCosts, transfer: FittedModel, capacity_tokens: int,
-                 block_size: int, limits: SchedulerLimits, caching: bool = False):
+                 block_size: int, limits: SchedulerLimits, caching: bool = False, tiers: SimTierConfig | None = None):
         super().__init__(sim, name)
         self.costs = costs
         self.transfer = transfer
         self.block_size = block_size
-        self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching)
+        self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching, tiers)
         self.scheduler = PrefillScheduler(limits, self.pool, self.prefix_cache)  # the worker's own scheduler
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
 
@@ -371,12 +376,12 @@ class DecodeSim(_Instance):
 
     def __init__(self, sim, name: str, profile: Profile, costs: StepCosts, capacity_tokens: int, block_size: int,
                  max_num_seqs: int, spec: SpeculationConfig, rng: random.Random, caching: bool = False,
-                 prefill_chunk: int = 1024):
+                 prefill_chunk: int = 1024, tiers: SimTierConfig | None = None):
         super().__init__(sim, name)
         self.profile = profile
         self.costs = costs
         self.block_size = block_size
-        pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching)
+        pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching, tiers)
         self.scheduler = DecodeScheduler(pool, max_num_seqs, self.prefix_cache)
         self.prefill_chunk = prefill_chunk
         self.prefilling: deque[SimSequence] = deque()  # requests prefilled here from their cached prefix
@@ -401,12 +406,9 @@ class DecodeSim(_Instance):
     def reserve(self, req: SimRequest) -> bool:
         """Hold the request with blocks for its prompt and a step, from its cached prefix on."""
         seq = SimSequence(req, self.block_size)
-        if self.prefix_cache is not None:
-            self.prefix_cache.attach(seq)
-        if not self.scheduler.reserve(seq, req.prompt_tokens):
-            seq.block_table.release(self.scheduler.pool)
-            if self.prefix_cache is not None:
-                self.prefix_cache.forget(seq.request_id)
+        # as the worker admits: the cached prefix (pool, then tiers once the rest fits) in the one allocation
+        cached_upto = req.prompt_tokens - 1 if self.prefix_cache is not None else None
+        if not self.scheduler.reserve(seq, req.prompt_tokens, cached_upto=cached_upto):
             return False
         req.decode_cached = seq.num_computed
         self.seqs[req.index] = seq
@@ -528,11 +530,11 @@ class ColocatedSim(_Instance):
     role = "colocated"
 
     def __init__(self, sim, name: str, costs: StepCosts, capacity_tokens: int, block_size: int,
-                 limits: SchedulerLimits, caching: bool = False):
+                 limits: SchedulerLimits, caching: bool = False, tiers: SimTierConfig | None = None):
         super().__init__(sim, name)
         self.costs = costs
         self.block_size = block_size
-        self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching)
+        self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching, tiers)
         self.scheduler = ChunkedPrefillScheduler(limits, self.pool, self.prefix_cache)  # the engine's own scheduler
         preempt = self.scheduler.preempt
 

@@ -54,6 +54,7 @@ from planner.reuse_workload import ReuseRequest
 from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
 from planner.sim_reuse import distinct_requests, reuse_requests
 from planner.slo import AttainmentWatch, RequestOutcome
+from planner.sim_tiers import SimTierConfig
 from planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
 
@@ -115,6 +116,7 @@ class SimConfig:
     migration: SimMigration | None = None  # the global rescheduling policy (disaggregated); None: off
     prefix_caching: PrefixRouting | None = None  # keep computed KV and route to it; None: off
     decode_prefill_chunk: int = 1024  # tokens per step a decode instance prefills itself
+    tiers: SimTierConfig | None = None  # KV tiers below each instance's pool (with prefix_caching); None: none
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -132,6 +134,8 @@ class SimConfig:
                                  "(disaggregated mode only)")
         if self.migration is not None and self.prefix_caching is not None:
             raise SimConfigError("prefix_caching: not simulated together with migration")
+        if self.tiers is not None and self.prefix_caching is None:
+            raise SimConfigError("tiers: sit below the prefix cache; set prefix_caching too")
         if self.decode_prefill_chunk < 1:
             raise SimConfigError(f"decode_prefill_chunk: must be >= 1, got {self.decode_prefill_chunk}")
 
@@ -292,12 +296,14 @@ class Simulation:
         self._named[pool] = n + 1
         name, costs = f"{pool}-{n}", self._costs[pool]
         if pool == "colocated":
-            inst = ColocatedSim(self, name, costs, plan.kv_cache_tokens, bs, plan, caching)
+            inst = ColocatedSim(self, name, costs, plan.kv_cache_tokens, bs, plan, caching, c.tiers)
         elif pool == "prefill":
-            inst = PrefillSim(self, name, costs, self.profile.kv_transfer, plan.kv_cache_tokens, bs, plan, caching)
+            inst = PrefillSim(self, name, costs, self.profile.kv_transfer, plan.kv_cache_tokens, bs, plan, caching,
+                              c.tiers)
         else:
             inst = DecodeSim(self, name, self._decode_profile, costs, plan.kv_cache_tokens, bs, plan.max_num_seqs,
-                             c.speculation, random.Random(self._rng.random()), caching, c.decode_prefill_chunk)
+                             c.speculation, random.Random(self._rng.random()), caching, c.decode_prefill_chunk,
+                             c.tiers)
         inst.devices = plan.tensor_parallel * plan.threads
         self.instances.append(inst)
         return inst

@@ -114,3 +114,44 @@ def test_the_planner_plans_a_workload_with_reuse_with_caching_on():
     assert result.best.goodput > 0 and result.best.config.prefix_caching == PrefixRouting()
     with pytest.raises(WorkloadError, match="workload: unknown 'chats'"):
         Workload(reuse="chats").at_rate(1.0)
+
+
+def test_tiers_bring_back_documents_the_pools_evicted_and_their_loads_take_time():
+    """Pools that hold one 2000-token document each and two documents asked about in turn: without tiers every
+    question recomputes its document; with tiers below the pools (``planner/sim_tiers.py``) it is loaded back,
+    its load time on the instance's next step, and no tier holds more than its capacity."""
+    from planner.sim_tiers import SimTierConfig
+
+    shape = SharedDocsShape(documents=2, questions=4, document=LengthDist(2000, 0.0, 2000, 2000),
+                            question=LengthDist(300, 0.0, 300, 300))
+    trace = shared_docs_trace(shape, rate=0.5, seed=2)
+
+    def tiered(load_gb_per_s: float | None) -> Simulation:
+        tiers = None if load_gb_per_s is None else SimTierConfig(8192, load_gb_per_s, 131072)
+        cfg = SimConfig("disaggregated", prefill=PoolPlan(1, 1, 2560, 512, 16), decode=PoolPlan(1, 1, 1 << 20, 1, 64),
+                        speculation=NO_SPECULATION, prefix_caching=PrefixRouting(True, 1.0), tiers=tiers)
+        sim = Simulation(make_profile(), cfg)
+        sim.result = sim.run(trace)
+        return sim
+
+    pools_only, fast, slow = tiered(None), tiered(100.0), tiered(0.01)
+    for sim in (pools_only, fast, slow):
+        assert all(rec.finished for rec in sim.result.records)
+        assert_idle(sim)
+    prefill = fast.prefill[0].prefix_cache
+    assert pools_only.prefill[0].prefix_cache.stats.tier_hits == 0
+    assert prefill.stats.tier_hits >= 2 * 2000  # later questions found (most of) their document below the pool
+    assert prefill.stats.hits > pools_only.prefill[0].prefix_cache.stats.hits
+    assert len(prefill.tiers) <= prefill.tiers.capacity_blocks
+    ttft = {name: sum(r.ttft_s for r in sim.result.records) for name, sim in
+            (("pools", pools_only), ("fast", fast), ("slow", slow))}
+    # 2000 tokens at 131 KB each over 0.01 GB/s: 26 s a load, far more than computing them (0.2 s)
+    assert ttft["fast"] < ttft["pools"] < ttft["slow"]
+
+
+def test_tiers_without_prefix_caching_are_refused():
+    from planner.sim_tiers import SimTierConfig
+
+    with pytest.raises(SimConfigError, match="tiers: sit below the prefix cache"):
+        SimConfig("disaggregated", prefill=PoolPlan(1, 1, 4096, 512, 16), decode=PoolPlan(1, 1, 4096, 1, 64),
+                  tiers=SimTierConfig(4096, 10.0, 1024))

@@ -1,0 +1,87 @@
+"""KV tiers in the simulator: what each instance keeps below its pool (host memory and disk together, or the
+cluster's store), as content hashes only, and what loading them back costs.
+
+:class:`SimTiers` is a ``LowerTiers`` (``modeling/prefix_cache.py``) over hashes: the simulated instances' real
+prefix caches hand it every block they cache and ask it for the blocks after their pool's cached run, exactly
+as a serving instance's ``KVTiers`` is asked. It keeps up to ``capacity_tokens`` of blocks, least recently used
+evicted first, and counts what it loads; the instance adds the load time, at ``load_gb_per_s``, to its next
+step (a serving instance loads on its worker thread before the pass). Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class SimTierConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SimTierConfig:
+    """Per instance: ``capacity_tokens`` of KV below the pool, loaded back at ``load_gb_per_s``; a token's KV is
+    ``kv_bytes_per_token`` bytes."""
+
+    capacity_tokens: int
+    load_gb_per_s: float
+    kv_bytes_per_token: int
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_tokens", "kv_bytes_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SimTierConfigError(f"tiers.{name}: must be an integer >= 1, got {value!r}")
+        if not self.load_gb_per_s > 0:
+            raise SimTierConfigError(f"tiers.load_gb_per_s: must be > 0, got {self.load_gb_per_s!r}")
+
+    def load_seconds(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / (self.load_gb_per_s * 1e9)
+
+
+class SimTiers:
+    """One instance's tiers: block hashes, least recently used first."""
+
+    def __init__(self, config: SimTierConfig, block_size: int):
+        self.config = config
+        self.block_size = block_size
+        self.capacity_blocks = max(1, config.capacity_tokens // block_size)
+        self._held: OrderedDict[int, None] = OrderedDict()
+        self.loaded_tokens = 0  # since the start
+        self.evicted_blocks = 0
+        self._pending_tokens = 0  # loaded since the last step took their time
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def find(self, hashes: Sequence[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._held:
+                break
+            n += 1
+        return n
+
+    def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
+        n = self.find(hashes[:len(blocks)])
+        for h in hashes[:n]:
+            self._held.move_to_end(h)
+        self.loaded_tokens += n * self.block_size
+        self._pending_tokens += n * self.block_size
+        return n
+
+    def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        for h in hashes:
+            if h in self._held:
+                self._held.move_to_end(h)
+                continue
+            self._held[h] = None
+            if len(self._held) > self.capacity_blocks:
+                self._held.popitem(last=False)
+                self.evicted_blocks += 1
+
+    def take_load_seconds(self) -> float:
+        """The time to load what was loaded since the last call (the instance's next step pays it)."""
+        tokens, self._pending_tokens = self._pending_tokens, 0
+        return self.config.load_seconds(tokens) if tokens else 0.0
