@@ -149,3 +149,31 @@ def test_several_sequences_and_no_room(llama_dir):
     assert not worker.add_prefill(DecodeRequest("big", tuple(prompts_of([400], seed=8)[0]), params))
     assert "big" not in worker.requests
     assert_idle(worker)
+
+
+def test_preempted_requests_whose_blocks_were_evicted_resume_from_the_tiers(llama_dir, tmp_path):
+    """Under memory pressure a preempted request's KV goes down to the host tier as it is cached (write-through),
+    so when the pool has given its blocks to others it resumes from the tier instead of recomputing: outputs
+    unchanged, tier hits counted."""
+    import dataclasses
+
+    from modeling.instance_config import KVTiersConfig
+
+    prompts = prompts_of([100, 120, 90, 110], seed=19)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    expected = cold_reference(llama_dir, prompts, params)
+    base = decode_worker(llama_dir, kv_cache_tokens=640).config
+    worker = DecodeWorker(llama_dir, dataclasses.replace(base, kv_tiers=KVTiersConfig(host_memory_mb=16, disk_mb=0)))
+    try:
+        outs = {}
+        for i, p in enumerate(prompts):
+            for d in worker.add_local(f"r{i}", p, params):
+                outs.setdefault(d.request_id, []).extend(d.token_ids)
+            for d in worker.step():
+                outs.setdefault(d.request_id, []).extend(d.token_ids)
+        drain(worker, outs)
+        assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+        assert worker.metrics.preemptions > 0 and worker.prefix_cache.stats.tier_hits > 0
+        assert_idle(worker)
+    finally:
+        worker.close()
