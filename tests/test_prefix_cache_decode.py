@@ -31,6 +31,18 @@ def decode_worker(directory, kv_cache_tokens=16384, prefill_chunk=1024, **spec):
     return DecodeWorker(directory, cfg)
 
 
+def serve_in_turn(worker, prompts, params) -> list[list[int]]:
+    """Admit the prompts one a step (prefilled here), then step until idle; each request's token ids."""
+    outs = {}
+    for i, p in enumerate(prompts):
+        for d in worker.add_local(f"r{i}", p, params):
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+        for d in worker.step():
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+    drain(worker, outs)
+    return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
 def drain(worker, outs=None):
     """Step until idle; returns {request id: every token id its deltas carried} (a further sequence of
     a request under ``"<id>/<index>"``)."""
@@ -120,14 +132,7 @@ def test_preempted_requests_resume_from_their_cached_blocks(llama_dir):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     expected = cold_reference(llama_dir, prompts, params)
     worker = decode_worker(llama_dir, kv_cache_tokens=640)
-    outs = {}
-    for i, p in enumerate(prompts):
-        for d in worker.add_local(f"r{i}", p, params):
-            outs.setdefault(d.request_id, []).extend(d.token_ids)
-        for d in worker.step():
-            outs.setdefault(d.request_id, []).extend(d.token_ids)
-    drain(worker, outs)
-    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+    assert serve_in_turn(worker, prompts, params) == expected
     assert worker.metrics.preemptions > 0 and worker.prefix_cache.stats.hits > 0
     assert_idle(worker)
 
@@ -165,14 +170,7 @@ def test_preempted_requests_whose_blocks_were_evicted_resume_from_the_tiers(llam
     base = decode_worker(llama_dir, kv_cache_tokens=640).config
     worker = DecodeWorker(llama_dir, dataclasses.replace(base, kv_tiers=KVTiersConfig(host_memory_mb=16, disk_mb=0)))
     try:
-        outs = {}
-        for i, p in enumerate(prompts):
-            for d in worker.add_local(f"r{i}", p, params):
-                outs.setdefault(d.request_id, []).extend(d.token_ids)
-            for d in worker.step():
-                outs.setdefault(d.request_id, []).extend(d.token_ids)
-        drain(worker, outs)
-        assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+        assert serve_in_turn(worker, prompts, params) == expected
         assert worker.metrics.preemptions > 0 and worker.prefix_cache.stats.tier_hits > 0
         assert_idle(worker)
     finally:
