@@ -245,7 +245,10 @@ class MigrationCoordinator:
             started = []
             loads = await self.instance_loads() if movable else []
             for rid in movable[: max(1, self.policy.max_migrations_per_round)]:
-                dst = self._destination_for(self.context.runs[rid], loads, inst)
+                run = self.context.runs.get(rid)  # it may have finished while the loads were read
+                if run is None or run.record.state is not RequestState.DECODING or run.migration is not None:
+                    continue
+                dst = self._destination_for(run, loads, inst)
                 if dst is not None:
                     started.append(self.migrate(rid, dst))
             results = await asyncio.gather(*started, return_exceptions=True)
