@@ -174,8 +174,11 @@ class KVTiers:
     # -- write-down (the worker's thread; disk writes on the writer thread) ------------------------
 
     def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
-        """Keep the KV of ``blocks`` (final, cached under ``hashes``) in the tiers that lack it."""
-        todo = [(b, h) for b, h in zip(blocks, hashes) if self.store is not None or
+        """Keep the KV of ``blocks`` (final, cached under ``hashes``) in the tiers that lack it. A block the host
+        and disk tiers hold already went to the store with them; with neither, every block goes to the store
+        (which keeps an object it has)."""
+        local = self.host is not None or self.disk is not None
+        todo = [(b, h) for b, h in zip(blocks, hashes) if not local or
                 (self.host is not None and h not in self.host) or (self.disk is not None and h not in self.disk)]
         if not todo:
             return
@@ -239,7 +242,7 @@ class KVTiers:
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Return once every queued disk write is done."""
+        """Return once every queued write (disk, store) is done."""
         if self._writer is not None:
             self._queue.join()
 
