@@ -142,7 +142,7 @@ def test_a_request_resumed_after_its_decode_instance_died_loads_its_kv_from_the_
                 future = pool.submit(stream_ids, address, prompt, **greedy)
                 deadline, victim = time.monotonic() + 60, None
                 while victim is None:  # the instance decoding it, 64 tokens in (4 full blocks of output stored)
-                    for a, name in zip(actors, ("decode-0", "decode-1")):
+                    for a in actors:
                         if ray.get(a.request_loads.remote()).holds and \
                                 ray.get(a.status.remote())["tokens_generated"] >= 64:
                             victim = a
