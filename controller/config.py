@@ -228,13 +228,16 @@ class PrefixCachingSection:
     and colocated instances) and starts each prompt from its longest cached prefix, and the router places
     requests where their prefix is cached. ``overlap_weight``: how much a block the request would have to
     compute weighs against a block already in use on the instance when choosing one (Dynamo's
-    ``overlap_score_weight``; 0: load alone). ``local_prefill_tokens``: a request whose decode instance already
-    holds all of its prompt but at most this many tokens is prefilled there, with no prefill instance
-    involved (0: never)."""
+    ``overlap_score_weight``; 0: load alone). ``tier_load_cost``: what loading a block back from a tier below the
+    pool (``kv_tiers``: host memory, disk, the cluster's store) costs as a fraction of computing it, in that
+    choice (0: free; 1: as dear as computing). ``local_prefill_tokens``: a request whose decode instance already
+    holds all of its prompt (in its pool or its tiers) but at most this many tokens is prefilled there, with no
+    prefill instance involved (0: never)."""
 
     enabled: bool = True
     overlap_weight: float = 1.0
     local_prefill_tokens: int = 256
+    tier_load_cost: float = 0.2
 
     def __post_init__(self) -> None:
         raise_first(self.check())
@@ -244,11 +247,15 @@ class PrefixCachingSection:
         w = self.overlap_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
             errs.append(("overlap_weight", f"must be a number >= 0, got {w!r}"))
+        c = self.tier_load_cost
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c <= 1:
+            errs.append(("tier_load_cost", f"must be a number in [0, 1], got {c!r}"))
         return errs
 
     def routing(self) -> PrefixRouting:
         """What the router reads of it."""
-        return PrefixRouting(self.enabled, float(self.overlap_weight), self.local_prefill_tokens if self.enabled else 0)
+        return PrefixRouting(self.enabled, float(self.overlap_weight), self.local_prefill_tokens if self.enabled else 0,
+                             float(self.tier_load_cost))
 
 
 @dataclass(frozen=True)

@@ -52,13 +52,13 @@ def instance_load(inst: Instance, report: PoolLoad, active: Mapping) -> Instance
 
 
 def decode_order(instances: list[Instance], num_tokens: int, priority: int, policy: PolicyConfig,
-                 active: Mapping, cached: Mapping[str, int] | None = None,
+                 active: Mapping, cached: Mapping[str, float] | None = None,
                  overlap_weight: float = 1.0) -> tuple[list[Instance], bool]:
     """The alive, not draining decode instances in the order a request of ``num_tokens`` prompt positions
     tries them, and whether the first has the blocks free by its report. Until every one has reported
-    (just started), the order is by fewest assigned requests. ``cached``: prompt tokens each instance holds
-    cached (by name); where any does, the instances with room come first, cheapest first by
-    ``controller/kv_index.cached_first`` (blocks to compute against blocks in use)."""
+    (just started), the order is by fewest assigned requests. ``cached``: the prompt tokens' worth of computing
+    each instance's cache spares (by name: ``Cached.saved``); where any does, the instances with room come first,
+    cheapest first by ``controller/kv_index.cached_first`` (blocks to compute against blocks in use)."""
     cached = cached or {}
     open_ = [i for i in instances if i.alive and not i.draining]
     if not open_ or any(i.load is None for i in open_):

@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from controller.control_calls import ControlCalls
-from controller.kv_index import blocks_of, cheapest
+from controller.kv_index import Cached, blocks_of, cheapest
 from controller.placement import decode_order
 from controller.request_run import RequestRun, RunFailed
 from controller.router_context import PLACEMENT_RETRY_S, RouterContext
@@ -51,7 +51,7 @@ class Placer:
         cached = {i.name: ctx.cached(run, i) for i in ctx.decode}
         order, has_room = self.decode_order(run, cached)
         first = order[0] if order and has_room and order[0].room else None
-        if first is not None and self._prefills_there(run, cached[first.name]) and \
+        if first is not None and self._prefills_there(run, cached[first.name].tokens) and \
                 await self._hold_prefill(run, request, first):
             if ctx.load_window is not None:  # no prefill instance computes any of it
                 ctx.load_window.cached(rid, len(run.prompt_ids) - 1)
@@ -85,7 +85,7 @@ class Placer:
                     if await self._hold_prefill(run, request, inst):
                         log.info("%s: no prefill instance in service; prefilled on %s", rid, inst.name)
                         if ctx.load_window is not None:
-                            ctx.load_window.cached(rid, cached[inst.name])
+                            ctx.load_window.cached(rid, cached[inst.name].tokens)
                         return
             if ctx.in_service(ctx.prefill):
                 await self.place(run)
@@ -107,9 +107,9 @@ class Placer:
         return inst
 
     def _prefills_there(self, run: RequestRun, cached: int) -> bool:
-        """Whether a decode instance holding ``cached`` prompt tokens prefills the rest itself: a cache hit leaving
-        at most ``local_prefill_tokens`` to compute, for a request that needs nothing only a prefill instance
-        gives (the prompt's log-probabilities)."""
+        """Whether a decode instance holding ``cached`` prompt tokens (in its pool or its tiers) prefills the rest
+        itself: a cache hit leaving at most ``local_prefill_tokens`` to compute, for a request that needs nothing
+        only a prefill instance gives (the prompt's log-probabilities)."""
         missing = len(run.prompt_ids) - cached
         return cached > 0 and missing <= self.context.prefix_routing.local_prefill_tokens and \
             run.params.prompt_logprobs is None
@@ -134,20 +134,21 @@ class Placer:
 
     def cheapest(self, run: RequestRun, pool: list[Instance]) -> Instance | None:
         """The alive instance of ``pool`` to compute the prompt: the fewest assigned requests, unless some hold
-        part of the prompt cached; then the cheapest by ``kv_index.cheapest`` (uncached blocks against the prompt
-        blocks of the requests already assigned there)."""
+        part of the prompt cached (in the pool or the tiers); then the cheapest by ``kv_index.cheapest`` (blocks
+        to compute, a block to load counting part of one, against the prompt blocks of the requests already
+        assigned there)."""
         ctx = self.context
         alive = self.usable(run, [i for i in pool if i.alive and not i.draining])
         cached = {i.name: ctx.cached(run, i) for i in alive}
-        bs = next((ctx.kv_index.block_size(name) for name, c in cached.items() if c), 1)
+        bs = next((ctx.kv_index.block_size(name) for name, c in cached.items() if c.tokens), 1)
 
         def queued(inst: Instance) -> int:
             return sum(blocks_of(len(ctx.runs[r].prompt_ids), bs) for r in inst.assigned if r in ctx.runs)
 
-        chosen = cheapest(alive, len(run.prompt_ids), bs, lambda i: cached[i.name], queued,
+        chosen = cheapest(alive, len(run.prompt_ids), bs, lambda i: cached[i.name].saved, queued,
                           ctx.prefix_routing.overlap_weight)
         if chosen is not None and ctx.load_window is not None:
-            ctx.load_window.cached(run.request_id, cached[chosen.name])
+            ctx.load_window.cached(run.request_id, cached[chosen.name].tokens)
         return chosen
 
     async def _place_at_once(self, run: RequestRun, request: DecodeRequest, prefill: Instance,
@@ -195,13 +196,14 @@ class Placer:
         return PrefillRequest(run.request_id, tuple(run.prompt_ids), run.params,
                               KVDestination(decode.name, reserved=True))
 
-    def decode_order(self, run: RequestRun, cached: dict[str, int]) -> tuple[list[Instance], bool]:
+    def decode_order(self, run: RequestRun, cached: dict[str, Cached]) -> tuple[list[Instance], bool]:
         """The decode instances in the order the request tries them, by the rescheduling policy (the one that
-        picks migration destinations) and the prompt tokens each holds cached, and whether the first has room by
-        its last report."""
+        picks migration destinations) and what each holds of the prompt, and whether the first has room by its
+        last report."""
         ctx = self.context
         return decode_order(self.usable(run, ctx.decode), len(run.prompt_ids), run.priority, self._policy(),
-                            ctx.runs, cached, ctx.prefix_routing.overlap_weight)
+                            ctx.runs, {name: c.saved for name, c in cached.items()},
+                            ctx.prefix_routing.overlap_weight)
 
     @staticmethod
     def usable(run: RequestRun, pool: list[Instance]) -> list[Instance]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controller.kv_index import PrefixIndex, PrefixRouting
+from controller.kv_index import NOTHING, Cached, PrefixIndex, PrefixRouting
 from controller.metrics import ServingMetrics
 from controller.request_run import RequestRun, RunEvent
 from controller.routing import Instance
@@ -49,11 +49,12 @@ class RouterContext:
         if run is not None:
             run.tell(event)
 
-    def cached(self, run: RequestRun, inst: Instance) -> int:
-        """Prompt tokens ``inst`` holds cached, by the index (0 with prefix routing off)."""
+    def cached(self, run: RequestRun, inst: Instance) -> Cached:
+        """What ``inst`` holds of the request's prompt in its pool and its tiers, by the index (nothing with
+        prefix routing off)."""
         if not self.prefix_routing.enabled:
-            return 0
-        return self.kv_index.cached_tokens(inst.name, run.prompt_ids, run.prompt_hashes)
+            return NOTHING
+        return self.kv_index.cached(inst.name, run.prompt_ids, run.prompt_hashes, self.prefix_routing.tier_load_cost)
 
     def held_by(self, inst: Instance) -> set[str]:
         """Requests ``inst`` holds: a prefill instance, those it has not handed off; a decode instance, those

@@ -27,12 +27,16 @@ class PrefixCacheEvents:
     """What an instance's cache started and stopped holding, for the router's index (``controller/kv_index.py``):
     ``events`` are (block hash, stored) in order (stored False: evicted). ``reset``: the events list everything
     held now and replace whatever the router knew of the instance. ``salt`` and ``block_size`` say how the
-    instance hashes a prompt (``modeling/prefix_hash.py``)."""
+    instance hashes a prompt (``modeling/prefix_hash.py``). ``tier_events``: the same for the tiers below the pool,
+    (tier name, block hash, stored), the host and disk tiers' listed in full with ``reset``; ``tiers``: the tiers
+    the instance loads from (``host``, ``disk``, ``store``: ``modeling/kv_tiers/events.py``)."""
 
     salt: bytes
     block_size: int
     events: tuple[tuple[int, bool], ...]
     reset: bool = False
+    tier_events: tuple[tuple[str, int, bool], ...] = ()
+    tiers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -56,6 +60,16 @@ class LowerTiers(Protocol):
 
     def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """Keep the KV of ``blocks`` (final, cached under ``hashes``)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tiers, by name, for the router's index (``host``, ``disk``, ``store``)."""
+
+    def record_events(self) -> tuple[tuple[str, int, bool], ...]:
+        """Start logging (tier, block hash, stored) changes; returns what the tiers hold now."""
+
+    def take_events(self) -> tuple[tuple[str, int, bool], ...]:
+        """The changes logged since the last call."""
 
 
 class PrefixCache:
@@ -83,12 +97,18 @@ class PrefixCache:
         if not self.enabled:
             return None
         bs = self.pool.block_size
+        tiers = self.tiers
+        names = tiers.names if tiers is not None else ()
         if not self._publishing:
             self._publishing = True
             self.pool.record_events()
-            return PrefixCacheEvents(self.salt, bs, tuple((h, True) for h in self.pool.cached_hashes), reset=True)
+            return PrefixCacheEvents(self.salt, bs, tuple((h, True) for h in self.pool.cached_hashes), reset=True,
+                                     tier_events=tiers.record_events() if tiers is not None else (), tiers=names)
         events = self.pool.take_events()
-        return PrefixCacheEvents(self.salt, bs, tuple(events)) if events else None
+        tier_events = tiers.take_events() if tiers is not None else ()
+        if not events and not tier_events:
+            return None
+        return PrefixCacheEvents(self.salt, bs, tuple(events), tier_events=tier_events, tiers=names)
 
     def compute_in_full(self, seq_id: str) -> None:
         """The sequence needs every prompt position computed (its prompt's log-probabilities): no lookup."""

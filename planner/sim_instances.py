@@ -35,6 +35,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from controller.kv_index import NOTHING, Cached
 from controller.migration_policy import InstanceLoad, RequestLoad
 from decode_worker.config import SpeculationConfig
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape, StepK
@@ -42,7 +43,7 @@ from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
 from modeling.prefix_cache import PrefixCache
-from planner.sim_tiers import SimTierConfig, SimTiers
+from planner.sim_tiers import SimTiers
 from modeling.prefix_hash import block_hashes
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerLimits
 from modeling.sequence import FinishReason, SequenceStatus
@@ -148,24 +149,27 @@ SIM_SALT = b"simulated"
 
 
 def pool_and_cache(capacity_tokens: int, block_size: int, caching: bool,
-                   tiers: SimTierConfig | None = None) -> tuple[BlockPool, PrefixCache | None]:
+                   tiers: SimTiers | None = None) -> tuple[BlockPool, PrefixCache | None]:
     """An instance's block pool: the counting one, or with caching the real one and its prefix cache (over
     simulated tiers when ``tiers`` is given)."""
     if not caching:
         return CountingBlockPool(capacity_tokens // block_size, block_size), None
     pool = BlockPool(capacity_tokens // block_size, block_size)
-    return pool, PrefixCache(pool, SIM_SALT, tiers=SimTiers(tiers, block_size) if tiers is not None else None)
+    return pool, PrefixCache(pool, SIM_SALT, tiers=tiers)
 
 
-def cached_tokens(pool: BlockPool, cache: PrefixCache | None, req: SimRequest) -> int:
-    """Prompt tokens (all but the last) whose KV ``pool`` holds cached, as the router's index would see it."""
+def cached_prefix(pool: BlockPool, cache: PrefixCache | None, req: SimRequest, tier_load_cost: float) -> Cached:
+    """What the instance holds of the prompt (all but the last token), as the router's index would see it: the
+    run ``pool`` holds cached, then the run after it the cache's tiers hold."""
     if cache is None or req.prompt_ids is None:
-        return 0
+        return NOTHING
     bs = pool.block_size
     hashes = req.hashes.get(bs)
     if hashes is None:
         hashes = req.hashes[bs] = block_hashes(req.prompt_ids[:-1], bs, SIM_SALT)
-    return pool.cached_run(hashes) * bs
+    in_pool = pool.cached_run(hashes)
+    below = cache.tiers.find(hashes[in_pool:]) if cache.tiers is not None else 0
+    return Cached(in_pool * bs, below * bs, (in_pool + below * (1.0 - tier_load_cost)) * bs)
 
 
 class StepCosts:
@@ -281,9 +285,9 @@ class _Instance:
         else:
             fn()
 
-    def cached_tokens(self, req: SimRequest) -> int:
-        """Prompt tokens of ``req`` this instance holds cached (0 without caching)."""
-        return cached_tokens(self.scheduler.pool, self.prefix_cache, req)
+    def cached(self, req: SimRequest, tier_load_cost: float = 0.0) -> Cached:
+        """What this instance holds of ``req``'s prompt in its pool and its tiers (nothing without caching)."""
+        return cached_prefix(self.scheduler.pool, self.prefix_cache, req, tier_load_cost)
 
     def _plan_step(self):
         raise NotImplementedError
@@ -295,7 +299,7 @@ class PrefillSim(_Instance):
     role = "prefill"
 
     def __init__(self, sim, name: str, costs: StepCosts, transfer: FittedModel, capacity_tokens: int,
-                 block_size: int, limits: SchedulerLimits, caching: bool = False, tiers: SimTierConfig | None = None):
+                 block_size: int, limits: SchedulerLimits, caching: bool = False, tiers: SimTiers | None = None):
         super().__init__(sim, name)
         self.costs = costs
         self.transfer = transfer
@@ -376,7 +380,7 @@ class DecodeSim(_Instance):
 
     def __init__(self, sim, name: str, profile: Profile, costs: StepCosts, capacity_tokens: int, block_size: int,
                  max_num_seqs: int, spec: SpeculationConfig, rng: random.Random, caching: bool = False,
-                 prefill_chunk: int = 1024, tiers: SimTierConfig | None = None):
+                 prefill_chunk: int = 1024, tiers: SimTiers | None = None):
         super().__init__(sim, name)
         self.profile = profile
         self.costs = costs
@@ -530,7 +534,7 @@ class ColocatedSim(_Instance):
     role = "colocated"
 
     def __init__(self, sim, name: str, costs: StepCosts, capacity_tokens: int, block_size: int,
-                 limits: SchedulerLimits, caching: bool = False, tiers: SimTierConfig | None = None):
+                 limits: SchedulerLimits, caching: bool = False, tiers: SimTiers | None = None):
         super().__init__(sim, name)
         self.costs = costs
         self.block_size = block_size

@@ -5,7 +5,9 @@ cluster's store), as content hashes only, and what loading them back costs.
 prefix caches hand it every block they cache and ask it for the blocks after their pool's cached run, exactly
 as a serving instance's ``KVTiers`` is asked. It keeps up to ``capacity_tokens`` of blocks, least recently used
 evicted first, and counts what it loads; the instance adds the load time, at ``load_gb_per_s``, to its next
-step (a serving instance loads on its worker thread before the pass). Pure Python.
+step (a serving instance loads on its worker thread before the pass). With ``SimTierConfig.shared`` every
+instance's ``SimTiers`` reads and writes one set of hashes (the cluster's store), each paying its own loads.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ class SimTierConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SimTierConfig:
-    """Per instance: ``capacity_tokens`` of KV below the pool, loaded back at ``load_gb_per_s``; a token's KV is
-    ``kv_bytes_per_token`` bytes."""
+    """``capacity_tokens`` of KV below each instance's pool, loaded back at ``load_gb_per_s``; a token's KV is
+    ``kv_bytes_per_token`` bytes. ``shared``: one store for the whole cluster (``capacity_tokens`` in all),
+    which every instance writes to and loads from, each at ``load_gb_per_s``."""
 
     capacity_tokens: int
     load_gb_per_s: float
     kv_bytes_per_token: int
+    shared: bool = False
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "kv_bytes_per_token"):
@@ -41,13 +45,14 @@ class SimTierConfig:
 
 
 class SimTiers:
-    """One instance's tiers: block hashes, least recently used first."""
+    """One instance's tiers: block hashes, least recently used first (``held``: the cluster's store, shared
+    with the other instances; default: the instance's own)."""
 
-    def __init__(self, config: SimTierConfig, block_size: int):
+    def __init__(self, config: SimTierConfig, block_size: int, held: OrderedDict[int, None] | None = None):
         self.config = config
         self.block_size = block_size
         self.capacity_blocks = max(1, config.capacity_tokens // block_size)
-        self._held: OrderedDict[int, None] = OrderedDict()
+        self._held: OrderedDict[int, None] = OrderedDict() if held is None else held
         self.loaded_tokens = 0  # since the start
         self.evicted_blocks = 0
         self._pending_tokens = 0  # loaded since the last step took their time

@@ -36,12 +36,13 @@ given). Not modelled: failures and retries.
 
 from __future__ import annotations
 
+
 import heapq
 import itertools
 import math
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,7 +55,7 @@ from planner.reuse_workload import ReuseRequest
 from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
 from planner.sim_reuse import distinct_requests, reuse_requests
 from planner.slo import AttainmentWatch, RequestOutcome
-from planner.sim_tiers import SimTierConfig
+from planner.sim_tiers import SimTierConfig, SimTiers
 from planner.workload import RequestSpec
 from decode_worker.config import SpeculationConfig
 
@@ -266,6 +267,7 @@ class Simulation:
             self._costs["decode"] = StepCosts(self._decode_profile, cal, c.decode.shape, drafter)
         self.instances: list = []  # every instance of the run, those that left included
         self._named: dict[str, int] = {}  # pool -> instances made so far (the next one's number)
+        self._shared_tier_blocks: OrderedDict[int, None] = OrderedDict()  # the cluster's store (tiers.shared)
         for pool in self.pools():
             for _ in range(getattr(c, pool).instances):
                 getattr(self, pool).append(self._make(pool))
@@ -295,15 +297,18 @@ class Simulation:
         n = self._named.get(pool, 0)
         self._named[pool] = n + 1
         name, costs = f"{pool}-{n}", self._costs[pool]
+        tiers = None
+        if c.tiers is not None:  # one store for the whole cluster, or each instance its own tiers
+            tiers = SimTiers(c.tiers, bs, self._shared_tier_blocks if c.tiers.shared else None)
         if pool == "colocated":
-            inst = ColocatedSim(self, name, costs, plan.kv_cache_tokens, bs, plan, caching, c.tiers)
+            inst = ColocatedSim(self, name, costs, plan.kv_cache_tokens, bs, plan, caching, tiers)
         elif pool == "prefill":
             inst = PrefillSim(self, name, costs, self.profile.kv_transfer, plan.kv_cache_tokens, bs, plan, caching,
-                              c.tiers)
+                              tiers)
         else:
             inst = DecodeSim(self, name, self._decode_profile, costs, plan.kv_cache_tokens, bs, plan.max_num_seqs,
                              c.speculation, random.Random(self._rng.random()), caching, c.decode_prefill_chunk,
-                             c.tiers)
+                             tiers)
         inst.devices = plan.tensor_parallel * plan.threads
         self.instances.append(inst)
         return inst
@@ -387,13 +392,14 @@ class Simulation:
     def at(self, t: float, fn) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn))
 
-    def run(self, trace: list[RequestSpec] | list[ReuseRequest], time_limit_s: float | None = None,
+    def run(self, trace: list[RequestSpec] | list[ReuseRequest] | list[SimRequest], time_limit_s: float | None = None,
             watch: AttainmentWatch | None = None, wall_deadline: float | None = None) -> SimResult:
         """Simulate ``trace``; requests unfinished at ``time_limit_s`` after the last arrival count as
         unfinished (they never attain the SLO). With ``watch`` (for the trace's length), the run stops as soon
         as the requests settled so far decide whether the trace attains the watch's target (a request settles
         when it finishes, or misses once its first token or its last is later than its SLO allows). A trace
-        with reuse (``ReuseRequest``) sends a conversation's later turns as the earlier ones end (no watch).
+        with reuse (``ReuseRequest``) sends a conversation's later turns as the earlier ones end (no watch); one of
+        ``SimRequest`` with their token ids (a production trace's, ``SimRequest.prompt_ids``) runs as given.
         ``wall_deadline`` (a ``time.perf_counter()`` value) bounds the run's own wall time: past it, the run
         stops where it stands (requests in flight unfinished, an undecided watch's verdict not met)."""
         if trace and isinstance(trace[0], ReuseRequest):
@@ -401,6 +407,8 @@ class Simulation:
                 raise ValueError("watch: not supported on a trace with reuse (its later turns' arrivals are not "
                                  "known in advance)")
             reqs = reuse_requests(trace)
+        elif trace and isinstance(trace[0], SimRequest):
+            reqs = list(trace)
         else:
             reqs = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(trace)]
             if self.config.prefix_caching is not None:
@@ -469,7 +477,7 @@ class Simulation:
             return
         first = self._decode_order(req)[0]  # the router's first try
         routing = self.config.prefix_caching
-        cached = first.cached_tokens(req)
+        cached = first.cached(req, routing.tier_load_cost).tokens if routing is not None else 0
         if routing is not None and 0 < cached and req.prompt_tokens - cached <= routing.local_prefill_tokens \
                 and first.hold_prefill(req):  # prefilled there, from its cache: no prefill instance
             self._assign(req, first)
@@ -497,7 +505,7 @@ class Simulation:
         routing = self.config.prefix_caching
         if routing is None or not routing.enabled:
             return order
-        cached = {d.name: d.cached_tokens(req) for d in order}
+        cached = {d.name: d.cached(req, routing.tier_load_cost).saved for d in order}
         return cached_first(order, req.prompt_tokens + 1, self.config.block_size, lambda d: cached[d.name],
                             lambda d: loads[d.name].used_blocks, lambda d: loads[d.name].free_blocks,
                             routing.overlap_weight)
@@ -507,7 +515,7 @@ class Simulation:
         a cached prefix somewhere the cheapest by blocks to compute against the prompt blocks queued there."""
         routing = self.config.prefix_caching
         on = routing is not None and routing.enabled
-        cached = {i.name: i.cached_tokens(req) if on else 0 for i in pool}
+        cached = {i.name: i.cached(req, routing.tier_load_cost).saved if on else 0 for i in pool}
         bs = self.config.block_size
         reqs = self._requests
 

@@ -1,13 +1,13 @@
 """KV-aware routing on plain objects: the router's index follows the instances' cache events (a real block pool's,
-through ``PrefixCache.take_events``), finds each instance's cached prefix of a prompt, and the placement weighs
-it against load."""
+through ``PrefixCache.take_events``, and their tiers'), finds each instance's cached prefix of a prompt in its pool
+and its tiers, and the placement weighs it against load."""
 
 from __future__ import annotations
 
 import pytest
 
 from controller.config import ConfigError, parse_config
-from controller.kv_index import PrefixIndex, PrefixRouting, by_cost
+from controller.kv_index import Cached, PrefixIndex, PrefixRouting, by_cost
 from controller.migration_policy import PolicyConfig
 from controller.placement import decode_order, record_report
 from controller.routing import Instance
@@ -103,6 +103,7 @@ def test_decode_order_goes_where_the_prefix_is_cached_when_it_has_room():
     ({"prefix_caching": {"overlap_weight": -1}}, "prefix_caching.overlap_weight: must be a number >= 0, got -1"),
     ({"prefix_caching": {"local_prefill_tokens": -5}}, "prefix_caching.local_prefill_tokens: must be >= 0, got -5"),
     ({"prefix_caching": {"enabled": "yes"}}, "prefix_caching.enabled: must be true or false, got 'yes'"),
+    ({"prefix_caching": {"tier_load_cost": 1.5}}, "prefix_caching.tier_load_cost: must be a number in [0, 1], got 1.5"),
     ({"prefix_caching": {"hash": "md5"}}, "prefix_caching.hash: unknown field; allowed: enabled, overlap_weight,"),
     ({"decode": {"prefix_caching": False}}, "decode.prefix_caching: not set here; it follows prefix_caching.enabled"),
 ])
@@ -115,7 +116,59 @@ def test_prefix_caching_config_errors_name_the_field(raw, message):
 def test_one_switch_turns_caching_off_in_every_pool_and_the_router():
     on = parse_config({"model": {"path": "m"}})
     assert on.prefill.prefix_caching and on.decode.prefix_caching and on.colocated.prefix_caching
-    assert on.prefix_caching.routing() == PrefixRouting(True, 1.0, 256)
+    assert on.prefix_caching.routing() == PrefixRouting(True, 1.0, 256, 0.2)
     off = parse_config({"model": {"path": "m"}, "prefix_caching": {"enabled": False}})
     assert not (off.prefill.prefix_caching or off.decode.prefix_caching or off.colocated.prefix_caching)
     assert not off.prefix_caching.routing().enabled and off.prefix_caching.routing().local_prefill_tokens == 0
+
+
+def _report(hashes_by_tier=(), pool=(), tiers=("host", "disk"), reset=False):
+    return PrefixCacheEvents(SALT, BS, tuple((h, True) for h in pool), reset=reset,
+                             tier_events=tuple((t, h, True) for t, hs in hashes_by_tier for h in hs), tiers=tiers)
+
+
+def test_the_tiers_extend_the_pools_run_and_count_part_of_a_computed_block():
+    doc = list(range(200, 233))  # 8 full blocks and a token
+    h = block_hashes(doc[:-1], BS, SALT)
+    index = PrefixIndex()
+    # the pool holds the first 2 blocks; host the next 3, disk the 3 after: one run of 8 blocks, 6 loaded
+    index.apply("d", _report([("host", h[2:5]), ("disk", h[5:8])], pool=h[:2], reset=True))
+    got = index.cached("d", doc, {}, tier_load_cost=0.25)
+    assert got == Cached(pool=8, tiers=24, saved=8 + 24 * 0.75) and got.tokens == 32
+    assert index.cached_tokens("d", doc, {}) == 8  # the pool's own run
+    # the host tier drops a block in the middle: the run stops there (the instance's lookup would stop too)
+    index.apply("d", PrefixCacheEvents(SALT, BS, (), tier_events=(("host", h[3], False),), tiers=("host", "disk")))
+    assert index.cached("d", doc, {}).tokens == 12 and index.tier_blocks("d", "host") == 2
+    # a restart's first report (reset) replaces the tiers' contents too
+    index.apply("d", _report([("disk", h[:1])], reset=True))
+    assert index.cached("d", doc, {}) == Cached(0, 4, 4.0)
+    # without a pool run or a tier run, nothing
+    assert index.cached("d", [9] * 33, {}) == Cached()
+
+
+def test_the_store_is_shared_by_every_instance_that_reaches_it_and_outlives_its_writer():
+    doc = list(range(300, 317))
+    h = block_hashes(doc[:-1], BS, SALT)
+    index = PrefixIndex()
+    index.apply("prefill-0", _report([("store", h)], tiers=("store",), reset=True))
+    index.apply("decode-0", _report(tiers=("store",), reset=True))
+    index.apply("decode-1", _report(tiers=("host",), reset=True))  # no store configured there
+    assert index.cached("decode-0", doc, {}).tiers == 16
+    assert index.cached("decode-1", doc, {}).tiers == 0
+    index.drop("prefill-0")  # its writes stay findable in the store
+    assert index.cached("decode-0", doc, {}).tiers == 16
+    assert index.tier_blocks("decode-0", "store") == 4 and index.tier_blocks("decode-1", "store") == 0
+
+
+def test_cost_prefers_the_pool_to_a_tier_and_a_tier_to_computing():
+    doc = list(range(400, 433))
+    h = block_hashes(doc[:-1], BS, SALT)
+    index = PrefixIndex()
+    index.apply("pool", _report(pool=h, reset=True))
+    index.apply("tier", _report([("disk", h)], reset=True))
+    index.apply("cold", _report(reset=True))
+    saved = {n: index.cached(n, doc, {}, tier_load_cost=0.2).saved for n in ("pool", "tier", "cold")}
+    no_load = {"pool": 0, "tier": 0, "cold": 0}.get
+    assert by_cost(["cold", "tier", "pool"], 33, BS, saved.get, no_load, 1.0) == ["pool", "tier", "cold"]
+    # with 2 blocks in use where the pool holds it, loading 8 blocks (1.6 blocks' worth) is cheaper
+    assert by_cost(["pool", "tier"], 33, BS, saved.get, {"pool": 2, "tier": 0}.get, 1.0) == ["tier", "pool"]

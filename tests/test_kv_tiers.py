@@ -82,6 +82,41 @@ def test_a_document_evicted_from_the_pool_is_loaded_from_a_tier(llama_dir, tmp_p
         engine.close()
 
 
+def test_the_router_index_follows_the_tiers_and_predicts_what_an_instance_loads(llama_dir, tmp_path, plain):
+    """The instance's tier events (host and disk, through ``PrefixCache.take_events``) keep the router's index
+    equal to what each tier holds, and the index's tier run for a prompt is what the instance then loads."""
+    from controller.kv_index import PrefixIndex
+
+    engine = _engine(llama_dir, tmp_path, host_mb=1, disk_mb=16)
+    index = PrefixIndex()
+
+    def report() -> None:
+        engine.core.tiers.flush()
+        events = engine.prefix_cache.take_events()
+        if events is not None:
+            index.apply("colocated-0", events)
+
+    tiers = engine.core.tiers
+    tiers.host.capacity_bytes = tiers.host.stats.capacity_bytes = 32 * tiers.block_bytes  # less than the run needs
+    try:
+        report()  # the first report: everything held so far, and the tiers start logging
+        doc, (first, second), out = _document_served_then_evicted(engine, 5)
+        report()
+        assert tiers.host.stats.evicted > 0  # the host tier dropped blocks (still on disk), and said so
+        assert index.tier_blocks("colocated-0", "host") == len(tiers.host)
+        assert index.tier_blocks("colocated-0", "disk") == len(tiers.disk)
+        predicted = index.cached("colocated-0", second, {})
+        assert predicted.pool == 0 and predicted.tiers == len(doc) // BLOCK * BLOCK
+        tier_hits0 = engine.prefix_cache.stats.tier_hits
+        out += _run(engine, [second])
+        assert engine.prefix_cache.stats.tier_hits - tier_hits0 == predicted.tiers
+        assert out == _run(plain, [first, second])
+        report()
+        assert index.cached("colocated-0", second, {}).pool == predicted.tiers  # back in the pool now
+    finally:
+        engine.close()
+
+
 def test_a_corrupt_or_truncated_file_is_recomputed_not_served(llama_dir, tmp_path, plain):
     engine = _engine(llama_dir, tmp_path, host_mb=0, disk_mb=16)
     try:

@@ -149,6 +149,35 @@ def test_tiers_bring_back_documents_the_pools_evicted_and_their_loads_take_time(
     assert ttft["fast"] < ttft["pools"] < ttft["slow"]
 
 
+def test_a_shared_store_serves_every_instance_and_each_pays_its_own_loads():
+    """``SimTierConfig.shared``: one store for the cluster; what one instance saved another finds and loads, the
+    load time on the loader's next step only; and a whole simulation over it serves every request."""
+    from collections import OrderedDict
+
+    from planner.sim_tiers import SimTierConfig, SimTiers
+
+    config = SimTierConfig(64, 1.0, 1000, shared=True)
+    store: OrderedDict[int, None] = OrderedDict()
+    a, b = SimTiers(config, 16, store), SimTiers(config, 16, store)
+    a.save([0, 1], [11, 12])
+    assert b.find([11, 12, 13]) == 2 and b.load([11, 12], [5, 6]) == 2
+    assert a.take_load_seconds() == 0.0 and b.take_load_seconds() == pytest.approx(32 * 1000 / 1e9)
+    a.save([2, 3, 4], [13, 14, 15])  # 5 blocks in a store of 4: the least recently used (11) goes
+    assert len(b) == 4 and b.find([11]) == 0 and b.find([12, 13]) == 2
+
+    shape = SharedDocsShape(documents=2, questions=4, document=LengthDist(2000, 0.0, 2000, 2000),
+                            question=LengthDist(300, 0.0, 300, 300))
+    cfg = SimConfig("disaggregated", prefill=PoolPlan(2, 1, 2560, 512, 16), decode=PoolPlan(1, 1, 1 << 20, 1, 64),
+                    speculation=NO_SPECULATION, prefix_caching=PrefixRouting(True, 1.0),
+                    tiers=SimTierConfig(16384, 100.0, 131072, shared=True))
+    sim = Simulation(make_profile(), cfg)
+    result = sim.run(shared_docs_trace(shape, rate=0.5, seed=2))
+    assert all(rec.finished for rec in result.records)
+    assert_idle(sim)
+    assert sum(p.prefix_cache.stats.tier_hits for p in sim.prefill) >= 2000  # a document came back from the store
+    assert sim.prefill[0].prefix_cache.tiers._held is sim.prefill[1].prefix_cache.tiers._held
+
+
 def test_tiers_without_prefix_caching_are_refused():
     from planner.sim_tiers import SimTierConfig
 

@@ -21,6 +21,7 @@ import threading
 import zlib
 from collections import OrderedDict
 
+from modeling.kv_tiers.events import DISK, TierEvents
 from modeling.kv_tiers.stats import TierStats
 
 MAGIC = b"MSKVBLK1"
@@ -38,6 +39,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[int, int] = OrderedDict()  # hash -> file size, least recently used first
         self.stats = TierStats(capacity_bytes=capacity_bytes)
+        self.events: TierEvents | None = None  # set while the router is told what the tier holds
         self._index_existing()
 
     @classmethod
@@ -69,6 +71,15 @@ class DiskTier:
         with self._lock:
             return len(self._index)
 
+    def hashes(self) -> list[int]:
+        """The hashes held now, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def _tell(self, block_hash: int, stored: bool) -> None:
+        if self.events is not None:
+            self.events.add(DISK, block_hash, stored)
+
     def _path(self, block_hash: int) -> str:
         return os.path.join(self.directory, f"{block_hash:016x}{SUFFIX}")
 
@@ -97,6 +108,7 @@ class DiskTier:
             block_hash, old = self._index.popitem(last=False)
             self.stats.bytes -= old
             self.stats.evicted += 1
+            self._tell(block_hash, False)
             try:
                 os.unlink(self._path(block_hash))
             except FileNotFoundError:
@@ -123,6 +135,7 @@ class DiskTier:
             self.stats.stored += 1
             self.stats.bytes_out += size
             self.stats.blocks = len(self._index)
+        self._tell(block_hash, True)
         return True
 
     def read(self, block_hash: int, expected_bytes: int) -> memoryview | None:
@@ -162,6 +175,7 @@ class DiskTier:
             if size is not None:
                 self.stats.bytes -= size
                 self.stats.blocks = len(self._index)
+                self._tell(block_hash, False)
         try:
             os.unlink(self._path(block_hash))
         except FileNotFoundError:

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import torch
 
+from modeling.kv_tiers.events import HOST, TierEvents
 from modeling.kv_tiers.stats import TierStats
 
 
@@ -21,6 +22,7 @@ class HostTier:
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
         self.stats = TierStats(capacity_bytes=capacity_bytes)
+        self.events: TierEvents | None = None  # set while the router is told what the tier holds
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._entries
@@ -42,14 +44,16 @@ class HostTier:
         if block_hash in self._entries or size > self.capacity_bytes:
             return False
         while self.stats.bytes + size > self.capacity_bytes:
-            _, old = self._entries.popitem(last=False)
+            old_hash, old = self._entries.popitem(last=False)
             self.stats.bytes -= old.numel() * old.element_size()
             self.stats.evicted += 1
+            self._tell(old_hash, False)
         self._entries[block_hash] = kv
         self.stats.bytes += size
         self.stats.stored += 1
         self.stats.bytes_out += size
         self.stats.blocks = len(self._entries)
+        self._tell(block_hash, True)
         return True
 
     def drop(self, block_hash: int) -> None:
@@ -57,3 +61,12 @@ class HostTier:
         if old is not None:
             self.stats.bytes -= old.numel() * old.element_size()
             self.stats.blocks = len(self._entries)
+            self._tell(block_hash, False)
+
+    def hashes(self) -> list[int]:
+        """The hashes held now, least recently used first."""
+        return list(self._entries)
+
+    def _tell(self, block_hash: int, stored: bool) -> None:
+        if self.events is not None:
+            self.events.add(HOST, block_hash, stored)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from modeling.instance_config import KVStoreConfig
 from modeling.kv_tiers.disk import HEADER, MAGIC
+from modeling.kv_tiers.events import STORE, TierEvents
 from modeling.kv_tiers.stats import TierStats
 
 log = logging.getLogger("magicserve.kv_tiers")
@@ -95,6 +96,7 @@ class StoreTier:
         self.config = config
         self.prefix = f"magicserve/{namespace}/"
         self.stats = TierStats()
+        self.events: TierEvents | None = None  # set while the router is told what the store holds
         self._reader = None
         self._writer = None
         self._down_until = 0.0
@@ -199,6 +201,8 @@ class StoreTier:
             return False
         self.stats.stored += 1
         self.stats.bytes_out += len(data)
+        if self.events is not None:
+            self.events.add(STORE, block_hash, True)
         return True
 
     def close(self) -> None:

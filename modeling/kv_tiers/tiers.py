@@ -28,6 +28,7 @@ import torch
 from modeling.kv_cache import PagedKVCache
 from modeling.instance_config import KVTiersConfig
 from modeling.kv_tiers.disk import DiskTier
+from modeling.kv_tiers.events import DISK, HOST, STORE, TierEvents
 from modeling.kv_tiers.host import HostTier
 from modeling.kv_tiers.stats import TierStats
 from modeling.kv_tiers.store import StoreTier
@@ -77,6 +78,7 @@ class KVTiers:
         self._pending_copy: torch.cuda.Event | None = None  # the last device -> host copy of a save
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue_blocks)
         self._writer = None
+        self._events: TierEvents | None = None
         if disk is not None or store is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
@@ -257,7 +259,33 @@ class KVTiers:
         if self.store is not None:
             self.store.close()
 
+    def _by_name(self) -> dict:
+        tiers = {HOST: self.host, DISK: self.disk, STORE: self.store}
+        return {name: tier for name, tier in tiers.items() if tier is not None}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tiers this instance loads from (``host``, ``disk``, ``store``)."""
+        return tuple(self._by_name())
+
     def stats(self) -> dict[str, TierStats]:
         """Each tier's counters, by name (``host``, ``disk``, ``store``)."""
-        tiers = {"host": self.host, "disk": self.disk, "store": self.store}
-        return {name: tier.stats for name, tier in tiers.items() if tier is not None}
+        return {name: tier.stats for name, tier in self._by_name().items()}
+
+    # -- what the router's index is told (``modeling/kv_tiers/events.py``) ---------------------------
+
+    def record_events(self) -> tuple[tuple[str, int, bool], ...]:
+        """Start logging what the tiers keep and drop; returns what the host and disk tiers hold now (the store
+        cannot be listed: the index learns of its blocks as they are written)."""
+        self._events = TierEvents()
+        for tier in self._by_name().values():
+            tier.events = self._events
+        now = []
+        for name, tier in ((HOST, self.host), (DISK, self.disk)):
+            if tier is not None:
+                now += [(name, h, True) for h in tier.hashes()]
+        return tuple(now)
+
+    def take_events(self) -> tuple[tuple[str, int, bool], ...]:
+        """What the tiers kept and dropped since the last call (:meth:`record_events` first)."""
+        return self._events.take() if self._events is not None else ()
