@@ -8,7 +8,9 @@ when the sweep fails half-way. Output goes to a log file whose tail is shown whe
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -137,6 +139,15 @@ def http_healthy(url: str) -> Callable[[], bool]:
     return check
 
 
+def fresh_kv_dir() -> str:
+    """An empty directory for one launched server's disk KV tier (removed when this process exits): the default
+    one persists across runs, so a server launched after another on the same prompts would start warm. A config
+    that names ``kv_tiers.disk_dir`` keeps its own."""
+    path = tempfile.mkdtemp(prefix="magicserve-kv-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s: float,
                       http_port: int | None = None) -> ManagedServer:
     """``magicserve serve --config CONFIG --port PORT`` (and ``--http-port`` where given: then ready once
@@ -144,7 +155,8 @@ def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s:
     checkout (the console script could belong to another install)."""
     argv = [sys.executable, "-m", "frontend.cli", "serve", "--config", config_path, "--port", str(port),
             "--http-port", str(http_port if http_port is not None else -1)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MAGICSERVE_KV_DIR=fresh_kv_dir())
     healthy = grpc_healthy(f"{host}:{port}") if http_port is None else http_healthy(f"http://{host}:{http_port}/health")
     return ManagedServer("magicserve", argv, healthy, startup_timeout_s, env=env, stop_grace_s=60.0)
 
