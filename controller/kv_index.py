@@ -152,10 +152,6 @@ class PrefixIndex:
         pool_tokens, tier_tokens = pool * block_size, (end - pool) * block_size
         return Cached(pool_tokens, tier_tokens, pool_tokens + tier_tokens * (1.0 - tier_load_cost))
 
-    def cached_tokens(self, instance: str, prompt_ids: Sequence[int], memo: dict) -> int:
-        """Prompt tokens ``instance`` holds cached in its pool (:meth:`cached`'s ``pool``)."""
-        return self.cached(instance, prompt_ids, memo).pool
-
 
 def blocks_of(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -171,7 +167,7 @@ def by_cost(candidates: list, num_tokens: int, block_size: int, cached: Callable
     return sorted(candidates, key=lambda i: overlap_weight * (total - cached(i) / block_size) + load_blocks(i))
 
 
-def cached_first(order: list, num_tokens: int, block_size: int, cached: Callable[[object], int],
+def cached_first(order: list, num_tokens: int, block_size: int, cached: Callable[[object], float],
                  used_blocks: Callable[[object], int], free_blocks: Callable[[object], int],
                  overlap_weight: float) -> list:
     """A load-only ``order`` of decode instances with the ones that have room for ``num_tokens`` positions
@@ -185,7 +181,7 @@ def cached_first(order: list, num_tokens: int, block_size: int, cached: Callable
         [i for i in order if i not in roomy]
 
 
-def cheapest(pool: list, num_tokens: int, block_size: int, cached: Callable[[object], int],
+def cheapest(pool: list, num_tokens: int, block_size: int, cached: Callable[[object], float],
              queued_blocks: Callable[[object], int], overlap_weight: float):
     """The instance of ``pool`` (objects with ``assigned``) to compute a ``num_tokens``-token prompt: the fewest
     assigned requests when none holds a cached prefix of it, else the cheapest by :func:`by_cost` against the

@@ -46,9 +46,9 @@ def test_the_index_follows_a_real_pool_through_caching_and_eviction():
     index.apply("decode-0", first)
     assert cache.take_events() is None  # nothing changed since
     memo = {}
-    assert index.cached_tokens("decode-0", doc + [7, 8, 9], memo) == 16
-    assert index.cached_tokens("decode-0", doc[:9], memo={}) == 8  # the last token is never counted cached
-    assert index.cached_tokens("decode-1", doc, memo) == 0  # an instance that reported nothing
+    assert index.cached("decode-0", doc + [7, 8, 9], memo).pool == 16
+    assert index.cached("decode-0", doc[:9], memo={}).pool == 8  # the last token is never counted cached
+    assert index.cached("decode-1", doc, memo).pool == 0  # an instance that reported nothing
     # another sequence needs 5 of the 6 blocks: 2 never-cached ones first, then the oldest cached ones go,
     # the prefix's end before its start
     _finish(cache, pool, _seq("b", list(range(500, 520))))
@@ -56,9 +56,9 @@ def test_the_index_follows_a_real_pool_through_caching_and_eviction():
     assert [stored for _, stored in events.events].count(False) == pool.num_evictions == 3
     index.apply("decode-0", events)
     assert index.num_blocks("decode-0") == pool.num_cached
-    assert index.cached_tokens("decode-0", doc + [7], {}) == 4  # only the first block survived
+    assert index.cached("decode-0", doc + [7], {}).pool == 4  # only the first block survived
     index.drop("decode-0")
-    assert index.cached_tokens("decode-0", doc + [7], {}) == 0 and index.block_size("decode-0") is None
+    assert index.cached("decode-0", doc + [7], {}).pool == 0 and index.block_size("decode-0") is None
 
 
 def test_a_reset_replaces_what_the_index_knew():
@@ -66,7 +66,7 @@ def test_a_reset_replaces_what_the_index_knew():
     hashes = block_hashes(list(range(12)), BS, SALT)
     index.apply("p", PrefixCacheEvents(SALT, BS, tuple((h, True) for h in hashes)))
     index.apply("p", PrefixCacheEvents(SALT, BS, ((hashes[0], True),), reset=True))  # a restarted instance
-    assert index.num_blocks("p") == 1 and index.cached_tokens("p", list(range(13)), {}) == 4
+    assert index.num_blocks("p") == 1 and index.cached("p", list(range(13)), {}).pool == 4
 
 
 def test_cost_weighs_blocks_to_compute_against_blocks_in_use():
@@ -135,7 +135,7 @@ def test_the_tiers_extend_the_pools_run_and_count_part_of_a_computed_block():
     index.apply("d", _report([("host", h[2:5]), ("disk", h[5:8])], pool=h[:2], reset=True))
     got = index.cached("d", doc, {}, tier_load_cost=0.25)
     assert got == Cached(pool=8, tiers=24, saved=8 + 24 * 0.75) and got.tokens == 32
-    assert index.cached_tokens("d", doc, {}) == 8  # the pool's own run
+    assert index.cached("d", doc, {}).pool == 8  # the pool's own run
     # the host tier drops a block in the middle: the run stops there (the instance's lookup would stop too)
     index.apply("d", PrefixCacheEvents(SALT, BS, (), tier_events=(("host", h[3], False),), tiers=("host", "disk")))
     assert index.cached("d", doc, {}).tokens == 12 and index.tier_blocks("d", "host") == 2

@@ -79,6 +79,7 @@ class KVTiers:
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue_blocks)
         self._writer = None
         self._events: TierEvents | None = None
+        self.names: tuple[str, ...] = tuple(self._by_name())  # the tiers this instance loads from
         if disk is not None or store is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
@@ -262,11 +263,6 @@ class KVTiers:
     def _by_name(self) -> dict:
         tiers = {HOST: self.host, DISK: self.disk, STORE: self.store}
         return {name: tier for name, tier in tiers.items() if tier is not None}
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The tiers this instance loads from (``host``, ``disk``, ``store``)."""
-        return tuple(self._by_name())
 
     def stats(self) -> dict[str, TierStats]:
         """Each tier's counters, by name (``host``, ``disk``, ``store``)."""
