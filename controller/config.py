@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from controller.kv_index import PrefixRouting
+from controller.load_aware import LoadAwarePolicy
 from controller.migration_policy import PolicyConfig
 from decode_worker.config import DecodeWorkerConfig
 from kv_transfer.channel import TransferConfig
@@ -259,6 +260,33 @@ class PrefixCachingSection:
 
 
 @dataclass(frozen=True)
+class LoadAwareSection:
+    """Load-aware disaggregation (``controller/load_aware.py``): with ``enabled``, a prompt is prefilled on a decode
+    instance, beside its decoding batch, when the prefill pool's measured queue would miss the TTFT SLO and that
+    instance's TPOT slack computes it sooner. ``slo_margin``: the fraction of each SLO (``slo.ttft_ms``,
+    ``slo.tpot_ms``) the decisions aim at, the rest absorbing the predictions' error. Whether or not
+    ``enabled``, a decode instance never lets a prompt it prefills push its decoding sequences' time per output
+    token past ``slo.tpot_ms`` times ``slo_margin`` (``decode_worker/prefill_budget.py``)."""
+
+    enabled: bool = True
+    slo_margin: float = 0.8
+
+    def __post_init__(self) -> None:
+        raise_first(self.check())
+
+    def check(self) -> Problems:
+        errs = booleans(self, ("enabled",))
+        m = self.slo_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
+            errs.append(("slo_margin", f"must be a number in (0, 1], got {m!r}"))
+        return errs
+
+    def policy(self, slo: SLOSection) -> LoadAwarePolicy:
+        """What the router reads of it."""
+        return LoadAwarePolicy(self.enabled, slo.ttft_ms / 1e3 * self.slo_margin)
+
+
+@dataclass(frozen=True)
 class PoolBounds:
     """How far a pool may be resized while serving: ``min_instances`` (>= 1) to ``max_instances`` (null: as
     many as Ray can place)."""
@@ -352,6 +380,7 @@ class ClusterConfig:
     limits: LimitsSection = field(default_factory=LimitsSection)
     migration: MigrationSection = field(default_factory=MigrationSection)
     prefix_caching: PrefixCachingSection = field(default_factory=PrefixCachingSection)
+    load_aware: LoadAwareSection = field(default_factory=LoadAwareSection)
     kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
     autoscale: AutoscaleSection = field(default_factory=AutoscaleSection)
     source: str = ""
@@ -368,6 +397,8 @@ class ClusterConfig:
                 pool, dtype=dtype, device="cuda" if pool.devices_per_instance else "cpu",
                 prefix_caching=self.prefix_caching.enabled, kv_tiers=self.kv_tiers))
         object.__setattr__(self, "prefill", dataclasses.replace(self.prefill, transfer=self.kv_transfer))
+        object.__setattr__(self, "decode", dataclasses.replace(
+            self.decode, prefill_tpot_slo_ms=self.slo.tpot_ms * self.load_aware.slo_margin))
 
     def check(self) -> Problems:
         if self.mode not in MODES:

@@ -74,6 +74,7 @@ class InstanceWatch:
         """Route one item an instance reported."""
         ctx = self.context
         if isinstance(item, PrefillStepOutput):
+            ctx.load_aware.observe_prefill(inst.name, item.tokens_computed, item.compute_s)
             for ft in item.first_tokens:
                 ctx.send(ft.request_id, FirstTokenArrived(ft))
             for rid in item.transferred:  # the decode instance holds its KV now

@@ -221,8 +221,12 @@ class ServingMetrics:
                                    "instances, by outcome (committed: the request moved; aborted: it stayed).",
                                    m + ["outcome"], registry=reg)
         self._local_prefills = Counter(PREFIX + "decode_local_prefills", "Requests prefilled on their decode "
-                                       "instance from the KV it held cached (no prefill instance, no transfer).",
+                                       "instance (no prefill instance, no transfer): from the KV it held cached, "
+                                       "under a prefill backlog, or with no prefill instance in service.",
                                        m, registry=reg).labels(model_name)
+        self._load_aware = Counter(PREFIX + "load_aware_placements", "Where the load-aware policy had a prompt "
+                                   "prefilled (prefill pool or decode instance) and why (controller/load_aware.py).",
+                                   m + ["prefilled_on", "reason"], registry=reg)
         self._pool_instances = Gauge(PREFIX + "pool_instances", "Instances per pool: in service now (current), "
                                      "asked for (desired), and the online planner's latest choice (planned).", ["model_name", "pool", "kind"], registry=reg)
         self._planned_attainment = Gauge(PREFIX + "autoscale_predicted_attainment", "SLO attainment the online "
@@ -265,6 +269,10 @@ class ServingMetrics:
 
     def local_prefill(self) -> None:
         self._local_prefills.inc()
+
+    def load_aware(self, prefilled_on: str, reason: str) -> None:
+        """The load-aware policy placed a prompt's prefill on ``prefilled_on`` (prefill | decode) for ``reason``."""
+        self._load_aware.labels(self.model_name, prefilled_on, reason).inc()
 
     def resumed(self) -> None:
         self._resumes.inc()

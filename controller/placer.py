@@ -20,8 +20,10 @@ from typing import Callable
 
 from controller.control_calls import ControlCalls
 from controller.kv_index import Cached, blocks_of, cheapest
+from controller.load_aware import OFF, REFUSED, DecodeOption, Decision, decide, prefill_ttft_s
 from controller.placement import decode_order
 from controller.request_run import RequestRun, RunFailed
+from controller.request_state import RequestState
 from controller.router_context import PLACEMENT_RETRY_S, RouterContext
 from controller.routing import Instance, RouterError
 from decode_worker.messages import DecodeRequest
@@ -60,6 +62,8 @@ class Placer:
         if prefill is None:
             await self._place_without_prefill(run, request)
             return
+        if await self._prefill_on_decode(run, request, prefill, order, cached):
+            return
         if first is not None and await self._place_at_once(run, request, prefill, first):
             return
         decode = await self._wait_for_room(run, request, lambda: self.decode_order(run, cached)[0])
@@ -70,6 +74,45 @@ class Placer:
             return
         run.place(decode, prefill)
         await self.submit(run, prefill, self._prefill_request(run, decode))
+
+    async def _prefill_on_decode(self, run: RequestRun, request: DecodeRequest, prefill: Instance,
+                                 order: list[Instance], cached: dict[str, Cached]) -> bool:
+        """Load-aware disaggregation (``controller/load_aware.py``): True when a decode instance holds the
+        request to prefill it beside its decoding batch, because ``prefill`` would miss the TTFT target and that
+        instance's TPOT slack computes the prompt sooner; False: the prefill pool computes it."""
+        ctx, rid, la = self.context, run.request_id, self.context.load_aware
+        n = len(run.prompt_ids)
+        if run.params.prompt_logprobs is not None:
+            self._decided(Decision(None, OFF))
+            return False
+        queued = sum(ctx.runs[r].prefill_tokens for r in prefill.assigned
+                     if r in ctx.runs and ctx.runs[r].state in (RequestState.QUEUED, RequestState.PREFILLING))
+        options = [DecodeOption(i.name, n - cached[i.name].tokens,
+                                i.load.prefill_queued_tokens + la.placed_since_report(i.name, i.load.holds),
+                                i.load.prefill_tokens_per_s)
+                   for i in order if i.load is not None and i.room and i.name in cached]
+        decision = decide(la.policy, prefill_ttft_s(queued, run.prefill_tokens, la.rates.get(prefill.name)), options)
+        if decision.decode is None:
+            self._decided(decision)
+            return False
+        inst = next(i for i in order if i.name == decision.decode)
+        la.placing(inst.name, rid, n - cached[inst.name].tokens)
+        if not await self._hold_prefill(run, request, inst):
+            la.forget(inst.name, rid)
+            self._decided(Decision(None, REFUSED, decision.prefill_ttft_s, decision.decode_ttft_s))
+            return False
+        self._decided(decision)
+        log.info("%s: the prefill pool would take %.2f s to its first token, %s %.2f s: prefilled on %s", rid,
+                 decision.prefill_ttft_s, inst.name, decision.decode_ttft_s, inst.name)
+        if ctx.load_window is not None:
+            ctx.load_window.cached(rid, cached[inst.name].tokens)
+        return True
+
+    def _decided(self, decision: Decision) -> None:
+        """Count a load-aware decision (``magicserve status``, ``/metrics``)."""
+        self.context.load_aware.count(decision)
+        if self.context.metrics is not None:
+            self.context.metrics.load_aware("decode" if decision.decode else "prefill", decision.reason)
 
     async def _place_without_prefill(self, run: RequestRun, request: DecodeRequest) -> None:
         """No prefill instance is in service (each dead, restarting or draining): a decode instance prefills the
@@ -147,8 +190,10 @@ class Placer:
 
         chosen = cheapest(alive, len(run.prompt_ids), bs, lambda i: cached[i.name].saved, queued,
                           ctx.prefix_routing.overlap_weight)
-        if chosen is not None and ctx.load_window is not None:
-            ctx.load_window.cached(run.request_id, cached[chosen.name].tokens)
+        if chosen is not None:
+            run.expect_prefill(len(run.prompt_ids) - cached[chosen.name].tokens)
+            if ctx.load_window is not None:
+                ctx.load_window.cached(run.request_id, cached[chosen.name].tokens)
         return chosen
 
     async def _place_at_once(self, run: RequestRun, request: DecodeRequest, prefill: Instance,

@@ -100,6 +100,7 @@ class RequestRun:
     sampler_states: dict = field(default_factory=dict)
     resumes: int = 0  # times it continued on another decode instance after its own died
     avoid: set = field(default_factory=set)
+    prefill_tokens: int = 0  # prompt tokens its prefill instance computes (the prompt less what it holds cached)
 
     @property
     def request_id(self) -> str:
@@ -117,6 +118,11 @@ class RequestRun:
         self.events.put_nowait(event)
 
     # -- placement: the only writer of the instances' bookkeeping -----------------------------------------
+
+    def expect_prefill(self, tokens: int) -> None:
+        """The prefill instance chosen for the prompt computes ``tokens`` of it (the load-aware policy counts
+        them queued there until the first token)."""
+        self.prefill_tokens = tokens
 
     def place(self, decode: Instance, prefill: Instance | None = None, tokens: int | None = None) -> None:
         """Held by ``decode`` (its KV reserved there for ``tokens`` positions, the prompt by default) and, with

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from controller.kv_index import NOTHING, Cached, PrefixIndex, PrefixRouting
+from controller.load_aware import LoadAwareState
 from controller.metrics import ServingMetrics
 from controller.request_run import RequestRun, RunEvent
 from controller.routing import Instance
@@ -33,6 +34,7 @@ class RouterContext:
     kv_index: PrefixIndex = field(default_factory=PrefixIndex)  # what each instance holds cached, from its events
     runs: dict[str, RequestRun] = field(default_factory=dict)
     load_window: object = None  # planner.online.LoadWindow: what the online planner reads, when it runs
+    load_aware: LoadAwareState = field(default_factory=LoadAwareState)  # prefill on decode under a backlog
     closing: bool = False
     instances: list[Instance] = field(init=False)
 

@@ -74,7 +74,10 @@ class SpeculationConfig:
 class DecodeWorkerConfig(InstanceConfig):
     """The decode pool and each of its workers (the ``decode:`` section of the cluster YAML):
     ``max_num_seqs`` sequences decode at once; ``prefill_chunk`` is the chunk of a local (re)prefill (after a
-    preemption, and a request prefilled on the decode worker itself); ``profile_on_start`` measures the
+    preemption, and a request prefilled on the decode worker itself); ``prefill_tpot_slo_ms`` bounds what a step
+    prefills beside decoding sequences so that their time per output token stays within it
+    (``decode_worker/prefill_budget.py``; set from the ``slo:`` and ``load_aware:`` sections, None: the whole
+    chunk each step); ``profile_on_start`` measures the
     worker's own step costs before it serves (the adaptive speculation length reads them); ``prefix_caching``
     keeps finished requests' full KV blocks (prompt and generated tokens) so that a request prefilled here
     starts from its longest cached prefix (``modeling/prefix_cache.py``)."""
@@ -82,6 +85,7 @@ class DecodeWorkerConfig(InstanceConfig):
     kv_cache_tokens: int = 262144
     max_num_seqs: int = 64
     prefill_chunk: int = 1024
+    prefill_tpot_slo_ms: float | None = field(default=None, metadata=set_by("slo.tpot_ms"))
     profile_on_start: bool = True
     prefix_caching: bool = field(default=True, metadata=set_by("prefix_caching.enabled"))
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
@@ -92,5 +96,9 @@ class DecodeWorkerConfig(InstanceConfig):
     compile_steps: bool = False
 
     def check(self) -> Problems:
-        return super().check() + integers(self, ("max_num_seqs", "prefill_chunk")) + \
+        errs = super().check() + integers(self, ("max_num_seqs", "prefill_chunk")) + \
             booleans(self, ("profile_on_start", "prefix_caching")) + compile_steps_problems(self)
+        slo = self.prefill_tpot_slo_ms
+        if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or slo <= 0):
+            errs.append(("prefill_tpot_slo_ms", f"must be a positive number or null, got {slo!r}"))
+        return errs

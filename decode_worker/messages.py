@@ -89,7 +89,9 @@ class PoolLoad:
     ``running``, the blocks of each running request that could migrate; ``held_blocks``, the blocks held
     otherwise (KV arriving, migrating, preempted, shared by several sequences); ``waiting_blocks``, what the
     head-of-line preempted request needs and cannot get (0: nothing waits, or it fits); ``holds``, every
-    request the instance holds in any state."""
+    request the instance holds in any state. ``prefill_queued_tokens``: prompt tokens its local prefills have
+    still to compute; ``prefill_tokens_per_s``: how fast its steps compute them now, within the TPOT slack of
+    the sequences decoding (``decode_worker/prefill_budget.py``; 0: no slack, or not measured yet)."""
 
     total_blocks: int
     block_size: int
@@ -97,3 +99,5 @@ class PoolLoad:
     held_blocks: int = 0
     waiting_blocks: int = 0
     holds: frozenset[str] = frozenset()
+    prefill_queued_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0

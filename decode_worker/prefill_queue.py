@@ -1,4 +1,5 @@
-"""Prompts computed on the decode instance itself (``LocalPrefill``): a few chunks per step, oldest first,
+"""Prompts computed on the decode instance itself (``LocalPrefill``): each step as many of their tokens as the
+TPOT slack of the sequences decoding beside them allows (``decode_worker/prefill_budget.py``), oldest first,
 with no prefill instance involved; and the chunked KV computation that preempted and resumed sequences
 recompute with."""
 
@@ -11,6 +12,7 @@ import torch
 
 from decode_worker.first_tokens import FirstTokens
 from decode_worker.held import HeldRequest
+from decode_worker.prefill_budget import PrefillBudget
 from decode_worker.messages import TokenDelta
 from modeling.pass_log import PassLog
 from modeling.prefix_cache import PrefixCache
@@ -19,30 +21,39 @@ from modeling.sequence import Sequence
 
 
 class PrefillQueue:
-    """The requests in ``order`` (admitted ``prefilling``, first come first served), computed
-    ``chunk`` tokens per step in all."""
+    """The requests in ``order`` (admitted ``prefilling``, first come first served), computed ``budget``'s
+    tokens per step in all (at most ``budget.chunk``)."""
 
     def __init__(self, runner: ModelRunner, requests: dict[str, HeldRequest], order: deque[str],
-                 prefix_cache: PrefixCache, chunk: int, pass_log: PassLog, first_tokens: FirstTokens):
+                 prefix_cache: PrefixCache, budget: PrefillBudget, pass_log: PassLog, first_tokens: FirstTokens):
         self.runner = runner
         self.requests = requests
         self.order = order
         self.prefix_cache = prefix_cache
-        self.chunk = chunk
+        self.budget = budget
+        self.chunk = budget.chunk
         self.pass_log = pass_log
         self.first_tokens = first_tokens
 
     def __len__(self) -> int:
         return len(self.order)
 
+    def queued_tokens(self) -> int:
+        """Prompt tokens the queue has still to compute."""
+        return sum(self.requests[rid].seq.num_prompt - self.requests[rid].seq.num_computed for rid in self.order)
+
+    def head_start(self) -> int:
+        """Positions computed of the oldest queued prompt (0 when the queue is empty)."""
+        return self.requests[self.order[0]].seq.num_computed if self.order else 0
+
     def cancel(self, request_id: str) -> None:
         """``request_id`` leaves the queue (the caller frees it)."""
         self.order.remove(request_id)
 
-    def step(self) -> list[TokenDelta]:
-        """Compute up to ``chunk`` prompt tokens of the queued requests, oldest first; those whose prompt is
-        complete sample their first token and start decoding."""
-        budget, out = self.chunk, []
+    def step(self, decoding: bool) -> list[TokenDelta]:
+        """Compute the prompt tokens the budget allows this step (``decoding``: sequences decode beside them),
+        oldest first; those whose prompt is complete sample their first token and start decoding."""
+        budget, out = self.budget.tokens(self.head_start(), decoding), []
         while self.order and budget > 0:
             held = self.requests[self.order[0]]
             seq = held.seq
@@ -51,8 +62,9 @@ class PrefillQueue:
             done = end == seq.num_prompt
             logits = self.runner.run([StepInput(seq.tokens[seq.num_computed:end], seq.num_computed,
                                                 seq.block_table.blocks, num_logits=int(done))])
-            self.pass_log.record("prefill", time.perf_counter() - start,
-                                 chunks=[[seq.num_computed, end - seq.num_computed]])
+            seconds = time.perf_counter() - start
+            self.budget.observe_prefill(seq.num_computed, end - seq.num_computed, seconds)
+            self.pass_log.record("prefill", seconds, chunks=[[seq.num_computed, end - seq.num_computed]])
             budget -= end - seq.num_computed
             seq.num_computed = end
             if not done:
@@ -78,7 +90,9 @@ class PrefillQueue:
         for start in range(seq.num_computed, upto, self.chunk):
             end = min(upto, start + self.chunk)
             last = end == upto and want_logits
+            t0 = time.perf_counter()
             logits = self.runner.run([StepInput(seq.tokens[start:end], start, seq.block_table.blocks,
                                                 num_logits=int(last))])
+            self.budget.observe_prefill(start, end - start, time.perf_counter() - t0)
         seq.num_computed = upto
         return logits

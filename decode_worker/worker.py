@@ -41,6 +41,7 @@ from decode_worker.live_migration import LiveMigrations
 from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed, PoolLoad, TokenDelta
 from decode_worker.metrics import WorkerMetrics
 from decode_worker.migration_host import WorkerMigrationHost
+from decode_worker.prefill_budget import PROBE_TOKENS, PrefillBudget
 from decode_worker.prefill_queue import PrefillQueue
 from decode_worker.ranks import FollowerRanks
 from decode_worker.scheduler import DecodeScheduler
@@ -51,6 +52,7 @@ from decode_worker.tp_rank import DecodeRankFollower
 from kv_transfer.channel import Rendezvous, TransferConfig
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
+from modeling.block_pool import BlockTable
 from modeling.checkpoint import LoadedModel
 from modeling.errors import InvalidRequestError, OutOfBlocksError
 from modeling.forks import split_sequence_id
@@ -58,6 +60,7 @@ from modeling.instance_core import InstanceCore, follower_runner
 from modeling.params import SamplingParams
 from modeling.pass_log import PassLog
 from modeling.resume import ResumeRequest
+from modeling.runner import StepInput
 from modeling.sequence import FinishReason, SequenceStatus
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import TPFollower
@@ -102,8 +105,10 @@ class DecodeWorker:
         self.output = SequenceOutput(self.requests, self.scheduler, self.speculator, self.metrics,
                                      on_leave=self.migrations.forget)  # the router aborts the other end
         self.first_tokens = FirstTokens(self.admission, self.output, self.prefix_cache)
+        tpot_slo = config.prefill_tpot_slo_ms / 1e3 if config.prefill_tpot_slo_ms else None
+        self.prefill_budget = PrefillBudget(config.prefill_chunk, tpot_slo)
         self.prefills = PrefillQueue(self.runner, self.requests, prefill_order, self.prefix_cache,
-                                     config.prefill_chunk, self.pass_log, self.first_tokens)
+                                     self.prefill_budget, self.pass_log, self.first_tokens)
         if config.profile_on_start:
             self.profile()
 
@@ -190,7 +195,7 @@ class DecodeWorker:
         ``k`` overrides the policy."""
         received = self._receive() + self.migrations.poll()
         self._resume_preempted()
-        received += self.prefills.step()
+        received += self.prefills.step(self.decoding)
         running = [self.requests[rid] for rid in self.scheduler.running]
         if not running:
             return received + self._take_events()
@@ -206,6 +211,7 @@ class DecodeWorker:
         deltas = [self.output.commit(h, v, k, logits[i]) for i, (h, v) in enumerate(zip(running, verdicts))]
         seconds = time.perf_counter() - start
         self._record_step(k, seconds)
+        self.prefill_budget.observe_step(seconds, sum(len(v.tokens) for v in verdicts) / len(verdicts))
         self.pass_log.record("step", seconds, k=k, seqs=len(running))
         self.migrations.advance()
         return received + deltas + self._take_events()
@@ -278,13 +284,37 @@ class DecodeWorker:
 
     def profile(self, batches: tuple[int, ...] = (1, 4, 16), contexts: tuple[int, ...] = (256, 2048, 8192),
                 ks: tuple[int, ...] = (0, 3)) -> None:
-        """Seed the speculation cost models with synthetic passes (``Speculator.profile``); call when idle."""
+        """Seed the speculation cost models with synthetic passes (``Speculator.profile``), and the local
+        prefill's cost model with prefill passes of a few chunk sizes; call when idle."""
         self.speculator.profile(self.pool, self.max_model_len, batches, contexts, ks)
+        self._profile_prefill()
+
+    def _profile_prefill(self) -> None:
+        chunk = min(self.config.prefill_chunk, self.max_model_len)
+        sizes = sorted({min(chunk, PROBE_TOKENS), max(1, chunk // 4), chunk})
+        table = BlockTable(self.pool.block_size)
+        if self.pool.blocks_for_tokens(chunk) > self.pool.num_free // 2:
+            return
+        table.ensure_capacity(self.pool, chunk)
+        try:
+            for n in sizes:
+                self.runner.run([StepInput([1] * n, 0, table.blocks, num_logits=1)])  # warm-up
+                t0 = time.perf_counter()
+                self.runner.run([StepInput([1] * n, 0, table.blocks, num_logits=1)])
+                self.prefill_budget.observe_prefill(0, n, time.perf_counter() - t0)
+        finally:
+            table.release(self.pool)
 
     def set_speculation(self, spec: SpeculationConfig) -> None:
         """Switch speculation settings between steps (planner updates, benchmarks): ``Speculator.reconfigure``."""
         self.config = dataclasses.replace(self.config, speculation=spec)
         self.speculator.reconfigure(self.config, list(self.scheduler.running.values()))
+
+    @property
+    def decoding(self) -> bool:
+        """Sequences decode here, or will as soon as their KV lands or they resume: a local prefill keeps to
+        their TPOT slack (``decode_worker/prefill_budget.py``)."""
+        return len(self.requests) > len(self.prefills)
 
     @property
     def num_running(self) -> int:
@@ -298,8 +328,12 @@ class DecodeWorker:
     def request_loads(self) -> PoolLoad:
         """The load report the global rescheduling policy reads (``controller/migration_policy.py``); a
         request migrating away, or of several sequences (they share their prompt's blocks), cannot move."""
-        return self.scheduler.load(lambda seq: seq.request_id not in self.migrations.outgoing and
-                                   seq.sampler.params.num_sequences == 1, frozenset(self.requests))
+        report = self.scheduler.load(lambda seq: seq.request_id not in self.migrations.outgoing and
+                                     seq.sampler.params.num_sequences == 1, frozenset(self.requests))
+        rate = self.prefill_budget.tokens_per_s(self.prefills.head_start(), self.decoding)
+        # rounded to two significant figures: a report goes out when it changes, not at every step's jitter
+        return dataclasses.replace(report, prefill_queued_tokens=self.prefills.queued_tokens(),
+                                   prefill_tokens_per_s=float(f"{rate:.2g}"))
 
     def status(self) -> dict:
         """Queue lengths, memory and metrics (GetClusterStatus reads this)."""

@@ -272,6 +272,9 @@ def cmd_status(args) -> int:
             print(f"{i.name:<12} kv tier {t.tier}: {t.blocks} blocks, {t.bytes / 2**20:.0f}/{t.capacity_bytes / 2**20:.0f} MiB, "
                   f"{t.hits} blocks loaded in {t.load_seconds:.2f} s, {t.stored} stored, {t.evictions} evicted, "
                   f"{t.corrupt} corrupt")
+    if st.load_aware_placements:
+        print("load-aware placements: " + ", ".join(f"{c.count} on {c.prefilled_on} ({c.reason})"
+                                                    for c in st.load_aware_placements))
     for p in st.pools:
         held = ", held" if p.held else ""
         print(f"pool {p.pool}: {p.current} in service, {p.desired} desired{held} ({', '.join(p.instances)})")

@@ -240,7 +240,9 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                    for role, s in (self.scaler.shape().items() if self.scaler is not None else ())],
             recent_scaling=[_scale_result(d, self.scaler) for d in (self.scaler.decisions if self.scaler else ())],
             dtype=self.dtype_choice.dtype if self.dtype_choice else "",
-            dtype_reason=self.dtype_choice.reason if self.dtype_choice else "")
+            dtype_reason=self.dtype_choice.reason if self.dtype_choice else "",
+            load_aware_placements=[pb.PlacementCount(prefilled_on=where, reason=reason, count=n)
+                                   for (where, reason), n in sorted(self.router.context.load_aware.counts.items())])
 
     async def ScalePool(self, request, context):
         if self.scaler is None:
@@ -451,6 +453,7 @@ def build_router(config: ClusterConfig, cluster, metrics=None) -> Router:
                     connect_pair=cluster.connect_migration_pair, prefix_routing=config.prefix_caching.routing())
     mig = config.migration
     router.migrations.configure(mig.policy(), mig.timeout_s, mig.interval_s if mig.enabled else None)
+    router.context.load_aware.policy = config.load_aware.policy(config.slo)
     return router
 
 

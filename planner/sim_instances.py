@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from controller.kv_index import NOTHING, Cached
 from controller.migration_policy import InstanceLoad, RequestLoad
 from decode_worker.config import SpeculationConfig
+from controller.load_aware import PrefillRate
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape, StepK
+from decode_worker.prefill_budget import PROBE_TOKENS, PrefillBudget
 from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
@@ -307,6 +309,11 @@ class PrefillSim(_Instance):
         self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching, tiers)
         self.scheduler = PrefillScheduler(limits, self.pool, self.prefix_cache)  # the worker's own scheduler
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
+        self.rate = PrefillRate()  # its measured speed, as the router keeps it (``controller/load_aware.py``)
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens placed here and not computed yet."""
+        return sum(s.num_prompt - s.num_computed for s in [*self.scheduler.running, *self.scheduler.waiting])
 
     def add(self, req: SimRequest) -> None:
         if self.pool.blocks_for_tokens(req.prompt_tokens) > self.pool.num_blocks:
@@ -328,6 +335,7 @@ class PrefillSim(_Instance):
 
     def _done(self, chunks: list[ScheduledChunk]) -> None:
         now = self.sim.now
+        self.rate.observe(sum(c.num_tokens for c in chunks), self.step_s)
         for c in chunks:
             seq, req = c.seq, c.seq.req
             seq.num_computed += c.num_tokens
@@ -380,7 +388,7 @@ class DecodeSim(_Instance):
 
     def __init__(self, sim, name: str, profile: Profile, costs: StepCosts, capacity_tokens: int, block_size: int,
                  max_num_seqs: int, spec: SpeculationConfig, rng: random.Random, caching: bool = False,
-                 prefill_chunk: int = 1024, tiers: SimTiers | None = None):
+                 prefill_chunk: int = 1024, tiers: SimTiers | None = None, prefill_tpot_slo_s: float | None = None):
         super().__init__(sim, name)
         self.profile = profile
         self.costs = costs
@@ -388,7 +396,14 @@ class DecodeSim(_Instance):
         pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching, tiers)
         self.scheduler = DecodeScheduler(pool, max_num_seqs, self.prefix_cache)
         self.prefill_chunk = prefill_chunk
-        self.prefilling: deque[SimSequence] = deque()  # requests prefilled here from their cached prefix
+        self.prefilling: deque[SimSequence] = deque()  # requests prefilled here (a cache hit, a prefill backlog)
+        # the worker's own budget of local-prefill tokens per step, its cost model seeded as the start-up profile
+        # seeds it (a few chunk sizes, here at a few contexts too: the simulated cost is exact)
+        self.budget = PrefillBudget(prefill_chunk, prefill_tpot_slo_s)
+        for start in (0, 2048, 8192):
+            for n in sorted({min(prefill_chunk, PROBE_TOKENS), max(1, prefill_chunk // 4), prefill_chunk}):
+                self.budget.observe_prefill(start, n, costs.prefill_chunk(start, n) * costs.cal.decode_scale)
+        self._decode_s = self._planned_s = 0.0  # the decode pass of the step in progress, and the whole step
         self.spec = spec
         self.rng = rng
         self._rates: dict[int, float] = {}  # context bucket (64 tokens) -> acceptance rate
@@ -427,6 +442,19 @@ class DecodeSim(_Instance):
         self.kick()
         return True
 
+    def prefill_queued_tokens(self) -> int:
+        """Prompt tokens its local prefills have still to compute (``PoolLoad.prefill_queued_tokens``)."""
+        return sum(seq.num_prompt - seq.num_computed for seq in self.prefilling)
+
+    def prefill_tokens_per_s(self) -> float:
+        """How fast its steps compute them now (``PoolLoad.prefill_tokens_per_s``)."""
+        start = self.prefilling[0].num_computed if self.prefilling else 0
+        return self.budget.tokens_per_s(start, self._decoding())
+
+    def _decoding(self) -> bool:
+        """Sequences decode here, or will as soon as their KV lands (``DecodeWorker.decoding``)."""
+        return len(self.seqs) > len(self.prefilling)
+
     def load(self, moving: frozenset[int] | set[int] = frozenset()) -> InstanceLoad:
         """This instance as the rescheduling policy reads it, from the scheduler's report as the worker makes
         it (``DecodeScheduler.load``); requests in ``moving`` (migrating away) count as held."""
@@ -456,8 +484,8 @@ class DecodeSim(_Instance):
         recompute_s = 0.0
         for seq in self.scheduler.resumable():  # from its cached prefix on, with caching
             recompute_s += self.costs.prefill_chunk(seq.num_computed, seq.num_tokens - seq.num_computed)
-        prefilling = bool(self.prefilling)  # a chunk of it is computed this step
         prefill_s, prefilled = self._plan_prefill()
+        prefilling = prefill_s > 0  # a chunk of it is computed this step
         batch, k = [], 0
         if self.scheduler.running:
             k, batch, preempted = self.scheduler.make_room(self._choose_k())
@@ -469,14 +497,17 @@ class DecodeSim(_Instance):
             self.k_counts[k] = self.k_counts.get(k, 0) + 1
         self.step_outputs = len(batch) + len(prefilled)
         duration = (recompute_s + prefill_s) * self.costs.cal.decode_scale
-        if batch:
-            duration += self.costs.decode_step([seq.num_tokens for seq in batch], k, self.spec.budget)
+        self._decode_s = self.costs.decode_step([seq.num_tokens for seq in batch], k, self.spec.budget) if batch else 0.0
+        duration += self._decode_s
+        self._planned_s = duration  # before a contention factor or tier loads stretch it (``kick``)
         return duration, lambda: self._done(batch, k, prefilled)
 
     def _plan_prefill(self) -> tuple[float, list[SimSequence]]:
-        """This step's chunk of the requests prefilled here (``prefill_chunk`` tokens, oldest first): its
-        time, and the requests whose prompt it completes (they sample their first token at its end)."""
-        seconds, done, budget = 0.0, [], self.prefill_chunk
+        """This step's chunk of the requests prefilled here (what the budget allows beside the decoding batch,
+        oldest first): its time, and the requests whose prompt it completes (they sample their first token at
+        its end)."""
+        seconds, done = 0.0, []
+        budget = self.budget.tokens(self.prefilling[0].num_computed, self._decoding()) if self.prefilling else 0
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
             n = min(seq.num_prompt - seq.num_computed, budget)
@@ -506,6 +537,7 @@ class DecodeSim(_Instance):
 
     def _done(self, batch: list[SimSequence], k: int, prefilled: list[SimSequence] = ()) -> None:
         now = self.sim.now
+        gained = 0
         for seq in batch:  # nothing leaves the running batch between planning a step and its end
             req = seq.req
             accepted = 0
@@ -514,12 +546,16 @@ class DecodeSim(_Instance):
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
                 req.draft_rejections += accepted < k
+            gained += accepted + 1
             req.generated += min(accepted + 1, req.remaining)
             seq.num_computed = seq.num_tokens = req.context  # verified positions; the last token's KV comes next
             self._commit(seq, seq.num_computed)
             if req.remaining <= 0:
                 self.release(req)
                 self.sim.on_finish(req, now)
+        if batch:
+            # the decode pass as measured: its planned share of the step as it ran
+            self.budget.observe_step(self._decode_s * self.step_s / max(self._planned_s, 1e-12), gained / len(batch))
         for seq in prefilled:  # their first token; they join the batch from the next step
             self._commit(seq, seq.num_prompt)
             self.sim.on_first_token(seq.req, now)

@@ -25,6 +25,10 @@ What it models (and mirrors from the real router, ``controller/router.py``):
                instance holding all of a prompt but ``local_prefill_tokens`` prefills it itself; a trace with reuse
                (``planner/reuse_workload.py``) sends a conversation's next turn a think time after the
                previous one ends
+            -> with ``SimConfig.load_aware``: a prompt the prefill pool would serve past the TTFT target goes to
+               the decode instance whose TPOT slack computes it sooner (``controller/load_aware.decide`` over
+               the simulated instances' queues and speeds), each decode step prefilling only what its
+               budget allows beside the batch (``decode_worker/prefill_budget.py``, the worker's own)
 
 Instance behaviour lives in ``sim_instances`` (the real schedulers, run on plain objects). A step's time is
 its profiled cost times the mode's calibration (``sim_instances.StepCosts``): the serving path's own costs
@@ -42,11 +46,12 @@ import itertools
 import math
 import random
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
 from controller.kv_index import PrefixRouting, cached_first, cheapest
+from controller.load_aware import REFUSED, DecodeOption, Decision, LoadAwarePolicy, decide, prefill_ttft_s
 from controller.migration_policy import PolicyConfig, placement_order
 from controller.placement import blocks_for
 from planner.profile import Profile, calibration_threads
@@ -118,6 +123,12 @@ class SimConfig:
     prefix_caching: PrefixRouting | None = None  # keep computed KV and route to it; None: off
     decode_prefill_chunk: int = 1024  # tokens per step a decode instance prefills itself
     tiers: SimTierConfig | None = None  # KV tiers below each instance's pool (with prefix_caching); None: none
+    # load-aware disaggregation (controller/load_aware.py): a prompt the prefill pool would serve late goes to a
+    # decode instance with TPOT slack; None: off
+    load_aware: LoadAwarePolicy | None = None
+    # what a decode instance's local prefill may push its decoding sequences' TPOT to (decode_worker/
+    # prefill_budget.py); None: a whole decode_prefill_chunk every step
+    decode_prefill_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -139,6 +150,11 @@ class SimConfig:
             raise SimConfigError("tiers: sit below the prefix cache; set prefix_caching too")
         if self.decode_prefill_chunk < 1:
             raise SimConfigError(f"decode_prefill_chunk: must be >= 1, got {self.decode_prefill_chunk}")
+        if self.load_aware is not None and self.mode != "disaggregated":
+            raise SimConfigError("load_aware: places prompts between the prefill and decode pools "
+                                 "(disaggregated mode only)")
+        if self.decode_prefill_tpot_s is not None and not self.decode_prefill_tpot_s > 0:
+            raise SimConfigError(f"decode_prefill_tpot_s: must be > 0 or None, got {self.decode_prefill_tpot_s}")
 
     @property
     def devices(self) -> int:
@@ -178,8 +194,12 @@ class SimConfig:
         prefill = pool("prefill", cfg.prefill, cfg.prefill.token_budget, cfg.prefill.max_num_seqs)
         decode = pool("decode", cfg.decode, 1, cfg.decode.max_num_seqs)
         migration = SimMigration(mig.policy(), mig.interval_s) if mig is not None and mig.enabled else None
+        la = getattr(cfg, "load_aware", None)
+        tpot = getattr(cfg.decode, "prefill_tpot_slo_ms", None)
         return SimConfig("disaggregated", prefill=prefill, decode=decode, speculation=cfg.decode.speculation,
-                         migration=migration, **common)
+                         migration=migration, decode_prefill_chunk=cfg.decode.prefill_chunk,
+                         load_aware=la.policy(cfg.slo) if la is not None and la.enabled else None,
+                         decode_prefill_tpot_s=tpot / 1e3 if tpot else None, **common)
 
 
 @dataclass(frozen=True)
@@ -228,6 +248,7 @@ class SimResult:
     # still in flight then are recorded unfinished
     verdict: bool | None = None
     device_seconds: float = 0.0  # devices x seconds the instances held, resizes counted
+    load_aware: dict | None = None  # with SimConfig.load_aware: (prefilled on, reason) -> prompts
 
     def outcomes(self) -> list[RequestOutcome]:
         return [r.outcome() for r in self.records]
@@ -281,6 +302,7 @@ class Simulation:
         # a mover of the default settings that runs no rounds
         self.migration = None if c.migration is None else self._mover(c.migration)
         self._drain_mover = self.migration
+        self.load_aware_counts: Counter = Counter()  # (prefilled on, reason) -> prompts, with SimConfig.load_aware
 
     @property
     def requests(self) -> list[SimRequest]:
@@ -308,7 +330,7 @@ class Simulation:
         else:
             inst = DecodeSim(self, name, self._decode_profile, costs, plan.kv_cache_tokens, bs, plan.max_num_seqs,
                              c.speculation, random.Random(self._rng.random()), caching, c.decode_prefill_chunk,
-                             tiers)
+                             tiers, c.decode_prefill_tpot_s)
         inst.devices = plan.tensor_parallel * plan.threads
         self.instances.append(inst)
         return inst
@@ -455,7 +477,8 @@ class Simulation:
                        r.first_token_s + delay, r.finish_s + delay, r.draft_tokens, r.accepted_tokens, r.preemptions)
              for r in reqs],
             duration, {i.name: (i.busy_s / duration if duration > 0 else 0.0) for i in instances}, k_counts,
-            None if self.migration is None else self.migration.stats, verdict, self.device_seconds(duration))
+            None if self.migration is None else self.migration.stats, verdict, self.device_seconds(duration),
+            dict(self.load_aware_counts) if self.config.load_aware is not None else None)
 
     # -- the router ------------------------------------------------------------------------------------
 
@@ -482,6 +505,8 @@ class Simulation:
                 and first.hold_prefill(req):  # prefilled there, from its cache: no prefill instance
             self._assign(req, first)
             return
+        if self.config.load_aware is not None and self._prefill_on_decode(req):
+            return
         if first.reserve(req):
             # contacted together with a prefill instance: prefill starts now, and the hold (answered between
             # decode steps) is in place before the KV can land, which joins the batch at a step boundary anyway
@@ -492,6 +517,30 @@ class Simulation:
             first.after_step(lambda: self._reserve_or_queue(req))
         else:
             self._reserve_or_queue(req)
+
+    def _prefill_on_decode(self, req: SimRequest) -> bool:
+        """Load-aware disaggregation (``Placer._prefill_on_decode``): True when a decode instance holds the
+        request to prefill it, the prefill pool's predicted TTFT missing the target and that instance's sooner."""
+        routing = self.config.prefix_caching
+
+        def computed(inst) -> int:  # the prompt tokens ``inst`` would compute
+            return req.prompt_tokens - (inst.cached(req, routing.tier_load_cost).tokens if routing is not None else 0)
+
+        prefill = self._cheapest(req, self.prefill)
+        order = self._decode_order(req)
+        options = [DecodeOption(d.name, computed(d), d.prefill_queued_tokens(), d.prefill_tokens_per_s())
+                   for d in order]
+        decision = decide(self.config.load_aware, prefill_ttft_s(prefill.queued_tokens(), computed(prefill),
+                                                                prefill.rate), options)
+        if decision.decode is not None:
+            inst = next(d for d in order if d.name == decision.decode)
+            if inst.hold_prefill(req):
+                self.load_aware_counts[("decode", decision.reason)] += 1
+                self._assign(req, inst)
+                return True
+            decision = Decision(None, REFUSED)
+        self.load_aware_counts[("prefill", decision.reason)] += 1
+        return False
 
     def _decode_order(self, req: SimRequest) -> list[DecodeSim]:
         """The decode instances in the router's order (``controller/placement.py``): the rescheduling

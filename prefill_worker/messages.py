@@ -77,7 +77,9 @@ class PrefillStepOutput:
     first_tokens: list[FirstToken] = field(default_factory=list)
     transferred: list[str] = field(default_factory=list)  # KV acknowledged by the decode side
     failed: list[PrefillFailure] = field(default_factory=list)
+    tokens_computed: int = 0  # prompt tokens the step's forward pass computed, in ``compute_s`` seconds
+    compute_s: float = 0.0  # (the router's measure of how fast the instance prefills)
 
     @property
     def empty(self) -> bool:
-        return not (self.first_tokens or self.transferred or self.failed)
+        return not (self.first_tokens or self.transferred or self.failed or self.tokens_computed)

@@ -147,7 +147,9 @@ class PrefillWorker:
         if chunks:
             t0 = time.perf_counter()
             logits = self._forward(chunks)
-            self.pass_log.record("prefill", time.perf_counter() - t0, chunks=[[c.start, c.num_tokens] for c in chunks])
+            out.compute_s = time.perf_counter() - t0
+            out.tokens_computed = sum(c.num_tokens for c in chunks)
+            self.pass_log.record("prefill", out.compute_s, chunks=[[c.start, c.num_tokens] for c in chunks])
             out.first_tokens.extend(self._sample(chunks, logits))
         return out
 

@@ -378,7 +378,7 @@ class KVTierStatus(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., hits: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., stored: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling", "dtype", "dtype_reason")
+    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling", "dtype", "dtype_reason", "load_aware_placements")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +389,7 @@ class ClusterStatus(_message.Message):
     RECENT_SCALING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOAD_AWARE_PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     queued_requests: int
     running_requests: int
@@ -399,7 +400,18 @@ class ClusterStatus(_message.Message):
     recent_scaling: _containers.RepeatedCompositeFieldContainer[ScalePoolResult]
     dtype: str
     dtype_reason: str
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolShape, _Mapping]]] = ..., recent_scaling: _Optional[_Iterable[_Union[ScalePoolResult, _Mapping]]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
+    load_aware_placements: _containers.RepeatedCompositeFieldContainer[PlacementCount]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolShape, _Mapping]]] = ..., recent_scaling: _Optional[_Iterable[_Union[ScalePoolResult, _Mapping]]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., load_aware_placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ...) -> None: ...
+
+class PlacementCount(_message.Message):
+    __slots__ = ("prefilled_on", "reason", "count")
+    PREFILLED_ON_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    prefilled_on: str
+    reason: str
+    count: int
+    def __init__(self, prefilled_on: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PassLogRequest(_message.Message):
     __slots__ = ()
