@@ -12,7 +12,12 @@ Systems:
 * fixed max: every pool at its bound;
 * elastic: starting from the bounds' minimums, ``planner/sim_elastic.py`` (the served planner's window,
   decisions and policy) resizes the pools; a new instance holds its GPUs from the resize and serves
-  ``--startup-s`` later (placement, weights, warm-up), once per value given.
+  ``--startup-s`` later (placement, weights, warm-up), once per value given;
+* with load-aware disaggregation (``controller/load_aware.py``: a prompt the prefill pool would serve past
+  the TTFT target is prefilled on a decode instance within its TPOT slack, both at 0.8 of the SLOs, as the
+  served default): the best fixed plan found again, and the elastic run at the first start-up time, without
+  and with role changes (an instance switching pools in place, serving in the other ``--switch-s`` after it
+  drained).
 
 Figures per system: SLO attainment (whole trace and per phase), GPU-hours held, goodput per GPU-hour
 (requests that met both SLOs per GPU-hour) and its ratio to the best fixed plan's; the elastic runs' resizes.
@@ -36,6 +41,7 @@ from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_plots import _pyplot  # noqa: E402
 from controller.config import AutoscaleSection, PoolBounds  # noqa: E402
 from decode_worker.config import SpeculationConfig  # noqa: E402
+from controller.load_aware import LoadAwarePolicy  # noqa: E402
 from planner.analytical import analytical_profile  # noqa: E402
 from planner.search import SLOTarget  # noqa: E402
 from planner.sim_elastic import simulate_elastic  # noqa: E402
@@ -70,11 +76,19 @@ def phased_trace(phases, seed: int) -> list[RequestSpec]:
     return trace
 
 
-def config_for(profile, tp: int, prefill: int, decode: int) -> SimConfig:
+SLO_MARGIN = 0.8  # load-aware decisions aim at this fraction of each SLO (load_aware.slo_margin's default)
+
+
+def config_for(profile, tp: int, prefill: int, decode: int, load_aware: SLOTarget | None = None) -> SimConfig:
+    """``prefill`` + ``decode`` instances of ``tp`` GPUs; with ``load_aware`` (the SLOs), load-aware
+    disaggregation on."""
     costs = profile.costs(tp, 1)
+    aware = {} if load_aware is None else {
+        "load_aware": LoadAwarePolicy(True, load_aware.ttft_s * SLO_MARGIN),
+        "decode_prefill_tpot_s": load_aware.tpot_s * SLO_MARGIN}
     return SimConfig(prefill=PoolPlan(prefill, tp, costs.prefill_kv_capacity_tokens, 8192, 256),
                      decode=PoolPlan(decode, tp, costs.kv_capacity_tokens, 1, 256),
-                     speculation=SpeculationConfig(drafter="none"), max_concurrent=1_000_000)
+                     speculation=SpeculationConfig(drafter="none"), max_concurrent=1_000_000, **aware)
 
 
 def summarise(records, slo: SLOTarget, phases, device_seconds: float) -> dict:
@@ -95,12 +109,12 @@ def summarise(records, slo: SLOTarget, phases, device_seconds: float) -> dict:
             "goodput_per_gpu_hour": good / gpu_hours, "attainment_per_minute": timeline}
 
 
-def best_fixed(profile, tp: int, bounds: tuple[int, int], trace, slo: SLOTarget):
+def best_fixed(profile, tp: int, bounds: tuple[int, int], trace, slo: SLOTarget, load_aware: bool = False):
     """The fixed (prefill, decode) with the fewest GPUs that meets the target on the whole trace."""
     shapes = sorted(itertools.product(range(bounds[0], bounds[1] + 1), repeat=2), key=lambda s: (sum(s), s[1]))
     for p, d in shapes:
         watch = AttainmentWatch(len(trace), slo.ttft_s, slo.tpot_s, slo.attainment)
-        if simulate(profile, config_for(profile, tp, p, d), trace, watch=watch).verdict:
+        if simulate(profile, config_for(profile, tp, p, d, slo if load_aware else None), trace, watch=watch).verdict:
             return p, d
     return None
 
@@ -113,11 +127,13 @@ def run(args) -> dict:
     lo, hi = 1, args.max_instances
     systems = {}
 
-    def fixed(label: str, p: int, d: int) -> None:
+    def fixed(label: str, p: int, d: int, load_aware: bool = False) -> None:
         t0 = time.perf_counter()
-        res = simulate(profile, config_for(profile, args.tp, p, d), trace)
+        res = simulate(profile, config_for(profile, args.tp, p, d, slo if load_aware else None), trace)
         systems[label] = {"shape": f"{p} P + {d} D (tp{args.tp})", "gpus": [(0.0, (p + d) * args.tp)],
                           **summarise(res.records, slo, phases, res.device_seconds)}
+        if res.load_aware is not None:
+            systems[label]["load_aware"] = {f"{w}/{r}": n for (w, r), n in sorted(res.load_aware.items())}
         print(f"{label}: {systems[label]['attainment']:.3f}, {systems[label]['gpu_hours']:.2f} GPU-h "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
@@ -128,20 +144,33 @@ def run(args) -> dict:
     autoscale = AutoscaleSection(prefill=PoolBounds(lo, hi), decode=PoolBounds(lo, hi), interval_s=args.interval_s,
                                  window_s=args.window_s, cooldown_s=args.cooldown_s, headroom=args.headroom,
                                  decision_time_limit_s=args.decision_time_limit_s)
-    for startup in args.startup_s:
+    runs = [(f"elastic (start-up {startup:g} s)", startup, False, None) for startup in args.startup_s]
+    if args.load_aware:
+        best_aware = best_fixed(profile, args.tp, (lo, hi), trace, slo, load_aware=True)
+        if best_aware is not None:
+            fixed("best fixed, load-aware", *best_aware, load_aware=True)
+        first = args.startup_s[0]
+        runs += [(f"elastic (start-up {first:g} s), load-aware", first, True, None),
+                 (f"elastic (start-up {first:g} s), load-aware, role changes ({args.switch_s:g} s)", first, True,
+                  args.switch_s)]
+    for label, startup, aware, switch_s in runs:
         t0 = time.perf_counter()
-        er = simulate_elastic(profile, config_for(profile, args.tp, lo, lo), trace, slo, autoscale, startup)
+        er = simulate_elastic(profile, config_for(profile, args.tp, lo, lo, slo if aware else None), trace, slo,
+                              autoscale, startup, switch_s=switch_s)
         end = er.result.duration_s
         steps = sorted({0.0, *(i.allocated_s for i in er.instances),
                         *(i.stopped_s for i in er.instances if not math.isnan(i.stopped_s))})
-        label = f"elastic (start-up {startup:g} s)"
         systems[label] = {
             "shape": f"{lo}-{hi} P + {lo}-{hi} D (tp{args.tp}), planner", "startup_s": startup,
             "gpus": [(t, er.devices_at(t)) for t in steps if t <= end],
             "resizes": [{"at_s": t, "pool": pool, "instances": n} for t, pool, n in er.resizes()],
             "decision_seconds_max": max((t.decision.seconds for t in er.ticks), default=0.0),
             "decisions": len(er.ticks),
+            "role_changes": sum(1 for t in er.ticks if len(t.resizes) == 2 and sum(t.resizes.values()) ==
+                                sum(t.current.values())) if switch_s is not None else 0,
             **summarise(er.result.records, slo, phases, er.result.device_seconds)}
+        if er.result.load_aware is not None:
+            systems[label]["load_aware"] = {f"{w}/{r}": n for (w, r), n in sorted(er.result.load_aware.items())}
         print(f"{label}: {systems[label]['attainment']:.3f}, {systems[label]['gpu_hours']:.2f} GPU-h, "
               f"{len(systems[label]['resizes'])} resizes ({time.perf_counter() - t0:.0f} s)", flush=True)
     base = systems.get("best fixed")
@@ -184,8 +213,15 @@ def write_markdown(result: dict, path: str) -> None:
         if "resizes" not in s:
             continue
         moves = ", ".join(f"{r['at_s']:.0f} s {r['pool']} -> {r['instances']}" for r in s["resizes"])
-        lines.append(f"- {label}: {len(s['resizes'])} resizes over {s['decisions']} decisions (slowest decision "
-                     f"{s['decision_seconds_max']:.1f} s of wall time): {moves}")
+        switched = f", {s['role_changes']} of them role changes" if s.get("role_changes") else ""
+        lines.append(f"- {label}: {len(s['resizes'])} resizes{switched} over {s['decisions']} decisions (slowest "
+                     f"decision {s['decision_seconds_max']:.1f} s of wall time): {moves}")
+    for label, s in result["systems"].items():
+        if "load_aware" in s:
+            total = sum(s["load_aware"].values())
+            local = sum(n for k, n in s["load_aware"].items() if k.startswith("decode/"))
+            lines.append(f"- {label}: {local} of {total} prompts prefilled on a decode instance "
+                         f"({local / max(total, 1):.1%})")
     best = result["systems"].get("best fixed")
     if best is not None:
         lines += ["", "Reading:", ""]
@@ -257,6 +293,10 @@ def main() -> None:
     ap.add_argument("--headroom", type=float, default=1.2)
     ap.add_argument("--decision-time-limit-s", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-load-aware", dest="load_aware", action="store_false",
+                    help="leave out the systems with load-aware disaggregation and role changes")
+    ap.add_argument("--switch-s", type=float, default=10.0,
+                    help="seconds from a drained instance's role change to it serving in the other pool")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "elastic_pools_simulated"))
     args = ap.parse_args()
     result = run(args)

@@ -1,4 +1,5 @@
-"""Ray actors around the prefill and decode workers, and the colocated reference engine.
+"""Ray actors around the prefill and decode workers (one class: an instance may change role), and the colocated
+reference engine.
 
 Each actor owns its worker and runs the worker's loop on a background thread; the router talks to it
 through small methods (submit, add_remote, abort, poll, status) that pass the worker's step gate
@@ -164,118 +165,85 @@ def _driver_group(tp: RankSpec | None, instance_id: str, device: str):
     return None if tp is None else tp.form(instance_id, device)
 
 
-class PrefillActor(_LoopActor):
-    """A prefill instance: chunked prefill, first tokens, KV sent to decode instances. With ``tp``, the
-    instance's rank 0 (the other ranks are :class:`RankFollowerActor`)."""
-
-    def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, tp: RankSpec | None = None):
-        torch.set_num_threads(threads)
-        self.instance_id = instance_id
-        self.worker = PrefillWorker(model_path, config, instance_id, tp=_driver_group(tp, instance_id, config.device))
-        self._start_loop(f"prefill-loop-{instance_id}")
-
-    def connect(self, decode_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
-        """Form the KV channels to a decode instance of ``peer_tp`` ranks (blocks until they join; not under
-        the loop lock)."""
-
-        self.worker.connect(decode_id, Rendezvous(host, port), generation, decode_tp=peer_tp)
-
-    def submit(self, request) -> None:
-        with self._gate.call():
-            self.worker.add_request(request)
-
-    def abort(self, request_id: str) -> bool:
-        with self._gate.call():
-            return self.worker.abort(request_id)
-
-    def status(self) -> dict:
-        with self._gate.call():
-            return {**_scheduler_status(self.instance_id, "prefill", self.worker), **self.worker.transfer_stats()}
-
-    def _step(self) -> list:
-        if not self.worker.has_work() and not self.worker.transfers_pending():
-            return _with_cache_events([], self.worker)
-        out = self.worker.step()
-        return _with_cache_events([] if out.empty else [out], self.worker)
+ROLES = ("prefill", "decode")
 
 
-class DecodeActor(_LoopActor):
-    """A decode instance: its worker receives KV, admits requests once their KV is complete, speculates."""
+class DisaggregatedActor(_LoopActor):
+    """A prefill or a decode instance (``role``): a prefill worker (chunked prefill, first tokens, KV sent to
+    decode instances) or a decode worker (KV received, speculative decoding), whichever ``role`` says now.
+
+    ``become`` changes the role between two steps, in the same process: the worker, drained by the router, is
+    closed (its KV channels aborted, its tiers' writes finished) and a worker of the other role takes its place
+    over the same weights in memory; its disk tier, kept under the instance's name, is found again (the host
+    tier and the pool start empty). The controller then forms the new role's KV channels. ``pools``: each
+    role's pool config. With ``tp``, the instance's rank 0 (the other ranks are :class:`RankFollowerActor`);
+    such an instance keeps its role."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
-                 tp: RankSpec | None = None):
+                 role: str = "prefill", pools: dict | None = None, tp: RankSpec | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {role!r}")
         torch.set_num_threads(threads)
-        self.instance_id = instance_id
-        self.worker = DecodeWorker(model_path, config, instance_id, transfer_config or TransferConfig(),
-                                   tp=_driver_group(tp, instance_id, config.device))
+        self.instance_id, self.role = instance_id, role
+        self.pools = {**(pools or {}), role: config}
+        self.transfer_config = transfer_config or TransferConfig()
+        self._sharded = tp is not None and tp.size > 1
+        self.worker = self._make_worker(role, model_path, _driver_group(tp, instance_id, config.device))
         self._last_report, self._reported_at = None, 0.0
-        self._start_loop(f"decode-loop-{instance_id}")
+        self._start_loop(f"{role}-loop-{instance_id}")
 
-    def connect(self, prefill_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
-        self.worker.connect(prefill_id, Rendezvous(host, port), generation, prefill_tp=peer_tp)
+    def _make_worker(self, role: str, model, tp=None):
+        if role == "prefill":
+            return PrefillWorker(model, self.pools[role], self.instance_id, tp=tp)
+        return DecodeWorker(model, self.pools[role], self.instance_id, self.transfer_config, tp=tp)
 
-    # admission: every source through the worker's one door (``DecodeWorker.admit``)
-
-    def add_remote(self, request) -> bool:
-        """Hold ``request`` (a ``DecodeRequest``) until its KV arrives, with room reserved; False: no room."""
+    def become(self, role: str) -> None:
+        """Change to ``role`` between steps (see the class doc). Raises ValueError for a role this instance
+        cannot take, RuntimeError while its worker still holds work (the router drains it first)."""
+        if role not in self.pools:
+            raise ValueError(f"role: must be one of {', '.join(self.pools)}, got {role!r}")
+        if self._sharded and role != self.role:
+            raise ValueError(f"{self.instance_id}: a tensor-parallel instance keeps its role")
         with self._gate.call():
-            return self.worker.admit(request, RemoteKV())
+            if role == self.role:
+                return
+            if self._holds_work():
+                raise RuntimeError(f"{self.instance_id} still holds work as a {self.role} instance")
+            old = self.worker
+            loaded = old.loaded
+            (old.sender if self.role == "prefill" else old.receiver).close()  # peers see the channels end
+            old.close()  # the tiers' queued writes finished and their directory released for the new worker
+            self.worker = self._make_worker(role, loaded)
+            self.role = role
+            self._last_report = None
+            log.warning("%s is a %s instance now", self.instance_id, role)
 
-    def add_prefill(self, request) -> bool:
-        """Prefill ``request`` here from its cached prefix, then decode it; False: no room."""
-        with self._gate.call():
-            return self.worker.admit(request, LocalPrefill())
+    def _holds_work(self) -> bool:
+        w = self.worker
+        if self.role == "prefill":
+            return w.has_work() or bool(w.transfers_pending())
+        return bool(w.requests) or bool(w.migrations.outgoing) or bool(w.migrations.incoming)
 
-    def add_resume(self, request) -> bool:
-        """Continue ``request`` (a ``ResumeRequest``) where a dead instance left it; False: no room."""
-        with self._gate.call():
-            return self.worker.admit(request, Resume())
+    def _as(self, role: str):
+        """The worker, which must be of ``role`` (a call for the other role fails: the router retries it)."""
+        if self.role != role:
+            raise RuntimeError(f"{self.instance_id} is a {self.role} instance, not a {role} one")
+        return self.worker
+
+    def connect(self, peer_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
+        """Form the KV channels with an instance of the other pool of ``peer_tp`` ranks (blocks until they
+        join; not under the loop lock)."""
+        self.worker.connect(peer_id, Rendezvous(host, port), generation, peer_tp)
 
     def abort(self, request_id: str) -> bool:
         with self._gate.call():
             return self.worker.abort(request_id)
-
-    # live migration (``decode_worker/migration.py``; the router decides every outcome)
-
-    def connect_migration(self, destination: str, host: str, port: int, generation: int,
-                          destination_tp: int = 1) -> None:
-        """Form the channels this instance migrates requests to ``destination`` over (blocks until the
-        destination's ``connect`` joins; not under the loop lock)."""
-
-        self.worker.migrations.connect(destination, Rendezvous(host, port), generation, destination_tp)
-
-    def migrate_in(self, request, num_tokens: int):
-        """Destination: the positions reserved for a request migrating here, or None (no room); admitted
-        through the worker's door as ``MigrationIn`` with room for the steps its source runs meanwhile."""
-        with self._gate.call():
-            return self.worker.migrations.begin_in(request, num_tokens)
-
-    def migrate_out(self, request_id: str, destination: str, capacity_tokens: int) -> str | None:
-        """Source: start sending a decoding request to ``destination``; None when started, else why not."""
-        with self._gate.call():
-            return self.worker.migrations.begin_out(request_id, destination, capacity_tokens)
-
-    def commit_migration(self, request_id: str) -> bool:
-        with self._gate.call():
-            return self.worker.migrations.commit(request_id)
-
-    def finish_migration(self, request_id: str) -> bool:
-        with self._gate.call():
-            return self.worker.migrations.finish(request_id)
-
-    def abort_migration(self, request_id: str) -> bool:
-        with self._gate.call():
-            return self.worker.migrations.abort(request_id)
-
-    def request_loads(self):
-        """The pool's load report now (``PoolLoad``: each running request's KV blocks and the blocks held
-        otherwise), read by the global rescheduling policy (``controller/migration_policy.py``)."""
-        with self._gate.call():
-            return self.worker.request_loads()
 
     def status(self) -> dict:
         with self._gate.call():
             w = self.worker
+            if self.role == "prefill":
+                return {**_scheduler_status(self.instance_id, "prefill", w), **w.transfer_stats()}
             m = w.metrics.summary()
             return {"name": self.instance_id, "role": "decode", "device": str(w.loaded.device),
                     "queue_length": w.num_waiting_for_kv, "running": w.num_running, **_cache_status(w),
@@ -285,8 +253,14 @@ class DecodeActor(_LoopActor):
                     "k_counts": m["k_counts"], "last_k": m["last_k"], "preemptions": m["preemptions"]}
 
     def _step(self) -> list:
-        out = self.worker.step()  # polls the KV receiver even when idle: handshakes wait on it
-        report = self.worker.request_loads()
+        w = self.worker
+        if self.role == "prefill":
+            if not w.has_work() and not w.transfers_pending():
+                return _with_cache_events([], w)
+            out = w.step()
+            return _with_cache_events([] if out.empty else [out], w)
+        out = w.step()  # polls the KV receiver even when idle: handshakes wait on it
+        report = w.request_loads()
         now = time.monotonic()
         # the router places new requests by these: a change in what the instance holds goes out at once,
         # a change in block counts alone at most every LOAD_REPORT_PERIOD_S
@@ -295,7 +269,68 @@ class DecodeActor(_LoopActor):
                 (report != last and now - self._reported_at >= LOAD_REPORT_PERIOD_S):
             self._last_report, self._reported_at = report, now
             out = [*out, report]
-        return _with_cache_events(out, self.worker)
+        return _with_cache_events(out, w)
+
+    # prefill: prompts to compute
+
+    def submit(self, request) -> None:
+        with self._gate.call():
+            self._as("prefill").add_request(request)
+
+    # decode admission: every source through the worker's one door (``DecodeWorker.admit``)
+
+    def add_remote(self, request) -> bool:
+        """Hold ``request`` (a ``DecodeRequest``) until its KV arrives, with room reserved; False: no room."""
+        with self._gate.call():
+            return self._as("decode").admit(request, RemoteKV())
+
+    def add_prefill(self, request) -> bool:
+        """Prefill ``request`` here from its cached prefix, then decode it; False: no room."""
+        with self._gate.call():
+            return self._as("decode").admit(request, LocalPrefill())
+
+    def add_resume(self, request) -> bool:
+        """Continue ``request`` (a ``ResumeRequest``) where a dead instance left it; False: no room."""
+        with self._gate.call():
+            return self._as("decode").admit(request, Resume())
+
+    # live migration between decode instances (``decode_worker/migration.py``; the router decides every outcome)
+
+    def connect_migration(self, destination: str, host: str, port: int, generation: int,
+                          destination_tp: int = 1) -> None:
+        """Form the channels this instance migrates requests to ``destination`` over (blocks until the
+        destination's ``connect`` joins; not under the loop lock)."""
+
+        self._as("decode").migrations.connect(destination, Rendezvous(host, port), generation, destination_tp)
+
+    def migrate_in(self, request, num_tokens: int):
+        """Destination: the positions reserved for a request migrating here, or None (no room); admitted
+        through the worker's door as ``MigrationIn`` with room for the steps its source runs meanwhile."""
+        with self._gate.call():
+            return self._as("decode").migrations.begin_in(request, num_tokens)
+
+    def migrate_out(self, request_id: str, destination: str, capacity_tokens: int) -> str | None:
+        """Source: start sending a decoding request to ``destination``; None when started, else why not."""
+        with self._gate.call():
+            return self._as("decode").migrations.begin_out(request_id, destination, capacity_tokens)
+
+    def commit_migration(self, request_id: str) -> bool:
+        with self._gate.call():
+            return self._as("decode").migrations.commit(request_id)
+
+    def finish_migration(self, request_id: str) -> bool:
+        with self._gate.call():
+            return self._as("decode").migrations.finish(request_id)
+
+    def abort_migration(self, request_id: str) -> bool:
+        with self._gate.call():
+            return self._as("decode").migrations.abort(request_id)
+
+    def request_loads(self):
+        """The pool's load report now (``PoolLoad``: each running request's KV blocks and the blocks held
+        otherwise), read by the global rescheduling policy (``controller/migration_policy.py``)."""
+        with self._gate.call():
+            return self._as("decode").request_loads()
 
 
 class ColocatedActor(_LoopActor):

@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from controller.actors import (ColocatedActor, DecodeActor, PrefillActor, RankFollowerActor, RankSpec,
+from controller.actors import (ColocatedActor, DisaggregatedActor, RankFollowerActor, RankSpec,
                                ray_actor_class)
 from controller.config import ClusterConfig
 from controller.kv_store import MooncakeStoreService
@@ -177,10 +177,12 @@ class Cluster:
 
     def _start_disaggregated(self, model: str, timeline: StartupTimeline) -> None:
         p, d, transfer = self.config.prefill, self.config.decode, self.config.kv_transfer
+        pools = {"prefill": p, "decode": d}  # an instance may change role: it carries both pools' configs
         with timeline.phase("placement"):  # the groups placed, the actors asked for (they start meanwhile)
-            self.prefill = self._start_pool("prefill", p, PrefillActor, model, lambda name: (name, p.threads))
-            self.decode = self._start_pool("decode", d, DecodeActor, model, lambda name: (name, d.threads, transfer),
-                                           transfer)
+            self.prefill = self._start_pool("prefill", p, DisaggregatedActor, model,
+                                            lambda name: (name, p.threads, transfer, "prefill", pools))
+            self.decode = self._start_pool("decode", d, DisaggregatedActor, model,
+                                           lambda name: (name, d.threads, transfer, "decode", pools), transfer)
         with timeline.phase("workers"):  # processes, imports, model load, KV pool, start-up profiling
             self._wait_ready()
         with timeline.phase("kv channels"):
@@ -319,8 +321,8 @@ class Cluster:
         generation, so its tensor-parallel group and KV channels form anew. Raises ClusterError once the
         instance has used its restarts or the new ranks do not come up."""
 
-        if inst.generation >= MAX_INSTANCE_RESTARTS:
-            raise ClusterError(f"{inst.role} {inst.name}: restarted {inst.generation} times already; "
+        if inst.restarts >= MAX_INSTANCE_RESTARTS:
+            raise ClusterError(f"{inst.role} {inst.name}: restarted {inst.restarts} times already; "
                                "left out of service")
         launch = self._launches[inst.name]
         self._up.discard(inst.name)
@@ -330,12 +332,53 @@ class Cluster:
             except Exception:  # already gone
                 pass
         inst.generation += 1
+        inst.restarts += 1
         self._launch(inst, launch)
         try:
             await asyncio.wait_for(asyncio.gather(*(h.ping.remote() for h in self._ranks(inst))),
                                    READY_TIMEOUT_S)
         except Exception as err:
             raise ClusterError(f"{inst.role} {inst.name}: its new ranks did not come up: {err}") from None
+        await self.rewire(inst)
+
+    def switch_problem(self) -> str | None:
+        """Why instances cannot change role between this cluster's pools (None: they can)."""
+        if self.config.mode != "disaggregated":
+            return f"a {self.config.mode} cluster has one pool"
+        p, d = self.config.prefill, self.config.decode
+        if p.tensor_parallel > 1 or d.tensor_parallel > 1:
+            return "an instance of several tensor-parallel ranks keeps its role"
+        if pool_bundle(p) != pool_bundle(d):
+            return (f"prefill and decode instances hold different resources ({pool_bundle(p)} against "
+                    f"{pool_bundle(d)}): an instance changes role only between pools of one shape")
+        return None
+
+    async def switch_role(self, inst: Instance, role: str) -> None:
+        """Make ``inst`` (drained by the router) an instance of pool ``role`` in its own process and placement
+        group: its worker changes role (``DisaggregatedActor.become``, the weights kept in memory), it takes a new
+        generation (its KV channels form anew; its counters restart, carried over by the metrics), and it forms
+        the new role's KV channels with every live instance of the other pool. Raises ClusterError when the pools
+        cannot exchange instances (``switch_problem``) or the worker refused; once the worker has switched, the
+        instance is in its new pool whatever the channels' formation gives (``rewire`` raises when none formed)."""
+        problem = self.switch_problem()
+        if problem is not None:
+            raise ClusterError(f"{inst.name}: {problem}")
+        if role not in self._pools or role == inst.role:
+            raise ClusterError(f"role: {inst.name} is a {inst.role} instance; it can become "
+                               f"{' or '.join(r for r in self._pools if r != inst.role)}")
+        try:
+            await asyncio.wait_for(inst.handle.become.remote(role), READY_TIMEOUT_S)
+        except Exception as err:
+            raise ClusterError(f"{inst.role} {inst.name}: did not become a {role} instance: "
+                               f"{type(err).__name__}: {err}") from None
+        getattr(self, inst.role).remove(inst)
+        getattr(self, role).append(inst)
+        pool, _, _, args, transfer = self._pools[role]
+        self._launches[inst.name] = dataclasses.replace(self._launches[inst.name], role=role, pool=pool, args=args,
+                                                        transfer=transfer)
+        inst.role = role
+        inst.generation += 1
+        self._up.discard(inst.name)
         await self.rewire(inst)
 
     async def check_ranks(self, inst: Instance) -> None:

@@ -288,8 +288,9 @@ class LoadAwareSection:
 
 @dataclass(frozen=True)
 class PoolBounds:
-    """How far a pool may be resized while serving: ``min_instances`` (>= 1) to ``max_instances`` (null: as
-    many as Ray can place)."""
+    """How far a pool may be resized while serving: ``min_instances`` to ``max_instances`` (null: as many as
+    Ray can place). Only the prefill pool may go down to 0 (its instances all switched to decoding: the decode
+    instances then prefill every prompt themselves); the others keep at least 1."""
 
     min_instances: int = 1
     max_instances: int | None = None
@@ -298,7 +299,7 @@ class PoolBounds:
         raise_first(self.check())
 
     def check(self) -> Problems:
-        errs = integers(self, ("min_instances",), low=1)
+        errs = integers(self, ("min_instances",), low=0)
         top = self.max_instances
         if not errs and top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < self.min_instances):
             errs.append(("max_instances", f"must be an integer >= min_instances ({self.min_instances}) or null, "
@@ -360,7 +361,7 @@ class AutoscaleSection:
             if b.max_instances is None:
                 raise ConfigError(f"autoscale.{role}.max_instances: required when autoscale.enabled (the planner "
                                   "searches up to it)")
-            out[role] = (b.min_instances, b.max_instances)
+            out[role] = (max(1, b.min_instances), b.max_instances)  # the planner's shapes keep every pool
         return out
 
 
@@ -409,6 +410,10 @@ class ClusterConfig:
             except ConfigError as err:
                 name, _, why = str(err).partition(": ")
                 return [(name, why)]
+        for role in ("decode", "colocated"):
+            if getattr(self.autoscale, role).min_instances < 1:
+                return [(f"autoscale.{role}.min_instances", f"must be >= 1 (only the prefill pool may empty), got "
+                                                            f"{getattr(self.autoscale, role).min_instances}")]
         for role, pool in self.pools.items():
             bounds = getattr(self.autoscale, role)
             top = bounds.max_instances

@@ -157,11 +157,49 @@ class Router:
         still prefilling, finishes there), a prefill instance finishes what it holds. Then it is no longer
         polled, and the caller stops its actors. Raises RouterError (the instance back in service) when it still
         holds requests after ``timeout_s`` or is its pool's last alive instance."""
-        ctx, pool = self.context, self.context.pool_of(inst)
+        pool = self.context.pool_of(inst)
         if inst not in pool:
             raise RouterError("INVALID_ARGUMENT", f"instance: {inst.name} is not in the {inst.role} pool")
         if not any(i.alive and not i.draining for i in pool if i is not inst):
             raise RouterError("FAILED_PRECONDITION", f"{inst.name} is the last {inst.role} instance in service")
+        await self._drain(inst, timeout_s)
+        pool.remove(inst)
+        self.instances.remove(inst)
+        self.watch.unwatch(inst)
+        self.kv_index.drop(inst.name)
+        log.warning("%s %s left", inst.role, inst.name)
+
+    async def switch(self, inst: Instance, role: str, become, timeout_s: float = 600.0) -> None:
+        """Move ``inst`` to pool ``role`` without losing a request: drained as ``retire`` drains it (it gets no
+        new requests; a decode instance's running requests move away by live migration, a prefill instance
+        finishes its prompts), then ``become(inst, role)`` (``Cluster.switch_role``: its worker changes role and its
+        KV channels form), then it takes requests in its new pool. The decode pool keeps an instance in
+        service; the prefill pool may empty (decode instances then prefill every prompt themselves). Raises
+        RouterError with the instance back in its pool when it could not drain or its worker did not switch."""
+        ctx, pool = self.context, self.context.pool_of(inst)
+        if inst not in pool or role == inst.role or role not in ("prefill", "decode"):
+            raise RouterError("INVALID_ARGUMENT", f"instance: {inst.name} is a {inst.role} instance; it can "
+                                                  f"become a {'decode' if inst.role == 'prefill' else 'prefill'} one")
+        if inst.role == "decode" and not any(i.alive and not i.draining for i in pool if i is not inst):
+            raise RouterError("FAILED_PRECONDITION", f"{inst.name} is the last decode instance in service")
+        await self._drain(inst, timeout_s)
+        old = inst.role
+        try:
+            await become(inst, role)
+        finally:
+            if inst.role == old:  # the worker did not switch: back in service where it was
+                inst.draining = False
+            else:  # its new pool, whatever its channels' formation gave
+                pool.remove(inst)
+                self.kv_index.drop(inst.name)  # the new worker's first report lists what its tiers hold
+                inst.load, inst.placed, inst.room, inst.draining = None, {}, True, False
+                ctx.pool_of(inst).append(inst)
+                log.warning("%s is a %s instance now", inst.name, inst.role)
+
+    async def _drain(self, inst: Instance, timeout_s: float) -> None:
+        """Stop sending ``inst`` requests and wait until it holds none (a decode instance's move away by live
+        migration); raises RouterError, the instance back in service, after ``timeout_s``."""
+        ctx = self.context
         inst.draining = True
         deadline = time.monotonic() + timeout_s
         try:
@@ -176,11 +214,6 @@ class Router:
         except BaseException:
             inst.draining = False
             raise
-        pool.remove(inst)
-        self.instances.remove(inst)
-        self.watch.unwatch(inst)
-        self.kv_index.drop(inst.name)
-        log.warning("%s %s left", inst.role, inst.name)
 
     # -- requests ------------------------------------------------------------------------------------------
 

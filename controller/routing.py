@@ -22,7 +22,8 @@ class Instance:
     role: str  # "prefill" | "decode" | "colocated"
     handle: object
     alive: bool = True
-    generation: int = 0  # bumped when the instance restarts (new ranks, new group and KV channels)
+    generation: int = 0  # bumped when the instance restarts or changes role (new KV channels, counters from 0)
+    restarts: int = 0  # times its ranks were replaced after a fault
     assigned: set = field(default_factory=set)  # request ids currently placed here
     migrating_in: set = field(default_factory=set)  # request ids migrating here, not yet committed
     draining: bool = False  # takes no new requests (``Router.drain``)

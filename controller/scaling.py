@@ -38,6 +38,8 @@ class ScaleDecision:
     removed: tuple[str, ...] = ()
     error: str = ""  # why the pool did not reach ``desired`` (it was left as it stood)
     seconds: float = 0.0
+    switched: tuple[str, ...] = ()  # instances that changed role, into ``pool`` or out of it to ``switch_from``
+    switch_from: str = ""  # the pool that gave (or took) the switched instances
 
 
 @dataclass
@@ -77,29 +79,39 @@ class Scaler:
                        "instances": [i.name for i in insts]}
                 for role, insts in self.in_service().items()}
 
-    async def scale(self, pool: str, instances: int, reason: str = "manual", hold: bool | None = None) -> ScaleDecision:
+    async def scale(self, pool: str, instances: int, reason: str = "manual", hold: bool | None = None,
+                    switch_from: str = "") -> ScaleDecision:
         """Bring ``pool`` to ``instances`` in service. ``hold`` (default: a manual resize holds) keeps an
-        automatic decision from changing it; ``hold=False`` with the current size releases it. Raises
-        RouterError for a pool or size outside the bounds; a resize that fails midway is reported in the
-        decision's ``error`` with the pool left at the size it reached, every instance whole."""
+        automatic decision from changing it; ``hold=False`` with the current size releases it. ``switch_from``:
+        the other pool gives the instances (or takes them back), each changing role in place (``Router.switch``)
+        instead of being placed or stopped, so the cluster's devices stay as they are. Raises RouterError for a
+        pool or size outside the bounds; a resize that fails midway is reported in the decision's ``error`` with
+        the pool left at the size it reached, every instance whole."""
         if pool not in self._pools:
             raise RouterError("INVALID_ARGUMENT", f"pool: {pool!r}; this cluster's pools: {', '.join(self._pools)}")
-        limits = getattr(self.bounds, pool)
-        top = limits.max_instances
-        if isinstance(instances, bool) or not isinstance(instances, int) or instances < limits.min_instances or \
-                (top is not None and instances > top):
-            raise RouterError("INVALID_ARGUMENT", f"instances: {instances!r} is outside autoscale.{pool} "
-                                                  f"[{limits.min_instances}, {top if top is not None else 'any'}]")
+        self._check_bounds(pool, instances)
         if reason != "manual" and self._pools[pool].held:
             raise RouterError("FAILED_PRECONDITION", f"{pool} is held at {self._pools[pool].desired} by hand")
+        other = None
+        if switch_from:
+            other = self._switch_target(pool, instances, switch_from, reason)
         async with self._lock:
             state = self._pools[pool]
             state.desired = instances
             state.held = (reason == "manual") if hold is None else hold
+            if other is not None:
+                self._pools[switch_from].desired, self._pools[switch_from].held = other, state.held
             self._report()
             t0, at = time.monotonic(), time.time()
-            added, removed, error = [], [], ""
+            added, removed, switched, error = [], [], [], ""
             try:
+                while switch_from and len(self.in_service()[pool]) != instances:
+                    grow = len(self.in_service()[pool]) < instances
+                    victim = self._victim(switch_from if grow else pool)
+                    await self.router.switch(victim, pool if grow else switch_from, self.cluster.switch_role,
+                                             self.bounds.drain_timeout_s)
+                    switched.append(victim.name)
+                    self._report()
                 while len(self.in_service()[pool]) < instances:
                     inst = await self.cluster.add_instance(pool, self.bounds.placement_timeout_s)
                     self.router.add_instance(inst)
@@ -114,10 +126,10 @@ class Scaler:
             except Exception as err:  # noqa: BLE001 - reported; the pool stays whole at the size it reached
                 error = f"{type(err).__name__}: {err}"
                 log.error("scaling %s to %d stopped at %d: %s", pool, instances, len(self.in_service()[pool]), error)
-            if (added or removed) and self.window is not None:
+            if (added or removed or switched) and self.window is not None:
                 self.window.shape_changed()
             decision = ScaleDecision(pool, instances, reason, at, tuple(added), tuple(removed), error,
-                                     time.monotonic() - t0)
+                                     time.monotonic() - t0, tuple(switched), switch_from)
             self.decisions.append(decision)
             self._report()
             return decision
@@ -127,8 +139,9 @@ class Scaler:
         """The online planner's loop: every ``interval_s``, a decision on the window's requests (simulated off
         the event loop), then the resizes the policy allows, pools sized by hand left alone. A decision or
         resize that fails is logged and the loop goes on: the cluster keeps serving at the shape it has.
-        The server that wires it passes ``planner`` (``decide``, ``smallest``), ``policy`` (``actions``,
-        ``acted``) and ``window`` (``summary``, ``plan_inputs``, ``acceptance``): ``planner/online.py``'s
+        A decision that moves instances between the pools is a role change where the planner says instances can
+        switch (``planner.switchable``). The server that wires it passes ``planner`` (``decide``, ``smallest``,
+        ``switchable``), ``policy`` (``switch``, ``actions``, ``acted``) and ``window`` (``summary``, ``plan_inputs``, ``acceptance``): ``planner/online.py``'s
         ``OnlinePlanner``, ``ScalePolicy`` and ``LoadWindow``."""
         loop = asyncio.get_running_loop()
         while True:
@@ -149,11 +162,20 @@ class Scaler:
                          decision.seconds, summary)
                 if self.metrics is not None:
                     self.metrics.planned(decision.shape, decision.attainment)
+                reason = (f"planner: {summary['rate']:.2f} req/s, predicted attainment "
+                          f"{decision.attainment:.2f} at {decision.shape}")
+                switch = policy.switch(decision, current) if planner.switchable else None
+                if switch is not None and not any(self._pools[p].held for p in (switch[0], switch[2])):
+                    pool, n, other = switch
+                    result = await self.scale(pool, n, reason=reason, switch_from=other)
+                    for p in (pool, other):
+                        policy.acted(p, failed=bool(result.error), grew=p == pool)
+                    if result.error:
+                        log.warning("planner's role change into %s stopped: %s", pool, result.error)
+                    continue
                 for pool, n in policy.actions(decision, current).items():
                     if self._pools[pool].held:
                         continue
-                    reason = (f"planner: {summary['rate']:.2f} req/s, predicted attainment "
-                              f"{decision.attainment:.2f} at {decision.shape}")
                     result = await self.scale(pool, n, reason=reason)
                     policy.acted(pool, failed=bool(result.error), grew=n > current[pool])
                     if result.error:
@@ -162,6 +184,37 @@ class Scaler:
                 raise
             except Exception as err:  # noqa: BLE001 - the planner failing must not take the service down
                 log.error("online planner: %s: %s", type(err).__name__, err)
+
+    def _check_bounds(self, pool: str, instances) -> None:
+        limits = getattr(self.bounds, pool)
+        top = limits.max_instances
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < limits.min_instances or \
+                (top is not None and instances > top):
+            raise RouterError("INVALID_ARGUMENT", f"instances: {instances!r} is outside autoscale.{pool} "
+                                                  f"[{limits.min_instances}, {top if top is not None else 'any'}]")
+
+    def _switch_target(self, pool: str, instances: int, switch_from: str, reason: str) -> int:
+        """The size ``switch_from`` reaches when it gives ``pool`` the instances it grows by (or takes those it
+        shrinks by); RouterError when the pools cannot exchange instances or that size is outside its bounds."""
+        if switch_from not in self._pools or switch_from == pool:
+            others = ", ".join(p for p in self._pools if p != pool) or "none"
+            raise RouterError("INVALID_ARGUMENT", f"switch_from: {switch_from!r}; the pools {pool} can exchange "
+                                                  f"instances with: {others}")
+        problem = self.cluster.switch_problem()
+        if problem is not None:
+            raise RouterError("FAILED_PRECONDITION", f"switch_from: {problem}")
+        if reason != "manual" and self._pools[switch_from].held:
+            raise RouterError("FAILED_PRECONDITION", f"{switch_from} is held at {self._pools[switch_from].desired} "
+                                                     "by hand")
+        other = len(self.in_service()[switch_from]) - (instances - len(self.in_service()[pool]))
+        try:
+            self._check_bounds(switch_from, other)
+        except RouterError as err:
+            raise RouterError("INVALID_ARGUMENT", f"switch_from: {switch_from} would have {other} instances; "
+                                                  f"{err}") from None
+        if switch_from == "decode" and other < 1:
+            raise RouterError("INVALID_ARGUMENT", "switch_from: the decode pool keeps an instance")
+        return other
 
     def _victim(self, pool: str) -> Instance:
         """The instance to remove: a dead one first, then the one holding the fewest requests, the newest of

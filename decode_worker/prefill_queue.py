@@ -34,6 +34,7 @@ class PrefillQueue:
         self.chunk = budget.chunk
         self.pass_log = pass_log
         self.first_tokens = first_tokens
+        self.last_seconds = 0.0  # the prompt passes of the latest ``step``
 
     def __len__(self) -> int:
         return len(self.order)
@@ -54,6 +55,7 @@ class PrefillQueue:
         """Compute the prompt tokens the budget allows this step (``decoding``: sequences decode beside them),
         oldest first; those whose prompt is complete sample their first token and start decoding."""
         budget, out = self.budget.tokens(self.head_start(), decoding), []
+        self.last_seconds = 0.0
         while self.order and budget > 0:
             held = self.requests[self.order[0]]
             seq = held.seq
@@ -63,6 +65,7 @@ class PrefillQueue:
             logits = self.runner.run([StepInput(seq.tokens[seq.num_computed:end], seq.num_computed,
                                                 seq.block_table.blocks, num_logits=int(done))])
             seconds = time.perf_counter() - start
+            self.last_seconds += seconds
             self.budget.observe_prefill(seq.num_computed, end - seq.num_computed, seconds)
             self.pass_log.record("prefill", seconds, chunks=[[seq.num_computed, end - seq.num_computed]])
             budget -= end - seq.num_computed

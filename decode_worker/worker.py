@@ -107,6 +107,7 @@ class DecodeWorker:
         self.first_tokens = FirstTokens(self.admission, self.output, self.prefix_cache)
         tpot_slo = config.prefill_tpot_slo_ms / 1e3 if config.prefill_tpot_slo_ms else None
         self.prefill_budget = PrefillBudget(config.prefill_chunk, tpot_slo)
+        self._last_decode_end: float | None = None  # perf_counter() when the last step with a decode pass ended
         self.prefills = PrefillQueue(self.runner, self.requests, prefill_order, self.prefix_cache,
                                      self.prefill_budget, self.pass_log, self.first_tokens)
         if config.profile_on_start:
@@ -193,11 +194,14 @@ class DecodeWorker:
     def step(self, k: int | None = None) -> list[TokenDelta | DecodeFailure]:
         """One decode iteration over every running sequence, after admitting the prompts whose KV arrived.
         ``k`` overrides the policy."""
+        began = time.perf_counter()
         received = self._receive() + self.migrations.poll()
         self._resume_preempted()
         received += self.prefills.step(self.decoding)
+        prefill_s = self.prefills.last_seconds
         running = [self.requests[rid] for rid in self.scheduler.running]
         if not running:
+            self._last_decode_end = None
             return received + self._take_events()
         start = time.perf_counter()
         planned, choice = (self.speculator.choose_k([h.seq for h in running], tuple(self.scheduler.running))
@@ -209,9 +213,14 @@ class DecodeWorker:
         same_shape = k == planned and len(running) == planned_batch  # the step the policy predicted
         verdicts, logits = self.speculator.run([h.seq for h in running], k, choice if same_shape else None)
         deltas = [self.output.commit(h, v, k, logits[i]) for i, (h, v) in enumerate(zip(running, verdicts))]
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
         self._record_step(k, seconds)
-        self.prefill_budget.observe_step(seconds, sum(len(v.tokens) for v in verdicts) / len(verdicts))
+        # what the decoding sequences wait between two tokens beyond the prefill chunk: since the last decode
+        # step ended (the loop's own work between steps included), else since this step began
+        since = began if self._last_decode_end is None else self._last_decode_end
+        self._last_decode_end = end
+        self.prefill_budget.observe_step(end - since - prefill_s, sum(len(v.tokens) for v in verdicts) / len(verdicts))
         self.pass_log.record("step", seconds, k=k, seqs=len(running))
         self.migrations.advance()
         return received + deltas + self._take_events()

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("pool", help="prefill, decode or colocated")
     scale.add_argument("instances", type=int, help="instances to have in service")
     scale.add_argument("--release", action="store_true", help="do not hold the pool at this size")
+    scale.add_argument("--from", dest="switch_from", default="", metavar="POOL",
+                       help="take the instances from POOL (or give them back to it), each changing role in place "
+                            "instead of being placed or stopped: e.g. `magicserve scale decode 2 --from prefill`")
     migrate = sub.add_parser("migrate", help="move a decoding request to another decode instance while it streams")
     _add_client_args(migrate, operator=True)
     migrate.add_argument("request_id")
@@ -284,7 +287,8 @@ def cmd_status(args) -> int:
 
 
 def _print_scale(r) -> None:
-    changes = [f"+{n}" for n in r.added] + [f"-{n}" for n in r.removed]
+    changes = [f"+{n}" for n in r.added] + [f"-{n}" for n in r.removed] + \
+        [f"~{n} (role changed, {r.switch_from} <-> {r.pool})" for n in r.switched]
     outcome = f"stopped: {r.error}" if r.error else "done"
     print(f"scale {r.pool} -> {r.desired}: {' '.join(changes) or 'no change'}, {outcome} in {r.seconds:.1f} s")
 
@@ -292,7 +296,8 @@ def _print_scale(r) -> None:
 def cmd_scale(args) -> int:
     with _client(args) as client:
         try:
-            res = client.scale(args.pool, args.instances, hold=False if args.release else None)
+            res = client.scale(args.pool, args.instances, hold=False if args.release else None,
+                               switch_from=args.switch_from)
         except grpc.RpcError as err:
             print(f"magicserve: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

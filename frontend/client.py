@@ -194,9 +194,10 @@ class Client:
         return self._stub.DrainInstance(pb.DrainRequest(instance=instance, undo=undo, timeout_s=timeout_s),
                                         metadata=self._metadata)
 
-    def scale(self, pool: str, instances: int, hold: bool | None = None) -> pb.ScalePoolResult:
-        """Resize ``pool`` to ``instances`` while serving (``hold`` false: release a manual hold)."""
-        req = pb.ScalePoolRequest(pool=pool, instances=instances)
+    def scale(self, pool: str, instances: int, hold: bool | None = None, switch_from: str = "") -> pb.ScalePoolResult:
+        """Resize ``pool`` to ``instances`` while serving (``hold`` false: release a manual hold;
+        ``switch_from``: the other pool gives or takes the instances, each changing role in place)."""
+        req = pb.ScalePoolRequest(pool=pool, instances=instances, switch_from=switch_from)
         if hold is not None:
             req.hold = hold
         return self._stub.ScalePool(req, metadata=self._metadata)

@@ -249,7 +249,8 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server cannot resize its pools")
         try:
             decision = await self.scaler.scale(request.pool, int(request.instances),
-                                               hold=request.hold if request.HasField("hold") else None)
+                                               hold=request.hold if request.HasField("hold") else None,
+                                               switch_from=request.switch_from)
         except RouterError as err:
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
         return _scale_result(decision, self.scaler)
@@ -319,7 +320,8 @@ def _tier_statuses(status: dict) -> list:
 
 def _scale_result(d, scaler) -> pb.ScalePoolResult:
     return pb.ScalePoolResult(pool=d.pool, desired=d.desired, current=scaler.shape()[d.pool]["current"],
-                              added=list(d.added), removed=list(d.removed), error=d.error, seconds=d.seconds)
+                              added=list(d.added), removed=list(d.removed), error=d.error, seconds=d.seconds,
+                              switched=list(d.switched), switch_from=d.switch_from)
 
 
 def _migration_result(m) -> pb.MigrationResult:
@@ -491,7 +493,8 @@ def start_planner(config: ClusterConfig, router: Router, scaler: Scaler) -> asyn
 
     planner = OnlinePlanner(Profile.load(config.autoscale_profile), SimConfig.from_cluster_config(config),
                             SLOTarget(config.slo.ttft_ms / 1e3, config.slo.tpot_ms / 1e3, config.slo.attainment),
-                            a.planning_bounds(config.pools), a.decision_time_limit_s)
+                            a.planning_bounds(config.pools), a.decision_time_limit_s,
+                            switchable=scaler.cluster.switch_problem() is None)
     router.load_window = scaler.window = LoadWindow(a.window_s)
     policy = ScalePolicy(a.cooldown_s, a.scale_down_after)
     return asyncio.get_running_loop().create_task(

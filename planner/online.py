@@ -28,6 +28,10 @@ with headroom, found with the offline planner's simulator, and when to act on th
   is planned as fast as one of 2). A simulation stops as soon as its verdict is decided
   (``planner.slo.AttainmentWatch``), and the whole decision stops at ``time_limit_s``: then the shape the
   walk has reached wins.
+* Where an instance can change pools (``switchable``: the pools' instances hold the same devices), the walk
+  also tries moving one instance from a pool to the other when the shape misses the target: the same devices,
+  so a move that meets it is preferred to an instance more; :meth:`ScalePolicy.switch` makes such a decision
+  a role change (``magicserve scale POOL N --from OTHER``) rather than an addition and a removal.
 * :class:`ScalePolicy` turns decisions into actions: a pool grows as soon as a decision asks for more
   (after ``cooldown_s`` since it last shrank; a growth may follow a growth at once, as a load that keeps
   rising needs); it shrinks, one instance at a time, only after ``scale_down_after`` consecutive decisions
@@ -41,6 +45,7 @@ No torch, no Ray, no asyncio here: the scaler (``controller/scaling.py``) runs i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -198,12 +203,13 @@ class OnlinePlanner:
     (min, max)); ``time_limit_s`` bounds a decision."""
 
     def __init__(self, profile, base: SimConfig, slo: SLOTarget, bounds: dict[str, tuple[int, int]],
-                 time_limit_s: float = 5.0):
+                 time_limit_s: float = 5.0, switchable: bool = False):
         self.profile = profile
         self.base = base
         self.slo = slo
         self.bounds = bounds
         self.time_limit_s = time_limit_s
+        self.switchable = switchable  # an instance can change pools (same devices): the walk tries that too
 
     def _config(self, shape: dict) -> SimConfig:
         changes = {pool: dataclasses.replace(getattr(self.base, pool), instances=n) for pool, n in shape.items()}
@@ -283,6 +289,16 @@ class OnlinePlanner:
                 n = shape[pool] + by
                 if lo <= n <= hi:
                     out.append({**shape, pool: n})
+            if by > 0 and self.switchable:  # or one instance moved from a pool to the other: no device more
+                out += [s for s in switches(shape) if s not in out]
+            return out
+
+        def switches(shape: dict) -> list[dict]:
+            out = []
+            for give, take in itertools.permutations(sorted(self.bounds), 2):
+                moved = {**shape, give: shape[give] - 1, take: shape[take] + 1}
+                if all(lo <= moved[p] <= hi for p, (lo, hi) in self.bounds.items()):
+                    out.append(moved)
             return out
 
         chosen, met = here, meets(here)
@@ -341,6 +357,20 @@ class ScalePolicy:
             elif want < have and self._lower_streak[pool] >= self.scale_down_after:
                 out[pool] = have - 1
         return out
+
+    def switch(self, decision: Decision, current: dict) -> tuple[str, int, str] | None:
+        """The role change that reaches the decision's shape, as (pool to grow, its size, pool that gives the
+        instances), where the shape moves instances from one pool to the other at the same total and neither
+        pool is cooling down (a switch grows one pool at once, as a growth does); else None."""
+        grow = [p for p, n in decision.shape.items() if n > current.get(p, n)]
+        give = [p for p, n in decision.shape.items() if n < current.get(p, n)]
+        if len(grow) != 1 or len(give) != 1 or sum(decision.shape.values()) != sum(current.get(p, 0)
+                                                                                   for p in decision.shape):
+            return None
+        now = self.clock()
+        if any(now - self._last_action.get(p, -math.inf) < self.cooldown(p) for p in (grow[0], give[0])):
+            return None
+        return grow[0], decision.shape[grow[0]], give[0]
 
     def cooldown(self, pool: str) -> float:
         """Seconds after a resize of ``pool`` before the next: ``cooldown_s``, doubled per failure in a row."""

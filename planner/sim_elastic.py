@@ -13,7 +13,10 @@ the served cluster's are (``Scaler.plan_forever`` in ``controller/scaling.py``),
   ``autoscale.scale_down_after`` decisions, never twice within ``autoscale.cooldown_s``);
 * a new instance holds its devices from the resize and serves ``startup_s`` later (placement, process
   start, weights, warm-up); a leaving one drains (``Simulation.retire_instance``: live migration off a decode
-  instance, a prefill instance finishing its prompts) and gives its devices back once empty.
+  instance, a prefill instance finishing its prompts) and gives its devices back once empty;
+* with ``switch_s``, a decision that moves instances between the pools is a role change
+  (``ScalePolicy.switch``, ``Simulation.switch_instance``): the instance drains, then serves in the other
+  pool ``switch_s`` later on the devices it held.
 
 The planner's own simulations run on the trace of its window, as in serving; only the cluster they resize is
 simulated here. No torch.
@@ -96,18 +99,23 @@ def window_at(requests, now: float, window_s: float, client_delay_s: float,
 
 def simulate_elastic(profile: Profile, config: SimConfig, trace: list[RequestSpec], slo: SLOTarget,
                      autoscale: AutoscaleSection, startup_s: float = 30.0, seed: int = 0,
-                     time_limit_s: float | None = None) -> ElasticResult:
+                     time_limit_s: float | None = None, switch_s: float | None = None) -> ElasticResult:
     """Simulate ``trace`` on ``config`` (the starting shape) with the online planner resizing its pools within
-    ``autoscale``'s bounds (every pool needs ``max_instances``) toward ``slo`` (see the module doc)."""
+    ``autoscale``'s bounds (every pool needs ``max_instances``) toward ``slo`` (see the module doc).
+    ``switch_s``: instances may change role too (``Simulation.switch_instance``), serving in their new pool
+    this long after they drained; None: pools change by adding and removing instances only."""
     if startup_s < 0:
         raise ValueError(f"startup_s: must be >= 0, got {startup_s}")
+    if switch_s is not None and (switch_s < 0 or config.mode != "disaggregated"):
+        raise ValueError(f"switch_s: must be >= 0 on a disaggregated config, or None, got {switch_s}")
     sim = Simulation(profile, config, seed)
     bounds = autoscale.planning_bounds(sim.pools())
     for pool, (lo, hi) in bounds.items():
         n = getattr(config, pool).instances
         if not lo <= n <= hi:
             raise ValueError(f"{pool}.instances: the starting shape's {n} is outside autoscale.{pool} [{lo}, {hi}]")
-    planner = OnlinePlanner(profile, config, slo, bounds, autoscale.decision_time_limit_s)
+    planner = OnlinePlanner(profile, config, slo, bounds, autoscale.decision_time_limit_s,
+                            switchable=switch_s is not None)
     policy = ScalePolicy(autoscale.cooldown_s, autoscale.scale_down_after, clock=lambda: sim.now)
     ticks: list[PlanTick] = []
     changed = [-math.inf]  # when the shape last changed (an added instance: once it serves)
@@ -125,6 +133,17 @@ def simulate_elastic(profile: Profile, config: SimConfig, trace: list[RequestSpe
             plan_trace, measured = window.plan_inputs(autoscale.headroom)
             acceptance = summary["acceptance"] = window.acceptance()
             decision = planner.decide(plan_trace, current, summary, measured, acceptance)
+        switch = policy.switch(decision, current) if switch_s is not None else None
+        if switch is not None:
+            pool, n, other = switch
+            while sim.pool_size(pool) < n:
+                sim.switch_instance(other, pool, switch_s)
+            for p in (pool, other):
+                policy.acted(p, grew=p == pool)
+            changed[0] = max(changed[0], now + switch_s)
+            ticks.append(PlanTick(now, current, decision, {pool: n, other: sim.pool_size(other)}))
+            sim.at(now + autoscale.interval_s, tick)
+            return
         actions = policy.actions(decision, current)
         for pool, n in actions.items():
             grows = sim.pool_size(pool) < n

@@ -15,7 +15,8 @@ What it models (and mirrors from the real router, ``controller/router.py``):
             -> finish: the request's slot and memory free, the next queued request is admitted
             -> with ``SimConfig.migration``: the global rescheduling policy's rounds live-migrate decoding
                requests between decode instances (``sim_migration``)
-            -> resizes (``add_instance``, ``retire_instance``; ``planner/sim_elastic.py`` drives them with the
+            -> resizes (``add_instance``, ``retire_instance``, and ``switch_instance``: an instance changing
+               role in place; ``planner/sim_elastic.py`` drives them with the
                online planner): a new instance holds its devices from the resize and takes requests after
                its start-up time; a leaving one takes no new requests, a decode instance live-migrates its
                running requests away, a prefill one finishes its prompts, and its devices return once empty
@@ -51,12 +52,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from controller.kv_index import PrefixRouting, cached_first, cheapest
-from controller.load_aware import REFUSED, DecodeOption, Decision, LoadAwarePolicy, decide, prefill_ttft_s
+from controller.load_aware import LoadAwarePolicy
 from controller.migration_policy import PolicyConfig, placement_order
 from controller.placement import blocks_for
 from planner.profile import Profile, calibration_threads
 from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
 from planner.reuse_workload import ReuseRequest
+from planner.sim_load_aware import prefill_on_decode
 from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
 from planner.sim_reuse import distinct_requests, reuse_requests
 from planner.slo import AttainmentWatch, RequestOutcome
@@ -293,6 +295,7 @@ class Simulation:
             for _ in range(getattr(c, pool).instances):
                 getattr(self, pool).append(self._make(pool))
         self.starting: dict[str, list] = {pool: [] for pool in self.pools()}  # added, not serving yet
+        self.switching: dict[str, int] = {pool: 0 for pool in self.pools()}  # draining elsewhere to join it
         self.open_requests = 0  # arrived or to arrive, not finished
         self.watch: AttainmentWatch | None = None
         # what the client sees: every token later by the request path's latency (routing before prefill,
@@ -338,8 +341,31 @@ class Simulation:
     # -- resizing --------------------------------------------------------------------------------------
 
     def pool_size(self, pool: str) -> int:
-        """Instances of ``pool`` serving or starting up (leaving ones not counted)."""
-        return len(getattr(self, pool)) + len(self.starting[pool])
+        """Instances of ``pool`` serving or starting up, and those switching into it (leaving ones not
+        counted)."""
+        return len(getattr(self, pool)) + len(self.starting[pool]) + self.switching[pool]
+
+    def switch_instance(self, from_pool: str, to_pool: str, switch_s: float = 0.0, round_s: float = 0.25) -> str:
+        """An instance of ``from_pool`` changes role (``Router.switch``): it drains as ``retire_instance``
+        drains it, then, ``switch_s`` later (its worker rebuilt over the weights it holds), serves in ``to_pool``
+        on the same devices (held throughout: the new role's instance holds them from the old one's stop).
+        Returns the name of the instance that leaves ``from_pool``."""
+        self.switching[to_pool] += 1
+
+        def rebuilt() -> None:
+            self.switching[to_pool] -= 1
+            inst = self._make(to_pool)
+            self.starting[to_pool].append(inst)
+
+            def join() -> None:
+                self.starting[to_pool].remove(inst)
+                getattr(self, to_pool).append(inst)
+                if to_pool == "decode":
+                    self._place_unplaced()
+
+            self.at(self.now + switch_s, join)
+
+        return self.retire_instance(from_pool, round_s, on_stopped=rebuilt)
 
     def add_instance(self, pool: str, startup_s: float = 0.0) -> None:
         """Add an instance to ``pool``: it holds its devices from now and takes requests ``startup_s`` later
@@ -357,14 +383,20 @@ class Simulation:
 
         self.at(self.now + startup_s, join)
 
-    def retire_instance(self, pool: str, round_s: float = 0.25) -> str:
+    def retire_instance(self, pool: str, round_s: float = 0.25, on_stopped=None) -> str:
         """Take an instance out of ``pool`` (the fewest assigned requests, the newest of those, as
         ``Scaler._victim``; one still starting up first, stopped at once): it takes no new requests; a decode
         instance live-migrates its running requests to the others every ``round_s``; its devices return once
-        it holds nothing. Returns its name."""
+        it holds nothing (then ``on_stopped()``). Returns its name."""
+        def stop(victim) -> None:
+            victim.stopped_s = self.now
+            if on_stopped is not None:
+                on_stopped()
+
         if self.starting[pool]:
             victim = self.starting[pool].pop()
-            victim.leaving, victim.stopped_s = True, self.now
+            victim.leaving = True
+            stop(victim)
             return victim.name
         insts = getattr(self, pool)
         if len(insts) <= 1:
@@ -379,7 +411,7 @@ class Simulation:
         def drain() -> None:
             if pool == "decode":
                 if not victim.seqs and not victim.busy:
-                    victim.stopped_s = self.now
+                    stop(victim)
                     return
                 for index, seq in list(victim.seqs.items()):
                     if index in mover.moving or seq.request_id not in victim.scheduler.running:
@@ -387,7 +419,7 @@ class Simulation:
                     dst = self._decode_order(seq.req)[0]
                     mover.begin(index, victim, dst)
             elif not victim.busy and not victim.scheduler.has_work():
-                victim.stopped_s = self.now
+                stop(victim)
                 return
             self.at(self.now + round_s, drain)
 
@@ -505,7 +537,7 @@ class Simulation:
                 and first.hold_prefill(req):  # prefilled there, from its cache: no prefill instance
             self._assign(req, first)
             return
-        if self.config.load_aware is not None and self._prefill_on_decode(req):
+        if self.config.load_aware is not None and prefill_on_decode(self, req):
             return
         if first.reserve(req):
             # contacted together with a prefill instance: prefill starts now, and the hold (answered between
@@ -517,30 +549,6 @@ class Simulation:
             first.after_step(lambda: self._reserve_or_queue(req))
         else:
             self._reserve_or_queue(req)
-
-    def _prefill_on_decode(self, req: SimRequest) -> bool:
-        """Load-aware disaggregation (``Placer._prefill_on_decode``): True when a decode instance holds the
-        request to prefill it, the prefill pool's predicted TTFT missing the target and that instance's sooner."""
-        routing = self.config.prefix_caching
-
-        def computed(inst) -> int:  # the prompt tokens ``inst`` would compute
-            return req.prompt_tokens - (inst.cached(req, routing.tier_load_cost).tokens if routing is not None else 0)
-
-        prefill = self._cheapest(req, self.prefill)
-        order = self._decode_order(req)
-        options = [DecodeOption(d.name, computed(d), d.prefill_queued_tokens(), d.prefill_tokens_per_s())
-                   for d in order]
-        decision = decide(self.config.load_aware, prefill_ttft_s(prefill.queued_tokens(), computed(prefill),
-                                                                prefill.rate), options)
-        if decision.decode is not None:
-            inst = next(d for d in order if d.name == decision.decode)
-            if inst.hold_prefill(req):
-                self.load_aware_counts[("decode", decision.reason)] += 1
-                self._assign(req, inst)
-                return True
-            decision = Decision(None, REFUSED)
-        self.load_aware_counts[("prefill", decision.reason)] += 1
-        return False
 
     def _decode_order(self, req: SimRequest) -> list[DecodeSim]:
         """The decode instances in the router's order (``controller/placement.py``): the rescheduling

@@ -212,3 +212,22 @@ def test_a_failing_planner_leaves_the_cluster_at_its_shape(planner, caplog):
     assert "online planner: ProfileError" in caplog.text and caplog.text.count("online planner:") >= 3
     assert not scaler.decisions and not scaler.plans
     assert {p: s["current"] for p, s in scaler.shape().items()} == {"prefill": 1, "decode": 1}
+
+
+def test_a_decision_that_moves_an_instance_between_pools_is_a_role_change(planner):
+    """Where instances can change role, the walk from two prefill instances and one decode instance under a
+    decode-bound load tries moving one across (no device more), which meets the target; the policy makes that
+    a role change, unless either pool is cooling down."""
+    switching = OnlinePlanner(planner.profile, planner.base, planner.slo, planner.bounds, time_limit_s=20.0,
+                              switchable=True)
+    d = switching.decide(chat(100), {"prefill": 2, "decode": 1})
+    assert d.met and d.shape == {"prefill": 1, "decode": 2}
+    clock = Clock()
+    policy = ScalePolicy(cooldown_s=30.0, scale_down_after=3, clock=clock)
+    assert policy.switch(d, {"prefill": 2, "decode": 1}) == ("decode", 2, "prefill")
+    assert policy.switch(d, {"prefill": 1, "decode": 1}) is None  # one instance more: an addition
+    assert policy.switch(d, {"prefill": 1, "decode": 2}) is None  # already there
+    policy.acted("prefill")
+    assert policy.switch(d, {"prefill": 2, "decode": 1}) is None  # the prefill pool was resized just now
+    clock.t += 31
+    assert policy.switch(d, {"prefill": 2, "decode": 1}) == ("decode", 2, "prefill")

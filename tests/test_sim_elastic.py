@@ -114,3 +114,23 @@ def test_the_planner_grows_the_cluster_for_a_step_up_in_load_and_shrinks_it_afte
     assert run.result.device_seconds < peak * run.result.duration_s
     assert [t.at_s for t in run.ticks] == [10.0 * (k + 1) for k in range(len(run.ticks))]
     assert all(not math.isnan(t.decision.attainment) or not t.decision.predicted for t in run.ticks)
+
+
+def test_an_instance_changes_role_on_the_devices_it_holds(profile):
+    """A prefill instance switched to decoding finishes its prompts, then serves in the decode pool after the
+    switch time; the cluster holds three devices throughout and every request completes."""
+    trace = make_trace(workload_shape("chat"), 40.0, 400, seed=5)
+    sim = Simulation(profile, config(2, 1))
+    left = []
+    sim.at(2.0, lambda: left.append(sim.switch_instance("prefill", "decode", switch_s=1.0)))
+    seen = {}
+    sim.at(2.0 + 1e-6, lambda: seen.update(sizes={p: sim.pool_size(p) for p in ("prefill", "decode")}))
+    result = sim.run(trace)
+    assert seen["sizes"] == {"prefill": 1, "decode": 2}  # counted in its new pool from the decision on
+    assert [d.name for d in sim.decode] == ["decode-0", "decode-1"] and len(sim.prefill) == 1
+    old = next(i for i in sim.instances if i.name == left[0])
+    new = next(i for i in sim.instances if i.name == "decode-1")
+    assert old.stopped_s >= 2.0 and new.allocated_s == old.stopped_s
+    assert any(r.decode is new for r in sim.requests)  # it decodes requests in its new role
+    assert all_complete(result)
+    assert result.device_seconds == pytest.approx(3 * result.duration_s)

@@ -19,17 +19,19 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class ScalePoolRequest(_message.Message):
-    __slots__ = ("pool", "instances", "hold")
+    __slots__ = ("pool", "instances", "hold", "switch_from")
     POOL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_FROM_FIELD_NUMBER: _ClassVar[int]
     pool: str
     instances: int
     hold: bool
-    def __init__(self, pool: _Optional[str] = ..., instances: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
+    switch_from: str
+    def __init__(self, pool: _Optional[str] = ..., instances: _Optional[int] = ..., hold: _Optional[bool] = ..., switch_from: _Optional[str] = ...) -> None: ...
 
 class ScalePoolResult(_message.Message):
-    __slots__ = ("pool", "desired", "current", "added", "removed", "error", "seconds")
+    __slots__ = ("pool", "desired", "current", "added", "removed", "error", "seconds", "switched", "switch_from")
     POOL_FIELD_NUMBER: _ClassVar[int]
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +39,8 @@ class ScalePoolResult(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWITCHED_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_FROM_FIELD_NUMBER: _ClassVar[int]
     pool: str
     desired: int
     current: int
@@ -44,7 +48,9 @@ class ScalePoolResult(_message.Message):
     removed: _containers.RepeatedScalarFieldContainer[str]
     error: str
     seconds: float
-    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., current: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    switched: _containers.RepeatedScalarFieldContainer[str]
+    switch_from: str
+    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., current: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., switched: _Optional[_Iterable[str]] = ..., switch_from: _Optional[str] = ...) -> None: ...
 
 class PoolShape(_message.Message):
     __slots__ = ("pool", "current", "desired", "held", "instances")

@@ -1,0 +1,253 @@
+"""Load-aware disaggregation against static prefill/decode pools, colocated instances and vLLM's CPU build, each
+replayed by vLLM's benchmark client (``vllm bench serve --dataset-name timed_trace``) on the same weights and
+cores, in one run, on two workloads whose prefill saturates a static split:
+
+* ``trace``: Mooncake's production conversation trace (FAST'25, Kimi), conversations sampled whole, each
+  512-token block as ``--chunk`` tokens, prompts cut at ``--max-prompt``, time compressed ``--speedup`` times
+  (``benchmarks/kv_tiers.py``'s sampling);
+* ``burst``: ``--burst-requests`` distinct long prompts (``--burst-min``..``--burst-max`` tokens) arriving over
+  ``--burst-span-s`` seconds.
+
+Systems: ``static`` (1 prefill + 1 decode instance, every prompt computed in the prefill pool unless its decode
+instance holds it cached), ``load-aware`` (the same pools; a prompt the prefill pool would serve past the TTFT
+target is prefilled on the decode instance within its TPOT slack: ``controller/load_aware.py``),
+``colocated`` (2 instances of the reference engine, chunked prefill beside decode) and ``vllm`` (its CPU build,
+the same KV tokens, prefix caching on). magicserve's ``slo:`` section is set to the benchmark's SLOs. Per system:
+TTFT and TPOT p50/p99 and goodput at ``--ttft-slo-ms`` / ``--tpot-slo-ms`` as ``vllm bench serve`` reports
+them, and for magicserve where the prompts were prefilled (``magicserve:load_aware_placements``).
+
+    python benchmarks/load_aware.py --trace PATH/conversation_trace.jsonl
+
+Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``benchmarks/results/load_aware``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks._record import record, write_lines  # noqa: E402
+from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
+from benchmarks.kv_tiers import VLLM, bench, sampled_trace, scrape  # noqa: E402
+from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
+
+SYSTEMS = ("static", "load-aware", "colocated", "vllm")
+WORKLOADS = ("trace", "burst")
+PLACEMENTS = "magicserve:load_aware_placements_total"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the machine's architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def burst_rows(args) -> list[dict]:
+    """Distinct long prompts (hashes no other prompt shares), arriving evenly over the span."""
+    rng = random.Random(args.seed)
+    rows, next_hash = [], 1 << 30
+    for i in range(args.burst_requests):
+        blocks = rng.randint(args.burst_min // args.chunk, args.burst_max // args.chunk)
+        rows.append({"timestamp": i * args.burst_span_s / args.burst_requests, "input_length": blocks * args.chunk,
+                     "output_length": args.burst_output, "hash_ids": list(range(next_hash, next_hash + blocks))})
+        next_hash += blocks
+    return rows
+
+
+def server_for(system: str, args, workdir: str):
+    """The system's server, started on free ports: (server, base URL)."""
+    if system == "vllm":
+        port = free_port()
+        extra = ["--block-size", "32", "--num-gpu-blocks-override", str((args.prefill_kv + args.decode_kv) // 32),
+                 "--served-model-name", os.path.basename(os.path.abspath(args.model))]
+        return vllm_server(args.model, port, max(args.max_prompt, args.burst_max) + 1024, 1, args.launch_timeout_s,
+                           extra, prefix_caching=True), f"http://127.0.0.1:{port}"
+    sections = {"slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}}
+    if system == "colocated":
+        sections.update(mode="colocated", colocated={"instances": 2, "threads": 1,
+                                                     "kv_cache_tokens": (args.prefill_kv + args.decode_kv) // 2})
+    else:
+        sections.update(prefill={"kv_cache_tokens": args.prefill_kv}, decode={"kv_cache_tokens": args.decode_kv},
+                        load_aware={"enabled": system == "load-aware"})
+    return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s)
+
+
+def placements(before: dict, after: dict) -> dict[str, float]:
+    """The load-aware policy's decisions during the run, by ``prefilled_on/reason``."""
+    return {key[len(PLACEMENTS) + 1:]: after[key] - before.get(key, 0.0) for key in after
+            if key.startswith(PLACEMENTS + "/") and after[key] - before.get(key, 0.0)}
+
+
+def scrape_labelled(url: str) -> dict[str, float]:
+    """``scrape`` plus the placements counter by its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+
+    out = scrape(url)
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        for family in text_string_to_metric_families(resp.read().decode()):
+            for s in family.samples:
+                if s.name == PLACEMENTS:
+                    out[f"{PLACEMENTS}/{s.labels['prefilled_on']}/{s.labels['reason']}"] = s.value
+    return out
+
+
+def run_system(system: str, workload: str, args, trace_path: str, n: int, workdir: str) -> dict:
+    server, url = server_for(system, args, workdir)
+    name = f"{workload}-{system}"
+    with server:
+        before = scrape_labelled(url) if system != "vllm" else {}
+        t0 = time.monotonic()
+        out = bench(args, url, trace_path, n, name, workdir)
+        out["wall_s"] = time.monotonic() - t0
+        if system != "vllm":
+            after = scrape_labelled(url)
+            out["placements"] = placements(before, after)
+            out["decode_local_prefills"] = after.get("magicserve:decode_local_prefills_total", 0.0) - \
+                before.get("magicserve:decode_local_prefills_total", 0.0)
+    print(f"[{name}] {json.dumps({k: v for k, v in out.items() if k != 'command'})}", file=sys.stderr, flush=True)
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def write_md(result: dict, path: str) -> None:
+    a = result["args"]
+    lines = ["# Load-aware disaggregation: prefill on idle decode capacity", "", f"Command: `{result['command']}`", "",
+             f"Machine: {result['machine']}. Every system on the same 2 cores and weights (the bundled model), replayed "
+             f"by `vllm bench serve`; goodput counts requests within TTFT {a['ttft_slo_ms']:g} ms and TPOT "
+             f"{a['tpot_slo_ms']:g} ms (magicserve's `slo:` section set to them). static and load-aware: 1 prefill + 1 "
+             f"decode instance ({a['prefill_kv']} + {a['decode_kv']} KV tokens); colocated: 2 instances of "
+             f"{(a['prefill_kv'] + a['decode_kv']) // 2}; vLLM: their sum, prefix caching on.", ""]
+    for workload, w in result["workloads"].items():
+        lines += [f"## {workload}", "", w["description"], "",
+                  "| system | goodput (req/s) | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | "
+                  "prefilled on decode | completed / failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, r in w["systems"].items():
+            local = "-" if "placements" not in r else \
+                f"{sum(v for k, v in r['placements'].items() if k.startswith('decode/')):.0f}"
+            lines.append(f"| {name} | {r['request_goodput']:.3f} | {r['median_ttft_ms'] / 1e3:.2f} | "
+                         f"{r['p99_ttft_ms'] / 1e3:.2f} | {r['median_tpot_ms']:.1f} | {r['p99_tpot_ms']:.1f} | {local} | "
+                         f"{r['completed']} / {r['failed']} |")
+        s = w["systems"]
+        if "load-aware" in s and "static" in s:
+            la, st = s["load-aware"], s["static"]
+            lines += ["", f"Load-aware / static: goodput {ratio(la['request_goodput'], st['request_goodput'])}, "
+                          f"TTFT p99 {ratio(la['p99_ttft_ms'], st['p99_ttft_ms'])}, TPOT p99 "
+                          f"{ratio(la['p99_tpot_ms'], st['p99_tpot_ms'])}. Load-aware decisions: "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(la.get("placements", {}).items())) + "."]
+        lines.append("")
+    lines += ["Each system's `vllm bench serve` command is in the JSON.", "",
+              f"![load aware]({os.path.basename(path[:-3])}.png)"]
+    write_lines(path, lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(result["workloads"])
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(12, 3.4 * len(workloads)), squeeze=False)
+    colors = {"static": "tab:gray", "load-aware": "tab:blue", "colocated": "tab:green", "vllm": "tab:orange"}
+    for row, workload in zip(axes, workloads):
+        systems = result["workloads"][workload]["systems"]
+        names = list(systems)
+        for ax, (key, label, scale) in zip(row, (("request_goodput", "goodput (req/s)", 1.0),
+                                                 ("p99_ttft_ms", "TTFT p99 (s)", 1e-3),
+                                                 ("p99_tpot_ms", "TPOT p99 (ms)", 1.0))):
+            ax.bar(names, [(systems[n][key] or 0.0) * scale for n in names], color=[colors[n] for n in names])
+            if key == "p99_ttft_ms":
+                ax.axhline(result["args"]["ttft_slo_ms"] / 1e3, color="k", ls="--", lw=1, label="SLO")
+                ax.legend(fontsize=8)
+            if key == "p99_tpot_ms":
+                ax.axhline(result["args"]["tpot_slo_ms"], color="k", ls="--", lw=1, label="SLO")
+                ax.legend(fontsize=8)
+            ax.set_title(f"{workload}: {label}", fontsize=10)
+            ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", help="Mooncake's conversation_trace.jsonl (required for the trace workload)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "load_aware"))
+    ap.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--sample", type=int, default=40, help="trace: keep 1 conversation in this many")
+    ap.add_argument("--chunk", type=int, default=64, help="tokens per 512-token block of the trace")
+    ap.add_argument("--max-prompt", type=int, default=7808)
+    ap.add_argument("--speedup", type=float, default=24.0, help="trace: time compression")
+    ap.add_argument("--burst-requests", type=int, default=30)
+    ap.add_argument("--burst-min", type=int, default=2048)
+    ap.add_argument("--burst-max", type=int, default=6144)
+    ap.add_argument("--burst-output", type=int, default=64)
+    ap.add_argument("--burst-span-s", type=float, default=30.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-kv", type=int, default=65536)
+    ap.add_argument("--decode-kv", type=int, default=262144)
+    ap.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    ap.add_argument("--vllm", default=VLLM)
+    ap.add_argument("--launch-timeout-s", type=float, default=600.0)
+    ap.add_argument("--time-limit-s", type=float, default=1800.0)
+    ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "load_aware"))
+    args = ap.parse_args()
+    systems, workloads = [s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w]
+    for flag, values, allowed in (("--systems", systems, SYSTEMS), ("--workloads", workloads, WORKLOADS)):
+        for v in values:
+            if v not in allowed:
+                ap.error(f"{flag}: {v!r} is not one of {', '.join(allowed)}")
+    if "trace" in workloads and not args.trace:
+        ap.error("--trace: required for the trace workload (or --workloads burst)")
+    if args.burst_min % args.chunk or args.burst_max % args.chunk or not args.chunk <= args.burst_min <= args.burst_max:
+        ap.error(f"--burst-min, --burst-max: multiples of --chunk ({args.chunk}) with min <= max")
+    os.makedirs(args.scratch, exist_ok=True)
+    result = {"command": "python benchmarks/load_aware.py " + " ".join(
+                  shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
+              "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+              "args": {k: v for k, v in vars(args).items() if k not in ("vllm", "scratch")}, "workloads": {}}
+    for workload in workloads:
+        if workload == "trace":
+            rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
+            description = (f"Mooncake's conversation trace: {len(rows)} requests of the conversations sampled 1 in "
+                           f"{args.sample}, each 512-token block as {args.chunk} tokens (prompts up to "
+                           f"{args.max_prompt}), {args.speedup:g}x faster ({rows[-1]['timestamp']:.0f} s).")
+        else:
+            rows = burst_rows(args)
+            description = (f"A burst: {len(rows)} distinct prompts of {args.burst_min}-{args.burst_max} tokens "
+                           f"(mean {sum(r['input_length'] for r in rows) / len(rows):.0f}) over {args.burst_span_s:g} s, "
+                           f"{args.burst_output} output tokens each.")
+        path = os.path.join(args.scratch, f"{workload}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        print(description, file=sys.stderr, flush=True)
+        result["workloads"][workload] = {"description": description, "requests": len(rows), "systems": {}}
+        for system in systems:
+            result["workloads"][workload]["systems"][system] = run_system(system, workload, args, path, len(rows),
+                                                                          args.scratch)
+            record(result, args.out, write_md)  # what finished so far survives a later failure
+    plot(result, args.out + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Instances that change role, on a real local Ray cluster (``magicserve scale POOL N --from OTHER``): the
+prefill instance becomes a second decode instance while requests stream (it finishes its prompts first), the
+decode instances then prefill every prompt themselves; a decode instance becomes the prefill instance again
+(its running requests move away by live migration mid-stream). Every request ends with the reference engine's
+tokens (none lost, none repeated), and the pools' shapes, the instances' roles and the decisions show it."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from frontend.cli import main as cli_main
+from frontend.client import Client
+from modeling.sampling import SamplingParams
+from tests.serving import Stream, e2e_config, prompts_of, running_server
+
+
+def roles(c) -> dict[str, str]:
+    return {i.name: i.role for i in c.status().instances}
+
+
+def test_instances_change_role_while_requests_stream(llama_dir, reference):
+    cfg = e2e_config(
+        llama_dir,
+        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 128},
+        decode={"kv_cache_tokens": 4096, "attention_backend": "torch",
+                "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
+        autoscale={"prefill": {"min_instances": 0, "max_instances": 2}, "decode": {"max_instances": 2}},
+    )
+    prompts = prompts_of([120, 90, 150, 60, 110, 80], seed=61)
+    params = dict(max_tokens=160, ignore_eos=True)
+    want = [c.token_ids for c in reference.generate(prompts, SamplingParams(**params))]
+    with running_server(cfg) as address, Client(address) as c:
+        first = [Stream(address, p, f"role-{i}", **params) for i, p in enumerate(prompts[:3])]
+        first[0].wait_tokens(5)
+        became = c.scale("decode", 2, switch_from="prefill")  # the prefill instance decodes from now on
+        assert not became.error and list(became.switched) == ["prefill-0"] and became.current == 2, became
+        assert roles(c) == {"prefill-0": "decode", "decode-0": "decode"}
+        assert {p.pool: (p.current, p.desired) for p in c.status().pools} == {"prefill": (0, 0), "decode": (2, 2)}
+        # no prefill instance: the decode instances prefill the prompts themselves (both take some)
+        middle = [Stream(address, p, f"role-{i + 3}", **params) for i, p in enumerate(prompts[3:5])]
+        for s in middle:
+            s.wait_tokens(20)
+        running = {i.name: i.running for i in c.status().instances}
+        assert sum(running.values()) >= 2
+        # back: a decode instance holding requests becomes the prefill instance, its requests moved away
+        back = c.scale("prefill", 1, switch_from="decode")
+        assert not back.error and len(back.switched) == 1 and back.current == 1, back
+        assert sorted(roles(c).values()) == ["decode", "prefill"]
+        prefill = next(n for n, r in roles(c).items() if r == "prefill")
+        before = {i.name: i.prefix_cache_queries for i in c.status().instances}[prefill]
+        last = Stream(address, prompts[5], "role-5", **params)
+        assert [s.join() for s in first + middle + [last]] == want
+        after = {i.name: i.prefix_cache_queries for i in c.status().instances}[prefill]
+        assert after - before == len(prompts[5])  # the new prefill instance computed the last prompt
+        assert cli_main(["status", "--address", address]) == 0
+        with pytest.raises(grpc.RpcError) as err:  # the decode pool keeps an instance
+            c.scale("prefill", 2, switch_from="decode")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "switch_from" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            c.scale("decode", 2, switch_from="draft")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "switch_from" in err.value.details()
