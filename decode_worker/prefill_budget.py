@@ -2,17 +2,19 @@
 sequences decoding beside them.
 
 A step computes the local-prefill chunk, then the decode (speculative) pass of every running sequence, each of
-which gains ``tokens_per_step`` tokens (accepted drafts and one more). Over the step their time per output
-token is ``(prefill_s(n) + decode_s) / tokens_per_step``, which must stay within ``tpot_slo_s``:
+which gains at least one token from it (all its drafts rejected). So that no decoding sequence's time per output
+token passes ``tpot_slo_s``, the whole step stays within it:
 
-    n* = the largest n <= chunk with  prefill_s(n) <= tpot_slo_s * tokens_per_step - decode_s
+    n* = the largest n <= chunk with  prefill_s(n) <= tpot_slo_s - decode_s
 
-``decode_s`` and ``tokens_per_step`` are moving averages of the steps measured; ``prefill_s`` is a linear cost
-model fitted on this instance's measured prefill passes (seeded by the start-up profile). The fit is trusted
-only near what it saw: a chunk is at most twice the largest one measured, starting from ``PROBE_TOKENS``.
-With no sequence decoding, or no SLO, a step computes the whole chunk (nobody's TPOT is at stake). With no
-slack, or none known yet (no decode pass measured), it computes nothing: the queued prompts wait, a decoding
-request's TPOT is never spent on them.
+``decode_s`` is a moving average of what the decoding sequences wait between two steps beyond the prefill chunk
+(the decode pass and the loop's own work); ``prefill_s`` is a linear cost model fitted on this instance's
+measured prefill passes (seeded by the start-up profile), times a moving correction of its recent error (a
+prompt deep into a long context costs more than the fit at a short one says). The fit is trusted only near
+what it saw: a chunk is at most twice the largest one measured, starting from ``PROBE_TOKENS``. With no
+sequence decoding, or no SLO, a step computes the whole chunk (nobody's TPOT is at stake). With no slack, or
+none known yet (no decode pass measured), it computes nothing: the queued prompts wait, a decoding request's
+TPOT is never spent on them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from decode_worker.policy import LinearCostModel, PassShape
 
 PROBE_TOKENS = 64  # the first chunk measured beside decoding sequences, with nothing measured yet
 SMOOTHING = 0.3  # weight of the newest step in the moving averages
+MAX_CORRECTION = 4.0  # the correction of the prefill cost model stays within [1/4, 4]
 
 
 def prefill_shape(start: int, tokens: int) -> PassShape:
@@ -38,27 +41,29 @@ class PrefillBudget:
         self.chunk = chunk
         self.tpot_slo_s = tpot_slo_s
         self.cost = LinearCostModel(window=128, refit_every=4)
+        self.correction = 1.0  # measured over predicted seconds of the recent prefill passes, moving average
         self.largest_measured = 0
-        self.decode_s: float | None = None  # the decode pass of a step, moving average
-        self.tokens_per_step: float | None = None  # tokens each decoding sequence gains per step, moving average
+        self.decode_s: float | None = None  # what a step costs the decoding sequences beside the chunk, average
 
     def observe_prefill(self, start: int, tokens: int, seconds: float) -> None:
         """A measured prefill pass of ``tokens`` positions after ``start``."""
+        if self.cost.ready:
+            ratio = seconds / max(self.cost.predict(prefill_shape(start, tokens)), 1e-9)
+            self.correction = min(MAX_CORRECTION, max(1 / MAX_CORRECTION, _average(self.correction, ratio)))
         self.cost.observe(prefill_shape(start, tokens), seconds)
         self.largest_measured = max(self.largest_measured, tokens)
 
-    def observe_step(self, seconds: float, tokens_per_seq: float) -> None:
-        """A measured decode pass, and the tokens each of its sequences gained."""
+    def observe_step(self, seconds: float) -> None:
+        """What a step cost its decoding sequences beyond its prefill chunk."""
         self.decode_s = _average(self.decode_s, seconds)
-        self.tokens_per_step = _average(self.tokens_per_step, tokens_per_seq)
 
     def prefill_s(self, start: int, tokens: int) -> float:
         """Predicted seconds of a prefill pass (0 for no tokens); needs a measured pass."""
-        return self.cost.predict(prefill_shape(start, tokens)) if tokens else 0.0
+        return self.cost.predict(prefill_shape(start, tokens)) * self.correction if tokens else 0.0
 
     def slack_s(self) -> float:
         """Seconds a step beside the decoding sequences may spend prefilling (negative: none)."""
-        return self.tpot_slo_s * (self.tokens_per_step or 1.0) - (self.decode_s or 0.0)
+        return self.tpot_slo_s - (self.decode_s or 0.0)
 
     def tokens(self, start: int, decoding: bool) -> int:
         """Prompt tokens the next step prefills, the head of the queue having ``start`` computed."""

@@ -1,6 +1,6 @@
 """Prompts computed on the decode instance itself (``LocalPrefill``): each step as many of their tokens as the
-TPOT slack of the sequences decoding beside them allows (``decode_worker/prefill_budget.py``), oldest first,
-with no prefill instance involved; and the chunked KV computation that preempted and resumed sequences
+TPOT slack of the sequences decoding beside them allows (``decode_worker/prefill_budget.py``), the fewest
+remaining tokens first, with no prefill instance involved; and the chunked KV computation that preempted and resumed sequences
 recompute with."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from modeling.sequence import Sequence
 
 
 class PrefillQueue:
-    """The requests in ``order`` (admitted ``prefilling``, first come first served), computed ``budget``'s
-    tokens per step in all (at most ``budget.chunk``)."""
+    """The requests in ``order`` (admitted ``prefilling``; the fewest remaining tokens first, ties first come first
+    served), computed ``budget``'s tokens per step in all (at most ``budget.chunk``)."""
 
     def __init__(self, runner: ModelRunner, requests: dict[str, HeldRequest], order: deque[str],
                  prefix_cache: PrefixCache, budget: PrefillBudget, pass_log: PassLog, first_tokens: FirstTokens):
@@ -41,10 +41,14 @@ class PrefillQueue:
 
     def queued_tokens(self) -> int:
         """Prompt tokens the queue has still to compute."""
-        return sum(self.requests[rid].seq.num_prompt - self.requests[rid].seq.num_computed for rid in self.order)
+        return sum(self._remaining(rid) for rid in self.order)
+
+    def _remaining(self, request_id: str) -> int:
+        seq = self.requests[request_id].seq
+        return seq.num_prompt - seq.num_computed
 
     def head_start(self) -> int:
-        """Positions computed of the oldest queued prompt (0 when the queue is empty)."""
+        """Positions computed of the prompt at the head of the queue (0 when the queue is empty)."""
         return self.requests[self.order[0]].seq.num_computed if self.order else 0
 
     def cancel(self, request_id: str) -> None:
@@ -53,7 +57,11 @@ class PrefillQueue:
 
     def step(self, decoding: bool) -> list[TokenDelta]:
         """Compute the prompt tokens the budget allows this step (``decoding``: sequences decode beside them),
-        oldest first; those whose prompt is complete sample their first token and start decoding."""
+        the fewest remaining first; those whose prompt is complete sample their first token and start decoding."""
+        if len(self.order) > 1:  # shortest remaining first: a conversation's next turn does not wait on a document
+            ranked = sorted(self.order, key=self._remaining)
+            self.order.clear()
+            self.order.extend(ranked)
         budget, out = self.budget.tokens(self.head_start(), decoding), []
         self.last_seconds = 0.0
         while self.order and budget > 0:

@@ -220,7 +220,7 @@ class DecodeWorker:
         # step ended (the loop's own work between steps included), else since this step began
         since = began if self._last_decode_end is None else self._last_decode_end
         self._last_decode_end = end
-        self.prefill_budget.observe_step(end - since - prefill_s, sum(len(v.tokens) for v in verdicts) / len(verdicts))
+        self.prefill_budget.observe_step(end - since - prefill_s)
         self.pass_log.record("step", seconds, k=k, seqs=len(running))
         self.migrations.advance()
         return received + deltas + self._take_events()

@@ -504,9 +504,11 @@ class DecodeSim(_Instance):
 
     def _plan_prefill(self) -> tuple[float, list[SimSequence]]:
         """This step's chunk of the requests prefilled here (what the budget allows beside the decoding batch,
-        oldest first): its time, and the requests whose prompt it completes (they sample their first token at
+        the fewest remaining tokens first): its time, and the requests whose prompt it completes (they sample their first token at
         its end)."""
         seconds, done = 0.0, []
+        if len(self.prefilling) > 1:  # the fewest remaining tokens first, as the worker's queue
+            self.prefilling = deque(sorted(self.prefilling, key=lambda seq: seq.num_prompt - seq.num_computed))
         budget = self.budget.tokens(self.prefilling[0].num_computed, self._decoding()) if self.prefilling else 0
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
@@ -537,7 +539,6 @@ class DecodeSim(_Instance):
 
     def _done(self, batch: list[SimSequence], k: int, prefilled: list[SimSequence] = ()) -> None:
         now = self.sim.now
-        gained = 0
         for seq in batch:  # nothing leaves the running batch between planning a step and its end
             req = seq.req
             accepted = 0
@@ -546,7 +547,6 @@ class DecodeSim(_Instance):
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
                 req.draft_rejections += accepted < k
-            gained += accepted + 1
             req.generated += min(accepted + 1, req.remaining)
             seq.num_computed = seq.num_tokens = req.context  # verified positions; the last token's KV comes next
             self._commit(seq, seq.num_computed)
@@ -555,7 +555,7 @@ class DecodeSim(_Instance):
                 self.sim.on_finish(req, now)
         if batch:
             # the decode pass as measured: its planned share of the step as it ran
-            self.budget.observe_step(self._decode_s * self.step_s / max(self._planned_s, 1e-12), gained / len(batch))
+            self.budget.observe_step(self._decode_s * self.step_s / max(self._planned_s, 1e-12))
         for seq in prefilled:  # their first token; they join the batch from the next step
             self._commit(seq, seq.num_prompt)
             self.sim.on_first_token(seq.req, now)

@@ -105,22 +105,34 @@ def measured_budget(slo_s: float | None, per_token_s: float = 1e-4, overhead_s: 
 def test_with_nothing_decoding_or_no_slo_a_step_computes_the_whole_chunk():
     assert PrefillBudget(1024, None).tokens(0, decoding=True) == 1024
     b = measured_budget(0.05)
-    b.observe_step(0.049, 1.0)
+    b.observe_step(0.049)
     assert b.tokens(0, decoding=False) == 1024
 
 
 def test_a_step_prefills_what_fits_in_the_decoding_sequences_tpot_slack():
-    b = measured_budget(0.05)
-    b.observe_step(0.02, 2.0)  # decode pass 20 ms, 2 tokens a step: 100 ms per step allowed, 80 ms of it free
+    b = measured_budget(0.1)
+    b.observe_step(0.02)  # the decode pass 20 ms of the 100 ms a step may take (one token each at the least)
     n = b.tokens(0, decoding=True)
     assert 700 <= n <= 800  # (80 ms - 2 ms) / 0.1 ms per token = 780
     assert b.prefill_s(0, n) <= b.slack_s() < b.prefill_s(0, n + 1)
     assert b.tokens_per_s(0, decoding=True) == pytest.approx(n / (b.prefill_s(0, n) + 0.02))
 
 
+def test_prefill_passes_slower_than_the_fit_shrink_the_chunk():
+    """The passes take twice what the fit predicts (a contended host, a context deeper than it saw): the
+    prediction follows within a few passes, and the chunk halves."""
+    b = measured_budget(0.1)
+    b.observe_step(0.02)
+    before = b.tokens(0, decoding=True)
+    for _ in range(20):
+        b.observe_prefill(0, 256, 2 * (0.002 + 1e-4 * 256))
+    assert b.prefill_s(0, 256) == pytest.approx(2 * (0.002 + 1e-4 * 256), rel=0.1)
+    assert b.tokens(0, decoding=True) == pytest.approx(before / 2, rel=0.15)
+
+
 def test_no_slack_prefills_nothing_while_sequences_decode():
     b = measured_budget(0.05)
-    b.observe_step(0.06, 1.0)  # the decode pass alone exceeds the SLO
+    b.observe_step(0.06)  # the decode pass alone exceeds the SLO
     assert b.tokens(0, decoding=True) == 0 and b.tokens_per_s(0, decoding=True) == 0.0
     assert b.tokens(0, decoding=False) == 1024  # once the batch is empty, the prompt goes on
 
@@ -128,7 +140,7 @@ def test_no_slack_prefills_nothing_while_sequences_decode():
 def test_unmeasured_chunks_grow_from_a_probe():
     b = PrefillBudget(1024, 10.0)  # a generous SLO, nothing measured: a probe, then twice the largest measured
     assert b.tokens(0, decoding=True) == 0  # the decode pass not measured yet: its slack is unknown
-    b.observe_step(0.01, 1.0)
+    b.observe_step(0.01)
     assert b.tokens(0, decoding=True) == PROBE_TOKENS
     assert b.tokens_per_s(0, decoding=True) == 0.0  # no rate to promise before a pass is measured
     sizes = []
