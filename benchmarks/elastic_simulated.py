@@ -13,11 +13,11 @@ Systems:
 * elastic: starting from the bounds' minimums, ``planner/sim_elastic.py`` (the served planner's window,
   decisions and policy) resizes the pools; a new instance holds its GPUs from the resize and serves
   ``--startup-s`` later (placement, weights, warm-up), once per value given;
-* with load-aware disaggregation (``controller/load_aware.py``: a prompt the prefill pool would serve past
-  the TTFT target is prefilled on a decode instance within its TPOT slack, both at 0.8 of the SLOs, as the
-  served default): the best fixed plan found again, and the elastic run at the first start-up time, without
-  and with role changes (an instance switching pools in place, serving in the other ``--switch-s`` after it
-  drained).
+* with ``--load-aware``, load-aware disaggregation (``controller/load_aware.py``: a prompt the prefill pool
+  would serve past the TTFT target is prefilled on a decode instance within its TPOT slack, both at 0.8 of the
+  SLOs, as the served default): the best fixed plan found again, and the elastic run at the first start-up
+  time, without and with role changes (an instance switching pools in place, serving in the other
+  ``--switch-s`` after it drained).
 
 Figures per system: SLO attainment (whole trace and per phase), GPU-hours held, goodput per GPU-hour
 (requests that met both SLOs per GPU-hour) and its ratio to the best fixed plan's; the elastic runs' resizes.
@@ -293,8 +293,8 @@ def main() -> None:
     ap.add_argument("--headroom", type=float, default=1.2)
     ap.add_argument("--decision-time-limit-s", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-load-aware", dest="load_aware", action="store_false",
-                    help="leave out the systems with load-aware disaggregation and role changes")
+    ap.add_argument("--load-aware", action="store_true",
+                    help="add the systems with load-aware disaggregation and role changes")
     ap.add_argument("--switch-s", type=float, default=10.0,
                     help="seconds from a drained instance's role change to it serving in the other pool")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "elastic_pools_simulated"))
