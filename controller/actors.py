@@ -218,6 +218,12 @@ class DisaggregatedActor(_LoopActor):
             self._last_report = None
             log.warning("%s is a %s instance now", self.instance_id, role)
 
+    def holds_work(self) -> bool:
+        """Whether the worker still holds a request, a transfer or a migration (the router's drain ends a moment
+        before the worker lets go: a migrated request's source copy, an acknowledgement in flight)."""
+        with self._gate.call():
+            return self._holds_work()
+
     def _holds_work(self) -> bool:
         w = self.worker
         if self.role == "prefill":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
@@ -367,6 +368,9 @@ class Cluster:
             raise ClusterError(f"role: {inst.name} is a {inst.role} instance; it can become "
                                f"{' or '.join(r for r in self._pools if r != inst.role)}")
         try:
+            deadline = time.monotonic() + self.config.kv_transfer.timeout_s
+            while await inst.handle.holds_work.remote() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # drained by the router; the worker lets go a moment later
             await asyncio.wait_for(inst.handle.become.remote(role), READY_TIMEOUT_S)
         except Exception as err:
             raise ClusterError(f"{inst.role} {inst.name}: did not become a {role} instance: "
