@@ -90,8 +90,9 @@ def unbounded_hit_rate(rows: list[dict], chunk: int) -> float:
     return found / total
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Counter totals of ``/metrics`` by name, summed over labels, plus magicserve's prefill-pool prefix counts."""
+def scrape(url: str, by_labels: dict[str, tuple[str, ...]] | None = None) -> dict[str, float]:
+    """Counter totals of ``/metrics`` by name, summed over labels, plus magicserve's prefill-pool prefix counts;
+    ``by_labels``: counters also kept per value of the labels named (``NAME/VALUE1/VALUE2``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
@@ -102,7 +103,28 @@ def scrape(url: str) -> dict[str, float]:
             out[s.name] = out.get(s.name, 0.0) + s.value
             if s.labels.get("role") == "prefill":
                 out[f"prefill/{s.name}"] = out.get(f"prefill/{s.name}", 0.0) + s.value
+            labels = (by_labels or {}).get(s.name)
+            if labels:
+                key = "/".join([s.name, *(s.labels.get(label, "") for label in labels)])
+                out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def add_trace_args(ap, chunk: int, max_prompt: int, speedup: float, prefill_kv: int, decode_kv: int) -> None:
+    """The flags of a replay of Mooncake's trace through ``vllm bench serve`` (sampling, scaling, pools, SLOs,
+    the client), with this benchmark's defaults where they differ."""
+    ap.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--sample", type=int, default=40, help="keep 1 conversation in this many")
+    ap.add_argument("--chunk", type=int, default=chunk, help="tokens per 512-token block of the trace")
+    ap.add_argument("--max-prompt", type=int, default=max_prompt)
+    ap.add_argument("--speedup", type=float, default=speedup, help="time compression of the trace")
+    ap.add_argument("--prefill-kv", type=int, default=prefill_kv)
+    ap.add_argument("--decode-kv", type=int, default=decode_kv)
+    ap.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    ap.add_argument("--vllm", default=VLLM)
+    ap.add_argument("--launch-timeout-s", type=float, default=600.0)
+    ap.add_argument("--time-limit-s", type=float, default=1800.0)
 
 
 def hit_rate(system: str, before: dict, after: dict) -> float | None:
@@ -221,18 +243,7 @@ def main() -> int:
     ap.add_argument("--trace", required=True, help="Mooncake's conversation_trace.jsonl")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "kv_tiers"))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--model", default=DEFAULT_MODEL_DIR)
-    ap.add_argument("--sample", type=int, default=40, help="keep 1 conversation in this many")
-    ap.add_argument("--chunk", type=int, default=32, help="tokens per 512-token block of the trace")
-    ap.add_argument("--max-prompt", type=int, default=3072)
-    ap.add_argument("--speedup", type=float, default=40.0, help="time compression")
-    ap.add_argument("--prefill-kv", type=int, default=4096)
-    ap.add_argument("--decode-kv", type=int, default=8192)
-    ap.add_argument("--ttft-slo-ms", type=float, default=3000.0)
-    ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
-    ap.add_argument("--vllm", default=VLLM)
-    ap.add_argument("--launch-timeout-s", type=float, default=600.0)
-    ap.add_argument("--time-limit-s", type=float, default=1800.0)
+    add_trace_args(ap, chunk=32, max_prompt=3072, speedup=40.0, prefill_kv=4096, decode_kv=8192)
     ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "kv_tiers"))
     args = ap.parse_args()
     systems = [s for s in args.systems.split(",") if s]

@@ -37,8 +37,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
-from benchmarks.kv_tiers import VLLM, bench, sampled_trace, scrape  # noqa: E402
-from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
+from benchmarks.kv_tiers import add_trace_args, bench, sampled_trace, scrape  # noqa: E402
 
 SYSTEMS = ("static", "load-aware", "colocated", "vllm")
 WORKLOADS = ("trace", "burst")
@@ -90,30 +89,16 @@ def placements(before: dict, after: dict) -> dict[str, float]:
             if key.startswith(PLACEMENTS + "/") and after[key] - before.get(key, 0.0)}
 
 
-def scrape_labelled(url: str) -> dict[str, float]:
-    """``scrape`` plus the placements counter by its labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-    import urllib.request
-
-    out = scrape(url)
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        for family in text_string_to_metric_families(resp.read().decode()):
-            for s in family.samples:
-                if s.name == PLACEMENTS:
-                    out[f"{PLACEMENTS}/{s.labels['prefilled_on']}/{s.labels['reason']}"] = s.value
-    return out
-
-
 def run_system(system: str, workload: str, args, trace_path: str, n: int, workdir: str) -> dict:
     server, url = server_for(system, args, workdir)
     name = f"{workload}-{system}"
     with server:
-        before = scrape_labelled(url) if system != "vllm" else {}
+        before = scrape(url, {PLACEMENTS: ("prefilled_on", "reason")}) if system != "vllm" else {}
         t0 = time.monotonic()
         out = bench(args, url, trace_path, n, name, workdir)
         out["wall_s"] = time.monotonic() - t0
         if system != "vllm":
-            after = scrape_labelled(url)
+            after = scrape(url, {PLACEMENTS: ("prefilled_on", "reason")})
             out["placements"] = placements(before, after)
             out["decode_local_prefills"] = after.get("magicserve:decode_local_prefills_total", 0.0) - \
                 before.get("magicserve:decode_local_prefills_total", 0.0)
@@ -191,24 +176,13 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "load_aware"))
-    ap.add_argument("--model", default=DEFAULT_MODEL_DIR)
-    ap.add_argument("--sample", type=int, default=40, help="trace: keep 1 conversation in this many")
-    ap.add_argument("--chunk", type=int, default=64, help="tokens per 512-token block of the trace")
-    ap.add_argument("--max-prompt", type=int, default=7808)
-    ap.add_argument("--speedup", type=float, default=24.0, help="trace: time compression")
+    add_trace_args(ap, chunk=64, max_prompt=7808, speedup=24.0, prefill_kv=65536, decode_kv=262144)
     ap.add_argument("--burst-requests", type=int, default=30)
     ap.add_argument("--burst-min", type=int, default=2048)
     ap.add_argument("--burst-max", type=int, default=6144)
     ap.add_argument("--burst-output", type=int, default=64)
     ap.add_argument("--burst-span-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prefill-kv", type=int, default=65536)
-    ap.add_argument("--decode-kv", type=int, default=262144)
-    ap.add_argument("--ttft-slo-ms", type=float, default=3000.0)
-    ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
-    ap.add_argument("--vllm", default=VLLM)
-    ap.add_argument("--launch-timeout-s", type=float, default=600.0)
-    ap.add_argument("--time-limit-s", type=float, default=1800.0)
     ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "load_aware"))
     args = ap.parse_args()
     systems, workloads = [s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Container
 
 DECAY = 0.8  # weight of what a prefill instance measured before its newest step
 
@@ -31,7 +32,6 @@ MEETS_SLO = "prefill_meets_slo"  # the prefill pool's prediction is within the t
 NO_SLACK = "no_decode_slack"  # the prefill pool misses the target, and no decode instance would be sooner
 BACKLOG = "prefill_backlog"  # the prefill pool misses the target; a decode instance is sooner: it prefills
 REFUSED = "decode_refused"  # that decode instance had no room after all (or could not be reached)
-REASONS = (OFF, UNMEASURED, MEETS_SLO, NO_SLACK, BACKLOG, REFUSED)
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,11 @@ class LoadAwareState:
         if tokens > 0:
             self.rates.setdefault(instance, PrefillRate()).observe(tokens, seconds)
 
-    def placed_since_report(self, instance: str, holds: frozenset) -> int:
-        """Local-prefill tokens placed on ``instance`` that its last report (holding ``holds``) does not count."""
+    def placed_since_report(self, instance: str, holds: frozenset, live: Container[str]) -> int:
+        """Local-prefill tokens placed on ``instance`` that its last report (holding ``holds``) does not count;
+        requests no longer ``live`` (ended, cancelled) before any report counted them are let go."""
         placed = self.placed_local.get(instance, {})
-        for rid in [r for r in placed if r in holds]:
+        for rid in [r for r in placed if r in holds or r not in live]:
             del placed[rid]
         return sum(placed.values())
 

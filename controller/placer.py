@@ -82,13 +82,13 @@ class Placer:
         instance's TPOT slack computes the prompt sooner; False: the prefill pool computes it."""
         ctx, rid, la = self.context, run.request_id, self.context.load_aware
         n = len(run.prompt_ids)
-        if run.params.prompt_logprobs is not None:
+        if not la.policy.enabled or run.params.prompt_logprobs is not None:
             self._decided(Decision(None, OFF))
             return False
         queued = sum(ctx.runs[r].prefill_tokens for r in prefill.assigned
                      if r in ctx.runs and ctx.runs[r].state in (RequestState.QUEUED, RequestState.PREFILLING))
         options = [DecodeOption(i.name, n - cached[i.name].tokens,
-                                i.load.prefill_queued_tokens + la.placed_since_report(i.name, i.load.holds),
+                                i.load.prefill_queued_tokens + la.placed_since_report(i.name, i.load.holds, ctx.runs),
                                 i.load.prefill_tokens_per_s)
                    for i in order if i.load is not None and i.room and i.name in cached]
         decision = decide(la.policy, prefill_ttft_s(queued, run.prefill_tokens, la.rates.get(prefill.name)), options)

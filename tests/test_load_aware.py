@@ -69,10 +69,15 @@ def test_local_prefills_count_queued_until_the_instance_reports_them():
     state = LoadAwareState()
     state.placing("d0", "a", 300)
     state.placing("d0", "b", 200)
-    assert state.placed_since_report("d0", frozenset()) == 500
-    assert state.placed_since_report("d0", frozenset({"a"})) == 200  # its report counts "a" now
+    state.placing("d0", "c", 100)
+    live = {"a", "b", "c"}
+    assert state.placed_since_report("d0", frozenset(), live) == 600
+    assert state.placed_since_report("d0", frozenset({"a"}), live) == 300  # its report counts "a" now
+    live.discard("c")  # cancelled before any report counted it
+    assert state.placed_since_report("d0", frozenset(), live) == 200
     state.forget("d0", "b")  # refused
-    assert state.placed_since_report("d0", frozenset()) == 0
+    assert state.placed_since_report("d0", frozenset(), live) == 0
+    assert state.placed_local["d0"] == {}
     state.count(decide(POLICY, 5.0, [DecodeOption("d0", 10, 0, 1000.0)]))
     state.count(decide(POLICY, 0.1, []))
     assert state.counts == {("decode", BACKLOG): 1, ("prefill", MEETS_SLO): 1}
