@@ -10,7 +10,6 @@ import pytest
 
 from controller.load_aware import BACKLOG, MEETS_SLO, UNMEASURED, LoadAwarePolicy
 from controller.config import load_config
-from planner.search import NO_SPECULATION
 from planner.simulator import SimConfig, SimConfigError, simulate
 from planner.workload import RequestSpec
 from tests.test_planner_sim import disagg, make_profile
@@ -74,4 +73,3 @@ def test_the_cluster_config_turns_it_on_and_bad_settings_name_the_field():
         SimConfig("colocated", colocated=disagg().prefill, load_aware=LoadAwarePolicy())
     with pytest.raises(SimConfigError, match="decode_prefill_tpot_s"):
         dataclasses.replace(disagg(), decode_prefill_tpot_s=0.0)
-    assert NO_SPECULATION.drafter == "none"
