@@ -4,6 +4,8 @@ forked from it through the admission door (``Fork``), each from its own first to
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from decode_worker.admission import Admission
@@ -51,7 +53,7 @@ class FirstTokens:
             sampler = seq.sampler.for_sequence(f.index)
             sampler.generator.set_state(generator_state(f.sampler_state))
             forks.append((f.index, f.token, sampler))
-        return self._start_all(held, kv.first_token, forks, sent=starts.text_sent)
+        return self._start_all(held, kv.first_token, forks, sent=starts.text_sent, first_token_at=starts.first_token_at)
 
     def after_prefill(self, held: HeldRequest, logits: torch.Tensor) -> list[TokenDelta]:
         """The prompt was computed here: every sequence samples its first token from the last position's
@@ -65,11 +67,12 @@ class FirstTokens:
         return self._start_all(held, token, forks, logits[:1])
 
     def _start_all(self, held: HeldRequest, token: int, forks: list[tuple[int, int, RequestSampler]],
-                   logits: torch.Tensor | None = None, sent: tuple[int, ...] | None = None) -> list[TokenDelta]:
+                   logits: torch.Tensor | None = None, sent: tuple[int, ...] | None = None,
+                   first_token_at: float | None = None) -> list[TokenDelta]:
         """Fork the further sequences ``(index, first token, sampler)`` off ``held``, then start them all;
         with ``logits`` [1, V], each delta carries its first token's log-probabilities. ``sent``: the first
         tokens were streamed already (by the prefill instance), with this many characters of text by sequence
-        index: the deltas start after them."""
+        index: the deltas start after them. ``first_token_at``: when the client got them (None: now)."""
         rid, seq = held.seq.request_id, held.seq
         prompt, params = tuple(seq.prompt_ids), seq.sampler.params
         pairs = [(held, token)]
@@ -77,6 +80,9 @@ class FirstTokens:
             sid = sequence_id(rid, index)
             self.admission.admit(DecodeRequest(sid, prompt, params), Fork(rid, index, sampler))
             pairs.append((self.admission.requests[sid], first))
+        at = time.time() if first_token_at is None else first_token_at
+        for h, _ in pairs:
+            h.first_token_at = at
         # every fork first: the first sequence may finish at its first token and free the blocks they share
         if sent is not None:
             return [self.output.start_after(h, tok, sent[i] if i < len(sent) else 0) for i, (h, tok) in enumerate(pairs)]

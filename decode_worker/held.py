@@ -19,3 +19,4 @@ class HeldRequest:
     seq: Sequence
     stream: OutputStream
     fork_blocks: list[int] = field(default_factory=list)
+    first_token_at: float | None = None  # time.time() when the client got its first token (its TPOT counts from it)

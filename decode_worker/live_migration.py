@@ -205,6 +205,7 @@ class LiveMigrations:
         # the stream, made at admission, has seen nothing yet: the text state as the source had it ...
         held.stream.push(seq.output_ids, None)
         held.stream.sent = state.text_sent  # ... of which this much was streamed
+        held.first_token_at = state.first_token_at
         return MigrationArrived(seq.request_id, len(state.output_ids))
 
     def poll(self) -> list:
@@ -269,7 +270,7 @@ class LiveMigrations:
             draft_kv, layout = exported
             draft = (layout.computed, layout.entries, layout.evicted)
         state = MigrationState(tuple(seq.output_ids), n, seq.sampler.generator.get_state().numpy().tobytes().hex(),
-                               held.stream.sent, draft)
+                               held.stream.sent, draft, held.first_token_at)
         blocks = list(seq.block_table.blocks)
         self.legs.end(seq.request_id, blocks, n, state.encode(), draft_kv)
         m.stopped = True

@@ -14,6 +14,7 @@ frees its copy only once the router has committed the request to the destination
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 
@@ -33,6 +34,7 @@ class MigrationState:
     sampler_state: str
     text_sent: int
     draft: tuple[int, int, tuple[int, ...]] | None = None
+    first_token_at: float | None = None  # time.time() when the client got the request's first token
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output_ids", tuple(self.output_ids))
@@ -53,6 +55,10 @@ class MigrationState:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
         bytes.fromhex(self.sampler_state)
+        if self.first_token_at is not None and (isinstance(self.first_token_at, bool) or
+                                                not isinstance(self.first_token_at, (int, float)) or
+                                                not math.isfinite(self.first_token_at)):
+            raise ValueError(f"first_token_at: must be a finite time or null, got {self.first_token_at!r}")
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -66,7 +72,8 @@ class MigrationState:
         if draft is not None and (not isinstance(draft, list) or len(draft) != 3 or not isinstance(draft[2], list)):
             raise ValueError(f"draft: expected [computed, entries, [evicted...]], got {draft!r}")
         return MigrationState(tuple(raw["output_ids"]), raw["num_computed"], str(raw["sampler_state"]),
-                              raw["text_sent"], None if draft is None else (draft[0], draft[1], tuple(draft[2])))
+                              raw["text_sent"], None if draft is None else (draft[0], draft[1], tuple(draft[2])),
+                              raw.get("first_token_at"))
 
 
 @dataclass

@@ -1,36 +1,88 @@
 """How many prompt tokens a decode step prefills locally (no torch): as many as fit in the TPOT slack of the
-sequences decoding beside them.
+sequences decoding beside them, and how fast that computes the queued prompts.
 
-A step computes the local-prefill chunk, then the decode (speculative) pass of every running sequence, each of
-which gains at least one token from it (all its drafts rejected). So that no decoding sequence's time per output
-token passes ``tpot_slo_s``, the whole step stays within it:
+While sequences decode, a step's local-prefill chunk rides in their decode (or verify) pass: one pass, one
+read of the weights, the chunk's positions beside their tokens. Every decoding sequence gains at least one
+token from the step (all its drafts rejected), so that none passes ``tpot_slo_s`` of time per output token,
+the whole step stays within it:
 
-    n* = the largest n <= chunk with  prefill_s(n) <= tpot_slo_s - decode_s
+    n* = the largest n <= chunk with  fused_s(n) <= limit_s - decode_s,   limit_s = min(tpot_slo_s, paced_s)
 
-``decode_s`` is a moving average of what the decoding sequences wait between two steps beyond the prefill chunk
-(the decode pass and the loop's own work); ``prefill_s`` is a linear cost model fitted on this instance's
-measured prefill passes (seeded by the start-up profile), times a moving correction of its recent error (a
-prompt deep into a long context costs more than the fit at a short one says). The fit is trusted only near
-what it saw: a chunk is at most twice the largest one measured, starting from ``PROBE_TOKENS``. With no
-sequence decoding, or no SLO, a step computes the whole chunk (nobody's TPOT is at stake). With no slack, or
-none known yet (no decode pass measured), it computes nothing: the queued prompts wait, a decoding request's
-TPOT is never spent on them.
+``decode_s`` is a moving average of what the decoding sequences wait between two steps beyond the chunk's
+share (the decode pass and the loop's own work). ``fused_s`` is what the chunk adds to that pass: a linear cost
+model fitted on this instance's measured prefill passes (seeded by the start-up profile) without its per-pass
+term, times a moving correction of its recent error, measured as the fused pass's time beyond what the
+decode pass alone is predicted to take. The fit is trusted only near what it saw: a chunk is at most twice the
+largest one measured, starting from ``PROBE_TOKENS``. With no sequence decoding, or no SLO, a step computes the
+whole chunk in a pass of its own (nobody's TPOT is at stake). With no slack, or none known yet (no decode pass
+measured), it computes nothing: the queued prompts wait, a decoding request's TPOT is never spent on them.
+
+A request's TPOT, as clients measure it, is its mean gap after its first token, the first gap included (the KV
+transfer's tail, the wait for a step boundary). ``paced_s`` (``pace_limit_s``) keeps that mean within
+``tpot_slo_s`` too: a sequence whose first gap ran long holds the chunks back so that its next tokens make up
+for it.
+
+The rate the router predicts a local prefill's wait with (``tokens_per_s``) is sampled over the steps of the
+last ``RATE_WINDOW_S`` beside decoding sequences: what a step computed while prompts were queued, what it
+could have computed (the chunk its paces allowed, at the predicted cost) while none were. So it counts the
+steps the pace limit holds back and the batch's own growth, which a single step's slack does not.
 """
 
 from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
 
 from decode_worker.policy import LinearCostModel, PassShape
 
 PROBE_TOKENS = 64  # the first chunk measured beside decoding sequences, with nothing measured yet
 SMOOTHING = 0.3  # weight of the newest step in the moving averages
 MAX_CORRECTION = 4.0  # the correction of the prefill cost model stays within [1/4, 4]
+RATE_WINDOW_S = 5.0  # the local-prefill rate reported is sampled over the steps of this many seconds ...
+MIN_RATE_STEPS = 4  # ... once there are this many
+PACE_HORIZON_TOKENS = 32  # a sequence's time per output token is held to the target over this many tokens ahead
 
 
-def prefill_shape(start: int, tokens: int) -> PassShape:
+def prefill_shape(start: int, tokens: int, fused: bool = False) -> PassShape:
     """One prefill pass over ``tokens`` prompt positions after ``start`` computed ones (each new position
-    attends to the KV before it and to itself)."""
+    attends to the KV before it and to itself). ``fused``: the same positions added to another pass, which
+    pays the fixed costs (a prefill pass is always one sequence, so its fit cannot tell per-pass from
+    per-sequence cost: both go)."""
     end = start + tokens
-    return PassShape(1, end, tokens, kv_queries=tokens * start + tokens * (tokens + 1) // 2)
+    one = 0 if fused else 1
+    return PassShape(one, end, tokens, passes=one, kv_queries=tokens * start + tokens * (tokens + 1) // 2)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """A decoding sequence's time per output token so far: seconds since the client got its first token, the
+    tokens it got since, and how many more the sequence may produce (its ``max_tokens``, or the context's end)."""
+
+    since_first_s: float
+    tokens_since_first: int
+    remaining: int
+
+
+def pace_limit_s(paces: Iterable[Pace], target_s: float, decode_s: float) -> float:
+    """The longest step that every sequence can afford on average from now on and still end within
+    ``target_s`` of time per output token since its first token, each step giving it one token, over its
+    next ``h = min(remaining, PACE_HORIZON_TOKENS)`` tokens:
+
+        (since_first_s + h * step) / (tokens_since_first + h) <= target_s
+
+    A first gap that ran long is so made up over the tokens after it, not all in the next step. A sequence
+    that could not end within ``target_s`` even if its next ``h`` steps took only ``decode_s`` is past saving
+    and does not hold the others back. ``inf`` when no sequence counts."""
+    limit = math.inf
+    for p in paces:
+        h = max(1, min(p.remaining, PACE_HORIZON_TOKENS))
+        budget_s = target_s * (p.tokens_since_first + h) - p.since_first_s
+        if budget_s < h * decode_s:
+            continue
+        limit = min(limit, budget_s / h)
+    return limit
 
 
 class PrefillBudget:
@@ -42,8 +94,10 @@ class PrefillBudget:
         self.tpot_slo_s = tpot_slo_s
         self.cost = LinearCostModel(window=128, refit_every=4)
         self.correction = 1.0  # measured over predicted seconds of the recent prefill passes, moving average
+        self.fused_correction = 1.0  # the same, of the recent chunks fused into a decode pass
         self.largest_measured = 0
         self.decode_s: float | None = None  # what a step costs the decoding sequences beside the chunk, average
+        self.rate_samples: deque[tuple[float, int, float]] = deque()  # (ended at, tokens prefilled, step seconds)
 
     def observe_prefill(self, start: int, tokens: int, seconds: float) -> None:
         """A measured prefill pass of ``tokens`` positions after ``start``."""
@@ -53,45 +107,93 @@ class PrefillBudget:
         self.cost.observe(prefill_shape(start, tokens), seconds)
         self.largest_measured = max(self.largest_measured, tokens)
 
+    def observe_fused(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """What the chunks ``(start, tokens)`` added to the decode pass they rode in, measured."""
+        predicted = sum(self.fused_s(start, n, corrected=False) for start, n in chunks)
+        if self.cost.ready and predicted > 0:
+            ratio = seconds / predicted
+            self.fused_correction = min(MAX_CORRECTION, max(1 / MAX_CORRECTION, _average(self.fused_correction, ratio)))
+        self.largest_measured = max([self.largest_measured] + [n for _, n in chunks])
+
     def observe_step(self, seconds: float) -> None:
         """What a step cost its decoding sequences beyond its prefill chunk."""
         self.decode_s = _average(self.decode_s, seconds)
+
+    def observe_rate(self, now: float, decode_s: float, prefilled: int | None, prefill_s: float = 0.0,
+                     start: int = 0, paces: Iterable[Pace] = ()) -> None:
+        """A step beside decoding sequences ended at ``now``, its decode pass (and the loop's work) ``decode_s``
+        long: a sample of the local-prefill rate. Begun with prompts queued, what it did: ``prefilled`` tokens
+        in ``prefill_s``; else what it could have done: the chunk the sequences' ``paces`` allowed (the
+        queue's head having ``start`` computed), its predicted seconds added."""
+        if prefilled is None:
+            if not self.cost.ready:
+                return
+            prefilled = self.tokens(start, True, paces)
+            prefill_s = self.fused_s(start, prefilled)
+        self.rate_samples.append((now, prefilled, decode_s + prefill_s))
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self.rate_samples and self.rate_samples[0][0] < now - RATE_WINDOW_S:
+            self.rate_samples.popleft()
+
+    def sampled_tokens_per_s(self, now: float) -> float | None:
+        """Prompt tokens per second of the steps of the last ``RATE_WINDOW_S`` (None: too few samples)."""
+        self._expire(now)
+        if len(self.rate_samples) < MIN_RATE_STEPS:
+            return None
+        seconds = sum(s for _, _, s in self.rate_samples)
+        return sum(n for _, n, _ in self.rate_samples) / max(seconds, 1e-9)
 
     def prefill_s(self, start: int, tokens: int) -> float:
         """Predicted seconds of a prefill pass (0 for no tokens); needs a measured pass."""
         return self.cost.predict(prefill_shape(start, tokens)) * self.correction if tokens else 0.0
 
-    def slack_s(self) -> float:
-        """Seconds a step beside the decoding sequences may spend prefilling (negative: none)."""
-        return self.tpot_slo_s - (self.decode_s or 0.0)
+    def fused_s(self, start: int, tokens: int, corrected: bool = True) -> float:
+        """Predicted seconds the chunk adds to the decode pass it rides in (0 for no tokens); needs a measured
+        pass."""
+        if not tokens:
+            return 0.0
+        correction = self.fused_correction if corrected else 1.0
+        return self.cost.predict(prefill_shape(start, tokens, fused=True)) * correction
 
-    def tokens(self, start: int, decoding: bool) -> int:
-        """Prompt tokens the next step prefills, the head of the queue having ``start`` computed."""
+    def slack_s(self, paces: Iterable[Pace] = ()) -> float:
+        """Seconds a step beside the decoding sequences (``paces``: theirs) may spend prefilling (negative:
+        none)."""
+        decode_s = self.decode_s or 0.0
+        return min(self.tpot_slo_s, pace_limit_s(paces, self.tpot_slo_s, decode_s)) - decode_s
+
+    def tokens(self, start: int, decoding: bool, paces: Iterable[Pace] = ()) -> int:
+        """Prompt tokens the next step prefills, the head of the queue having ``start`` computed; ``paces``: the
+        decoding sequences' (none given: the step bound alone, as a rate over many steps uses)."""
         if self.tpot_slo_s is None or not decoding:
             return self.chunk
         if self.decode_s is None:  # the batch's decode pass not measured yet: its slack is unknown
             return 0
         cap = min(self.chunk, max(PROBE_TOKENS, 2 * self.largest_measured))
+        slack = self.slack_s(paces)
         if not self.cost.ready:
-            return cap if self.slack_s() > 0 else 0
-        slack = self.slack_s()
-        lo, hi = 0, cap  # the largest n in [0, cap] whose predicted pass fits the slack (cost rises with n)
+            return cap if slack > 0 else 0
+        lo, hi = 0, cap  # the largest n in [0, cap] whose predicted share fits the slack (cost rises with n)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.prefill_s(start, mid) <= slack:
+            if self.fused_s(start, mid) <= slack:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def tokens_per_s(self, start: int, decoding: bool) -> float:
+    def tokens_per_s(self, start: int, decoding: bool, now: float | None = None) -> float:
         """How fast the queued prompts are computed now, in tokens per second of steps (0: they wait); until a
-        pass is measured, 0 too (the router does not count on a rate it cannot know)."""
+        pass is measured, 0 too (the router does not count on a rate it cannot know). At ``now``, while
+        sequences decode, what the recent steps did or could have done (``sampled_tokens_per_s``), once
+        sampled."""
         n = self.tokens(start, decoding)
         if n == 0 or not self.cost.ready:
             return 0.0
-        step = self.prefill_s(start, n) + ((self.decode_s or 0.0) if decoding else 0.0)
-        return n / max(step, 1e-6)
+        step = self.fused_s(start, n) + (self.decode_s or 0.0) if decoding else self.prefill_s(start, n)
+        sampled = self.sampled_tokens_per_s(now) if decoding and now is not None else None
+        return n / max(step, 1e-6) if sampled is None else sampled
 
 
 def _average(old: float | None, new: float) -> float:

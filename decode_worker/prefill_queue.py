@@ -1,23 +1,47 @@
 """Prompts computed on the decode instance itself (``LocalPrefill``): each step as many of their tokens as the
 TPOT slack of the sequences decoding beside them allows (``decode_worker/prefill_budget.py``), the fewest
-remaining tokens first, with no prefill instance involved; and the chunked KV computation that preempted and resumed sequences
-recompute with."""
+remaining tokens first, with no prefill instance involved; and the chunked KV computation that preempted and
+resumed sequences recompute with.
+
+A step's chunks (``plan``) ride in the decode pass of the sequences decoding (``Speculator.run``'s riders), or,
+with none decoding, run in passes of their own (``step``); ``finish`` then starts the requests whose prompt
+they completed."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from decode_worker.first_tokens import FirstTokens
 from decode_worker.held import HeldRequest
-from decode_worker.prefill_budget import PrefillBudget
+from decode_worker.prefill_budget import Pace, PrefillBudget
 from decode_worker.messages import TokenDelta
 from modeling.pass_log import PassLog
 from modeling.prefix_cache import PrefixCache
 from modeling.runner import ModelRunner, StepInput
 from modeling.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Positions ``start .. end`` of a queued request's prompt, computed by one step."""
+
+    held: HeldRequest
+    start: int
+    end: int
+
+    @property
+    def done(self) -> bool:
+        """The chunk completes the prompt: its last position's logits give the first token."""
+        return self.end == self.held.seq.num_prompt
+
+    def step_input(self) -> StepInput:
+        seq = self.held.seq
+        return StepInput(seq.tokens[self.start:self.end], self.start, seq.block_table.blocks,
+                         num_logits=int(self.done))
 
 
 class PrefillQueue:
@@ -55,35 +79,54 @@ class PrefillQueue:
         """``request_id`` leaves the queue (the caller frees it)."""
         self.order.remove(request_id)
 
-    def step(self, decoding: bool) -> list[TokenDelta]:
-        """Compute the prompt tokens the budget allows this step (``decoding``: sequences decode beside them),
-        the fewest remaining first; those whose prompt is complete sample their first token and start decoding."""
+    def plan(self, decoding: bool, paces: list[Pace] = ()) -> list[PrefillChunk]:
+        """The chunks of the step (``decoding``: sequences decode beside them, at ``paces``): the tokens the
+        budget allows, the fewest remaining first; all but the last complete their prompt."""
         if len(self.order) > 1:  # shortest remaining first: a conversation's next turn does not wait on a document
             ranked = sorted(self.order, key=self._remaining)
             self.order.clear()
             self.order.extend(ranked)
-        budget, out = self.budget.tokens(self.head_start(), decoding), []
-        self.last_seconds = 0.0
-        while self.order and budget > 0:
-            held = self.requests[self.order[0]]
-            seq = held.seq
+        budget, chunks = self.budget.tokens(self.head_start(), decoding, paces), []
+        for rid in self.order:
+            if budget <= 0:
+                break
+            held = self.requests[rid]
+            start = held.seq.num_computed
+            end = min(held.seq.num_prompt, start + budget)
+            chunks.append(PrefillChunk(held, start, end))
+            budget -= end - start
+        return chunks
+
+    def finish(self, chunks: list[PrefillChunk], logits: torch.Tensor) -> list[TokenDelta]:
+        """The chunks were computed (``logits`` [done chunks, V], in order): those that complete their prompt
+        sample their first token and start decoding."""
+        out, row = [], 0
+        for chunk in chunks:
+            seq = chunk.held.seq
+            seq.num_computed = chunk.end
+            if not chunk.done:
+                continue
+            self.order.remove(seq.request_id)
+            self.prefix_cache.commit(seq, seq.num_prompt)
+            out += self.first_tokens.after_prefill(chunk.held, logits[row:row + 1])
+            row += 1
+        return out
+
+    def step(self, decoding: bool, paces: list[Pace] = ()) -> list[TokenDelta]:
+        """Compute the step's chunks (``plan``) in passes of their own, one per request (no decode pass to ride
+        in), and start the requests whose prompt is complete."""
+        chunks = self.plan(decoding, paces)
+        self.last_seconds, rows = 0.0, []
+        for chunk in chunks:
             start = time.perf_counter()
-            end = min(seq.num_prompt, seq.num_computed + budget)
-            done = end == seq.num_prompt
-            logits = self.runner.run([StepInput(seq.tokens[seq.num_computed:end], seq.num_computed,
-                                                seq.block_table.blocks, num_logits=int(done))])
+            logits = self.runner.run([chunk.step_input()])
             seconds = time.perf_counter() - start
             self.last_seconds += seconds
-            self.budget.observe_prefill(seq.num_computed, end - seq.num_computed, seconds)
-            self.pass_log.record("prefill", seconds, chunks=[[seq.num_computed, end - seq.num_computed]])
-            budget -= end - seq.num_computed
-            seq.num_computed = end
-            if not done:
-                break
-            self.order.popleft()
-            self.prefix_cache.commit(seq, seq.num_prompt)
-            out += self.first_tokens.after_prefill(held, logits)
-        return out
+            n = chunk.end - chunk.start
+            self.budget.observe_prefill(chunk.start, n, seconds)
+            self.pass_log.record("prefill", seconds, chunks=[[chunk.start, n]])
+            rows.append(logits)
+        return self.finish(chunks, torch.cat(rows) if rows else torch.empty(0))
 
     def run_now(self, request_id: str) -> list[TokenDelta]:
         """Compute a queued request's whole prompt now, out of turn, and start it (tests, benchmarks,

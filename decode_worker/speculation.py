@@ -46,6 +46,8 @@ class Speculator:
         self.step_correction = StepCorrection()
         self.policy = self._make_policy()
         self.step_k = StepK(self.spec, self.policy)
+        self.target_pass_s = 0.0  # the latest target pass's seconds (riders included)
+        self.rider_logits = torch.empty(0)  # the latest target pass's riders' logits rows
 
     @property
     def spec(self) -> SpeculationConfig:
@@ -68,12 +70,18 @@ class Speculator:
 
     # -- passes -----------------------------------------------------------------------------------
 
-    def run(self, seqs: list[Sequence], k: int, choice: KChoice | None) -> tuple[list[Verdict], torch.Tensor]:
+    def run(self, seqs: list[Sequence], k: int, choice: KChoice | None,
+            riders: list[StepInput] = ()) -> tuple[list[Verdict], torch.Tensor]:
         """The step's passes: (one verdict per sequence, the target logits [B, k + 1, V] at the verified
         positions). ``choice``: the policy's prediction for this very step (its timing corrects the policy),
-        None when the step ran otherwise (fixed k, a lowered k, a smaller batch)."""
+        None when the step ran otherwise (fixed k, a lowered k, a smaller batch). ``riders``: further inputs
+        (local-prefill chunks) computed in the same target pass; their logits rows are left in
+        ``rider_logits``, the pass's seconds in ``target_pass_s``, and the pass does not correct the target
+        cost model or the policy (its time is not a decode pass's)."""
+        if riders:
+            choice = None
         t0, draft_before = time.perf_counter(), self.metrics.draft_time_s
-        verdicts, logits = self._decode(seqs) if k == 0 else self._speculate(seqs, k)
+        verdicts, logits = self._decode(seqs, riders) if k == 0 else self._speculate(seqs, k, riders)
         if choice is not None:  # the policy corrects draft and verify time apart
             draft_s = self.metrics.draft_time_s - draft_before
             self.policy.observe_step(choice, draft_s, time.perf_counter() - t0 - draft_s)
@@ -81,15 +89,38 @@ class Speculator:
             self.acceptance.observe_step([(k, v.num_accepted) for v in verdicts])
         return verdicts, logits
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[list[Verdict], torch.Tensor]:
-        """A plain decode step: (one token per sequence, the target logits [B, 1, V])."""
+    def _target_pass(self, seqs: list[Sequence], k: int, inputs: list[StepInput],
+                     riders: list[StepInput]) -> torch.Tensor:
+        """The target pass over ``inputs`` (k + 1 logits rows each) and the ``riders``: the inputs' logits."""
         t0 = time.perf_counter()
-        logits = self.runner.run([StepInput([s.tokens[-1]], len(s.tokens) - 1, s.block_table.blocks) for s in seqs])
-        self._observe_target(seqs, 0, time.perf_counter() - t0)
+        logits = self.runner.run(list(inputs) + list(riders))
+        self.target_pass_s = time.perf_counter() - t0
+        rows = len(inputs) * (k + 1)
+        self.rider_logits = logits[rows:]
+        if riders:  # a mixed pass: each sequence's k + 1 positions as decode tokens reading its KV
+            self.pass_log.record("mixed", self.target_pass_s, chunks=[[r.start, len(r.token_ids)] for r in riders],
+                                 decode_seqs=len(seqs) * (k + 1),
+                                 decode_kv_tokens=(k + 1) * sum(len(s.tokens) + k for s in seqs))
+        else:
+            self._observe_target(seqs, k, self.target_pass_s)
+        return logits[:rows]
+
+    def predict_target_s(self, seqs: list[Sequence], k: int) -> float | None:
+        """The target cost model's seconds for the target pass of ``seqs`` at ``k`` alone (None: not fitted)."""
+        if not self.target_cost.ready:
+            return None
+        b = len(seqs)
+        return self.target_cost.predict(PassShape(b, sum(len(s.tokens) for s in seqs) + b * k, b * (k + 1)))
+
+    def _decode(self, seqs: list[Sequence], riders: list[StepInput] = ()) -> tuple[list[Verdict], torch.Tensor]:
+        """A plain decode step: (one token per sequence, the target logits [B, 1, V])."""
+        logits = self._target_pass(seqs, 0, [StepInput([s.tokens[-1]], len(s.tokens) - 1, s.block_table.blocks)
+                                             for s in seqs], riders)
         verdicts = [Verdict(0, [s.sampler.choose(logits[i], s.tokens)]) for i, s in enumerate(seqs)]
         return verdicts, logits.unsqueeze(1)
 
-    def _speculate(self, seqs: list[Sequence], k: int) -> tuple[list[Verdict], torch.Tensor]:
+    def _speculate(self, seqs: list[Sequence], k: int,
+                   riders: list[StepInput] = ()) -> tuple[list[Verdict], torch.Tensor]:
         """Draft k tokens per sequence and verify them in one target pass: (the verdicts, the target logits
         [B, k + 1, V]). Each verified position's logits are processed with the tokens before it, drafts
         included, exactly as plain decoding would process them there."""
@@ -100,7 +131,7 @@ class Speculator:
             StepInput([s.tokens[-1]] + proposal.tokens[i], len(s.tokens) - 1, s.block_table.blocks, num_logits=k + 1)
             for i, s in enumerate(seqs)
         ]
-        logits = self.runner.run(inputs).view(len(seqs), k + 1, -1)  # [B, k + 1, V]
+        logits = self._target_pass(seqs, k, inputs, riders).view(len(seqs), k + 1, -1)  # [B, k + 1, V]
         t2 = time.perf_counter()
         lens = [len(s.tokens) for s in seqs]
         draft_shape = sum((PassShape(len(seqs), sum(self.drafter.kv_tokens_read(n, j) for n in lens), len(seqs))
@@ -108,7 +139,6 @@ class Speculator:
         self.draft_cost.observe(draft_shape, t1 - t0)
         self.pass_log.record("draft", t1 - t0, passes=k, seqs=draft_shape.seqs, kv_tokens=draft_shape.kv_tokens,
                              new_tokens=draft_shape.new_tokens)
-        self._observe_target(seqs, k, t2 - t1)
         self.metrics.draft_time_s += t1 - t0
         self.metrics.verify_time_s += t2 - t1
         raw_argmax = torch.argmax(logits, dim=-1).tolist()

@@ -41,7 +41,7 @@ from decode_worker.live_migration import LiveMigrations
 from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed, PoolLoad, TokenDelta
 from decode_worker.metrics import WorkerMetrics
 from decode_worker.migration_host import WorkerMigrationHost
-from decode_worker.prefill_budget import PROBE_TOKENS, PrefillBudget
+from decode_worker.prefill_budget import PROBE_TOKENS, Pace, PrefillBudget
 from decode_worker.prefill_queue import PrefillQueue
 from decode_worker.ranks import FollowerRanks
 from decode_worker.scheduler import DecodeScheduler
@@ -192,38 +192,74 @@ class DecodeWorker:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self, k: int | None = None) -> list[TokenDelta | DecodeFailure]:
-        """One decode iteration over every running sequence, after admitting the prompts whose KV arrived.
-        ``k`` overrides the policy."""
+        """One decode iteration over every running sequence, after admitting the prompts whose KV arrived;
+        the local prefills' chunk rides in its decode pass (``decode_worker/prefill_queue.py``). ``k``
+        overrides the policy."""
         began = time.perf_counter()
         received = self._receive() + self.migrations.poll()
         self._resume_preempted()
-        received += self.prefills.step(self.decoding)
-        prefill_s = self.prefills.last_seconds
         running = [self.requests[rid] for rid in self.scheduler.running]
-        if not running:
+        if running:
+            start = time.perf_counter()
+            planned, choice = (self.speculator.choose_k([h.seq for h in running], tuple(self.scheduler.running))
+                               if k is None else (k, None))
+            planned_batch = len(running)
+            k, running = self._make_room(planned)
+        if not running:  # no decode pass to ride in: the local prefills run in passes of their own
             self._last_decode_end = None
+            received += self.prefills.step(self.decoding)
             return received + self._take_events()
-        start = time.perf_counter()
-        planned, choice = (self.speculator.choose_k([h.seq for h in running], tuple(self.scheduler.running))
-                           if k is None else (k, None))
-        planned_batch = len(running)
-        k, running = self._make_room(planned)
-        if not running:
-            return received + self._take_events()
+        seqs = [h.seq for h in running]
+        paces = self._paces(running)
+        queued = len(self.prefills) > 0
+        head = self.prefills.head_start()
+        chunks = self.prefills.plan(True, paces)
         same_shape = k == planned and len(running) == planned_batch  # the step the policy predicted
-        verdicts, logits = self.speculator.run([h.seq for h in running], k, choice if same_shape else None)
+        verdicts, logits = self.speculator.run(seqs, k, choice if same_shape else None,
+                                               [c.step_input() for c in chunks])
         deltas = [self.output.commit(h, v, k, logits[i]) for i, (h, v) in enumerate(zip(running, verdicts))]
+        prefill_s = self._fused_prefill_s(seqs, k, chunks)
+        deltas += self.prefills.finish(chunks, self.speculator.rider_logits)
         end = time.perf_counter()
         seconds = end - start
         self._record_step(k, seconds)
-        # what the decoding sequences wait between two tokens beyond the prefill chunk: since the last decode
-        # step ended (the loop's own work between steps included), else since this step began
+        # what the decoding sequences wait between two tokens beyond the prefill chunk's share: since the last
+        # decode step ended (the loop's own work between steps included), else since this step began
         since = began if self._last_decode_end is None else self._last_decode_end
         self._last_decode_end = end
         self.prefill_budget.observe_step(end - since - prefill_s)
+        self.prefill_budget.observe_rate(end, end - since - prefill_s,
+                                         sum(c.end - c.start for c in chunks) if queued else None, prefill_s, head,
+                                         paces)
         self.pass_log.record("step", seconds, k=k, seqs=len(running))
         self.migrations.advance()
         return received + deltas + self._take_events()
+
+    def _fused_prefill_s(self, seqs: list, k: int, chunks: list) -> float:
+        """What the chunks added to the decode pass they rode in: the pass's time beyond the target cost
+        model's for the decode part alone (the budget's prediction until that model is fitted)."""
+        if not chunks:
+            return 0.0
+        spans = [(c.start, c.end - c.start) for c in chunks]
+        alone = self.speculator.predict_target_s(seqs, k)
+        if alone is None:
+            return sum(self.prefill_budget.fused_s(start, n) for start, n in spans) if self.prefill_budget.cost.ready \
+                else 0.0
+        share = min(self.speculator.target_pass_s, max(0.0, self.speculator.target_pass_s - alone))
+        self.prefill_budget.observe_fused(spans, share)
+        return share
+
+    def _paces(self, running: list[HeldRequest]) -> list[Pace]:
+        """The running sequences' time per output token so far (``decode_worker/prefill_budget.py``)."""
+        now, paces = time.time(), []
+        for h in running:
+            seq = h.seq
+            if h.first_token_at is None:
+                continue
+            out = len(seq.tokens) - seq.num_prompt
+            room = min(seq.sampler.params.max_tokens, seq.max_model_len - seq.num_prompt)
+            paces.append(Pace(now - h.first_token_at, out - 1, max(1, room - out)))
+        return paces
 
     def _take_events(self) -> list:
         out = list(self.events)

@@ -9,6 +9,7 @@ keeps the request's id; sequence i > 0 runs under ``sequence_id(request id, i)``
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 _SEP = "#"  # never in a request id (gRPC allows letters, digits, '.', '_', '-'; HTTP ids are generated)
@@ -49,6 +50,7 @@ class SequenceStarts:
 
     forks: tuple[ForkStart, ...] = ()
     text_sent: tuple[int, ...] = ()
+    first_token_at: float | None = None  # time.time() when the prefill instance sampled the first tokens
 
     def sent(self, index: int) -> int:
         return self.text_sent[index] if index < len(self.text_sent) else 0
@@ -56,10 +58,11 @@ class SequenceStarts:
 
 def encode_starts(starts: SequenceStarts) -> str:
     """``starts`` as the KV transfer's end carries them, '' when there is nothing to carry."""
-    if not starts.forks and not any(starts.text_sent):
+    if not starts.forks and not any(starts.text_sent) and starts.first_token_at is None:
         return ""
     return json.dumps({"forks": [[f.index, f.token, f.sampler_state.hex()] for f in starts.forks],
-                       "text_sent": list(starts.text_sent)}, separators=(",", ":"))
+                       "text_sent": list(starts.text_sent), "first_token_at": starts.first_token_at},
+                      separators=(",", ":"))
 
 
 def decode_starts(text: str) -> SequenceStarts:
@@ -70,10 +73,14 @@ def decode_starts(text: str) -> SequenceStarts:
         raw = json.loads(text)
         forks = tuple(ForkStart(int(i), int(t), bytes.fromhex(s)) for i, t, s in raw["forks"])
         sent = tuple(int(c) for c in raw["text_sent"])
+        at = raw.get("first_token_at")
+        at = None if at is None else float(at)
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"malformed sequence starts: {err}") from None
     if [f.index for f in forks] != list(range(1, len(forks) + 1)):
         raise ValueError("sequence starts must number 1 .. n - 1 in order")
     if any(c < 0 for c in sent):
         raise ValueError("text_sent must be non-negative character counts")
-    return SequenceStarts(forks, sent)
+    if at is not None and not math.isfinite(at):
+        raise ValueError("first_token_at must be a finite time or null")
+    return SequenceStarts(forks, sent, at)

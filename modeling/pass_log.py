@@ -27,7 +27,9 @@ class PassRecord:
     ``seqs``; what it has beyond its passes is the step's fixed cost. mixed: one step of the colocated
     reference engine, prefill chunks and decode tokens in one pass: ``chunks`` as [start, length] pairs
     (prompt chunks, and generated tokens recomputed after preemption) and the decode part as
-    ``decode_seqs`` and ``decode_kv_tokens`` (KV positions read, including the new token's)."""
+    ``decode_seqs`` and ``decode_kv_tokens`` (KV positions read, including the new token's); also a decode
+    worker's decode or verify pass with local-prefill chunks in it, each sequence's k + 1 verified positions
+    counted as decode tokens."""
 
     kind: str
     end_s: float  # time.time() when the pass ended

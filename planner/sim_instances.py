@@ -40,7 +40,7 @@ from controller.migration_policy import InstanceLoad, RequestLoad
 from decode_worker.config import SpeculationConfig
 from controller.load_aware import PrefillRate
 from decode_worker.policy import AcceptanceEstimator, AdaptiveK, PassShape, StepK
-from decode_worker.prefill_budget import PROBE_TOKENS, PrefillBudget
+from decode_worker.prefill_budget import PROBE_TOKENS, Pace, PrefillBudget
 from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
@@ -215,6 +215,13 @@ class StepCosts:
             return self.prefill.predict(prefill_features([(start, length)]))
         return self.target.predict_pass(PassShape(1, start + length, length,
                                                   kv_queries=length * start + length * length // 2))
+
+    def fused_prefill_chunk(self, start: int, length: int) -> float:
+        """What prefilling positions ``start .. start + length`` adds to a decode instance's decode pass it
+        rides in: the chunk's own pass less the fixed per-pass cost that pass already pays."""
+        fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0)
+                 for m in (self.target, self.prefill) if m is not None]
+        return max(0.0, self.prefill_chunk(start, length) - min(fixed))
 
     def mixed_step(self, chunks: list[tuple[int, int]], decode_kv_tokens: list[int]) -> float:
         """A colocated step: prefill chunks and decode tokens (each reading ``decode_kv_tokens`` positions) in
@@ -404,6 +411,10 @@ class DecodeSim(_Instance):
             for n in sorted({min(prefill_chunk, PROBE_TOKENS), max(1, prefill_chunk // 4), prefill_chunk}):
                 self.budget.observe_prefill(start, n, costs.prefill_chunk(start, n) * costs.cal.decode_scale)
         self._decode_s = self._planned_s = 0.0  # the decode pass of the step in progress, and the whole step
+        self._prefilled: int | None = None  # its local-prefill tokens, begun with prompts queued (else None)
+        self._paced: list[Pace] = []  # the running sequences' paces as it was planned
+        self._spans: list[tuple[int, int]] = []  # its chunks, (start, tokens)
+        self._chunk_s = 0.0  # their seconds
         self.spec = spec
         self.rng = rng
         self._rates: dict[int, float] = {}  # context bucket (64 tokens) -> acceptance rate
@@ -449,7 +460,7 @@ class DecodeSim(_Instance):
     def prefill_tokens_per_s(self) -> float:
         """How fast its steps compute them now (``PoolLoad.prefill_tokens_per_s``)."""
         start = self.prefilling[0].num_computed if self.prefilling else 0
-        return self.budget.tokens_per_s(start, self._decoding())
+        return self.budget.tokens_per_s(start, self._decoding(), self.sim.now)
 
     def _decoding(self) -> bool:
         """Sequences decode here, or will as soon as their KV lands (``DecodeWorker.decoding``)."""
@@ -484,13 +495,15 @@ class DecodeSim(_Instance):
         recompute_s = 0.0
         for seq in self.scheduler.resumable():  # from its cached prefix on, with caching
             recompute_s += self.costs.prefill_chunk(seq.num_computed, seq.num_tokens - seq.num_computed)
-        prefill_s, prefilled = self._plan_prefill()
-        prefilling = prefill_s > 0  # a chunk of it is computed this step
         batch, k = [], 0
         if self.scheduler.running:
             k, batch, preempted = self.scheduler.make_room(self._choose_k())
             for seq in preempted:
                 seq.req.preemptions += 1
+        # with a decode pass, the chunk rides in it (``DecodeWorker.step``); else it runs in a pass of its own
+        prefill_s, prefilled = self._plan_prefill(fused=bool(batch))
+        prefilling = self._prefilled  # a chunk of it is computed this step
+        self._chunk_s = prefill_s * self.costs.cal.decode_scale
         if not batch and not prefilling:
             return None
         if batch:
@@ -502,24 +515,36 @@ class DecodeSim(_Instance):
         self._planned_s = duration  # before a contention factor or tier loads stretch it (``kick``)
         return duration, lambda: self._done(batch, k, prefilled)
 
-    def _plan_prefill(self) -> tuple[float, list[SimSequence]]:
+    def _plan_prefill(self, fused: bool) -> tuple[float, list[SimSequence]]:
         """This step's chunk of the requests prefilled here (what the budget allows beside the decoding batch,
-        the fewest remaining tokens first): its time, and the requests whose prompt it completes (they sample their first token at
-        its end)."""
+        the fewest remaining tokens first): its time (``fused``: what it adds to the decode pass it rides in),
+        and the requests whose prompt it completes (they sample their first token at its end)."""
         seconds, done = 0.0, []
+        self._paced = self._paces() if self.budget.tpot_slo_s is not None else []
+        self._prefilled = 0 if self.prefilling else None  # the step's local-prefill tokens, begun with a queue
         if len(self.prefilling) > 1:  # the fewest remaining tokens first, as the worker's queue
             self.prefilling = deque(sorted(self.prefilling, key=lambda seq: seq.num_prompt - seq.num_computed))
-        budget = self.budget.tokens(self.prefilling[0].num_computed, self._decoding()) if self.prefilling else 0
+        budget = (self.budget.tokens(self.prefilling[0].num_computed, fused or self._decoding(), self._paced)
+                  if self.prefilling else 0)
+        self._spans = []
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
             n = min(seq.num_prompt - seq.num_computed, budget)
-            seconds += self.costs.prefill_chunk(seq.num_computed, n)
+            self._spans.append((seq.num_computed, n))
+            seconds += (self.costs.fused_prefill_chunk if fused else self.costs.prefill_chunk)(seq.num_computed, n)
             seq.num_computed += n
             budget -= n
+            self._prefilled += n
             if seq.num_computed < seq.num_prompt:
                 break
             done.append(self.prefilling.popleft())
         return seconds, done
+
+    def _paces(self) -> list[Pace]:
+        """The running sequences' time per output token so far (``DecodeWorker._paces``)."""
+        now = self.sim.now
+        return [Pace(now - seq.req.first_token_s, seq.req.generated - 1, seq.req.remaining)
+                for seq in self.scheduler.running.values() if not math.isnan(seq.req.first_token_s)]
 
     def _choose_k(self) -> int:
         """The worker's own decision (``StepK``), with the policy's acceptance belief set to the profile's
@@ -553,9 +578,16 @@ class DecodeSim(_Instance):
             if req.remaining <= 0:
                 self.release(req)
                 self.sim.on_finish(req, now)
-        if batch:
+        if batch and self.budget.tpot_slo_s is not None:
             # the decode pass as measured: its planned share of the step as it ran
             self.budget.observe_step(self._decode_s * self.step_s / max(self._planned_s, 1e-12))
+            # a sample of the local-prefill rate: this step's chunk as it ran, or the one its paces allowed
+            stretch = self.step_s / max(self._planned_s, 1e-12)
+            prefill_s = self._chunk_s * stretch
+            if self._spans:  # what the chunk added to the decode pass, as the worker measures it
+                self.budget.observe_fused(self._spans, prefill_s)
+            start = self.prefilling[0].num_computed if self.prefilling else 0
+            self.budget.observe_rate(now, self._decode_s * stretch, self._prefilled, prefill_s, start, self._paced)
         for seq in prefilled:  # their first token; they join the batch from the next step
             self._commit(seq, seq.num_prompt)
             self.sim.on_first_token(seq.req, now)

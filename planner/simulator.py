@@ -29,7 +29,8 @@ What it models (and mirrors from the real router, ``controller/router.py``):
             -> with ``SimConfig.load_aware``: a prompt the prefill pool would serve past the TTFT target goes to
                the decode instance whose TPOT slack computes it sooner (``controller/load_aware.decide`` over
                the simulated instances' queues and speeds), each decode step prefilling only what its
-               budget allows beside the batch (``decode_worker/prefill_budget.py``, the worker's own)
+               budget allows beside the batch (``decode_worker/prefill_budget.py``, the worker's own), the
+               chunk riding in the decode pass (``StepCosts.fused_prefill_chunk``)
 
 Instance behaviour lives in ``sim_instances`` (the real schedulers, run on plain objects). A step's time is
 its profiled cost times the mode's calibration (``sim_instances.StepCosts``): the serving path's own costs

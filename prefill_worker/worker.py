@@ -252,7 +252,7 @@ class PrefillWorker:
             self.scheduler.hand_off(seq)
             if req.request.destination is not None:  # the first token ends the transfer: decode continues from it
                 state = seq.sampler.generator.get_state().numpy().tobytes()
-                starts = encode_starts(SequenceStarts(tuple(forks), tuple(len(t) for t in texts)))
+                starts = encode_starts(SequenceStarts(tuple(forks), tuple(len(t) for t in texts), time.time()))
                 self.kv.request_finished(seq.request_id, HandOff(token, state, starts))
             else:  # nothing to transfer: done with this prompt
                 self.scheduler.release(seq.request_id)

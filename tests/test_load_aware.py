@@ -3,12 +3,15 @@ worker's budget of local-prefill tokens per step (``decode_worker/prefill_budget
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from controller.config import ConfigError, load_config
 from controller.load_aware import (BACKLOG, MEETS_SLO, NO_SLACK, OFF, UNMEASURED, DecodeOption, LoadAwarePolicy,
                                    LoadAwareState, PrefillRate, decide, prefill_ttft_s)
-from decode_worker.prefill_budget import PROBE_TOKENS, PrefillBudget
+from decode_worker.prefill_budget import (PACE_HORIZON_TOKENS, PROBE_TOKENS, RATE_WINDOW_S, Pace, PrefillBudget,
+                                         pace_limit_s)
 
 POLICY = LoadAwarePolicy(enabled=True, ttft_s=1.0)
 
@@ -115,24 +118,74 @@ def test_with_nothing_decoding_or_no_slo_a_step_computes_the_whole_chunk():
 
 
 def test_a_step_prefills_what_fits_in_the_decoding_sequences_tpot_slack():
+    """The chunk rides in the decode pass, which pays the per-pass cost: only its per-token cost counts."""
     b = measured_budget(0.1)
     b.observe_step(0.02)  # the decode pass 20 ms of the 100 ms a step may take (one token each at the least)
     n = b.tokens(0, decoding=True)
-    assert 700 <= n <= 800  # (80 ms - 2 ms) / 0.1 ms per token = 780
-    assert b.prefill_s(0, n) <= b.slack_s() < b.prefill_s(0, n + 1)
-    assert b.tokens_per_s(0, decoding=True) == pytest.approx(n / (b.prefill_s(0, n) + 0.02))
+    assert 780 <= n <= 800  # 80 ms / 0.1 ms per token = 800; the 2 ms a pass of its own adds is not paid
+    assert b.fused_s(0, n) <= b.slack_s() < b.fused_s(0, n + 1)
+    assert b.fused_s(0, n) < b.prefill_s(0, n)
+    assert b.tokens_per_s(0, decoding=True) == pytest.approx(n / (b.fused_s(0, n) + 0.02))
+    assert b.tokens_per_s(0, decoding=False) == pytest.approx(1024 / b.prefill_s(0, 1024))  # a pass of its own
 
 
-def test_prefill_passes_slower_than_the_fit_shrink_the_chunk():
-    """The passes take twice what the fit predicts (a contended host, a context deeper than it saw): the
-    prediction follows within a few passes, and the chunk halves."""
+def test_fused_chunks_slower_than_the_fit_shrink_the_chunk():
+    """The chunks add twice what the fit predicts to the decode pass (a contended host, a context deeper than it
+    saw): the prediction follows within a few steps, and the chunk halves."""
     b = measured_budget(0.1)
     b.observe_step(0.02)
     before = b.tokens(0, decoding=True)
     for _ in range(20):
+        b.observe_fused([(0, 256)], 2 * 1e-4 * 256)
+    assert b.fused_s(0, 256) == pytest.approx(2 * 1e-4 * 256, rel=0.1)
+    assert b.tokens(0, decoding=True) == pytest.approx(before / 2, rel=0.15)
+    for _ in range(20):  # passes of their own follow their own measurements
         b.observe_prefill(0, 256, 2 * (0.002 + 1e-4 * 256))
     assert b.prefill_s(0, 256) == pytest.approx(2 * (0.002 + 1e-4 * 256), rel=0.1)
-    assert b.tokens(0, decoding=True) == pytest.approx(before / 2, rel=0.15)
+
+
+def test_a_long_first_gap_holds_the_chunks_back_until_the_next_tokens_make_up_for_it():
+    """A request's TPOT counts its first gap: one that arrived 300 ms after its first token (at a 40 ms target)
+    leaves the step less than the target, over its next PACE_HORIZON_TOKENS tokens."""
+    target, decode = 0.04, 0.01
+    late = Pace(since_first_s=0.3, tokens_since_first=0, remaining=500)
+    limit = pace_limit_s([late], target, decode)
+    assert limit == pytest.approx((target * PACE_HORIZON_TOKENS - 0.3) / PACE_HORIZON_TOKENS)
+    assert decode < limit < target
+    # its steps at that limit bring its mean to the target over the horizon
+    assert (0.3 + PACE_HORIZON_TOKENS * limit) / PACE_HORIZON_TOKENS == pytest.approx(target)
+    on_time = Pace(since_first_s=0.2, tokens_since_first=10, remaining=100)  # 20 ms a token so far
+    assert pace_limit_s([on_time], target, decode) > target  # ahead of the target: the step bound alone holds
+    assert pace_limit_s([late, on_time], target, decode) == pytest.approx(limit)
+    b = measured_budget(target)
+    b.observe_step(decode)
+    assert b.tokens(0, True, [late]) < b.tokens(0, True, [on_time]) == b.tokens(0, True)
+
+
+def test_a_sequence_past_saving_does_not_hold_the_others_back():
+    """Two tokens left and a first gap of a second: even pure decode steps cannot bring it within the target."""
+    lost = Pace(since_first_s=1.0, tokens_since_first=1, remaining=2)
+    assert pace_limit_s([lost], 0.04, 0.01) == math.inf
+    tight = Pace(since_first_s=0.0595, tokens_since_first=0, remaining=2)  # just within reach: holds
+    assert pace_limit_s([tight], 0.04, 0.01) == pytest.approx((0.04 * 2 - 0.0595) / 2)
+
+
+def test_the_reported_rate_counts_the_steps_held_back():
+    """The rate the router plans with is what recent steps did (or could have done), not one step's slack:
+    steps held back by a late sequence's pace lower it; they age out of the window."""
+    b = measured_budget(0.1)
+    b.observe_step(0.02)
+    ideal = b.tokens_per_s(0, True, now=0.0)  # nothing sampled yet: one step's slack
+    # just within reach at pure decode steps (0.1 * (10 + 32) - 32 * 0.02 = 3.56 s): it holds every chunk back
+    late = Pace(since_first_s=3.559, tokens_since_first=10, remaining=500)
+    for i in range(10):
+        b.observe_rate(0.1 * i, 0.02, None, paces=[late])  # nothing queued: what the steps could have done
+    assert b.tokens(0, True, [late]) == 0 and b.tokens_per_s(0, True, now=1.0) == 0.0
+    for i in range(10):  # queued steps that prefilled 400 tokens in 40 ms beside 20 ms of decoding
+        b.observe_rate(1.0 + 0.06 * i, 0.02, 400, 0.04)
+    assert b.tokens_per_s(0, True, now=1.6) == pytest.approx(4000 / (10 * 0.02 + 10 * 0.06))  # half held back
+    assert b.tokens_per_s(0, True, now=0.95 + RATE_WINDOW_S) == pytest.approx(400 / 0.06)  # those aged out
+    assert b.tokens_per_s(0, True, now=100.0) == pytest.approx(ideal)  # the window emptied
 
 
 def test_no_slack_prefills_nothing_while_sequences_decode():

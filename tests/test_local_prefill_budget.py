@@ -5,12 +5,15 @@ prompt was computed (float32, speculation on)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
 from decode_worker.messages import DecodeRequest
 from decode_worker.prefill_budget import PROBE_TOKENS
 from decode_worker.worker import DecodeWorker
+from modeling.forks import SequenceStarts, decode_starts, encode_starts
 from modeling.sampling import SamplingParams
 from tests.test_decode_worker import prompts_of, reference
 from tests.test_prefix_cache_decode import assert_idle, drain
@@ -25,9 +28,16 @@ def worker_with_slo(directory, tpot_slo_ms, drafter="self_sparse"):
         prefill_chunk=512, prefill_tpot_slo_ms=tpot_slo_ms, speculation=spec))
 
 
+def prefill_passes(worker) -> list[tuple[str, int]]:
+    """(kind, prompt tokens) of each local-prefill chunk so far, in order: ``prefill`` in a pass of its own,
+    ``mixed`` riding in a decode pass."""
+    return [(r["kind"], c[1]) for r in worker.pass_log.drain() if r["kind"] in ("prefill", "mixed")
+            for c in r["shape"]["chunks"]]
+
+
 def prefill_chunks(worker) -> list[int]:
-    """The prompt tokens of each local prefill pass so far, in order."""
-    return [r["shape"]["chunks"][0][1] for r in worker.pass_log.drain() if r["kind"] == "prefill"]
+    """The prompt tokens of each local-prefill chunk so far, in order."""
+    return [n for _, n in prefill_passes(worker)]
 
 
 @pytest.mark.parametrize("drafter", ["self_sparse", "none"])
@@ -43,7 +53,9 @@ def test_prompts_prefilled_beside_decoding_sequences_give_the_reference_tokens(l
     assert worker.add_prefill(DecodeRequest("long", tuple(long), PARAMS))
     drain(worker, outs)
     assert [outs["short"], outs["long"]] == reference(llama_dir, [short, long], PARAMS)
-    chunks = prefill_chunks(worker)  # beside "short": each at most twice the largest pass measured before it
+    passes = prefill_passes(worker)  # beside "short": each at most twice the largest pass measured before it
+    assert passes[0][0] == "mixed"  # the first chunks ride in short's decode pass
+    chunks = [n for _, n in passes]
     assert sum(chunks) == 900 and chunks[0] <= max(PROBE_TOKENS, 2 * len(short)) and len(chunks) >= 3
     assert all(n <= 2 * max([len(short), *chunks[:i]]) for i, n in enumerate(chunks))
     assert_idle(worker)
@@ -86,4 +98,27 @@ def test_the_worker_reports_how_fast_it_would_prefill(llama_dir):
     worker.step()
     busy = worker.request_loads()
     assert 0 < busy.prefill_tokens_per_s <= idle * 1.05 and busy.prefill_queued_tokens == 0
+    drain(worker)
+
+
+def test_a_requests_pace_counts_from_the_first_token_its_client_got(llama_dir):
+    """The step bound's pace rule reads each running sequence's time since its first token: sampled here for a
+    local prefill, stamped by the prefill instance for a transferred prompt (the transfer's end carries it),
+    carried along by a live migration (``MigrationState.first_token_at``)."""
+    starts = SequenceStarts((), (3,), 1.75e9)
+    assert decode_starts(encode_starts(starts)) == starts
+    with pytest.raises(ValueError, match="first_token_at"):
+        decode_starts('{"forks":[],"text_sent":[],"first_token_at":"nan"}')
+    worker = worker_with_slo(llama_dir, tpot_slo_ms=1000)
+    (prompt,) = prompts_of([40], seed=14)
+    before = time.time()
+    worker.add_local("r", prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    held = worker.requests["r"]
+    assert before <= held.first_token_at <= time.time()
+    worker.step()
+    worker.step()
+    (pace,) = worker._paces([held])
+    out = len(held.seq.tokens) - held.seq.num_prompt
+    assert out >= 3 and pace.tokens_since_first == out - 1 and pace.remaining == 10 - out
+    assert 0 <= pace.since_first_s <= time.time() - before
     drain(worker)

@@ -324,8 +324,11 @@ def test_stop_rule_and_state_codec():
     assert headroom_tokens(max_k=6, block_size=16) == 112 and headroom_tokens(0, 16) == 16
     state = MigrationState((5, 6, 7), 42, "00ff", 3)
     assert MigrationState.decode(state.encode()) == state
+    timed = MigrationState((5, 6, 7), 42, "00ff", 3, first_token_at=1.75e9)  # the request's TPOT counts from it
+    assert MigrationState.decode(timed.encode()).first_token_at == 1.75e9
     for bad, field in [(dict(output_ids=()), "output_ids"), (dict(num_computed=-1), "num_computed"),
-                       (dict(output_ids=(1, True)), "output_ids"), (dict(text_sent=1.5), "text_sent")]:
+                       (dict(output_ids=(1, True)), "output_ids"), (dict(text_sent=1.5), "text_sent"),
+                       (dict(first_token_at=float("nan")), "first_token_at"), (dict(first_token_at="x"), "first_token_at")]:
         with pytest.raises(ValueError, match=field):
             MigrationState(**{"output_ids": (1,), "num_computed": 1, "sampler_state": "", "text_sent": 0, **bad})
     with pytest.raises(ValueError):

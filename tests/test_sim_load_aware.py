@@ -10,6 +10,8 @@ import pytest
 
 from controller.load_aware import BACKLOG, MEETS_SLO, UNMEASURED, LoadAwarePolicy
 from controller.config import load_config
+from planner.profile import Calibration
+from planner.sim_instances import StepCosts
 from planner.simulator import SimConfig, SimConfigError, simulate
 from planner.workload import RequestSpec
 from tests.test_planner_sim import disagg, make_profile
@@ -41,6 +43,14 @@ def test_a_saturated_prefill_pool_shares_its_backlog_with_the_decode_instance():
     assert ttft["aware"][-1] < 0.8 * ttft["static"][-1]
     assert all(r.finished and r.completion_tokens == 40 for r in aware.records)
     assert max(r.tpot_s for r in aware.records) <= TPOT_S * 1.001
+
+
+def test_a_chunk_riding_in_the_decode_pass_costs_its_tokens_not_a_pass():
+    """The decode worker computes its local-prefill chunk in its decode pass, which already pays the fixed
+    per-pass cost (5 ms here, the smaller of the two models')."""
+    costs = StepCosts(make_profile(), Calibration("disaggregated", 0.0, 1.0, 0.0, 1.0, 0, 0.0, 0.0), (1, 1))
+    assert costs.prefill_chunk(0, 100) == pytest.approx(5e-3 + 100 * 1e-4)
+    assert costs.fused_prefill_chunk(0, 100) == pytest.approx(100 * 1e-4)
 
 
 def test_without_a_backlog_every_prompt_goes_to_the_prefill_pool():
