@@ -98,6 +98,7 @@ class PrefillBudget:
         self.largest_measured = 0
         self.decode_s: float | None = None  # what a step costs the decoding sequences beside the chunk, average
         self.rate_samples: deque[tuple[float, int, float]] = deque()  # (ended at, tokens prefilled, step seconds)
+        self._sampled = [0, 0.0]  # the samples' tokens and seconds, summed
 
     def observe_prefill(self, start: int, tokens: int, seconds: float) -> None:
         """A measured prefill pass of ``tokens`` positions after ``start``."""
@@ -131,19 +132,22 @@ class PrefillBudget:
             prefilled = self.tokens(start, True, paces)
             prefill_s = self.fused_s(start, prefilled)
         self.rate_samples.append((now, prefilled, decode_s + prefill_s))
+        self._sampled[0] += prefilled
+        self._sampled[1] += decode_s + prefill_s
         self._expire(now)
 
     def _expire(self, now: float) -> None:
         while self.rate_samples and self.rate_samples[0][0] < now - RATE_WINDOW_S:
-            self.rate_samples.popleft()
+            _, n, seconds = self.rate_samples.popleft()
+            self._sampled[0] -= n
+            self._sampled[1] -= seconds
 
     def sampled_tokens_per_s(self, now: float) -> float | None:
         """Prompt tokens per second of the steps of the last ``RATE_WINDOW_S`` (None: too few samples)."""
         self._expire(now)
         if len(self.rate_samples) < MIN_RATE_STEPS:
             return None
-        seconds = sum(s for _, _, s in self.rate_samples)
-        return sum(n for _, n, _ in self.rate_samples) / max(seconds, 1e-9)
+        return self._sampled[0] / max(self._sampled[1], 1e-9)
 
     def prefill_s(self, start: int, tokens: int) -> float:
         """Predicted seconds of a prefill pass (0 for no tokens); needs a measured pass."""
@@ -174,10 +178,16 @@ class PrefillBudget:
         slack = self.slack_s(paces)
         if not self.cost.ready:
             return cap if slack > 0 else 0
-        lo, hi = 0, cap  # the largest n in [0, cap] whose predicted share fits the slack (cost rises with n)
+        # the largest n in [0, cap] whose predicted share fits the slack (cost rises with n); the fit's terms
+        # once, not a pass shape per probe (the simulator asks this every step)
+        c = self.cost.coefficients()
+        per_token = (c["kv_tokens"] + c["new_tokens"] + c["kv_queries"] * (start + 0.5)) * self.fused_correction
+        per_square = c["kv_queries"] * 0.5 * self.fused_correction
+        fixed = c["kv_tokens"] * start * self.fused_correction
+        lo, hi = 0, cap
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.fused_s(start, mid) <= slack:
+            if fixed + per_token * mid + per_square * mid * mid <= slack:
                 lo = mid
             else:
                 hi = mid - 1

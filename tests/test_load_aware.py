@@ -124,6 +124,8 @@ def test_a_step_prefills_what_fits_in_the_decoding_sequences_tpot_slack():
     n = b.tokens(0, decoding=True)
     assert 780 <= n <= 800  # 80 ms / 0.1 ms per token = 800; the 2 ms a pass of its own adds is not paid
     assert b.fused_s(0, n) <= b.slack_s() < b.fused_s(0, n + 1)
+    deep = b.tokens(2000, decoding=True)  # deeper into a prompt, each position attends to more
+    assert deep < n and b.fused_s(2000, deep) <= b.slack_s() < b.fused_s(2000, deep + 1)
     assert b.fused_s(0, n) < b.prefill_s(0, n)
     assert b.tokens_per_s(0, decoding=True) == pytest.approx(n / (b.fused_s(0, n) + 0.02))
     assert b.tokens_per_s(0, decoding=False) == pytest.approx(1024 / b.prefill_s(0, 1024))  # a pass of its own
