@@ -45,14 +45,11 @@ MIN_RATE_STEPS = 4  # ... once there are this many
 PACE_HORIZON_TOKENS = 32  # a sequence's time per output token is held to the target over this many tokens ahead
 
 
-def prefill_shape(start: int, tokens: int, fused: bool = False) -> PassShape:
+def prefill_shape(start: int, tokens: int) -> PassShape:
     """One prefill pass over ``tokens`` prompt positions after ``start`` computed ones (each new position
-    attends to the KV before it and to itself). ``fused``: the same positions added to another pass, which
-    pays the fixed costs (a prefill pass is always one sequence, so its fit cannot tell per-pass from
-    per-sequence cost: both go)."""
+    attends to the KV before it and to itself)."""
     end = start + tokens
-    one = 0 if fused else 1
-    return PassShape(one, end, tokens, passes=one, kv_queries=tokens * start + tokens * (tokens + 1) // 2)
+    return PassShape(1, end, tokens, kv_queries=tokens * start + tokens * (tokens + 1) // 2)
 
 
 @dataclass(frozen=True)
@@ -98,7 +95,7 @@ class PrefillBudget:
         self.largest_measured = 0
         self.decode_s: float | None = None  # what a step costs the decoding sequences beside the chunk, average
         self.rate_samples: deque[tuple[float, int, float]] = deque()  # (ended at, tokens prefilled, step seconds)
-        self._sampled = [0, 0.0]  # the samples' tokens and seconds, summed
+        self._sampled_tokens, self._sampled_s = 0, 0.0  # their sums
 
     def observe_prefill(self, start: int, tokens: int, seconds: float) -> None:
         """A measured prefill pass of ``tokens`` positions after ``start``."""
@@ -132,22 +129,24 @@ class PrefillBudget:
             prefilled = self.tokens(start, True, paces)
             prefill_s = self.fused_s(start, prefilled)
         self.rate_samples.append((now, prefilled, decode_s + prefill_s))
-        self._sampled[0] += prefilled
-        self._sampled[1] += decode_s + prefill_s
+        self._sampled_tokens += prefilled
+        self._sampled_s += decode_s + prefill_s
         self._expire(now)
 
     def _expire(self, now: float) -> None:
         while self.rate_samples and self.rate_samples[0][0] < now - RATE_WINDOW_S:
             _, n, seconds = self.rate_samples.popleft()
-            self._sampled[0] -= n
-            self._sampled[1] -= seconds
+            self._sampled_tokens -= n
+            self._sampled_s -= seconds
+        if not self.rate_samples:  # no rounding left behind by the subtractions
+            self._sampled_tokens, self._sampled_s = 0, 0.0
 
     def sampled_tokens_per_s(self, now: float) -> float | None:
         """Prompt tokens per second of the steps of the last ``RATE_WINDOW_S`` (None: too few samples)."""
         self._expire(now)
         if len(self.rate_samples) < MIN_RATE_STEPS:
             return None
-        return self._sampled[0] / max(self._sampled[1], 1e-9)
+        return self._sampled_tokens / max(self._sampled_s, 1e-9)
 
     def prefill_s(self, start: int, tokens: int) -> float:
         """Predicted seconds of a prefill pass (0 for no tokens); needs a measured pass."""
@@ -158,8 +157,18 @@ class PrefillBudget:
         pass."""
         if not tokens:
             return 0.0
-        correction = self.fused_correction if corrected else 1.0
-        return self.cost.predict(prefill_shape(start, tokens, fused=True)) * correction
+        fixed, per_token, per_square = self._fused_terms(start)
+        return max(1e-6, fixed + per_token * tokens + per_square * tokens * tokens) * \
+            (self.fused_correction if corrected else 1.0)
+
+    def _fused_terms(self, start: int) -> tuple[float, float, float]:
+        """The fit's prediction for ``n`` prompt positions after ``start``, without its per-pass and per-sequence
+        terms (the pass the chunk rides in pays them; a prefill pass is always one sequence, so its fit cannot
+        tell the two apart), as ``fixed + per_token * n + per_square * n * n``: the features of
+        ``prefill_shape`` (KV read ``start + n``, ``n`` new, ``n * start + n * (n + 1) / 2`` query-KV pairs)."""
+        c = self.cost.coefficients()
+        return (c["kv_tokens"] * start, c["kv_tokens"] + c["new_tokens"] + c["kv_queries"] * (start + 0.5),
+                c["kv_queries"] * 0.5)
 
     def slack_s(self, paces: Iterable[Pace] = ()) -> float:
         """Seconds a step beside the decoding sequences (``paces``: theirs) may spend prefilling (negative:
@@ -179,15 +188,13 @@ class PrefillBudget:
         if not self.cost.ready:
             return cap if slack > 0 else 0
         # the largest n in [0, cap] whose predicted share fits the slack (cost rises with n); the fit's terms
-        # once, not a pass shape per probe (the simulator asks this every step)
-        c = self.cost.coefficients()
-        per_token = (c["kv_tokens"] + c["new_tokens"] + c["kv_queries"] * (start + 0.5)) * self.fused_correction
-        per_square = c["kv_queries"] * 0.5 * self.fused_correction
-        fixed = c["kv_tokens"] * start * self.fused_correction
+        # once, not per probe (the simulator asks this every step)
+        fixed, per_token, per_square = self._fused_terms(start)
+        budget = slack / self.fused_correction
         lo, hi = 0, cap
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fixed + per_token * mid + per_square * mid * mid <= slack:
+            if fixed + per_token * mid + per_square * mid * mid <= budget:
                 lo = mid
             else:
                 hi = mid - 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -79,7 +80,7 @@ class PrefillQueue:
         """``request_id`` leaves the queue (the caller frees it)."""
         self.order.remove(request_id)
 
-    def plan(self, decoding: bool, paces: list[Pace] = ()) -> list[PrefillChunk]:
+    def plan(self, decoding: bool, paces: Iterable[Pace] = ()) -> list[PrefillChunk]:
         """The chunks of the step (``decoding``: sequences decode beside them, at ``paces``): the tokens the
         budget allows, the fewest remaining first; all but the last complete their prompt."""
         if len(self.order) > 1:  # shortest remaining first: a conversation's next turn does not wait on a document
@@ -112,7 +113,7 @@ class PrefillQueue:
             row += 1
         return out
 
-    def step(self, decoding: bool, paces: list[Pace] = ()) -> list[TokenDelta]:
+    def step(self, decoding: bool, paces: Iterable[Pace] = ()) -> list[TokenDelta]:
         """Compute the step's chunks (``plan``) in passes of their own, one per request (no decode pass to ride
         in), and start the requests whose prompt is complete."""
         chunks = self.plan(decoding, paces)

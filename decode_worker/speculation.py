@@ -107,10 +107,7 @@ class Speculator:
 
     def predict_target_s(self, seqs: list[Sequence], k: int) -> float | None:
         """The target cost model's seconds for the target pass of ``seqs`` at ``k`` alone (None: not fitted)."""
-        if not self.target_cost.ready:
-            return None
-        b = len(seqs)
-        return self.target_cost.predict(PassShape(b, sum(len(s.tokens) for s in seqs) + b * k, b * (k + 1)))
+        return self.target_cost.predict(_target_shape(seqs, k)) if self.target_cost.ready else None
 
     def _decode(self, seqs: list[Sequence], riders: list[StepInput] = ()) -> tuple[list[Verdict], torch.Tensor]:
         """A plain decode step: (one token per sequence, the target logits [B, 1, V])."""
@@ -169,10 +166,10 @@ class Speculator:
         return path.close() if path is not None else seq.sampler.grammar.path_masks(proposal.tokens[i])
 
     def _observe_target(self, seqs: list[Sequence], k: int, seconds: float) -> None:
-        b = len(seqs)
-        kv_tokens = sum(len(s.tokens) for s in seqs) + b * k
-        self.pass_log.record("verify" if k else "decode", seconds, seqs=b, kv_tokens=kv_tokens, new_tokens=b * (k + 1))
-        self.target_cost.observe(PassShape(b, kv_tokens, b * (k + 1)), seconds)
+        shape = _target_shape(seqs, k)
+        self.pass_log.record("verify" if k else "decode", seconds, seqs=shape.seqs, kv_tokens=shape.kv_tokens,
+                             new_tokens=shape.new_tokens)
+        self.target_cost.observe(shape, seconds)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -264,3 +261,9 @@ class Speculator:
             use_skinny_linear(draft.model)
         return DraftModelDrafter(ModelRunner(draft.model, cache, self.runner.backend), BlockPool(blocks, bs), spec,
                                  cfg.prefill_chunk)
+
+
+def _target_shape(seqs: list[Sequence], k: int) -> PassShape:
+    """The target (decode or verify) pass over ``seqs`` at ``k``: k + 1 new positions each, after its tokens."""
+    b = len(seqs)
+    return PassShape(b, sum(len(s.tokens) for s in seqs) + b * k, b * (k + 1))

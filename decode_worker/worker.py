@@ -42,7 +42,7 @@ from decode_worker.messages import DecodeFailure, DecodeRequest, MigrationFailed
 from decode_worker.metrics import WorkerMetrics
 from decode_worker.migration_host import WorkerMigrationHost
 from decode_worker.prefill_budget import PROBE_TOKENS, Pace, PrefillBudget
-from decode_worker.prefill_queue import PrefillQueue
+from decode_worker.prefill_queue import PrefillChunk, PrefillQueue
 from decode_worker.ranks import FollowerRanks
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.sequence_output import SequenceOutput
@@ -61,7 +61,7 @@ from modeling.params import SamplingParams
 from modeling.pass_log import PassLog
 from modeling.resume import ResumeRequest
 from modeling.runner import StepInput
-from modeling.sequence import FinishReason, SequenceStatus
+from modeling.sequence import FinishReason, Sequence, SequenceStatus
 from modeling.tp_group import TPGroup
 from modeling.tp_runner import TPFollower
 
@@ -210,7 +210,8 @@ class DecodeWorker:
             received += self.prefills.step(self.decoding)
             return received + self._take_events()
         seqs = [h.seq for h in running]
-        paces = self._paces(running)
+        paced = self.prefill_budget.tpot_slo_s is not None  # without an SLO a chunk is the whole chunk
+        paces = self._paces(running) if paced else []
         queued = len(self.prefills) > 0
         head = self.prefills.head_start()
         chunks = self.prefills.plan(True, paces)
@@ -228,14 +229,14 @@ class DecodeWorker:
         since = began if self._last_decode_end is None else self._last_decode_end
         self._last_decode_end = end
         self.prefill_budget.observe_step(end - since - prefill_s)
-        self.prefill_budget.observe_rate(end, end - since - prefill_s,
-                                         sum(c.end - c.start for c in chunks) if queued else None, prefill_s, head,
-                                         paces)
+        if paced:
+            prefilled = sum(c.end - c.start for c in chunks) if queued else None
+            self.prefill_budget.observe_rate(end, end - since - prefill_s, prefilled, prefill_s, head, paces)
         self.pass_log.record("step", seconds, k=k, seqs=len(running))
         self.migrations.advance()
         return received + deltas + self._take_events()
 
-    def _fused_prefill_s(self, seqs: list, k: int, chunks: list) -> float:
+    def _fused_prefill_s(self, seqs: list[Sequence], k: int, chunks: list[PrefillChunk]) -> float:
         """What the chunks added to the decode pass they rode in: the pass's time beyond the target cost
         model's for the decode part alone (the budget's prediction until that model is fitted)."""
         if not chunks:
@@ -243,9 +244,10 @@ class DecodeWorker:
         spans = [(c.start, c.end - c.start) for c in chunks]
         alone = self.speculator.predict_target_s(seqs, k)
         if alone is None:
-            return sum(self.prefill_budget.fused_s(start, n) for start, n in spans) if self.prefill_budget.cost.ready \
-                else 0.0
-        share = min(self.speculator.target_pass_s, max(0.0, self.speculator.target_pass_s - alone))
+            if not self.prefill_budget.cost.ready:
+                return 0.0
+            return sum(self.prefill_budget.fused_s(start, n) for start, n in spans)
+        share = max(0.0, self.speculator.target_pass_s - alone)
         self.prefill_budget.observe_fused(spans, share)
         return share
 

@@ -351,6 +351,12 @@ def prefill_features(chunks: list[tuple[int, int]]) -> dict[str, float]:
             "attn_pairs": float(sum(n * (s + n) for s, n in chunks)), "kv_tokens": float(sum(s + n for s, n in chunks))}
 
 
+def shared_pass_s(*models: FittedModel | None) -> float:
+    """The fixed per-pass cost two models' work shares when it runs in one pass: the smaller of their
+    ``passes`` coefficients (0 where a model has none)."""
+    return min(dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in models if m is not None)
+
+
 def mixed_pass_seconds(prefill_cost: FittedModel, decode_cost: FittedModel, prefill: dict[str, float] | None,
                        decode_seqs: int, decode_kv_tokens: int, prefill_scale: float = 1.0,
                        decode_scale: float = 1.0) -> float:
@@ -365,8 +371,7 @@ def mixed_pass_seconds(prefill_cost: FittedModel, decode_cost: FittedModel, pref
     if has_prefill:
         seconds += prefill_cost.predict(prefill) * prefill_scale
     if decode_seqs and has_prefill:
-        fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0) for m in (decode_cost, prefill_cost)]
-        seconds -= min(fixed) * min(decode_scale, prefill_scale)
+        seconds -= shared_pass_s(decode_cost, prefill_cost) * min(decode_scale, prefill_scale)
     return seconds
 
 

@@ -49,7 +49,8 @@ from planner.sim_tiers import SimTiers
 from modeling.prefix_hash import block_hashes
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerLimits
 from modeling.sequence import FinishReason, SequenceStatus
-from planner.profile import Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features
+from planner.profile import (Calibration, FittedModel, Profile, mixed_pass_seconds, prefill_features,
+                             shared_pass_s)
 from prefill_worker.scheduler import PrefillScheduler
 
 
@@ -184,6 +185,7 @@ class StepCosts:
         self.prefill = profile.costs(*shape).prefill  # None: a decode-only shape
         self.target = profile.target_model(*shape)
         self.draft = profile.draft_model(drafter, *shape) if drafter else None
+        self._shared_pass_s = shared_pass_s(self.target, self.prefill)  # what a chunk riding in a pass saves
 
     def prefill_step(self, chunks: list[tuple[int, int]]) -> float:
         """A prefill step over (start, length) chunks: the time it holds the prefill worker."""
@@ -219,9 +221,7 @@ class StepCosts:
     def fused_prefill_chunk(self, start: int, length: int) -> float:
         """What prefilling positions ``start .. start + length`` adds to a decode instance's decode pass it
         rides in: the chunk's own pass less the fixed per-pass cost that pass already pays."""
-        fixed = [dict(zip(m.features, m.coefficients)).get("passes", 0.0)
-                 for m in (self.target, self.prefill) if m is not None]
-        return max(0.0, self.prefill_chunk(start, length) - min(fixed))
+        return max(0.0, self.prefill_chunk(start, length) - self._shared_pass_s)
 
     def mixed_step(self, chunks: list[tuple[int, int]], decode_kv_tokens: list[int]) -> float:
         """A colocated step: prefill chunks and decode tokens (each reading ``decode_kv_tokens`` positions) in
