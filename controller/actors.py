@@ -211,7 +211,11 @@ class DisaggregatedActor(_LoopActor):
                 raise RuntimeError(f"{self.instance_id} still holds work as a {self.role} instance")
             old = self.worker
             loaded = old.loaded
-            (old.sender if self.role == "prefill" else old.receiver).close()  # peers see the channels end
+            if self.role == "prefill":  # peers see the channels end
+                old.sender.close()
+            else:  # the KV and migration channels it receives over, and those it migrates requests over
+                old.receiver.close()
+                old.migrations.close()
             old.close()  # the tiers' queued writes finished and their directory released for the new worker
             self.worker = self._make_worker(role, loaded)
             self.role = role

@@ -103,6 +103,13 @@ class LiveMigrations:
             self.legs = self.host.open_legs()
         self.legs.connect(destination, destination_tp, rendezvous, generation)
 
+    def close(self) -> None:
+        """Close the channels this instance migrates requests over (the instance stops decoding: a role change);
+        a later ``connect`` forms them anew."""
+        if self.legs is not None:
+            self.legs.close()
+            self.legs = None
+
     def begin_in(self, request: DecodeRequest, num_tokens: int) -> int | None:
         """Destination: hold ``request`` for a migration, with blocks for its ``num_tokens`` positions now
         and headroom for the steps its source runs meanwhile. Returns the positions reserved (the source's

@@ -110,6 +110,12 @@ class MigrationLegs:
     def flush(self) -> None:
         self.sender.flush()
 
+    def close(self) -> None:
+        """Abort every channel to the destinations (their receivers see them end; pending legs fail)."""
+        self.sender.close()
+        self._destination_tp.clear()
+        self._active.clear()
+
     def caught_up(self, request_id: str) -> bool:
         """Every block sent so far taken by the destination (true where this rank sends nothing)."""
         return request_id not in self._active or self.sender.caught_up(request_id)

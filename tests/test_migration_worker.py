@@ -162,6 +162,36 @@ def test_greedy_migration_is_token_and_text_identical(llama_dir, spec):
     assert pair.a.migrations.legs.sender.stats.completed == 1
 
 
+def test_closed_migration_channels_end_on_both_sides_and_form_anew(llama_dir):
+    """A decode instance that changes role closes the channels it migrates requests over: its destination's
+    end breaks too; channels formed again under a new generation carry a migration with unchanged tokens."""
+    prompts = prompts_of([40, 60])
+    params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 2
+    spec = dict(drafter="none")
+    pair = Pair(make_worker(llama_dir, "dec-a", **spec), make_worker(llama_dir, "dec-b", **spec))
+    destination_end = pair.b.receiver._channels[pair.a.instance_id]
+    pair.a.migrations.close()
+    assert pair.a.migrations.legs is None
+    deadline = time.monotonic() + 10.0
+    while destination_end.broken is None and time.monotonic() < deadline:
+        pair.b.step()
+        time.sleep(0.01)
+    assert destination_end.broken is not None
+    run = Run(pair)
+    run.params = {"r0": params[0], "r1": params[1]}
+    for i, p in enumerate(prompts):
+        run.add(f"r{i}", p, params[i])
+    run.step()
+    assert pair.a.migrations.begin_out("r1", pair.b.instance_id, 128) is not None  # no channel: refused
+    Pair.__init__(pair, pair.a, pair.b)  # formed anew, under a new generation
+    run.migrate("r1", prompts[1])
+    run.until(lambda: run.arrived("r1"))
+    assert pair.b.migrations.commit("r1") and pair.a.migrations.finish("r1")
+    run.drain()
+    assert run.tokens == solo_outputs(llama_dir, prompts, params, **spec)[0]
+    assert run.sources["r1"][-1] == "b"
+
+
 def test_seeded_sampling_migration_is_identical(llama_dir):
     """A fixed speculation length consumes the same random draws wherever the request runs, so moving the
     generator's state keeps a seeded request's output exact."""
