@@ -174,8 +174,8 @@ class DisaggregatedActor(_LoopActor):
 
     ``become`` changes the role between two steps, in the same process: the worker, drained by the router, is
     closed (its KV channels aborted, its tiers' writes finished) and a worker of the other role takes its place
-    over the same weights in memory; its disk tier, kept under the instance's name, is found again (the host
-    tier and the pool start empty). The controller then forms the new role's KV channels. ``pools``: each
+    over the same weights in memory; its disk tier, kept under the instance's name, is found again, and its host
+    tier's blocks are kept where the new role's blocks are keyed alike (the pool starts empty). The controller then forms the new role's KV channels. ``pools``: each
     role's pool config. With ``tp``, the instance's rank 0 (the other ranks are :class:`RankFollowerActor`);
     such an instance keeps its role."""
 
@@ -217,8 +217,16 @@ class DisaggregatedActor(_LoopActor):
                 old.receiver.close()
                 old.migrations.close()
             old.close()  # the tiers' queued writes finished and their directory released for the new worker
+            tiers, salt = old.core.tiers, old.core.prefix_cache.salt
+            host = tiers.host if tiers is not None else None  # host memory: outlives the old KV cache
+            self.worker = old = tiers = None  # the old KV cache freed before the new one takes the memory
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             self.worker = self._make_worker(role, loaded)
+            kept = self.worker.core.adopt_host_tier(host, salt)
             self.role = role
+            if kept:
+                log.info("%s kept %d blocks of its host tier", self.instance_id, kept)
             self._last_report = None
             log.warning("%s is a %s instance now", self.instance_id, role)
 

@@ -16,6 +16,7 @@ from modeling.block_pool import BlockPool
 from modeling.checkpoint import LoadedModel
 from modeling.instance_config import InstanceConfig
 from modeling.kv_cache import PagedKVCache
+from modeling.kv_tiers.host import HostTier
 from modeling.kv_tiers.tiers import KVTiers
 from modeling.prefix_cache import PrefixCache
 from modeling.prefix_hash import kv_salt
@@ -67,6 +68,14 @@ class InstanceCore:
             tiers = KVTiers.build(config.kv_tiers, runner.cache, salt, loaded.path, instance_id)
         prefix_cache = PrefixCache(pool, salt, prefix_caching, tiers)
         return cls(loaded, pool, runner, prefix_cache, tokenizer, tiers)
+
+    def adopt_host_tier(self, previous: HostTier | None, salt: bytes) -> int:
+        """Keep the blocks of a previous worker's host tier on this instance (a role change), when its blocks
+        were keyed with the same ``salt`` (model, dtype, block size) and this core has a host tier; how many
+        were kept."""
+        if previous is None or self.tiers is None or salt != self.prefix_cache.salt:
+            return 0
+        return self.tiers.adopt_host(previous)
 
     def close(self) -> None:
         """Release a tensor-parallel instance's followers; finish the tiers' queued writes and release their

@@ -160,6 +160,34 @@ def test_a_restarted_instance_finds_its_disk_tier(llama_dir, tmp_path, plain):
         after.close()
 
 
+def test_a_new_worker_over_the_same_cache_layout_keeps_the_previous_host_tier(llama_dir, tmp_path, plain):
+    """A role change builds a new worker on the instance: the previous worker's host tier is kept where the
+    blocks are keyed alike (served from it, unchanged tokens), and nothing is kept where they are not."""
+    rng = random.Random(3)
+    doc = _tokens(rng, 320)
+    first, second = doc + _tokens(rng, 4), doc + _tokens(rng, 8)
+    before = _engine(llama_dir, tmp_path, host_mb=16, disk_mb=0)
+    out = _run(before, [first])
+    before.close()
+    host, salt = before.core.tiers.host, before.prefix_cache.salt
+    assert len(host) >= len(doc) // BLOCK
+    other_layout = ReferenceEngine(llama_dir, EngineConfig(**{**CFG.__dict__, "block_size": 32,
+                                                             "kv_tiers": KVTiersConfig(host_memory_mb=16, disk_mb=0)}))
+    after = _engine(llama_dir, tmp_path, host_mb=16, disk_mb=0)
+    try:
+        assert other_layout.core.adopt_host_tier(host, salt) == 0  # keyed for another block size
+        assert other_layout.core.adopt_host_tier(host, other_layout.prefix_cache.salt) == 0  # blocks of another shape
+        assert after.core.adopt_host_tier(host, b"another model") == 0
+        assert after.core.adopt_host_tier(host, salt) == len(host)
+        assert after.core.tiers.host.hashes() == host.hashes()  # in the same recency order
+        out += _run(after, [second])
+        assert after.prefix_cache.stats.tier_hits == len(doc) // BLOCK * BLOCK
+        assert out == _run(plain, [first, second])
+    finally:
+        after.close()
+        other_layout.close()
+
+
 def test_a_second_instance_of_the_same_name_takes_its_own_directory(tmp_path):
     one = DiskTier.open(str(tmp_path), "decode-0", 1 << 20)
     two = DiskTier.open(str(tmp_path), "decode-0", 1 << 20)

@@ -63,6 +63,10 @@ class HostTier:
             self.stats.blocks = len(self._entries)
             self._tell(block_hash, False)
 
+    def items(self) -> list[tuple[int, torch.Tensor]]:
+        """(hash, KV) of every block held now, least recently used first."""
+        return list(self._entries.items())
+
     def hashes(self) -> list[int]:
         """The hashes held now, least recently used first."""
         return list(self._entries)

@@ -108,6 +108,18 @@ class KVTiers:
                         instance_name, config.store.master_address)
         return tiers
 
+    def adopt_host(self, other: HostTier) -> int:
+        """Keep the blocks of another host tier of the same cache layout (an instance's previous worker's, on a
+        role change), least recently used first, as far as this one's capacity goes; how many were kept. The
+        caller checks the blocks' keys mean the same here (the prefix cache's salt)."""
+        if self.host is None:
+            return 0
+        kept = 0
+        for block_hash, kv in other.items():
+            if tuple(kv.shape) == self.block_shape and kv.dtype == self.cache.spec.dtype:
+                kept += self.host.put(block_hash, kv)
+        return kept
+
     # -- lookups and loads (the worker's thread) --------------------------------------------------
 
     def find(self, hashes: Sequence[int]) -> int:
