@@ -37,6 +37,7 @@ from _corpus import load_documents  # noqa: E402
 from eval_default_model import DEFAULT_MODEL, RESULTS, ContextGain, context_gain, falls_to  # noqa: E402
 
 from modeling.checkpoint import load_model  # noqa: E402
+from modeling.model import CausalLM  # noqa: E402
 from modeling.tokenizer import TextTokenizer  # noqa: E402
 
 
@@ -51,11 +52,12 @@ def package_dir(name: str) -> str:
     return os.path.dirname(module.__file__)
 
 
-def gain_markdown(report: dict) -> str:
-    """The report as a Markdown table of loss per context and drops with their intervals."""
+def gain_markdown(report: dict, heading: str = "#") -> str:
+    """The report as a Markdown table of loss per context and drops with their intervals, under a title
+    of ``heading`` level."""
     g = report["context_gain"]
     lines = [
-        f"# Context gain of `{report['model']}` on the sources of {report['package']} {report['package_version']}",
+        f"{heading} Context gain of `{report['model']}` on the sources of {report['package']} {report['package_version']}",
         "",
         f"`{report['command']}` ({report['eval_seconds']:.0f} s). {g['segments']} segments of {g['segment']} tokens "
         f"from {g['files']} of the package's {report['package_files']} `*.py` files (those with at least "
@@ -99,36 +101,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    t0 = time.time()
-    root = package_dir(args.package)
-    contexts = sorted(set(args.contexts))
-    min_tokens = max(contexts) + args.segment + 1
-    tok = TextTokenizer(args.model)
-    docs = load_documents(root)
+def package_gain(model: CausalLM, tok: TextTokenizer, package: str, contexts: list[int], segment: int,
+                 segments_per_file: int, max_files: int = 0) -> dict:
+    """The context gain on the ``*.py`` files of an installed ``package`` (those long enough), as a report
+    (the fields ``gain_markdown`` reads, less ``command`` and ``eval_seconds``)."""
+    contexts = sorted(set(contexts))
+    min_tokens = max(contexts) + segment + 1
+    docs = load_documents(package_dir(package))
     encoded = [(d.path, np.asarray(tok.encode(d.text), dtype=np.int32)) for d in docs]
     long_files = [(p, ids) for p, ids in encoded if ids.size >= min_tokens]
-    if args.max_files and len(long_files) > args.max_files:
-        long_files = [long_files[i * len(long_files) // args.max_files] for i in range(args.max_files)]
+    if max_files and len(long_files) > max_files:
+        long_files = [long_files[i * len(long_files) // max_files] for i in range(max_files)]
     if len(long_files) < 2:
-        raise SystemExit(f"--package {args.package}: only {len(long_files)} files with >= {min_tokens} tokens")
-    print(f"{args.package}: {len(docs)} files, {len(long_files)} with >= {min_tokens} tokens", flush=True)
-    loaded = load_model(args.model, dtype="float32")
-    gain: ContextGain = context_gain(loaded.model, [ids for _, ids in long_files], contexts, args.segment,
-                                     args.segments_per_file)
-    out = args.out or os.path.join(RESULTS, f"default_model_context_gain_{args.package}")
-    report = {
-        "command": "python scripts/eval_context_gain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": os.path.relpath(os.path.abspath(args.model), REPO),
-        "package": args.package,
-        "package_version": importlib.metadata.version(args.package),
+        raise SystemExit(f"--package {package}: only {len(long_files)} files with >= {min_tokens} tokens")
+    print(f"{package}: {len(docs)} files, {len(long_files)} with >= {min_tokens} tokens", flush=True)
+    gain: ContextGain = context_gain(model, [ids for _, ids in long_files], contexts, segment, segments_per_file)
+    return {
+        "package": package,
+        "package_version": importlib.metadata.version(package),
         "package_files": len(docs),
         "min_tokens": min_tokens,
         "files": [p for p, _ in long_files],
         "context_gain": asdict(gain),
         "falls_to_longest": falls_to(gain, max(contexts)),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    tok = TextTokenizer(args.model)
+    loaded = load_model(args.model, dtype="float32")
+    gain = package_gain(loaded.model, tok, args.package, args.contexts, args.segment, args.segments_per_file,
+                        args.max_files)
+    out = args.out or os.path.join(RESULTS, f"default_model_context_gain_{args.package}")
+    report = {
+        "command": "python scripts/eval_context_gain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": os.path.relpath(os.path.abspath(args.model), REPO),
+        **gain,
         "eval_seconds": time.time() - t0,
         "torch": torch.__version__,
     }

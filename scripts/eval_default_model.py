@@ -24,7 +24,15 @@ Two held-out sets, both from the deterministic split of ``scripts/_corpus.py`` (
 
 The model runs through the project's own loader (``modeling.checkpoint.load_model``) under bf16 autocast,
 as in training. Writes ``benchmarks/results/default_model_eval.{json,md}`` and
-``default_model_loss_by_position.png``, plus greedy samples.
+``default_model_loss_by_position.png``, plus greedy samples, and two sections that check the weights beyond
+the held-out split:
+
+* **context gain on an installed package** (``--gain-package``, default torch, pinned by
+  ``requirements-cpu.txt``): the same measurement on a larger unseen set (``eval_context_gain.py``, which
+  runs it alone);
+* **the weights in vLLM** (``--vllm-python``, default the peer environment ``.peers/vllm``): vLLM's CPU build
+  loads the directory and continues the greedy samples' prompts (``check_vllm_loads.py``, run by that
+  environment's Python). Without the environment the section says so.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ import argparse
 import json
 import math
 import os
+import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -262,6 +273,8 @@ def plot(results: dict[str, list[ContextResult]], gain: ContextGain, path: str) 
 def write_markdown(report: dict, path: str) -> None:
     """Human-readable tables of the report."""
     lines = [f"# Default model evaluation: `{report['model']}`", "",
+             f"`{report['command']}` (writes `default_model_eval.{{json,md}}` and `default_model_loss_by_position.png`)",
+             "",
              f"Held-out split: {report['sets']['heldout_files']} stdlib files "
              f"({report['sets']['heldout_tokens']} tokens), never trained on. bf16 autocast on CPU, "
              f"{report['eval_seconds']:.0f} s.", ""]
@@ -296,11 +309,65 @@ def write_markdown(report: dict, path: str) -> None:
         ci = "" if i == 0 else f"[{g['drop_ci95'][i - 1][0]:+.4f}, {g['drop_ci95'][i - 1][1]:+.4f}]"
         lines.append(f"| {c} | {loss:.4f} | {drop} | {ci} |")
     lines += ["", f"Loss keeps falling with position up to 4K (every drop up to C = 4096 above zero at 95 %): "
-                  f"**{report['loss_falls_to_4k']}**", "", "## Greedy samples", ""]
+                  f"**{report['loss_falls_to_4k']}**", "", "![loss by position](default_model_loss_by_position.png)",
+              "", "## Greedy samples", ""]
     for s in report["samples"]:
         lines += ["```python", s["output"], "```", ""]
+    lines += package_gain_section(report.get("context_gain_package"))
+    lines += vllm_section(report.get("vllm_check"))
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
+
+
+def package_gain_section(gain: dict | None) -> list[str]:
+    """The context gain on an installed package's sources, or why it is absent."""
+    if gain is None:
+        return ["## Context gain on an installed package", "", "Not run (`--gain-package none`).", ""]
+    from eval_context_gain import gain_markdown
+
+    return [gain_markdown(gain, heading="##"), ""]
+
+
+def vllm_section(check: dict | None) -> list[str]:
+    """vLLM's load-and-continue check of the same weights, or why it did not run."""
+    lines = ["## The weights in vLLM", ""]
+    if check is None or "skipped" in (check or {}):
+        reason = (check or {}).get("skipped", "not run")
+        return lines + [f"Not run: {reason}.", ""]
+    agree = sum(r["agrees"] for r in check["samples"])
+    lines += [f"`{check['command']}`", "",
+              f"vLLM {check['vllm_version']} loads `{check['model']}` in {check['load_seconds']} s; its greedy text "
+              f"({check['max_tokens']} new tokens) matches magicserve's on {agree} of {len(check['samples'])} "
+              f"prompts above (all agree: **{check['all_agree']}**).", ""]
+    return lines
+
+
+def run_vllm_check(vllm_python: str, model: str, report_path: str) -> dict:
+    """Run ``check_vllm_loads.py`` with the vLLM environment's Python on the report's greedy samples."""
+    if not vllm_python:
+        return {"skipped": "no vLLM environment (`--vllm-python`; see ../shared/PEERS.md for `.peers/vllm`)"}
+    script = os.path.join(REPO, "scripts", "check_vllm_loads.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "check.json")
+        argv = [vllm_python, script, "--model", os.path.relpath(model, REPO), "--expect",
+                os.path.relpath(report_path, REPO), "--out", out]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        done = subprocess.run(argv, cwd=REPO, env=env)
+        if not os.path.exists(out):
+            raise SystemExit(f"vLLM check failed (exit {done.returncode}): {shlex.join(argv)}")
+        with open(out, encoding="utf-8") as f:
+            check = json.load(f)
+    check["command"] = shlex.join(["python", "scripts/check_vllm_loads.py", *argv[2:-2]])
+    return check
+
+
+def write_report(report: dict, out_dir: str) -> str:
+    """Write the JSON and Markdown records; the JSON's path."""
+    path = os.path.join(out_dir, "default_model_eval.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    write_markdown(report, os.path.join(out_dir, "default_model_eval.md"))
+    return path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -320,7 +387,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new", type=int, default=96, help="tokens per greedy sample")
     parser.add_argument("--out-dir", default=RESULTS, help="where the json/md/png go")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    return parser.parse_args(argv)
+    parser.add_argument("--gain-package", default="torch",
+                        help="installed package whose *.py files get the context-gain measurement too ('none': skip)")
+    parser.add_argument("--gain-package-contexts", type=int, nargs="+", default=[2048, 3072, 4096],
+                        help="context lengths of the package's context-gain curve")
+    peer = os.path.join(REPO, ".peers", "vllm", "bin", "python")
+    parser.add_argument("--vllm-python", default=peer if os.path.exists(peer) else "",
+                        help="Python of a vLLM environment to check the weights load there (default: .peers/vllm "
+                             "when present; '' skips)")
+    args = parser.parse_args(argv)
+    if len(set(args.gain_package_contexts)) < 2 or min(args.gain_package_contexts) < 1:
+        parser.error(f"--gain-package-contexts: at least two distinct positive lengths, got {args.gain_package_contexts}")
+    if args.vllm_python and not os.path.exists(args.vllm_python):
+        parser.error(f"--vllm-python: {args.vllm_python} does not exist")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -348,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
                for p in PROMPTS]
     curve_4k = next((r.bucket_loss for r in results["long_files"] if r.context == 4096), None)
     report = {
+        "command": shlex.join(["PYTHONPATH=.", "python", "scripts/eval_default_model.py",
+                               *(argv if argv is not None else sys.argv[1:])]),
         "model": os.path.relpath(os.path.abspath(args.model), REPO),
         "parameters": loaded.config.num_parameters(),
         "sets": sets,
@@ -364,10 +446,22 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": "bf16 autocast (weights bf16 on disk)",
     }
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "default_model_eval.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    write_markdown(report, os.path.join(args.out_dir, "default_model_eval.md"))
     plot(results, gain, os.path.join(args.out_dir, "default_model_loss_by_position.png"))
+    if args.gain_package != "none":
+        from eval_context_gain import package_gain
+
+        t1 = time.time()
+        report["context_gain_package"] = {
+            "command": shlex.join(["python", "scripts/eval_context_gain.py", "--package", args.gain_package,
+                                   "--contexts", *map(str, args.gain_package_contexts)]),
+            "model": report["model"],
+            **package_gain(loaded.model, tok, args.gain_package, args.gain_package_contexts, args.gain_segment, 1),
+            "eval_seconds": time.time() - t1,
+            "torch": torch.__version__,
+        }
+    report_path = write_report(report, args.out_dir)  # the vLLM check reads its greedy samples
+    report["vllm_check"] = run_vllm_check(args.vllm_python, args.model, report_path)
+    write_report(report, args.out_dir)
     for s in samples:
         print("-" * 60 + "\n" + s["output"])
     print(f"done in {report['eval_seconds']:.0f}s; loss falls to 4K: {report['loss_falls_to_4k']}")
