@@ -12,8 +12,10 @@ One call covers what a sequence needs next, granted whole or not at all:
   need when they fork from it (``BlockTable.fork``: the prompt's full blocks are shared, the partly filled
   one and the first step's position are each sequence's own).
 
-Every admission source (remote KV, local prefill, resume, fork, migration in), the resumption of preempted
-sequences and each step's growth reserve through :meth:`KVSlots.allocate_slots`.
+Every admission source (remote KV, local prefill, resume, fork, migration in) and the resumption of preempted
+sequences reserve through :meth:`KVSlots.allocate_slots`; each step's growth through :meth:`KVSlots.grow`, the
+same call without a lookup or forks that answers only whether it was granted (it runs for every sequence at
+every step, so it copies no block table).
 """
 
 from __future__ import annotations
@@ -70,3 +72,14 @@ class KVSlots:
         seq.block_table.ensure_capacity(self.pool, num_tokens + lookahead_tokens)
         forks = self.pool.allocate(fork_blocks) if fork_blocks else []
         return SlotGrant(tuple(seq.block_table.blocks), cached, tuple(forks))
+
+    def grow(self, seq, num_tokens: int) -> bool:
+        """Room for ``num_tokens`` positions in all (``allocate_slots(seq, num_tokens)`` on a sequence that holds
+        blocks), granted whole or not at all; whether it was."""
+        need = self.pool.blocks_for_tokens(num_tokens) - len(seq.block_table.blocks)
+        if need <= 0:
+            return True
+        if not self.pool.can_allocate(need):
+            return False
+        seq.block_table.ensure_capacity(self.pool, num_tokens)
+        return True

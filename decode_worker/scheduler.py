@@ -86,7 +86,7 @@ class DecodeScheduler:
         batch, preempted = list(self.running.values()), []
         while batch:
             # a sequence granted room keeps it when a later one cannot get its own: the retry needs less
-            if all(self.slots.allocate_slots(seq, seq.num_tokens, lookahead_tokens=k) is not None for seq in batch):
+            if all(self.slots.grow(seq, seq.num_tokens + k) for seq in batch):
                 return k, batch, preempted
             if k > 0:
                 k = 0
