@@ -176,8 +176,8 @@ class DisaggregatedActor(_LoopActor):
     closed (its KV channels aborted, its tiers' writes finished) and a worker of the other role takes its place
     over the same weights in memory; its disk tier, kept under the instance's name, is found again, and its host
     tier's blocks are kept where the new role's blocks are keyed alike (the pool starts empty). The controller
-    then forms the new role's KV channels. ``pools``: each role's pool config. With ``tp``, the instance's rank 0 (the other ranks are :class:`RankFollowerActor`);
-    such an instance keeps its role."""
+    then forms the new role's KV channels. ``pools``: each role's pool config. With ``tp``, the instance's rank 0
+    (the other ranks are :class:`RankFollowerActor`); such an instance keeps its role."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
                  role: str = "prefill", pools: dict | None = None, tp: RankSpec | None = None):
