@@ -161,6 +161,9 @@ def magicserve_server(config_path: str, host: str, port: int, startup_timeout_s:
     return ManagedServer("magicserve", argv, healthy, startup_timeout_s, env=env, stop_grace_s=60.0)
 
 
+VLLM_DTYPE = "bfloat16"  # vLLM's CPU build as the sweeps launch it
+
+
 def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: float, startup_timeout_s: float,
                 extra_args: list[str], vllm_python: str = VLLM_PYTHON, prefix_caching: bool = False) -> ManagedServer:
     """vLLM's OpenAI-compatible server: bf16, eager, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, no prefix
@@ -172,7 +175,7 @@ def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: flo
     if not os.path.exists(vllm_python):
         raise LaunchError(f"--vllm-python: {vllm_python} not found (install: ../shared/PEERS.md)")
     argv = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", VLLM_DTYPE, "--enforce-eager",
             "--max-model-len", str(max_model_len),
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
             *extra_args]

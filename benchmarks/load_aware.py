@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import sys
@@ -38,19 +37,11 @@ sys.path.insert(0, ROOT)
 from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
 from benchmarks.kv_tiers import add_trace_args, bench, sampled_trace, scrape  # noqa: E402
+from planner.profiler import cpu_model_name  # noqa: E402
 
 SYSTEMS = ("static", "load-aware", "colocated", "vllm")
 WORKLOADS = ("trace", "burst")
 PLACEMENTS = "magicserve:load_aware_placements_total"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else the machine's architecture."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def burst_rows(args) -> list[dict]:
@@ -197,7 +188,7 @@ def main() -> int:
     os.makedirs(args.scratch, exist_ok=True)
     result = {"command": "python benchmarks/load_aware.py " + " ".join(
                   shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
-              "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+              "machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
               "args": {k: v for k, v in vars(args).items() if k not in ("vllm", "scratch")}, "workloads": {}}
     for workload in workloads:
         if workload == "trace":

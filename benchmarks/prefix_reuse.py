@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,12 +36,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
+from benchmarks._slo_launch import VLLM_DTYPE, free_port, local_magicserve, vllm_server  # noqa: E402
 from benchmarks._slo_targets import OpenAITarget, RequestRecord  # noqa: E402
 from benchmarks.slo_sweep import heldout_corpus, percentile  # noqa: E402
+from controller.config import LOCAL_CONFIG, load_config  # noqa: E402
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from planner.reuse_workload import (MultiTurnShape, ReuseRequest, SharedDocsShape, multi_turn_trace,  # noqa: E402
                                     prompt_lengths, shared_docs_trace)
+from planner.profiler import cpu_model_name  # noqa: E402
 from planner.workload import LengthDist  # noqa: E402
 
 SYSTEMS = ("magicserve", "magicserve-nocache", "vllm")
@@ -190,6 +191,13 @@ async def run_system(system: str, args, workload: dict, take, workdir: str) -> d
     return out
 
 
+def dtypes() -> dict:
+    """What each server computes in: magicserve's ``model.dtype`` of ``cluster_configs/local.yaml`` resolved on
+    this machine (``auto``: bf16 only where the CPU computes it natively), vLLM's as it is launched."""
+    choice = load_config(LOCAL_CONFIG).dtype_choice
+    return {"magicserve": choice.dtype, "why": choice.reason, "vllm": VLLM_DTYPE}
+
+
 def _fmt(v, scale=1000.0, unit="ms") -> str:
     return "-" if v is None else f"{v * scale:.0f} {unit}"
 
@@ -198,7 +206,8 @@ def write_markdown(result: dict, path: str) -> None:
     s = result["settings"]
     lines = ["# Prefix reuse: magicserve with and without prefix caching, and vLLM (CPU build, prefix caching on)",
              "", f"Command: `{result['command']}`", "",
-             f"Machine: {result['machine']}. Model: `{s['model']}` (bf16). SLOs: TTFT "
+             f"Machine: {result['machine']}. Model: `{s['model']}`; magicserve computes in {result['dtype']['magicserve']}: "
+             f"{result['dtype']['why']}; vLLM in {result['dtype']['vllm']}. SLOs: TTFT "
              f"{s['ttft_slo_s']} s, TPOT {s['tpot_slo_s'] * 1000:.0f} ms; goodput = requests meeting both / second "
              "of the run (`vllm bench serve`'s definition).", ""]
     for name in result["workloads"]:
@@ -262,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     corpus = heldout_corpus(args.model, 200_000)
     take = token_source(corpus)
     result = {"command": "python benchmarks/prefix_reuse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
+              "dtype": dtypes(),
               "settings": {**{k: v for k, v in vars(args).items() if k != "out"},
                            "model": os.path.relpath(os.path.abspath(args.model), ROOT)},
               "workloads": {name: describe(name, trace, args) for name, trace in workload.items()},

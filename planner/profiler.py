@@ -316,6 +316,7 @@ def hardware_string(config: ClusterConfig) -> str:
 
 
 def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows of the machine."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
