@@ -15,7 +15,8 @@ DistServe's algorithm, extended with speculation:
    on both SLOs together; the winner is the best *verified* per-device goodput.
 
 Goodput of a configuration = the highest Poisson rate at which >= ``target`` of the requests meet the
-SLO, found by doubling then bisection over simulations of the same request lengths at different rates.
+SLO, found by doubling then bisection over simulations of the same request lengths at different rates; each
+simulation stops as soon as its settled requests decide whether the rate passes (``AttainmentWatch``).
 Profile data missing for a candidate is an error (``ProfileError``), never a silently dropped candidate.
 """
 
@@ -31,7 +32,7 @@ from controller.kv_index import PrefixRouting
 from planner.profile import Profile, describe_shape
 from planner.reuse_workload import ReuseRequest, prompt_lengths, reuse_trace
 from planner.simulator import PoolPlan, SimConfig, simulate
-from planner.slo import attainment
+from planner.slo import AttainmentWatch, attainment
 from planner.workload import RequestSpec, WorkloadShape, make_trace, scale_trace
 from decode_worker.config import SpeculationConfig
 
@@ -173,10 +174,16 @@ class Planner:
         """Highest rate (req/s) with ``metric`` attainment >= the target; 0 if even a trickle misses."""
 
         def ok(rate: float) -> bool:
-            res = simulate(self.profile, config, self.workload.at_rate(rate), seed=self.workload.seed,
-                           time_limit_s=self.time_limit_s)
-            a = attainment(res.outcomes(), self.slo.ttft_s, self.slo.tpot_s)
-            return getattr(a, metric) >= self.slo.attainment
+            trace = self.workload.at_rate(rate)
+            if self.workload.reuse:  # later turns arrive as earlier ones end: no watch, the whole trace runs
+                res = simulate(self.profile, config, trace, seed=self.workload.seed, time_limit_s=self.time_limit_s)
+                a = attainment(res.outcomes(), self.slo.ttft_s, self.slo.tpot_s)
+                return getattr(a, metric) >= self.slo.attainment
+            # the run stops once the requests settled so far decide the verdict: an overloaded probe, the
+            # costliest to simulate, ends at its first misses beyond the target's allowance
+            watch = AttainmentWatch(len(trace), self.slo.ttft_s, self.slo.tpot_s, self.slo.attainment, metric)
+            return simulate(self.profile, config, trace, seed=self.workload.seed, time_limit_s=self.time_limit_s,
+                            watch=watch).verdict
 
         lo, hi = 0.0, 0.05
         while ok(hi):  # double until it fails

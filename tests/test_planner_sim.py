@@ -251,6 +251,33 @@ def test_planner_balances_the_phases():
     assert best.goodput > 0
 
 
+def _goodput_by_full_simulations(prof, cfg, workload, slo, metric, bisect_steps):
+    """The planner's doubling-then-bisection, each probe a whole simulation (no early stop): the oracle."""
+    def ok(rate):
+        res = simulate(prof, cfg, workload.at_rate(rate), seed=workload.seed, time_limit_s=600.0)
+        return getattr(attainment(res.outcomes(), slo.ttft_s, slo.tpot_s), metric) >= slo.attainment
+
+    lo, hi = 0.0, 0.05
+    while ok(hi):
+        lo, hi = hi, hi * 2
+    assert lo > 0, "the oracle's first probe failed: pick an easier configuration"
+    for _ in range(bisect_steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("metric", ["both", "ttft_only"])
+def test_planner_goodput_with_early_stops_equals_the_search_over_whole_simulations(metric):
+    prof = make_profile(prefill_per_token=2e-4, step_s=0.01, per_seq_s=0.002)
+    slo = SLOTarget(1.0, 0.04)
+    workload = Workload(shape=workload_shape("chat"), num_requests=60, min_duration_s=10.0)
+    planner = Planner(prof, slo, workload, SearchSpace(devices=2, tensor_parallel=(1,)), bisect_steps=4,
+                      progress=False)
+    cfg = disagg(SpeculationConfig(k=2), decode_capacity=200_000)
+    assert planner.goodput(cfg, metric) == _goodput_by_full_simulations(prof, cfg, workload, slo, metric, 4) > 0
+
+
 def test_planner_errors_on_missing_profile_data():
     prof = make_profile(tps=(1,))
     wl = Workload(shape=workload_shape("chat"), num_requests=40)
