@@ -20,3 +20,5 @@ class HeldRequest:
     stream: OutputStream
     fork_blocks: list[int] = field(default_factory=list)
     first_token_at: float | None = None  # time.time() when the client got its first token (its TPOT counts from it)
+    steps_here: int = 0  # decode steps this instance ran for the sequence ...
+    tokens_here: int = 0  # ... and the tokens they gave it (its pace's tokens per step)

@@ -2,11 +2,10 @@
 sequences decoding beside them, and how fast that computes the queued prompts.
 
 While sequences decode, a step's local-prefill chunk rides in their decode (or verify) pass: one pass, one
-read of the weights, the chunk's positions beside their tokens. Every decoding sequence gains at least one
-token from the step (all its drafts rejected), so that none passes ``tpot_slo_s`` of time per output token,
-the whole step stays within it:
+read of the weights, the chunk's positions beside their tokens. The whole step stays within what the decoding
+sequences can afford:
 
-    n* = the largest n <= chunk with  fused_s(n) <= limit_s - decode_s,   limit_s = min(tpot_slo_s, paced_s)
+    n* = the largest n <= chunk with  fused_s(n) <= limit_s - decode_s,   limit_s = paced_s (else tpot_slo_s)
 
 ``decode_s`` is a moving average of what the decoding sequences wait between two steps beyond the chunk's
 share (the decode pass and the loop's own work). ``fused_s`` is what the chunk adds to that pass: a linear cost
@@ -19,8 +18,11 @@ measured), it computes nothing: the queued prompts wait, a decoding request's TP
 
 A request's TPOT, as clients measure it, is its mean gap after its first token, the first gap included (the KV
 transfer's tail, the wait for a step boundary). ``paced_s`` (``pace_limit_s``) keeps that mean within
-``tpot_slo_s`` too: a sequence whose first gap ran long holds the chunks back so that its next tokens make up
-for it.
+``tpot_slo_s``: a sequence whose first gap ran long holds the chunks back so that its next tokens make up for
+it, and a sequence whose speculative steps give it several tokens each affords a longer step. A sequence
+assumes one token a step until it has taken ``MIN_PACE_STEPS`` steps here (so without a pace, the bound is
+``tpot_slo_s`` itself); the rule corrects itself from the tokens it actually got, as a run of rejected drafts
+shows in its pace at once.
 
 The rate the router predicts a local prefill's wait with (``tokens_per_s``) is sampled over the steps of the
 last ``RATE_WINDOW_S`` beside decoding sequences: what a step computed while prompts were queued, what it
@@ -43,6 +45,7 @@ MAX_CORRECTION = 4.0  # the correction of the prefill cost model stays within [1
 RATE_WINDOW_S = 5.0  # the local-prefill rate reported is sampled over the steps of this many seconds ...
 MIN_RATE_STEPS = 4  # ... once there are this many
 PACE_HORIZON_TOKENS = 32  # a sequence's time per output token is held to the target over this many tokens ahead
+MIN_PACE_STEPS = 4  # a sequence's measured tokens per step count once it has taken this many steps here
 
 
 def prefill_shape(start: int, tokens: int) -> PassShape:
@@ -55,30 +58,41 @@ def prefill_shape(start: int, tokens: int) -> PassShape:
 @dataclass(frozen=True)
 class Pace:
     """A decoding sequence's time per output token so far: seconds since the client got its first token, the
-    tokens it got since, and how many more the sequence may produce (its ``max_tokens``, or the context's end)."""
+    tokens it got since, how many more the sequence may produce (its ``max_tokens``, or the context's end), and
+    the tokens a step gives it (measured over its steps here; 1 until there are ``MIN_PACE_STEPS``)."""
 
     since_first_s: float
     tokens_since_first: int
     remaining: int
+    tokens_per_step: float = 1.0
+
+    @classmethod
+    def measured(cls, since_first_s: float, tokens_since_first: int, remaining: int, steps_here: int,
+                 tokens_here: int) -> Pace:
+        """A pace whose tokens per step are ``tokens_here / steps_here`` once ``steps_here >= MIN_PACE_STEPS``
+        (never below 1: a step always gives one)."""
+        per_step = max(1.0, tokens_here / steps_here) if steps_here >= MIN_PACE_STEPS else 1.0
+        return cls(since_first_s, tokens_since_first, remaining, per_step)
 
 
 def pace_limit_s(paces: Iterable[Pace], target_s: float, decode_s: float) -> float:
     """The longest step that every sequence can afford on average from now on and still end within
-    ``target_s`` of time per output token since its first token, each step giving it one token, over its
-    next ``h = min(remaining, PACE_HORIZON_TOKENS)`` tokens:
+    ``target_s`` of time per output token since its first token, over its next
+    ``h = min(remaining, PACE_HORIZON_TOKENS)`` tokens, which take it ``h / tokens_per_step`` steps:
 
-        (since_first_s + h * step) / (tokens_since_first + h) <= target_s
+        (since_first_s + h / tokens_per_step * step) / (tokens_since_first + h) <= target_s
 
     A first gap that ran long is so made up over the tokens after it, not all in the next step. A sequence
-    that could not end within ``target_s`` even if its next ``h`` steps took only ``decode_s`` is past saving
+    that could not end within ``target_s`` even if its next steps took only ``decode_s`` is past saving
     and does not hold the others back. ``inf`` when no sequence counts."""
     limit = math.inf
     for p in paces:
         h = max(1, min(p.remaining, PACE_HORIZON_TOKENS))
+        steps = h / max(1.0, p.tokens_per_step)
         budget_s = target_s * (p.tokens_since_first + h) - p.since_first_s
-        if budget_s < h * decode_s:
+        if budget_s < steps * decode_s:
             continue
-        limit = min(limit, budget_s / h)
+        limit = min(limit, budget_s / steps)
     return limit
 
 
@@ -171,10 +185,11 @@ class PrefillBudget:
                 c["kv_queries"] * 0.5)
 
     def slack_s(self, paces: Iterable[Pace] = ()) -> float:
-        """Seconds a step beside the decoding sequences (``paces``: theirs) may spend prefilling (negative:
-        none)."""
+        """Seconds a step beside the decoding sequences (``paces``: theirs, one per sequence) may spend
+        prefilling (negative: none). Without a pace that counts, a step is held to ``tpot_slo_s``."""
         decode_s = self.decode_s or 0.0
-        return min(self.tpot_slo_s, pace_limit_s(paces, self.tpot_slo_s, decode_s)) - decode_s
+        limit = pace_limit_s(paces, self.tpot_slo_s, decode_s)
+        return (self.tpot_slo_s if math.isinf(limit) else limit) - decode_s
 
     def tokens(self, start: int, decoding: bool, paces: Iterable[Pace] = ()) -> int:
         """Prompt tokens the next step prefills, the head of the queue having ``start`` computed; ``paces``: the

@@ -219,6 +219,9 @@ class DecodeWorker:
         verdicts, logits = self.speculator.run(seqs, k, choice if same_shape else None,
                                                [c.step_input() for c in chunks])
         deltas = [self.output.commit(h, v, k, logits[i]) for i, (h, v) in enumerate(zip(running, verdicts))]
+        for h, delta in zip(running, deltas):
+            h.steps_here += 1
+            h.tokens_here += len(delta.token_ids)
         prefill_s = self._fused_prefill_s(seqs, k, chunks)
         deltas += self.prefills.finish(chunks, self.speculator.rider_logits)
         end = time.perf_counter()
@@ -252,15 +255,15 @@ class DecodeWorker:
         return share
 
     def _paces(self, running: list[HeldRequest]) -> list[Pace]:
-        """The running sequences' time per output token so far (``decode_worker/prefill_budget.py``)."""
+        """The running sequences' time per output token so far (``decode_worker/prefill_budget.py``); one whose
+        first token's time is unknown paces as if it had just got it."""
         now, paces = time.time(), []
         for h in running:
             seq = h.seq
-            if h.first_token_at is None:
-                continue
             out = len(seq.tokens) - seq.num_prompt
             room = min(seq.sampler.params.max_tokens, seq.max_model_len - seq.num_prompt)
-            paces.append(Pace(now - h.first_token_at, out - 1, max(1, room - out)))
+            since_first, got = (0.0, 0) if h.first_token_at is None else (now - h.first_token_at, out - 1)
+            paces.append(Pace.measured(since_first, got, max(1, room - out), h.steps_here, h.tokens_here))
         return paces
 
     def _take_events(self) -> list:

@@ -136,6 +136,8 @@ class SimSequence:
         self.finish_reason: FinishReason | None = None
         self.prompt_ids = req.prompt_ids
         self.tokens = None if req.prompt_ids is None else list(req.prompt_ids)
+        self.steps_here = 0  # decode steps on this instance, and the tokens they gave (its pace's tokens per step)
+        self.tokens_here = 0
 
     @property
     def num_uncomputed(self) -> int:
@@ -542,9 +544,13 @@ class DecodeSim(_Instance):
 
     def _paces(self) -> list[Pace]:
         """The running sequences' time per output token so far (``DecodeWorker._paces``)."""
-        now = self.sim.now
-        return [Pace(now - seq.req.first_token_s, seq.req.generated - 1, seq.req.remaining)
-                for seq in self.scheduler.running.values() if not math.isnan(seq.req.first_token_s)]
+        now, paces = self.sim.now, []
+        for seq in self.scheduler.running.values():
+            req = seq.req
+            started = not math.isnan(req.first_token_s)
+            since_first, got = (now - req.first_token_s, req.generated - 1) if started else (0.0, 0)
+            paces.append(Pace.measured(since_first, got, req.remaining, seq.steps_here, seq.tokens_here))
+        return paces
 
     def _choose_k(self) -> int:
         """The worker's own decision (``StepK``), with the policy's acceptance belief set to the profile's
@@ -572,7 +578,10 @@ class DecodeSim(_Instance):
                 req.draft_tokens += k
                 req.accepted_tokens += accepted
                 req.draft_rejections += accepted < k
-            req.generated += min(accepted + 1, req.remaining)
+            gained = min(accepted + 1, req.remaining)
+            req.generated += gained
+            seq.steps_here += 1
+            seq.tokens_here += gained
             seq.num_computed = seq.num_tokens = req.context  # verified positions; the last token's KV comes next
             self._commit(seq, seq.num_computed)
             if req.remaining <= 0:

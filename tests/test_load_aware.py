@@ -10,8 +10,8 @@ import pytest
 from controller.config import ConfigError, load_config
 from controller.load_aware import (BACKLOG, MEETS_SLO, NO_SLACK, OFF, UNMEASURED, DecodeOption, LoadAwarePolicy,
                                    LoadAwareState, PrefillRate, decide, prefill_ttft_s)
-from decode_worker.prefill_budget import (PACE_HORIZON_TOKENS, PROBE_TOKENS, RATE_WINDOW_S, Pace, PrefillBudget,
-                                         pace_limit_s)
+from decode_worker.prefill_budget import (MIN_PACE_STEPS, PACE_HORIZON_TOKENS, PROBE_TOKENS, RATE_WINDOW_S, Pace,
+                                         PrefillBudget, pace_limit_s)
 
 POLICY = LoadAwarePolicy(enabled=True, ttft_s=1.0)
 
@@ -157,11 +157,36 @@ def test_a_long_first_gap_holds_the_chunks_back_until_the_next_tokens_make_up_fo
     # its steps at that limit bring its mean to the target over the horizon
     assert (0.3 + PACE_HORIZON_TOKENS * limit) / PACE_HORIZON_TOKENS == pytest.approx(target)
     on_time = Pace(since_first_s=0.2, tokens_since_first=10, remaining=100)  # 20 ms a token so far
-    assert pace_limit_s([on_time], target, decode) > target  # ahead of the target: the step bound alone holds
+    assert pace_limit_s([on_time], target, decode) > target  # ahead of the target: it affords a longer step
     assert pace_limit_s([late, on_time], target, decode) == pytest.approx(limit)
     b = measured_budget(target)
     b.observe_step(decode)
-    assert b.tokens(0, True, [late]) < b.tokens(0, True, [on_time]) == b.tokens(0, True)
+    # without a pace, one token a step at the target
+    assert b.tokens(0, True, [late]) < b.tokens(0, True) < b.tokens(0, True, [on_time])
+    fresh = Pace(since_first_s=0.0, tokens_since_first=0, remaining=500)  # its first token's time unknown
+    assert b.tokens(0, True, [fresh]) == b.tokens(0, True)
+
+
+def test_speculative_steps_that_give_several_tokens_afford_a_longer_step():
+    """A sequence whose steps here gave it 3 tokens each takes a third of the steps over the horizon, so each
+    may be three times as long at the same mean time per token; a run of rejected drafts shows in its pace
+    (tokens behind the time) and pulls the bound back; too few steps measured count as one token a step."""
+    target, decode = 0.05, 0.04
+    on_pace = dict(since_first_s=0.5, tokens_since_first=10, remaining=500)
+    one = Pace.measured(**on_pace, steps_here=20, tokens_here=20)
+    three = Pace.measured(**on_pace, steps_here=20, tokens_here=60)
+    assert three.tokens_per_step == 3.0 and one.tokens_per_step == 1.0
+    assert pace_limit_s([three], target, decode) == pytest.approx(3 * pace_limit_s([one], target, decode))
+    assert pace_limit_s([three], target, decode) == pytest.approx(3 * target)  # on pace: 3 tokens' worth
+    assert Pace.measured(**on_pace, steps_here=MIN_PACE_STEPS - 1, tokens_here=30).tokens_per_step == 1.0
+    # the steps ran long: 10 tokens in 1.6 s (160 ms a token) leave less than one token's worth per step
+    behind = Pace.measured(since_first_s=1.6, tokens_since_first=10, remaining=500, steps_here=20, tokens_here=60)
+    assert decode < pace_limit_s([behind], target, decode) < target
+    b = measured_budget(target)
+    b.observe_step(decode)  # 10 ms of slack at one token a step
+    assert b.tokens(0, True, [one]) == b.tokens(0, True) < b.tokens(0, True, [three])
+    assert b.tokens(0, True, [three, one]) == b.tokens(0, True, [one])  # the slowest sequence bounds the step
+    assert b.tokens(0, True, [behind]) < b.tokens(0, True)
 
 
 def test_a_sequence_past_saving_does_not_hold_the_others_back():

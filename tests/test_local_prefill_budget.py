@@ -121,4 +121,6 @@ def test_a_requests_pace_counts_from_the_first_token_its_client_got(llama_dir):
     out = len(held.seq.tokens) - held.seq.num_prompt
     assert out >= 3 and pace.tokens_since_first == out - 1 and pace.remaining == 10 - out
     assert 0 <= pace.since_first_s <= time.time() - before
+    # its tokens after the first came from the two decode steps here: too few to count (one token a step)
+    assert held.steps_here == 2 and held.tokens_here == out - 1 and pace.tokens_per_step == 1.0
     drain(worker)
