@@ -83,16 +83,17 @@ def pace_limit_s(paces: Iterable[Pace], target_s: float, decode_s: float) -> flo
         (since_first_s + h / tokens_per_step * step) / (tokens_since_first + h) <= target_s
 
     A first gap that ran long is so made up over the tokens after it, not all in the next step. A sequence
-    that could not end within ``target_s`` even if its next steps took only ``decode_s`` is past saving
-    and does not hold the others back. ``inf`` when no sequence counts."""
+    that could not end within ``target_s`` even if its next steps took only ``decode_s`` is past saving: it
+    does not hold the others back to pure decode steps, but it falls no further behind either, each step
+    held to ``target_s`` per token it gives (``tokens_per_step * target_s``). ``inf`` when no sequence
+    counts."""
     limit = math.inf
     for p in paces:
+        per_step = max(1.0, p.tokens_per_step)
         h = max(1, min(p.remaining, PACE_HORIZON_TOKENS))
-        steps = h / max(1.0, p.tokens_per_step)
+        steps = h / per_step
         budget_s = target_s * (p.tokens_since_first + h) - p.since_first_s
-        if budget_s < steps * decode_s:
-            continue
-        limit = min(limit, budget_s / steps)
+        limit = min(limit, per_step * target_s if budget_s < steps * decode_s else budget_s / steps)
     return limit
 
 

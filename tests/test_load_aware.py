@@ -189,10 +189,16 @@ def test_speculative_steps_that_give_several_tokens_afford_a_longer_step():
     assert b.tokens(0, True, [behind]) < b.tokens(0, True)
 
 
-def test_a_sequence_past_saving_does_not_hold_the_others_back():
-    """Two tokens left and a first gap of a second: even pure decode steps cannot bring it within the target."""
+def test_a_sequence_past_saving_does_not_hold_the_others_back_nor_falls_further_behind():
+    """Two tokens left and a first gap of a second: even pure decode steps cannot bring it within the target.
+    It does not hold the step to pure decoding, but each step stays within the target per token it gives."""
     lost = Pace(since_first_s=1.0, tokens_since_first=1, remaining=2)
-    assert pace_limit_s([lost], 0.04, 0.01) == math.inf
+    assert pace_limit_s([lost], 0.04, 0.01) == pytest.approx(0.04)
+    lost_fast = Pace.measured(1.0, 1, 2, steps_here=MIN_PACE_STEPS, tokens_here=3 * MIN_PACE_STEPS)
+    assert pace_limit_s([lost_fast], 0.04, 0.01) == pytest.approx(3 * 0.04)  # three tokens a step
+    ahead = Pace(since_first_s=0.1, tokens_since_first=10, remaining=500)  # 10 ms a token so far
+    assert pace_limit_s([ahead], 0.04, 0.01) > 0.04
+    assert pace_limit_s([ahead, lost], 0.04, 0.01) == pytest.approx(0.04)  # the lost one bounds the step
     tight = Pace(since_first_s=0.0595, tokens_since_first=0, remaining=2)  # just within reach: holds
     assert pace_limit_s([tight], 0.04, 0.01) == pytest.approx((0.04 * 2 - 0.0595) / 2)
 
