@@ -147,7 +147,11 @@ def plot(result: dict, path: str) -> None:
         for ax, (key, label, scale) in zip(row, (("request_goodput", "goodput (req/s)", 1.0),
                                                  ("p99_ttft_ms", "TTFT p99 (s)", 1e-3),
                                                  ("p99_tpot_ms", "TPOT p99 (ms)", 1.0))):
-            ax.bar(names, [(systems[n][key] or 0.0) * scale for n in names], color=[colors[n] for n in names])
+            values = [(systems[n][key] or 0.0) * scale for n in names]
+            ax.bar(names, values, color=[colors[n] for n in names])
+            if not any(values):  # e.g. no request met the SLOs: say so rather than draw an empty axis
+                ax.set_ylim(0, 1)
+                ax.text(0.5, 0.5, "0 for every system", transform=ax.transAxes, ha="center", va="center")
             if key == "p99_ttft_ms":
                 ax.axhline(result["args"]["ttft_slo_ms"] / 1e3, color="k", ls="--", lw=1, label="SLO")
                 ax.legend(fontsize=8)
@@ -175,7 +179,12 @@ def main() -> int:
     ap.add_argument("--burst-span-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "load_aware"))
+    ap.add_argument("--render", action="store_true", help="redraw OUT.png from OUT.json, running nothing")
     args = ap.parse_args()
+    if args.render:
+        with open(args.out + ".json", encoding="utf-8") as f:
+            plot(json.load(f), args.out + ".png")
+        return 0
     systems, workloads = [s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w]
     for flag, values, allowed in (("--systems", systems, SYSTEMS), ("--workloads", workloads, WORKLOADS)):
         for v in values:
