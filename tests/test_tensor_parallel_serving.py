@@ -31,10 +31,6 @@ def _config(path: str, prefill_tp: int, decode_tp: int):
         decode={"tensor_parallel": decode_tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_transfer={"timeout_s": 10},
-        # where a next turn is prefilled stays fixed (kept KV on the decode instance, the rest transferred), not
-        # moved by a load-aware decision that depends on timing: chunked differently, a float32 prefill of this
-        # random-weight model can flip a near-tie (the load-aware path has its own test of token identity)
-        load_aware={"enabled": False},
         server={"port": 0, "http_port": None},
     )
 
