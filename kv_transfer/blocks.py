@@ -49,19 +49,20 @@ def post_recv_region(channel: PairChannel, kv: torch.Tensor, layer: int, kv_inde
     buf = torch.empty(len(blocks), t.shape[1], n_heads, t.shape[3], dtype=t.dtype, device=channel.device)
 
     def scatter() -> None:
-        src = buf.to(t.device)
-        if consecutive(blocks):
-            t[blocks[0] : blocks[0] + len(blocks), :, heads].copy_(src)
-            return
-        idx = torch.tensor(blocks, dtype=torch.int64, device=t.device)
-        if full_heads:
-            t.index_copy_(0, idx, src)
-        else:
-            merged = t.index_select(0, idx)
-            merged[:, :, heads] = src
-            t.index_copy_(0, idx, merged)
+        write_region(t, blocks, heads, buf.to(t.device))
 
     return channel.post_recv(buf), scatter
+
+
+def write_region(t: torch.Tensor, blocks: list[int], heads: slice, src: torch.Tensor) -> None:
+    """Write ``src`` [n, block_size, heads, D] into the ``heads`` of ``blocks`` of one layer's K or V ``t``
+    [num_blocks, block_size, H, D], touching nothing else: the legs of one prompt from several sending ranks land
+    in the same blocks (each its own heads) on their channels' reading threads at the same time, so a write that
+    read and rewrote whole blocks could put back another leg's heads as they were before it wrote them."""
+    if consecutive(blocks):
+        t[blocks[0] : blocks[0] + len(blocks), :, heads].copy_(src)
+    else:
+        t[:, :, heads].index_copy_(0, torch.tensor(blocks, dtype=torch.int64, device=t.device), src)
 
 
 def post_discard_region(channel: PairChannel, kv: torch.Tensor, num_blocks: int,
