@@ -23,7 +23,7 @@ from modeling.prefix_hash import kv_salt
 from modeling.runner import ModelRunner
 from modeling.tokenizer import TextTokenizer, load_tokenizer_if_present
 from modeling.tp_group import TPGroup
-from modeling.tp_runner import TPDriverRunner, build_runner, load_for_rank
+from modeling.tp_runner import ShardedBlocks, TPDriverRunner, build_runner, load_for_rank
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,9 @@ class InstanceCore:
         ``compile_steps``: compile the small steps where supported (``build_runner``); ``prefix_caching``: keep
         full blocks' KV for later prompts (the prefix cache is built either way, off when false);
         ``num_blocks``: the KV cache's blocks (None: ``kv_cache_tokens // block_size``); ``instance_id`` names
-        the disk tier's directory. The tiers run with prefix caching on an instance whose rank 0 holds every KV
-        head (a sharded tensor-parallel instance has none)."""
+        the disk tier's directory. The tiers run with prefix caching on; they keep whole blocks (every KV head),
+        which rank 0 of a sharded tensor-parallel instance gathers from and scatters to its ranks
+        (:class:`~modeling.tp_runner.ShardedBlocks`)."""
         loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
         tokenizer = load_tokenizer_if_present(loaded.path)
         pool = BlockPool(_num_blocks(config, num_blocks), config.block_size)
@@ -64,8 +65,12 @@ class InstanceCore:
                               compile_steps=compile_steps)
         salt = kv_salt(loaded.path, loaded.dtype, config.block_size)
         tiers = None
-        if prefix_caching and not loaded.shard.sharded:
-            tiers = KVTiers.build(config.kv_tiers, runner.cache, salt, loaded.path, instance_id)
+        if prefix_caching:
+            blocks = runner.cache
+            if isinstance(runner, TPDriverRunner):
+                blocks = ShardedBlocks(runner, loaded.config.num_key_value_heads)
+            tiers = KVTiers.build(config.kv_tiers, blocks, salt, loaded.path, instance_id,
+                                  layout=f"tp{loaded.shard.size}")
         prefix_cache = PrefixCache(pool, salt, prefix_caching, tiers)
         return cls(loaded, pool, runner, prefix_cache, tokenizer, tiers)
 

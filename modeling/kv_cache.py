@@ -79,6 +79,16 @@ class PagedKVCache:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.kv.device)
         self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
 
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Whole blocks' KV, one block per row: [n, L, 2, block_size, Hkv, D] (a copy, on the cache's device)."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.kv.device)
+        return self.kv.index_select(2, idx).movedim(2, 0)
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """Write whole blocks' KV, [n, L, 2, block_size, Hkv, D] as :meth:`read_blocks` gives it, into ``blocks``."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.kv.device)
+        self.kv.index_copy_(2, idx, kv.movedim(0, 2).to(self.kv.device, non_blocking=True))
+
 
 def write_layer(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store new tokens of one layer into ``kv`` [L, 2, blocks, block_size, Hkv, D] in place. slots: int64 [T]

@@ -24,6 +24,7 @@ from modeling.tp import CollectiveStats, TPShard
 # gloo closes a pair whose operation outlives the group timeout: idle waits must be effectively unbounded.
 _IDLE_TIMEOUT = datetime.timedelta(days=30)
 _SUM_TAG = 11  # the data group's point-to-point tag for all-reduce exchanges
+_BLOCKS_TAG = 12  # ... and for whole KV blocks moved between a rank and rank 0 (``send_to`` / ``recv_from``)
 
 
 class TPError(RuntimeError):
@@ -124,6 +125,20 @@ class TPGroup:
             step *= 2
         if flat is not tensor:
             tensor.copy_(flat)
+
+    def send_to(self, tensor: torch.Tensor, rank: int) -> None:
+        """Send a contiguous tensor (on ``device``) to ``rank`` over the data group; returns once it is taken."""
+        try:
+            self.data.send([tensor], rank, _BLOCKS_TAG).wait()
+        except RuntimeError as err:
+            raise TPError(f"send from rank {self.rank} to rank {rank} failed: {err}") from err
+
+    def recv_from(self, tensor: torch.Tensor, rank: int) -> None:
+        """Receive into a contiguous tensor (on ``device``) what ``rank`` sends with :meth:`send_to`."""
+        try:
+            self.data.recv([tensor], rank, _BLOCKS_TAG).wait()
+        except RuntimeError as err:
+            raise TPError(f"receive at rank {self.rank} from rank {rank} failed: {err}") from err
 
     def broadcast_ctrl(self, tensor: torch.Tensor) -> None:
         """Rank 0's ``tensor`` to every rank, over the control group (CPU tensors)."""

@@ -33,6 +33,7 @@ from modeling.checkpoint import LoadedModel, load_model
 from modeling.compiled_step import CompiledSteps, compiled_steps_supported
 from modeling.cpu_linear import use_skinny_linear
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
+from modeling.heads import shard_heads
 from modeling.kv_connector import LayerHook
 from modeling.runner import ModelRunner, StepInput
 from modeling.step_graphs import GraphSteps
@@ -50,6 +51,21 @@ class CopyBlocks:
     """Action: copy whole KV blocks (source, destination) in the follower's cache."""
 
     copies: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class GatherKVBlocks:
+    """Action: send this rank's heads of whole KV blocks to rank 0 (:class:`ShardedBlocks`'s read)."""
+
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScatterKVBlocks:
+    """Action: receive this rank's heads of whole KV blocks from rank 0 and write them (:class:`ShardedBlocks`'s
+    write)."""
+
+    blocks: tuple[int, ...]
 
 
 def encode_action(action: Any) -> dict[str, Any]:
@@ -207,6 +223,8 @@ class TPFollower:
         self.actions: dict[type, Callable[[Any], None]] = {}
         self.steps = 0
         self.on(CopyBlocks, self._copy_blocks)
+        self.on(GatherKVBlocks, self._gather_blocks)
+        self.on(ScatterKVBlocks, self._scatter_blocks)
 
     def on(self, action_type: type[ActionT], handler: Callable[[ActionT], None]) -> None:
         """Run ``handler(action)`` for each action of ``action_type`` the driver sends."""
@@ -216,6 +234,17 @@ class TPFollower:
 
     def _copy_blocks(self, action: CopyBlocks) -> None:
         self.runner.cache.copy_blocks(list(action.copies))
+
+    def _gather_blocks(self, action: GatherKVBlocks) -> None:
+        self.group.send_to(self.runner.cache.read_blocks(list(action.blocks)).contiguous(), 0)
+
+    def _scatter_blocks(self, action: ScatterKVBlocks) -> None:
+        cache = self.runner.cache
+        spec = cache.spec
+        kv = torch.empty(len(action.blocks), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                         dtype=spec.dtype, device=cache.device)
+        self.group.recv_from(kv, 0)
+        cache.write_blocks(list(action.blocks), kv)
 
     def run_step(self, desc: StepDescription) -> None:
         self.runner.forward(desc.inputs, desc.sink_len, desc.window_starts)
@@ -244,6 +273,50 @@ def copy_kv_blocks(runner: ModelRunner, copies: list[tuple[int, int]]) -> None:
     runner.cache.copy_blocks(copies)
     if isinstance(runner, TPDriverRunner):
         runner.call(CopyBlocks(tuple((src, dst) for src, dst in copies)))
+
+
+class ShardedBlocks:
+    """Whole KV blocks (every head of the model) of a sharded tensor-parallel instance, read and written from rank
+    0, whose cache holds only its own heads: a read has every follower send its heads of the blocks over the
+    group's data path (:class:`GatherKVBlocks`), a write sends each follower its heads (:class:`ScatterKVBlocks`).
+    Serves the KV tiers as the cache itself serves them on an instance whose rank 0 holds every head (``spec``,
+    ``device``, ``read_blocks``, ``write_blocks``); every call is a collective on the group, on the driver's
+    thread between steps."""
+
+    def __init__(self, runner: "TPDriverRunner", num_kv_heads: int):
+        self.runner = runner
+        self.cache = runner.cache
+        self.group = runner.group
+        self.spec = dataclasses.replace(self.cache.spec, num_kv_heads=num_kv_heads)
+        # each rank's global KV heads (a replicated head is read from every rank holding it, written to each)
+        self.heads = [shard_heads(num_kv_heads, self.group.size, r) for r in range(self.group.size)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """[n, L, 2, block_size, H, D]: every head of ``blocks``."""
+        self.runner.call(GatherKVBlocks(tuple(blocks)))
+        s = self.spec
+        out = torch.empty(len(blocks), s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
+                          device=self.device)
+        out[..., self.heads[0].start : self.heads[0].end, :] = self.cache.read_blocks(blocks)
+        for rank in range(1, self.group.size):
+            heads = self.heads[rank]
+            part = torch.empty(out.shape[:4] + (heads.size, s.head_dim), dtype=s.dtype, device=self.device)
+            self.group.recv_from(part, rank)
+            out[..., heads.start : heads.end, :] = part
+        return out
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """Write ``kv`` [n, L, 2, block_size, H, D] (every head) into ``blocks`` on every rank."""
+        self.runner.call(ScatterKVBlocks(tuple(blocks)))
+        kv = kv.to(self.device)
+        for rank in range(1, self.group.size):
+            heads = self.heads[rank]
+            self.group.send_to(kv[..., heads.start : heads.end, :].contiguous(), rank)
+        self.cache.write_blocks(blocks, kv[..., self.heads[0].start : self.heads[0].end, :])
 
 
 def load_for_rank(path: str, dtype: str, device: str, group: TPGroup | None) -> LoadedModel:

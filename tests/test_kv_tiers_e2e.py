@@ -24,15 +24,17 @@ def _instances(address):
         return {i.name: i for i in c.status().instances}
 
 
-def test_a_document_evicted_from_every_pool_is_served_from_the_tiers(llama_dir, reference, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_document_evicted_from_every_pool_is_served_from_the_tiers(llama_dir, reference, tmp_path, tp):
     """The router's index knows each instance's disk tier holds the evicted document: a short question after it
     is prefilled on the decode instance, which loads the document from its tier (no prefill instance involved);
     a long question goes to the prefill instance, which loads the document from its own tier and computes only
-    the question."""
+    the question. With ``tp`` 2, every instance's ranks each hold half the KV heads: rank 0 gathers and scatters
+    whole blocks for its tiers."""
     cfg = e2e_config(
         llama_dir,
-        prefill={"kv_cache_tokens": 640, "attention_backend": "torch", "token_budget": 128},
-        decode={"kv_cache_tokens": 1280, "attention_backend": "torch",
+        prefill={"tensor_parallel": tp, "kv_cache_tokens": 640, "attention_backend": "torch", "token_budget": 128},
+        decode={"tensor_parallel": tp, "kv_cache_tokens": 1280, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         kv_tiers={"host_memory_mb": 0, "disk_dir": str(tmp_path), "disk_mb": 64},
     )

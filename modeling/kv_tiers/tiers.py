@@ -9,8 +9,9 @@ store (checked), and writes them into the given blocks.
 
 Keys: a block's content hash already covers its tokens, every token before it, the model path, dtype and
 block size (the prefix cache's salt); the disk tier's directory and the store's key prefix add a fingerprint
-of the checkpoint's files and the tensor-parallel layout, so a changed checkpoint at the same path never meets
-old blocks.
+of the checkpoint's files and the tensor-parallel degree, so a changed checkpoint at the same path never meets
+old blocks. The tiers keep whole blocks (every KV head) whatever the degree: a sharded instance's rank 0 gathers
+and scatters them across its ranks (:class:`~modeling.tp_runner.ShardedBlocks`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from modeling.kv_cache import PagedKVCache
+from modeling.kv_cache import KVCacheSpec
 from modeling.instance_config import KVTiersConfig
 from modeling.kv_tiers.disk import DiskTier
 from modeling.kv_tiers.events import DISK, HOST, STORE, TierEvents
@@ -63,10 +65,27 @@ def checkpoint_fingerprint(model_path: str) -> str:
     return h.hexdigest()[:16]
 
 
+class WholeBlocks(Protocol):
+    """Whole KV blocks of an instance's cache, every KV head of the model: the cache itself
+    (:class:`~modeling.kv_cache.PagedKVCache`) where rank 0 holds every head, or
+    :class:`~modeling.tp_runner.ShardedBlocks` on a sharded tensor-parallel instance."""
+
+    spec: KVCacheSpec  # with the model's every KV head
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """[n, L, 2, block_size, H, D] on ``device``."""
+        ...
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None: ...
+
+
 class KVTiers:
     """The host tier, the disk tier and the cluster's store (each may be None) of one instance's cache."""
 
-    def __init__(self, cache: PagedKVCache, host: HostTier | None, disk: DiskTier | None,
+    def __init__(self, cache: WholeBlocks, host: HostTier | None, disk: DiskTier | None,
                  write_queue_blocks: int = 4096, store: StoreTier | None = None):
         spec = cache.spec
         self.cache = cache
@@ -85,11 +104,12 @@ class KVTiers:
             self._writer.start()
 
     @classmethod
-    def build(cls, config: KVTiersConfig, cache: PagedKVCache, salt: bytes, model_path: str, instance_name: str,
+    def build(cls, config: KVTiersConfig, cache: WholeBlocks, salt: bytes, model_path: str, instance_name: str,
               layout: str = "tp1") -> "KVTiers | None":
         """The tiers ``config`` asks for over ``cache`` (None when it asks for none). The disk tier lives in
         ``<disk root>/<namespace>/<instance_name>``, the namespace hashing ``salt``, the checkpoint's files and
-        ``layout`` (which part of the KV heads this cache holds)."""
+        ``layout`` (the tensor-parallel degree that computes the blocks: each degree's float sums round alike
+        only among themselves)."""
         if not config.active:
             return None
         host = HostTier(config.host_memory_mb * MB) if config.host_memory_mb else None
@@ -157,10 +177,7 @@ class KVTiers:
         if not parts:
             return 0
         t0 = time.perf_counter()
-        idx = torch.tensor(list(blocks[:len(parts)]), dtype=torch.long, device=self.cache.kv.device)
-        # [n, L, 2, bs, H, D] -> the cache's [L, 2, blocks, bs, H, D]
-        stacked = torch.stack(parts).movedim(0, 2).to(self.cache.kv.device, non_blocking=True)
-        self.cache.kv.index_copy_(2, idx, stacked)
+        self.cache.write_blocks(list(blocks[:len(parts)]), torch.stack(parts))  # [n, L, 2, bs, H, D]
         share = (time.perf_counter() - t0) / len(parts)
         for stats in per_tier:
             stats.hits += 1
@@ -211,20 +228,18 @@ class KVTiers:
 
     def _copy_out(self, blocks: list[int]) -> list[torch.Tensor]:
         """The blocks' KV on the host, one [L, 2, bs, H, D] tensor each (views of one copy)."""
-        kv = self.cache.kv
-        idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-        gathered = kv.index_select(2, idx).movedim(2, 0)  # [n, L, 2, bs, H, D]
-        if kv.device.type == "cpu":
+        gathered = self.cache.read_blocks(blocks)  # [n, L, 2, bs, H, D]
+        if gathered.device.type == "cpu":
             out = gathered.contiguous()
         else:
-            out = torch.empty(gathered.shape, dtype=kv.dtype, pin_memory=True)
+            out = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             out.copy_(gathered, non_blocking=True)
             self._pending_copy = torch.cuda.Event()
             self._pending_copy.record()
         return list(out.unbind(0))
 
     def _pinned(self, kv: torch.Tensor) -> torch.Tensor:
-        return kv.pin_memory() if self.cache.kv.device.type == "cuda" else kv
+        return kv.pin_memory() if self.cache.device.type == "cuda" else kv
 
     def _wait_for_copies(self) -> None:
         if self._pending_copy is not None:
