@@ -37,6 +37,7 @@ from modeling.heads import rank_peer_id
 from modeling.resume import ResumeRequest
 from modeling.tp import TPShard
 from modeling.tp_group import TPGroup, TPGroupConfig
+from modeling.tp_runner import TPDriverRunner, load_for_rank
 from prefill_worker.worker import PrefillWorker
 from prefill_worker.worker import follower as prefill_follower
 
@@ -168,6 +169,14 @@ def _driver_group(tp: RankSpec | None, instance_id: str, device: str):
 ROLES = ("prefill", "decode")
 
 
+@dataclass(frozen=True)
+class ChangeRole:
+    """Action: once the driver has stopped this rank's loop, become a rank of a ``role`` instance (its channels
+    closed, its cache freed, a follower of the new role built over the same shard and group)."""
+
+    role: str
+
+
 class DisaggregatedActor(_LoopActor):
     """A prefill or a decode instance (``role``): a prefill worker (chunked prefill, first tokens, KV sent to
     decode instances) or a decode worker (KV received, speculative decoding), whichever ``role`` says now.
@@ -177,7 +186,8 @@ class DisaggregatedActor(_LoopActor):
     over the same weights in memory; its disk tier, kept under the instance's name, is found again, and its host
     tier's blocks are kept where the new role's blocks are keyed alike (the pool starts empty). The controller
     then forms the new role's KV channels. ``pools``: each role's pool config. With ``tp``, the instance's rank 0
-    (the other ranks are :class:`RankFollowerActor`); such an instance keeps its role."""
+    (the other ranks are :class:`RankFollowerActor`): the other ranks change role with it (:class:`ChangeRole`),
+    over the same group."""
 
     def __init__(self, model_path: str, config, instance_id: str, threads: int = 1, transfer_config=None,
                  role: str = "prefill", pools: dict | None = None, tp: RankSpec | None = None):
@@ -187,7 +197,6 @@ class DisaggregatedActor(_LoopActor):
         self.instance_id, self.role = instance_id, role
         self.pools = {**(pools or {}), role: config}
         self.transfer_config = transfer_config or TransferConfig()
-        self._sharded = tp is not None and tp.size > 1
         self.worker = self._make_worker(role, model_path, _driver_group(tp, instance_id, config.device))
         self._last_report, self._reported_at = None, 0.0
         self._start_loop(f"{role}-loop-{instance_id}")
@@ -202,8 +211,6 @@ class DisaggregatedActor(_LoopActor):
         cannot take, RuntimeError while its worker still holds work (the router drains it first)."""
         if role not in self.pools:
             raise ValueError(f"role: must be one of {', '.join(self.pools)}, got {role!r}")
-        if self._sharded and role != self.role:
-            raise ValueError(f"{self.instance_id}: a tensor-parallel instance keeps its role")
         with self._gate.call():
             if role == self.role:
                 return
@@ -211,18 +218,25 @@ class DisaggregatedActor(_LoopActor):
                 raise RuntimeError(f"{self.instance_id} still holds work as a {self.role} instance")
             old = self.worker
             loaded = old.loaded
+            runner = old.core.runner
+            group = runner.group if isinstance(runner, TPDriverRunner) else None
+            if group is not None:  # the other ranks switch once the old worker stops their loop
+                runner.call(ChangeRole(role))
             if self.role == "prefill":  # peers see the channels end
                 old.sender.close()
             else:  # the KV and migration channels it receives over, and those it migrates requests over
                 old.receiver.close()
                 old.migrations.close()
             old.close()  # the tiers' queued writes finished and their directory released for the new worker
+            if group is not None:
+                group.barrier()  # every other rank has taken the action in: it switches before serving again
+            runner = None
             tiers, salt = old.core.tiers, old.core.prefix_cache.salt
             host = tiers.host if tiers is not None else None  # host memory: outlives the old KV cache
             self.worker = old = tiers = None  # the old KV cache freed before the new one takes the memory
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self.worker = self._make_worker(role, loaded)
+            self.worker = self._make_worker(role, loaded, group)
             kept = self.worker.core.adopt_host_tier(host, salt)
             self.role = role
             if kept:
@@ -411,39 +425,89 @@ class ColocatedActor(_LoopActor):
 class RankFollowerActor:
     """Rank 1.. of a tensor-parallel instance: runs the driver's steps on its shard, on a background thread
     (``serve``); ``connect`` forms this rank's own KV channels beside it. A broken group (the driver or
-    another rank died, a collective timed out) ends the thread and ``ping`` reports it."""
+    another rank died, a collective timed out) ends the thread and ``ping`` reports it. When its instance changes
+    role (:class:`ChangeRole`, then the driver stops the loop), the rank closes its channels and serves again as
+    a rank of the new role, over the same shard and group; ``pools``: each role's pool config."""
 
     def __init__(self, role: str, model_path: str, config, instance_id: str, threads: int, tp: RankSpec,
-                 transfer_config=None):
+                 transfer_config=None, pools: dict | None = None):
         torch.set_num_threads(threads)
+        self.base_id = instance_id
         self.instance_id = rank_peer_id(instance_id, tp.rank, tp.size)
-        group = tp.form(instance_id, config.device)
-        if role == "prefill":
-            self.follower = prefill_follower(model_path, config, group, instance_id)
-        elif role == "decode":
-            self.follower = decode_follower(model_path, config, group, instance_id, transfer_config)
-        else:
-            self.follower = engine_follower(model_path, config, group)
+        self.pools = {**(pools or {}), role: config}
+        self.transfer_config = transfer_config
+        self.group = tp.form(instance_id, config.device)
+        self.loaded = load_for_rank(model_path, config.dtype, config.device, self.group)
+        self.role = role
+        self.follower = self._make_follower(role)
+        self._next_role: str | None = None
+        self._ready = threading.Event()  # clear while the rank changes role: channels form on the new follower
+        self._ready.set()
         self._crashed: str | None = None
         self._thread = threading.Thread(target=self._serve, name=f"tp-follower-{self.instance_id}", daemon=True)
         self._thread.start()
 
+    def _make_follower(self, role: str):
+        config = self.pools[role]
+        if role == "prefill":
+            follower = prefill_follower(self.loaded, config, self.group, self.base_id)
+        elif role == "decode":
+            follower = decode_follower(self.loaded, config, self.group, self.base_id, self.transfer_config)
+        else:
+            follower = engine_follower(self.loaded, config, self.group)
+        follower.on(ChangeRole, self._change_role)
+        return follower
+
+    def _change_role(self, action: ChangeRole) -> None:
+        if action.role not in self.pools:
+            raise ValueError(f"role: must be one of {', '.join(self.pools)}, got {action.role!r}")
+        self._ready.clear()
+        self._next_role = action.role
+
     def _serve(self) -> None:
         try:
-            self.follower.serve()
+            while True:
+                self.follower.serve()
+                role, self._next_role = self._next_role, None
+                if role is None:
+                    return
+                self.group.barrier()  # with the driver: it builds its new worker once every rank has stopped
+                self._become(role)
         except Exception:  # noqa: BLE001 - the controller learns of it through ping
             self._crashed = traceback.format_exc()
             log.error("tensor-parallel rank stopped:\n%s", self._crashed)
+        finally:
+            self._ready.set()  # a caller waiting to connect sees the crash, not a hang
+
+    def _become(self, role: str) -> None:
+        old = self.follower
+        if self.role == "prefill":
+            old.sender.close()
+        elif self.role == "decode" and self.transfer_config is not None:
+            old.receiver.close()
+            old.migration.close()
+        self.follower = old = None  # the old KV cache freed before the new one takes the memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.follower = self._make_follower(role)
+        self.role = role
+        self._ready.set()
+        log.warning("%s is a rank of a %s instance now", self.instance_id, role)
+
+    def _switched(self):
+        """The follower, once a role change under way has finished."""
+        self._ready.wait()
+        return self.follower
 
     def connect(self, peer_id: str, host: str, port: int, generation: int = 0, peer_tp: int = 1) -> None:
-        self.follower.connect(peer_id, Rendezvous(host, port), generation, peer_tp)
+        self._switched().connect(peer_id, Rendezvous(host, port), generation, peer_tp)
 
     def connect_migration(self, destination: str, host: str, port: int, generation: int,
                           destination_tp: int = 1) -> None:
         """A decode rank's channels to the ranks of ``destination`` it sends its heads to when a request
         migrates there."""
 
-        self.follower.connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
+        self._switched().connect_migration(destination, Rendezvous(host, port), generation, destination_tp)
 
     def ping(self) -> str:
         if self._crashed:

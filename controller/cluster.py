@@ -308,10 +308,14 @@ class Cluster:
         inst.handle = launch.actor_cls.options(**options(inst.name, 0)).remote(
             launch.model, launch.pool, *launch.args(inst.name), tp=specs[0])
         follower_cls = ray_actor_class(RankFollowerActor)
+        # a disaggregated instance's ranks may change role with it: they carry both pools' configs and the KV
+        # transfer's (a decode rank receives its heads)
+        pools, transfer = None, launch.transfer
+        if self.config.mode == "disaggregated":
+            pools, transfer = {"prefill": self.config.prefill, "decode": self.config.decode}, self.config.kv_transfer
         self.followers[inst.name] = [
             follower_cls.options(**options(f"{inst.name}-rank{r}", r)).remote(
-                launch.role, launch.model, launch.pool, inst.name, launch.pool.threads, specs[r],
-                launch.transfer)
+                launch.role, launch.model, launch.pool, inst.name, launch.pool.threads, specs[r], transfer, pools)
             for r in range(1, t)]
 
     def _ranks(self, inst: Instance) -> list:
@@ -347,8 +351,9 @@ class Cluster:
         if self.config.mode != "disaggregated":
             return f"a {self.config.mode} cluster has one pool"
         p, d = self.config.prefill, self.config.decode
-        if p.tensor_parallel > 1 or d.tensor_parallel > 1:
-            return "an instance of several tensor-parallel ranks keeps its role"
+        if p.tensor_parallel != d.tensor_parallel:
+            return (f"prefill instances have {p.tensor_parallel} tensor-parallel ranks and decode instances "
+                    f"{d.tensor_parallel}: an instance changes role only between pools of one shape")
         if pool_bundle(p) != pool_bundle(d):
             return (f"prefill and decode instances hold different resources ({pool_bundle(p)} against "
                     f"{pool_bundle(d)}): an instance changes role only between pools of one shape")

@@ -402,10 +402,11 @@ class DecodeWorker:
         }
 
 
-def follower(model_path: str, config: DecodeWorkerConfig, tp: TPGroup, instance_id: str = "decode-0",
+def follower(model: LoadedModel | str, config: DecodeWorkerConfig, tp: TPGroup, instance_id: str = "decode-0",
              transfer: TransferConfig | None = None) -> TPFollower:
-    """A non-driver rank of a tensor-parallel decode instance: its shard and cache, ready to ``serve()``
+    """A non-driver rank of a tensor-parallel decode instance: its shard (``model``: loaded, or a checkpoint
+    path) and cache, ready to ``serve()``
     (draft passes over the sparse view and verification are forwards like any other); with ``transfer``,
     it receives its own KV heads from the prefill ranks that hold them (:class:`DecodeRankFollower`)."""
-    runner = follower_runner(model_path, config, tp)
+    runner = follower_runner(model, config, tp)
     return TPFollower(runner, tp) if transfer is None else DecodeRankFollower(runner, tp, instance_id, transfer)

@@ -91,11 +91,12 @@ class InstanceCore:
             self.tiers.close()
 
 
-def follower_runner(model_path: str, config: InstanceConfig, tp: TPGroup, num_blocks: int | None = None) -> ModelRunner:
-    """A non-driver rank of a tensor-parallel instance: its shard of the model and a runner over a cache of the
-    driver's blocks for its KV heads (``num_blocks`` as :meth:`InstanceCore.build` takes it; steps run eagerly,
-    as every rank of a sharded model does)."""
-    loaded = load_for_rank(model_path, config.dtype, config.device, tp)
+def follower_runner(model: LoadedModel | str, config: InstanceConfig, tp: TPGroup,
+                    num_blocks: int | None = None) -> ModelRunner:
+    """A non-driver rank of a tensor-parallel instance: its shard of the model (``model``: loaded already, or a
+    checkpoint path loaded here) and a runner over a cache of the driver's blocks for its KV heads (``num_blocks``
+    as :meth:`InstanceCore.build` takes it; steps run eagerly, as every rank of a sharded model does)."""
+    loaded = model if isinstance(model, LoadedModel) else load_for_rank(model, config.dtype, config.device, tp)
     return build_runner(loaded, _num_blocks(config, num_blocks), config.block_size, config.attention_backend, tp)
 
 

@@ -277,7 +277,8 @@ class PrefillWorker:
         return None if params.logprobs is None else token_logprobs(logits, [token], params.logprobs)[0]
 
 
-def follower(model_path: str, config: PrefillWorkerConfig, tp: TPGroup, instance_id: str = "prefill-0") -> TPFollower:
-    """A non-driver rank of a tensor-parallel prefill instance: its shard, its cache and a KV sender for its
-    heads, ready to ``serve()``."""
-    return PrefillRankFollower(follower_runner(model_path, config, tp), tp, instance_id, config)
+def follower(model: LoadedModel | str, config: PrefillWorkerConfig, tp: TPGroup,
+             instance_id: str = "prefill-0") -> TPFollower:
+    """A non-driver rank of a tensor-parallel prefill instance: its shard (``model``: loaded, or a checkpoint
+    path), its cache and a KV sender for its heads, ready to ``serve()``."""
+    return PrefillRankFollower(follower_runner(model, config, tp), tp, instance_id, config)

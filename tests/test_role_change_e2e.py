@@ -2,7 +2,8 @@
 prefill instance becomes a second decode instance while requests stream (it finishes its prompts first), the
 decode instances then prefill every prompt themselves; a decode instance becomes the prefill instance again
 (its running requests move away by live migration mid-stream). Every request ends with the reference engine's
-tokens (none lost, none repeated), and the pools' shapes, the instances' roles and the decisions show it."""
+tokens (none lost, none repeated), and the pools' shapes, the instances' roles and the decisions show it; the same
+with instances of two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ def roles(c) -> dict[str, str]:
     return {i.name: i.role for i in c.status().instances}
 
 
-def test_instances_change_role_while_requests_stream(llama_dir, reference):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_instances_change_role_while_requests_stream(llama_dir, reference, tp):
+    """With ``tp`` 2, every rank of the instance changes role with its rank 0, over the same group."""
     cfg = e2e_config(
         llama_dir,
-        prefill={"kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 128},
-        decode={"kv_cache_tokens": 4096, "attention_backend": "torch",
+        prefill={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 128},
+        decode={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         autoscale={"prefill": {"min_instances": 0, "max_instances": 2}, "decode": {"max_instances": 2}},
     )
@@ -60,3 +63,13 @@ def test_instances_change_role_while_requests_stream(llama_dir, reference):
         with pytest.raises(grpc.RpcError) as err:
             c.scale("decode", 2, switch_from="draft")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "switch_from" in err.value.details()
+
+
+def test_pools_of_different_tensor_parallel_degrees_do_not_exchange_instances(llama_dir):
+    from controller.cluster import Cluster
+
+    same = e2e_config(llama_dir, prefill={"tensor_parallel": 2}, decode={"tensor_parallel": 2})
+    assert Cluster(same).switch_problem() is None
+    mixed = e2e_config(llama_dir, prefill={"tensor_parallel": 2}, decode={"tensor_parallel": 1})
+    problem = Cluster(mixed).switch_problem()
+    assert problem is not None and "tensor-parallel ranks" in problem, problem
