@@ -18,7 +18,11 @@ them, and for magicserve where the prompts were prefilled (``magicserve:load_awa
 
     python benchmarks/load_aware.py --trace PATH/conversation_trace.jsonl
 
-Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``benchmarks/results/load_aware``).
+Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``benchmarks/results/load_aware``). ``--repeats N``
+runs every system N times, round by round (each round runs every system once, so each pair of runs is side by
+side in time); ``--add-runs`` adds this invocation's runs to the record's (more rounds of some systems, say static
+and load-aware, to measure the spread of their ratio). Each system's table row is its median run by goodput; the
+spread of every run is reported beside it.
 """
 
 from __future__ import annotations
@@ -101,9 +105,36 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median goodput (the upper of the middle two when there is an even number)."""
+    return sorted(runs, key=lambda r: r["request_goodput"] or 0.0)[len(runs) // 2]
+
+
+def spread_line(w: dict) -> str | None:
+    """Static and load-aware over several rounds: the goodput ratio of each round and the spread of each figure."""
+    runs = w.get("runs", {})
+    la, st = runs.get("load-aware", []), runs.get("static", [])
+    if max(len(la), len(st)) < 2 or not la or not st:
+        return None
+    ratios = [a["request_goodput"] / b["request_goodput"] for a, b in zip(la, st) if b["request_goodput"]]
+    ratios_text = ", ".join(f"{r:.2f}x" for r in ratios)
+
+    def span(rs, key, scale=1.0, fmt=".3f"):
+        values = [r[key] * scale for r in rs if r[key] is not None]
+        return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+    return (f"Over {len(la)} load-aware and {len(st)} static runs (one of each per round, side by side): goodput "
+            f"ratio per round {ratios_text} (median {sorted(ratios)[len(ratios) // 2]:.2f}x); goodput load-aware "
+            f"{span(la, 'request_goodput')}, static {span(st, 'request_goodput')} req/s; TTFT p99 load-aware "
+            f"{span(la, 'p99_ttft_ms', 1e-3, '.2f')}, static {span(st, 'p99_ttft_ms', 1e-3, '.2f')} s; TPOT p99 "
+            f"load-aware {span(la, 'p99_tpot_ms', 1.0, '.1f')}, static {span(st, 'p99_tpot_ms', 1.0, '.1f')} ms.")
+
+
 def write_md(result: dict, path: str) -> None:
     a = result["args"]
-    lines = ["# Load-aware disaggregation: prefill on idle decode capacity", "", f"Command: `{result['command']}`", "",
+    lines = ["# Load-aware disaggregation: prefill on idle decode capacity", "", f"Command: `{result['command']}`", ""]
+    lines += [f"More runs: `{c}`" for c in result.get("more_commands", [])] + [""] * bool(result.get("more_commands"))
+    lines += [
              f"Machine: {result['machine']}. Every system on the same 2 cores and weights (the bundled model), replayed "
              f"by `vllm bench serve`; goodput counts requests within TTFT {a['ttft_slo_ms']:g} ms and TPOT "
              f"{a['tpot_slo_ms']:g} ms (magicserve's `slo:` section set to them). static and load-aware: 1 prefill + 1 "
@@ -126,6 +157,9 @@ def write_md(result: dict, path: str) -> None:
                           f"TTFT p99 {ratio(la['p99_ttft_ms'], st['p99_ttft_ms'])}, TPOT p99 "
                           f"{ratio(la['p99_tpot_ms'], st['p99_tpot_ms'])}. Load-aware decisions: "
                           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(la.get("placements", {}).items())) + "."]
+        spread = spread_line(w)
+        if spread:
+            lines += ["", spread, "", "Each row above is the system's median run by goodput."]
         lines.append("")
     lines += ["Each system's `vllm bench serve` command is in the JSON.", "",
               f"![load aware]({os.path.basename(path[:-3])}.png)"]
@@ -178,6 +212,9 @@ def main() -> int:
     ap.add_argument("--burst-output", type=int, default=64)
     ap.add_argument("--burst-span-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds: each runs every system once")
+    ap.add_argument("--add-runs", action="store_true",
+                    help="add this invocation's runs to OUT.json's (same workloads' settings) instead of replacing it")
     ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "load_aware"))
     ap.add_argument("--render", action="store_true", help="redraw OUT.png from OUT.json, running nothing")
     args = ap.parse_args()
@@ -194,11 +231,25 @@ def main() -> int:
         ap.error("--trace: required for the trace workload (or --workloads burst)")
     if args.burst_min % args.chunk or args.burst_max % args.chunk or not args.chunk <= args.burst_min <= args.burst_max:
         ap.error(f"--burst-min, --burst-max: multiples of --chunk ({args.chunk}) with min <= max")
+    if args.repeats < 1:
+        ap.error(f"--repeats: must be >= 1, got {args.repeats}")
     os.makedirs(args.scratch, exist_ok=True)
-    result = {"command": "python benchmarks/load_aware.py " + " ".join(
-                  shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
-              "machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
-              "args": {k: v for k, v in vars(args).items() if k not in ("vllm", "scratch")}, "workloads": {}}
+    command = "python benchmarks/load_aware.py " + " ".join(
+        shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:])
+    kept = ("vllm", "scratch", "repeats", "add_runs", "systems", "workloads", "render")
+    settings = {k: v for k, v in vars(args).items() if k not in kept}
+    if args.add_runs:
+        with open(args.out + ".json", encoding="utf-8") as f:
+            result = json.load(f)
+        same = {"out": lambda a, b: True, "model": lambda a, b: os.path.basename(str(a)) == os.path.basename(str(b))}
+        differ = {k: (result["args"].get(k), v) for k, v in settings.items()
+                  if not same.get(k, lambda a, b: a == b)(result["args"].get(k), v)}
+        if differ:
+            ap.error(f"--add-runs: these settings differ from the record's ({args.out}.json): {differ}")
+        result.setdefault("more_commands", []).append(command)
+    else:
+        result = {"command": command, "machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
+                  "args": {k: v for k, v in vars(args).items() if k not in ("vllm", "scratch")}, "workloads": {}}
     for workload in workloads:
         if workload == "trace":
             rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
@@ -214,11 +265,14 @@ def main() -> int:
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         print(description, file=sys.stderr, flush=True)
-        result["workloads"][workload] = {"description": description, "requests": len(rows), "systems": {}}
-        for system in systems:
-            result["workloads"][workload]["systems"][system] = run_system(system, workload, args, path, len(rows),
-                                                                          args.scratch)
-            record(result, args.out, write_md)  # what finished so far survives a later failure
+        w = result["workloads"].setdefault(workload, {"description": description, "requests": len(rows),
+                                                      "systems": {}})
+        runs = w.setdefault("runs", {name: [r] for name, r in w["systems"].items()})
+        for _ in range(args.repeats):
+            for system in systems:
+                runs.setdefault(system, []).append(run_system(system, workload, args, path, len(rows), args.scratch))
+                w["systems"][system] = median_run(runs[system])
+                record(result, args.out, write_md)  # what finished so far survives a later failure
     plot(result, args.out + ".png")
     return 0
 
