@@ -62,9 +62,7 @@ class KVSlots:
         need = self.pool.blocks_for_tokens(num_tokens + lookahead_tokens) - len(seq.block_table.blocks)
         if not self.pool.can_allocate(max(0, need) + fork_blocks):
             if looked_up:  # give the cached prefix back (its blocks stay cached)
-                seq.block_table.release(self.pool)
-                seq.num_computed = 0
-                self.prefix_cache.forget(seq.request_id)
+                self.prefix_cache.give_back(seq)
             return None
         if looked_up:  # fresh blocks out of ``need``, their KV loaded instead of computed or sent
             self.prefix_cache.load_from_tiers(seq)

@@ -42,7 +42,8 @@ class PrefixCacheEvents:
 @dataclass
 class PrefixCacheStats:
     """Prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens);
-    ``tier_hits``: those of the hits loaded from the tiers below the pool."""
+    ``tier_hits``: those of the hits loaded from the tiers below the pool. A sequence's prompt counts once, as its
+    latest lookup found it: a lookup repeated while it waits for room replaces the one before."""
 
     queries: int = 0
     hits: int = 0
@@ -84,12 +85,13 @@ class PrefixCache:
         self._hashed: dict[str, list[int]] = {}  # sequence id -> hashes of its full blocks seen so far
         self._computed_in_full: set[str] = set()  # sequences that must compute every prompt position
         self._looked_up: dict[str, list[int]] = {}  # sequence id -> its prefix's hashes, attached, tiers not asked
+        self._counted: dict[str, PrefixCacheStats] = {}  # sequence id -> what its latest lookup added to ``stats``
         self._publishing = False
 
     @property
     def num_tracked(self) -> int:
         """Sequences with per-sequence state here (0 once every one has ended)."""
-        return len(self._hashed.keys() | self._computed_in_full | self._looked_up.keys())
+        return len(self._hashed.keys() | self._computed_in_full | self._looked_up.keys() | self._counted.keys())
 
     def take_events(self) -> PrefixCacheEvents | None:
         """The cache's changes since the last call (None: none, or caching is off). The first call lists
@@ -128,8 +130,7 @@ class PrefixCache:
         seq.block_table.blocks = list(blocks)
         seq.num_computed = len(blocks) * self.pool.block_size
         self._hashed[seq.request_id] = hashes[: len(blocks)]
-        self.stats.queries += upto + 1
-        self.stats.hits += seq.num_computed
+        self._count(seq.request_id, PrefixCacheStats(upto + 1, seq.num_computed), replace=True)
         if self.tiers is not None:
             self._looked_up[seq.request_id] = hashes
             if load_tiers:
@@ -148,8 +149,33 @@ class PrefixCache:
         seq.block_table.blocks += loaded
         self._hashed[seq.request_id] += hashes[held:held + len(loaded)]
         seq.num_computed += len(loaded) * self.pool.block_size
-        self.stats.hits += len(loaded) * self.pool.block_size
+        self._count(seq.request_id, PrefixCacheStats(0, len(loaded) * self.pool.block_size,
+                                                     len(loaded) * self.pool.block_size))
         return len(loaded) * self.pool.block_size
+
+    def _count(self, seq_id: str, found: PrefixCacheStats, replace: bool = False) -> None:
+        """Add a lookup's tokens to ``stats`` (``replace``: in place of the sequence's previous lookup)."""
+        before = self._counted.get(seq_id)
+        if before is not None and replace:
+            self.stats.queries -= before.queries
+            self.stats.hits -= before.hits
+            self.stats.tier_hits -= before.tier_hits
+            before = None
+        self.stats.queries += found.queries
+        self.stats.hits += found.hits
+        self.stats.tier_hits += found.tier_hits
+        if before is not None:
+            found = PrefixCacheStats(before.queries + found.queries, before.hits + found.hits,
+                                     before.tier_hits + found.tier_hits)
+        self._counted[seq_id] = found
+
+    def give_back(self, seq) -> None:
+        """Undo :meth:`attach` for a sequence that could not get room (it is not held here: it comes back, or goes
+        elsewhere): its cached prefix released (the blocks stay cached), nothing computed, its lookup not counted."""
+        seq.block_table.release(self.pool)
+        seq.num_computed = 0
+        self._count(seq.request_id, PrefixCacheStats(), replace=True)
+        self.forget(seq.request_id)
 
     def _load_from_tiers(self, hashes: list[int], after: int | None) -> list[int]:
         """Fresh blocks holding the leading run of ``hashes`` the tiers hold (as many as the pool has room
@@ -163,7 +189,6 @@ class PrefixCache:
             self.pool.free(blocks[got:])
         for block, block_hash in zip(blocks[:got], hashes[:got]):
             self.pool.cache(block, block_hash)
-        self.stats.tier_hits += got * self.pool.block_size
         return blocks[:got]
 
     def commit(self, seq, num_final: int) -> None:
@@ -188,3 +213,4 @@ class PrefixCache:
         self._hashed.pop(seq_id, None)
         self._computed_in_full.discard(seq_id)
         self._looked_up.pop(seq_id, None)
+        self._counted.pop(seq_id, None)

@@ -289,10 +289,38 @@ def test_a_decode_admission_loads_from_the_tiers_only_once_the_rest_fits():
     seq = _Seq("a", tokens)
     assert slots.allocate_slots(seq, len(tokens), cached_upto=len(tokens) - 1) is None
     assert getattr(tiers, "loads", 0) == 0 and pool.num_free == 5 and slots.prefix_cache.num_tracked == 0
+    assert slots.prefix_cache.stats.queries == 0  # an admission refused for room is not counted
     pool.free(squatter)
     grant = slots.allocate_slots(seq, len(tokens), cached_upto=len(tokens) - 1)
     assert grant is not None and grant.cached_blocks == 4 and tiers.loads == 1 and seq.num_computed == 16
     assert len(grant.blocks) == 7 and pool.num_free == 1
+    # the prompt counted once, as the admission that fitted found it: none cached in the pool, 4 blocks loaded
+    stats = slots.prefix_cache.stats
+    assert (stats.queries, stats.hits, stats.tier_hits) == (len(tokens), 16, 16)
+    slots.prefix_cache.forget(seq.request_id)
+    assert slots.prefix_cache.num_tracked == 0
+
+
+def test_a_prompt_looked_up_again_while_it_waits_for_room_counts_once():
+    """The prefill scheduler looks a waiting prompt up at every step until it fits: the queries and hits count
+    its latest lookup only, as a request's share of cached prompt tokens should."""
+    from modeling.sampling import RequestSampler
+    from modeling.sequence import Sequence
+    from prefill_worker.config import PrefillWorkerConfig
+    from prefill_worker.scheduler import PrefillScheduler
+
+    pool = BlockPool(num_blocks=8, block_size=4)
+    cache = PrefixCache(pool, b"s")
+    scheduler = PrefillScheduler(PrefillWorkerConfig(block_size=4, token_budget=64), pool, cache)
+    squatter = pool.allocate(4)  # 4 free: a 24-token prompt (6 blocks) waits
+    seq = Sequence("a", list(range(2, 26)), RequestSampler(SamplingParams()), frozenset(), BlockTable(4), 1024)
+    scheduler.add(seq)
+    for _ in range(3):
+        assert scheduler.schedule() == []
+    assert (cache.stats.queries, cache.stats.hits) == (24, 0)
+    pool.free(squatter)
+    assert [c.num_tokens for c in scheduler.schedule()] == [24]
+    assert (cache.stats.queries, cache.stats.hits) == (24, 0)
 
 
 @pytest.mark.gpu
