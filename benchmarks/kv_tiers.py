@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -45,6 +44,7 @@ sys.path.insert(0, ROOT)
 from benchmarks._record import record  # noqa: E402
 from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
+from planner.profiler import cpu_model_name  # noqa: E402
 
 SYSTEMS = ("magicserve-tiers", "magicserve-no-tiers", "vllm")
 TRACE_BLOCK = 512  # tokens per hash in Mooncake's traces
@@ -257,7 +257,7 @@ def main() -> int:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     result = {"command": "python benchmarks/kv_tiers.py " + " ".join(
                   shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": {k: v for k, v in vars(args).items()
+              "machine": f"{cpu_model_name()}, {os.cpu_count()} cores", "args": {k: v for k, v in vars(args).items()
                                                                                  if k not in ("vllm", "scratch")},
               "requests": len(rows), "span_s": rows[-1]["timestamp"],
               "mean_prompt": sum(r["input_length"] for r in rows) / len(rows),
