@@ -236,8 +236,8 @@ def main() -> int:
     os.makedirs(args.scratch, exist_ok=True)
     command = "python benchmarks/load_aware.py " + " ".join(
         shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:])
-    kept = ("vllm", "scratch", "repeats", "add_runs", "systems", "workloads", "render")
-    settings = {k: v for k, v in vars(args).items() if k not in kept}
+    per_invocation = ("vllm", "scratch", "repeats", "add_runs", "systems", "workloads", "render")
+    settings = {k: v for k, v in vars(args).items() if k not in per_invocation}
     if args.add_runs:
         with open(args.out + ".json", encoding="utf-8") as f:
             result = json.load(f)

@@ -130,7 +130,8 @@ class PrefixCache:
         seq.block_table.blocks = list(blocks)
         seq.num_computed = len(blocks) * self.pool.block_size
         self._hashed[seq.request_id] = hashes[: len(blocks)]
-        self._count(seq.request_id, PrefixCacheStats(upto + 1, seq.num_computed), replace=True)
+        self._uncount(seq.request_id)  # a lookup repeated while the prompt waits for room replaces the one before
+        self._count(seq.request_id, PrefixCacheStats(upto + 1, seq.num_computed))
         if self.tiers is not None:
             self._looked_up[seq.request_id] = hashes
             if load_tiers:
@@ -153,28 +154,28 @@ class PrefixCache:
                                                      len(loaded) * self.pool.block_size))
         return len(loaded) * self.pool.block_size
 
-    def _count(self, seq_id: str, found: PrefixCacheStats, replace: bool = False) -> None:
-        """Add a lookup's tokens to ``stats`` (``replace``: in place of the sequence's previous lookup)."""
-        before = self._counted.get(seq_id)
-        if before is not None and replace:
-            self.stats.queries -= before.queries
-            self.stats.hits -= before.hits
-            self.stats.tier_hits -= before.tier_hits
-            before = None
-        self.stats.queries += found.queries
-        self.stats.hits += found.hits
-        self.stats.tier_hits += found.tier_hits
-        if before is not None:
-            found = PrefixCacheStats(before.queries + found.queries, before.hits + found.hits,
-                                     before.tier_hits + found.tier_hits)
-        self._counted[seq_id] = found
+    def _count(self, seq_id: str, found: PrefixCacheStats) -> None:
+        """Add what a lookup found to ``stats`` and to the sequence's own count."""
+        mine = self._counted.setdefault(seq_id, PrefixCacheStats())
+        for total in (self.stats, mine):
+            total.queries += found.queries
+            total.hits += found.hits
+            total.tier_hits += found.tier_hits
+
+    def _uncount(self, seq_id: str) -> None:
+        """Take the sequence's lookups back out of ``stats``."""
+        mine = self._counted.pop(seq_id, None)
+        if mine is not None:
+            self.stats.queries -= mine.queries
+            self.stats.hits -= mine.hits
+            self.stats.tier_hits -= mine.tier_hits
 
     def give_back(self, seq) -> None:
         """Undo :meth:`attach` for a sequence that could not get room (it is not held here: it comes back, or goes
         elsewhere): its cached prefix released (the blocks stay cached), nothing computed, its lookup not counted."""
         seq.block_table.release(self.pool)
         seq.num_computed = 0
-        self._count(seq.request_id, PrefixCacheStats(), replace=True)
+        self._uncount(seq.request_id)
         self.forget(seq.request_id)
 
     def _load_from_tiers(self, hashes: list[int], after: int | None) -> list[int]:
