@@ -15,9 +15,11 @@ conversation_trace.jsonl`` in github.com/kvcache-ai/Mooncake; each request lists
 
 The pools are sized so the working set does not fit them (``--prefill-kv`` and ``--decode-kv`` tokens; vLLM
 gets their sum): without tiers a returning turn finds its history evicted. With tiers (host memory and the
-disk tier under a fresh directory) it is loaded back. Per system: the share of prompt tokens found cached (the
-prefill pool's, vLLM's), TTFT p50/p99, TPOT p50 and goodput at ``--ttft-slo-ms`` / ``--tpot-slo-ms`` as
-``vllm bench serve`` reports it; beside them the hit rate of an unbounded cache on the same requests.
+disk tier under a fresh directory) it is loaded back. Per system: the share of prompt tokens found cached
+(``prompt_tokens_cached_total`` over ``prompt_tokens_total``, both servers' counters: magicserve's counts what
+the instance that computed each prompt found, prefill or decode), TTFT p50/p99, TPOT p50 and goodput at
+``--ttft-slo-ms`` / ``--tpot-slo-ms`` as ``vllm bench serve`` reports it; beside them the hit rate of an
+unbounded cache on the same requests, and magicserve's prefill pool's own hit rate.
 
     python benchmarks/kv_tiers.py --trace PATH/conversation_trace.jsonl
 
@@ -127,13 +129,21 @@ def add_trace_args(ap, chunk: int, max_prompt: int, speedup: float, prefill_kv: 
     ap.add_argument("--time-limit-s", type=float, default=1800.0)
 
 
+def _ratio(names: tuple[str, str], before: dict, after: dict) -> float | None:
+    part, whole = (after.get(n, 0.0) - before.get(n, 0.0) for n in names)
+    return part / whole if whole else None
+
+
 def hit_rate(system: str, before: dict, after: dict) -> float | None:
-    if system == "vllm":
-        names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
-    else:
-        names = ("prefill/magicserve:prefix_cache_hits_total", "prefill/magicserve:prefix_cache_queries_total")
-    hits, queries = (after.get(n, 0.0) - before.get(n, 0.0) for n in names)
-    return hits / queries if queries else None
+    """The share of every finished request's prompt tokens found cached rather than computed."""
+    prefix = "vllm:" if system == "vllm" else "magicserve:"
+    return _ratio((prefix + "prompt_tokens_cached_total", prefix + "prompt_tokens_total"), before, after)
+
+
+def prefill_pool_hit_rate(before: dict, after: dict) -> float | None:
+    """magicserve's prefill pool's prefix-cache hits over its lookups (the prompts prefill instances computed)."""
+    return _ratio(("prefill/magicserve:prefix_cache_hits_total", "prefill/magicserve:prefix_cache_queries_total"),
+                  before, after)
 
 
 def server_for(system: str, args, workdir: str):
@@ -180,6 +190,7 @@ def run_system(system: str, args, trace_path: str, n: int, workdir: str) -> dict
         after = scrape(url)
     out["hit_rate"] = hit_rate(system, before, after)
     if system.startswith("magicserve"):
+        out["prefill_pool_hit_rate"] = prefill_pool_hit_rate(before, after)
         out["tier_hit_tokens"] = after.get("magicserve:prefix_cache_tier_hits_total", 0.0) - \
             before.get("magicserve:prefix_cache_tier_hits_total", 0.0)
     print(f"[{system}] {json.dumps({k: v for k, v in out.items() if k != 'command'})}", file=sys.stderr, flush=True)
@@ -196,11 +207,17 @@ def write_md(result: dict, path: str) -> None:
              f"(vLLM: their sum); the working set of the replay is {result['unique_tokens']} distinct prompt tokens. "
              f"SLOs for goodput: TTFT {a['ttft_slo_ms']:g} ms, TPOT {a['tpot_slo_ms']:g} ms.", "",
              f"An unbounded cache finds {result['unbounded_hit_rate']:.1%} of the prompt tokens.", "",
-             "| system | prompt tokens found cached | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | goodput (req/s) "
-             "| completed / failed |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| system | prompt tokens found cached | of the unbounded cache's | prefill pool's hit rate | TTFT p50 (s) "
+             "| TTFT p99 (s) | TPOT p50 (ms) | goodput (req/s) | completed / failed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
     for name, r in result["systems"].items():
-        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
-        lines.append(f"| {name} | {hit} | {r['median_ttft_ms'] / 1000:.2f} | {r['p99_ttft_ms'] / 1000:.2f} | "
+        of_unbounded = "-" if r["hit_rate"] is None else f"{r['hit_rate'] / result['unbounded_hit_rate']:.2f}"
+        lines.append(f"| {name} | {share(r['hit_rate'])} | {of_unbounded} | {share(r.get('prefill_pool_hit_rate'))} | "
+                     f"{r['median_ttft_ms'] / 1000:.2f} | {r['p99_ttft_ms'] / 1000:.2f} | "
                      f"{r['median_tpot_ms']:.1f} | {r['request_goodput']:.3f} | {r['completed']} / {r['failed']} |")
     s = result["systems"]
     if "magicserve-tiers" in s and "magicserve-no-tiers" in s:
@@ -208,8 +225,10 @@ def write_md(result: dict, path: str) -> None:
         lines += ["", f"With tiers / without: goodput {t['request_goodput'] / max(n['request_goodput'], 1e-9):.2f}x, "
                       f"TTFT p50 {t['median_ttft_ms'] / n['median_ttft_ms']:.2f}x; the tiers supplied "
                       f"{t['tier_hit_tokens']:.0f} prompt tokens."]
-    lines += ["", "The prefill pool's hit rate counts the prompts prefill instances computed (a turn prefilled on its "
-              "decode instance from the KV it kept is not among them); vLLM's, every prompt.", "",
+    lines += ["", "Prompt tokens found cached: each server's `prompt_tokens_cached_total` over `prompt_tokens_total`, "
+              "over every finished request (magicserve's counts what the instance that computed the prompt found "
+              "in its pool or its tiers, a prefill instance or, for a turn prefilled where it decodes, a decode "
+              "instance). The prefill pool's hit rate counts only the prompts prefill instances computed.", "",
               "Each system's `vllm bench serve` command is in the JSON.", "", f"![kv tiers]({os.path.basename(path[:-3])}.png)"]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")

@@ -409,16 +409,18 @@ class ColocatedActor(_LoopActor):
         deltas = []
         for out in self.engine.step():
             state = b"" if out.finished else self.engine.sampler_state(out.request_id)  # what a resume continues from
+            rid, index = split_sequence_id(out.request_id)
+            # the request's first delta says what was found of its prompt (asked before a release forgets it)
+            cached = self.engine.prefix_cache.found(out.request_id) if index == 0 and out.position == 0 else None
             if out.finished:
                 self.engine.release(out.request_id)
             self._tokens_generated += len(out.new_token_ids)
             reason = out.finish_reason.value if out.finish_reason is not None else None
-            rid, index = split_sequence_id(out.request_id)
             deltas.append(TokenDelta(rid, out.new_token_ids, out.new_text, out.finished, reason,
                                      logprobs=tuple(out.logprobs or ()),
                                      prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
                                      index=index, position=out.position, text_offset=out.text_offset,
-                                     sampler_state=state))
+                                     sampler_state=state, cached=cached))
         return _with_cache_events(deltas, self.engine)
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from modeling.prefix_cache import CachedPrompt
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets (vllm/v1/metrics/buckets.py), so histograms compare bucket for bucket
@@ -115,6 +117,7 @@ class FinishedRequest:
     ttft_s: float
     mean_tpot_s: float
     e2e_s: float
+    cached: CachedPrompt = CachedPrompt()
 
 
 class _InstanceCollector:
@@ -211,6 +214,14 @@ class ServingMetrics:
                                m + ["code"], registry=reg)
         self._prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", m,
                                       registry=reg).labels(model_name)
+        cached = Counter(PREFIX + "prompt_tokens_cached", "Prompt tokens found cached rather than computed, in the "
+                         "KV pool of the instance that computed the prompt or in the tiers below it.", m,
+                         registry=reg)
+        self._prompt_tokens_cached = cached.labels(model_name)
+        by_source = Counter(PREFIX + "prompt_tokens_cached_by_source", "Prompt tokens found cached, by where: the "
+                            "instance's KV pool (pool) or the tiers below it (tiers: host memory, disk, the "
+                            "cluster's store).", m + ["source"], registry=reg)
+        self._cached_by_source = {source: by_source.labels(model_name, source) for source in ("pool", "tiers")}
         self._generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.", m,
                                           registry=reg).labels(model_name)
         self._running = Gauge(PREFIX + "num_requests_running", "Requests admitted: prefilling, transferring or decoding.",
@@ -258,6 +269,9 @@ class ServingMetrics:
         if req.completion_tokens > 1:
             self._tpot.observe(req.mean_tpot_s)
         self._prompt_tokens.inc(req.prompt_tokens)
+        self._prompt_tokens_cached.inc(req.cached.tokens)
+        self._cached_by_source["pool"].inc(req.cached.tokens - req.cached.from_tiers)
+        self._cached_by_source["tiers"].inc(req.cached.from_tiers)
         self._generation_tokens.inc(req.completion_tokens)
 
     def failed(self, code: str) -> None:

@@ -21,6 +21,7 @@ from controller.request_state import RequestRecord, RequestState
 from controller.routing import Delta, Final, Instance
 from decode_worker.messages import TokenDelta
 from modeling.params import SamplingParams
+from modeling.prefix_cache import CachedPrompt
 from modeling.resume import ResumedSequence, ResumeRequest
 from prefill_worker.messages import FirstToken
 
@@ -101,6 +102,7 @@ class RequestRun:
     resumes: int = 0  # times it continued on another decode instance after its own died
     avoid: set = field(default_factory=set)
     prefill_tokens: int = 0  # prompt tokens its prefill instance computes (the prompt less what it holds cached)
+    cached: CachedPrompt | None = None  # what the instance that computed its prompt found of it instead
 
     @property
     def request_id(self) -> str:
@@ -228,6 +230,7 @@ class RequestRun:
         """A decode instance reported ``delta``: the request decodes (its transfer, if any, is complete), and a
         seeded sequence's generator state is kept (a resume elsewhere continues the same random stream)."""
         self._decoding(kv_transfer)
+        self._found(delta.cached)
         if delta.sampler_state:
             self.sampler_states[delta.index] = delta.sampler_state
 
@@ -247,12 +250,19 @@ class RequestRun:
         """The first token of each sequence as the prefill instance sampled it, with its text, as output pieces
         at position 0 (the decode instance continues after them)."""
         rid = self.request_id
+        self._found(first.cached)
         pieces = [TokenDelta(rid, [first.token_id], first.text, False,
                              logprobs=() if first.logprob is None else (first.logprob,),
                              prompt_logprobs=first.prompt_logprobs)]
         pieces += [TokenDelta(rid, [token], text, False, logprobs=() if lp is None else (lp,), index=index)
                    for index, token, lp, text in first.forks]
         return pieces
+
+    def _found(self, cached: CachedPrompt | None) -> None:
+        """The first instance to compute the prompt says what it found of it (a resume's recomputation or a
+        retry does not change it)."""
+        if self.cached is None and cached is not None:
+            self.cached = cached
 
     def emit(self, piece: TokenDelta) -> tuple[Delta | None, StreamTimes]:
         """The client's delta for an output piece cut to what was not streamed yet (None: nothing to send), and
@@ -287,6 +297,7 @@ class RequestRun:
         carries the prompt's log-probabilities."""
         if self.prefill is not None:
             self.handed_off(self.prefill)
+        self._found(first.cached)
         self.first_token_at = self.last_token_at = time.perf_counter()
         return Delta([], "", prompt_logprobs=first.prompt_logprobs)
 
@@ -294,7 +305,8 @@ class RequestRun:
         n = self.tokens_streamed
         tpot = (self.last_token_at - self.first_token_at) / (n - 1) if n > 1 else 0.0
         return Final(reason or "stop", len(self.prompt_ids), n, self.first_token_at - self.arrival, tpot,
-                     self.draft_tokens, self.accepted_tokens, frozenset(self.finished_sequences))
+                     self.draft_tokens, self.accepted_tokens, frozenset(self.finished_sequences),
+                     self.cached or CachedPrompt())
 
     def end(self, state: RequestState, reason: str = "") -> None:
         if not self.record.state.terminal:

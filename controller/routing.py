@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modeling.prefix_cache import CachedPrompt
+
 
 class RouterError(Exception):
     """A request the router cannot serve; ``code`` is a gRPC status name."""
@@ -60,3 +62,4 @@ class Final:
     draft_tokens: int
     accepted_tokens: int
     finished_choices: frozenset = frozenset()  # sequences whose Delta carried their finish reason
+    cached: CachedPrompt = CachedPrompt()  # what was found of the prompt rather than computed

@@ -101,5 +101,6 @@ class Streaming:
             ctx.load_window.generated(run.request_id, final.completion_tokens, True, final.ttft_s, final.mean_tpot_s)
         if ctx.metrics is not None:
             ctx.metrics.finished(FinishedRequest(final.finish_reason, final.prompt_tokens, final.completion_tokens,
-                                                 final.ttft_s, final.mean_tpot_s, time.perf_counter() - run.arrival))
+                                                 final.ttft_s, final.mean_tpot_s, time.perf_counter() - run.arrival,
+                                                 final.cached))
         return final

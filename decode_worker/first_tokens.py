@@ -4,6 +4,7 @@ forked from it through the admission door (``Fork``), each from its own first to
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -57,14 +58,16 @@ class FirstTokens:
 
     def after_prefill(self, held: HeldRequest, logits: torch.Tensor) -> list[TokenDelta]:
         """The prompt was computed here: every sequence samples its first token from the last position's
-        logits [1, V] (sequence i with its own generator) and starts."""
+        logits [1, V] (sequence i with its own generator) and starts; the first delta says what was found of
+        the prompt rather than computed."""
         seq = held.seq
         forks = []
         for i in range(1, seq.sampler.params.num_sequences):
             sampler = seq.sampler.for_sequence(i)
             forks.append((i, sampler.choose(logits[0], seq.tokens), sampler))
         token = seq.sampler.choose(logits[0], seq.tokens)
-        return self._start_all(held, token, forks, logits[:1])
+        first, *rest = self._start_all(held, token, forks, logits[:1])
+        return [dataclasses.replace(first, cached=self.prefix_cache.found(seq.request_id)), *rest]
 
     def _start_all(self, held: HeldRequest, token: int, forks: list[tuple[int, int, RequestSampler]],
                    logits: torch.Tensor | None = None, sent: tuple[int, ...] | None = None,

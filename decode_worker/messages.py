@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
+from modeling.prefix_cache import CachedPrompt
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class TokenDelta:
     index: int = 0  # the request's sequence these tokens belong to (n > 1; ``request_id`` is the request's)
     position: int = 0
     text_offset: int = 0
+    # the first delta of a request whose prompt this instance computed: what it found of the prompt instead
+    cached: CachedPrompt | None = None
 
 
 @dataclass(frozen=True)

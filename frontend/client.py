@@ -104,7 +104,7 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, temperature: fl
 def usage_dict(u: pb.Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "ttft_ms": u.ttft_ms,
             "mean_tpot_ms": u.mean_tpot_ms, "draft_tokens": u.draft_tokens,
-            "accepted_draft_tokens": u.accepted_draft_tokens}
+            "accepted_draft_tokens": u.accepted_draft_tokens, "cached_prompt_tokens": u.cached_prompt_tokens}
 
 
 def logprobs_of(entries) -> list[dict]:

@@ -124,7 +124,8 @@ class OpenAIServer:
             return Response(status_code=499)
         if req.params.num_sequences > req.n:
             choices = best_choices(choices, req.n)
-        body = out.response(choices, final.prompt_tokens, final.completion_tokens, prompt_logprobs)
+        body = out.response(choices, final.prompt_tokens, final.completion_tokens, prompt_logprobs,
+                            final.cached.tokens)
         return JSONResponse(body, headers={"X-Request-Id": rid})
 
     async def _sse(self, req: ParsedRequest, out: ResponseBuilder, first, items):
@@ -161,7 +162,7 @@ class OpenAIServer:
                                                            prompt_logprobs, completion_tokens):
                                 yield _event(chunk)
                     if req.include_usage:
-                        yield _event(out.usage_chunk(item.prompt_tokens, item.completion_tokens))
+                        yield _event(out.usage_chunk(item.prompt_tokens, item.completion_tokens, item.cached.tokens))
                     break
                 item = await items.__anext__()
         except RouterError as err:

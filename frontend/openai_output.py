@@ -32,9 +32,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with ``cached_tokens`` (the prompt tokens found cached rather than computed), its
+    ``prompt_tokens_details`` too."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def model_list(model_name: str, created: int, max_model_len: int) -> dict:
@@ -96,7 +101,7 @@ class ResponseBuilder:
     # -- whole responses --------------------------------------------------------------------------
 
     def response(self, choices: list[ChoiceResult], prompt_tokens: int, completion_tokens: int,
-                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict:
+                 prompt_logprobs: list[TokenLogprob | None] | None = None, cached_tokens: int | None = None) -> dict:
         """The whole (non-streamed) response object."""
         req = self.req
         out_choices = []
@@ -118,7 +123,7 @@ class ResponseBuilder:
                 choice["token_ids"] = list(c.token_ids)
             out_choices.append(choice)
         body = {"id": self.rid, "object": self._object, "created": self.created, "model": req.model,
-                "choices": out_choices, "usage": usage(prompt_tokens, completion_tokens)}
+                "choices": out_choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
         if req.kind == "chat" and req.return_prompt_logprobs:
             body["prompt_logprobs"] = self.prompt_logprobs(prompt_logprobs)
         return body
@@ -185,11 +190,11 @@ class ResponseBuilder:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
         obj = "text_completion" if self.req.kind == "completion" else "chat.completion.chunk"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model, "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     # -- log-probabilities ------------------------------------------------------------------------
 

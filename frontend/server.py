@@ -335,7 +335,8 @@ def _usage(final: Final | None) -> pb.Usage:
         return pb.Usage()
     return pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
                     ttft_ms=final.ttft_s * 1e3, mean_tpot_ms=final.mean_tpot_s * 1e3,
-                    draft_tokens=final.draft_tokens, accepted_draft_tokens=final.accepted_tokens)
+                    draft_tokens=final.draft_tokens, accepted_draft_tokens=final.accepted_tokens,
+                    cached_prompt_tokens=final.cached.tokens)
 
 
 def _logprobs(logprobs) -> list[pb.TokenLogprob]:

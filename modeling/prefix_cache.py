@@ -50,6 +50,16 @@ class PrefixCacheStats:
     tier_hits: int = 0
 
 
+@dataclass(frozen=True)
+class CachedPrompt:
+    """What an instance found of one prompt rather than computing it (OpenAI's ``usage.prompt_tokens_details
+    .cached_tokens``): ``tokens`` from its KV pool or the tiers below it, ``from_tiers`` those loaded from the
+    tiers."""
+
+    tokens: int = 0
+    from_tiers: int = 0
+
+
 class LowerTiers(Protocol):
     """Where full blocks' KV goes below the pool (``modeling/kv_tiers/tiers.py`` ``KVTiers``)."""
 
@@ -169,6 +179,12 @@ class PrefixCache:
             self.stats.queries -= mine.queries
             self.stats.hits -= mine.hits
             self.stats.tier_hits -= mine.tier_hits
+
+    def found(self, seq_id: str) -> CachedPrompt:
+        """What the sequence's counted lookup found of its prompt (nothing for a sequence not looked up, or with
+        caching off)."""
+        mine = self._counted.get(seq_id)
+        return CachedPrompt() if mine is None else CachedPrompt(mine.hits, mine.tier_hits)
 
     def give_back(self, seq) -> None:
         """Undo :meth:`attach` for a sequence that could not get room (it is not held here: it comes back, or goes

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from modeling.logprobs import TokenLogprob
 from modeling.params import SamplingParams
+from modeling.prefix_cache import CachedPrompt
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class FirstToken:
     # n > 1: the first tokens of sequences 1 .. n-1, (index, token id, log-probability or None, text)
     forks: tuple[tuple[int, int, TokenLogprob | None, str], ...] = ()
     text: str = ""  # the first token's text (stop strings and held-back characters as the decode side cuts them)
+    cached: CachedPrompt = CachedPrompt()  # what this instance found of the prompt rather than computing it
 
 
 @dataclass(frozen=True)

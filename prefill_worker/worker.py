@@ -234,7 +234,8 @@ class PrefillWorker:
             prompt_logprobs = None if req.prompt_scorer is None else tuple(req.prompt_scorer.logprobs)
             if params.max_tokens == 0:  # the prompt alone was asked for (no destination: nothing to hand off)
                 firsts.append(FirstToken(seq.request_id, None, now - req.arrival, seq.num_prompt,
-                                         prompt_logprobs=prompt_logprobs))
+                                         prompt_logprobs=prompt_logprobs,
+                                         cached=self.prefix_cache.found(seq.request_id)))
                 self.scheduler.hand_off(seq)
                 self.scheduler.release(seq.request_id)
                 del self._requests[seq.request_id]
@@ -248,7 +249,8 @@ class PrefillWorker:
             firsts.append(FirstToken(seq.request_id, token, now - req.arrival, seq.num_prompt,
                                      self._logprob(params, last, token), prompt_logprobs,
                                      tuple((f.index, f.token, self._logprob(params, last, f.token), text)
-                                           for f, text in zip(forks, texts[1:])), texts[0]))
+                                           for f, text in zip(forks, texts[1:])), texts[0],
+                                     self.prefix_cache.found(seq.request_id)))
             self.scheduler.hand_off(seq)
             if req.request.destination is not None:  # the first token ends the transfer: decode continues from it
                 state = seq.sampler.generator.get_state().numpy().tobytes()

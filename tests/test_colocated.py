@@ -133,7 +133,7 @@ def test_instances_hand_over_their_mixed_passes(server):
 def test_a_repeated_prompt_goes_to_the_instance_that_holds_it_cached(server, reference):
     """The colocated router places by cached prefix: the second and third time, the prompt goes to the instance
     the first run left it on (even with the other one idle), starts from its cached blocks, and the tokens are
-    the reference's."""
+    the reference's; each request's usage says what was found of its prompt."""
     prompt = prompts_of([90], seed=11)[0]
     want = reference.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
 
@@ -142,11 +142,13 @@ def test_a_repeated_prompt_goes_to_the_instance_that_holds_it_cached(server, ref
             return {i.name: (i.prefix_cache_queries, i.prefix_cache_hits) for i in c.status().instances}
 
     before = counters()
-    assert stream_ids(server, prompt, max_tokens=10, ignore_eos=True)[0] == want
+    ids, final = stream_ids(server, prompt, max_tokens=10, ignore_eos=True)
+    assert ids == want and final.usage["cached_prompt_tokens"] == 0
     first = counters()
     holder = next(n for n in first if first[n][0] != before[n][0])
     for _ in range(2):
-        assert stream_ids(server, prompt, max_tokens=10, ignore_eos=True)[0] == want
+        ids, final = stream_ids(server, prompt, max_tokens=10, ignore_eos=True)
+        assert ids == want and final.usage["cached_prompt_tokens"] == 80
     after = counters()
     assert after[holder][1] - first[holder][1] == 2 * 80  # 5 of its 6 blocks, both times
     assert all(after[n] == first[n] for n in after if n != holder)

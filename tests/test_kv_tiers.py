@@ -323,6 +323,29 @@ def test_a_prompt_looked_up_again_while_it_waits_for_room_counts_once():
     assert (cache.stats.queries, cache.stats.hits) == (24, 0)
 
 
+def test_what_a_prompt_found_is_its_latest_counted_lookup():
+    """``found`` is what a request's usage reports as cached prompt tokens: its counted lookup, nothing once that
+    lookup is given back, nothing for a sequence never looked up."""
+    from modeling.prefix_cache import CachedPrompt
+    from modeling.sampling import RequestSampler
+    from modeling.sequence import Sequence
+
+    pool = BlockPool(num_blocks=8, block_size=4)
+    cache = PrefixCache(pool, b"s")
+
+    def seq(rid, n):
+        return Sequence(rid, list(range(2, 2 + n)), RequestSampler(SamplingParams()), frozenset(), BlockTable(4), 1024)
+
+    first = seq("a", 12)
+    assert cache.attach(first) == 0 and cache.found("a") == CachedPrompt(0, 0)
+    first.block_table.blocks = pool.allocate(3)
+    cache.commit(first, 12)
+    again = seq("b", 14)  # the first 12 tokens again: 3 full blocks found
+    assert cache.attach(again) == 12 and cache.found("b") == CachedPrompt(12, 0)
+    cache.give_back(again)
+    assert cache.found("b") == CachedPrompt() and cache.found("never") == CachedPrompt()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("host_mb,disk_mb", [(16, 0), (0, 16)], ids=["host", "disk"])
 def test_on_cuda_a_document_evicted_from_the_pool_is_loaded_from_a_tier(llama_dir, tmp_path, host_mb, disk_mb):

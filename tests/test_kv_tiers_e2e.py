@@ -42,14 +42,14 @@ def test_a_document_evicted_from_every_pool_is_served_from_the_tiers(llama_dir, 
     greedy = dict(max_tokens=16, ignore_eos=True)
     doc_tokens = len(doc) // BLOCK * BLOCK
     with running_server(cfg) as address:
-        first, _ = stream_ids(address, doc + q1, **greedy)
+        first, first_final = stream_ids(address, doc + q1, **greedy)
         for other in others:  # 1500 prompt tokens through pools of 640 and 1280: the document is evicted from both
             stream_ids(address, other, **greedy)
         before = _instances(address)
         assert all(i.kv_tiers and i.kv_tiers[0].tier == "disk" for i in before.values())
-        second, _ = stream_ids(address, doc + q2, **greedy)
+        second, second_final = stream_ids(address, doc + q2, **greedy)
         between = _instances(address)
-        third, _ = stream_ids(address, doc + q3, **greedy)
+        third, third_final = stream_ids(address, doc + q3, **greedy)
         after = _instances(address)
     expected = reference.generate([doc + q1, doc + q2, doc + q3], SamplingParams(**greedy))
     assert [first, second, third] == [c.token_ids for c in expected]
@@ -70,6 +70,10 @@ def test_a_document_evicted_from_every_pool_is_served_from_the_tiers(llama_dir, 
     assert grew(between, after, "prefix_cache_tier_hits") == {"prefill-0": doc_tokens, "decode-0": 0}
     assert grew(between, after, "prefix_cache_hits")["prefill-0"] == doc_tokens
     assert all(t.corrupt == 0 and t.bytes <= t.capacity_bytes for i in after.values() for t in i.kv_tiers)
+    # each request's usage: what the instance that computed its prompt found of it (the decode instance for the
+    # short question, the prefill instance for the long one)
+    assert [f.usage["cached_prompt_tokens"] for f in (first_final, second_final, third_final)] == [0, doc_tokens,
+                                                                                               doc_tokens]
 
 
 needs_store = pytest.mark.skipif(client_problem() is not None, reason=f"Mooncake Store: {client_problem()}")

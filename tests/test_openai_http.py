@@ -612,7 +612,9 @@ def test_a_client_that_leaves_before_the_response_cancels_its_request(http):
 def test_a_repeated_prompt_is_prefilled_from_the_prefix_cache(client, http):
     """The second time, the prompt's full blocks are cached on the decode instance that served the first (its
     prompt and output stay there): the router has that instance prefill the rest itself, with no prefill
-    instance involved (seen in the metrics), and the greedy output is the same."""
+    instance involved (seen in the metrics), and the greedy output is the same. The response's usage says how
+    many prompt tokens were found cached (``prompt_tokens_details.cached_tokens``, as the OpenAI client reads
+    it), and so do the cluster's counters."""
     prompt = "".join(f"def add_{i}(x):\n    return x + {i}\n\n\n" for i in range(6))
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     num_prompt = first.usage.prompt_tokens
@@ -625,8 +627,14 @@ def test_a_repeated_prompt_is_prefilled_from_the_prefix_cache(client, http):
         return sample(after, name, **labels) - sample(before, name, **labels)
 
     # every full block but the one holding the last prompt token
-    assert grew("magicserve:prefix_cache_hits_total", instance="decode-0") == (num_prompt - 1) // 16 * 16
+    cached = (num_prompt - 1) // 16 * 16
+    assert grew("magicserve:prefix_cache_hits_total", instance="decode-0") == cached
     assert grew("magicserve:prefix_cache_queries_total", instance="prefill-0") == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == cached
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    assert grew("magicserve:prompt_tokens_cached_total") == cached
+    assert grew("magicserve:prompt_tokens_cached_by_source_total", source="pool") == cached
+    assert grew("magicserve:prompt_tokens_cached_by_source_total", source="tiers") == 0
     assert grew("magicserve:decode_local_prefills_total") == 1
     assert sample(after, "magicserve:kv_cache_blocks_cached", instance="decode-0") >= (num_prompt - 1) // 16
     assert again.choices[0].text == first.choices[0].text
@@ -652,6 +660,8 @@ def test_metrics_parse_and_count_what_was_served(client, http):
                        ("magicserve:e2e_request_latency_seconds", "histogram"),
                        ("magicserve:request_success", "counter"), ("magicserve:request_errors", "counter"),
                        ("magicserve:prompt_tokens", "counter"), ("magicserve:generation_tokens", "counter"),
+                       ("magicserve:prompt_tokens_cached", "counter"),
+                       ("magicserve:prompt_tokens_cached_by_source", "counter"),
                        ("magicserve:num_requests_running", "gauge"), ("magicserve:num_requests_waiting", "gauge"),
                        ("magicserve:kv_cache_blocks_used", "gauge"), ("magicserve:kv_cache_blocks_total", "gauge"),
                        ("magicserve:prefill_queue_length", "gauge"), ("magicserve:decode_queue_length", "gauge"),
