@@ -159,7 +159,8 @@ def server_for(system: str, args, workdir: str):
 
 
 def bench(args, url: str, trace_path: str, n: int, name: str, workdir: str) -> dict:
-    """``vllm bench serve`` over the trace against ``url``; its saved result and the command."""
+    """``vllm bench serve`` over the trace against ``url``; its saved result (each request's latencies too, in the
+    scratch copy) and the command."""
     cmd = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", os.path.abspath(args.model), "--tokenizer", os.path.abspath(args.model),
            "--served-model-name", os.path.basename(os.path.abspath(args.model)),
@@ -167,7 +168,7 @@ def bench(args, url: str, trace_path: str, n: int, name: str, workdir: str) -> d
            "--timed-trace-chunk-hash-size", str(args.chunk), "--num-prompts", str(n), "--ignore-eos",
            "--temperature", "0", "--seed", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--goodput", f"ttft:{args.ttft_slo_ms:g}", f"tpot:{args.tpot_slo_ms:g}",
-           "--save-result", "--result-dir", workdir, "--result-filename", f"{name}.json"]
+           "--save-result", "--save-detailed", "--result-dir", workdir, "--result-filename", f"{name}.json"]
     with open(os.path.join(workdir, f"{name}.bench.log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE},
                               timeout=args.time_limit_s)
