@@ -8,12 +8,16 @@ sequences can afford:
     n* = the largest n <= chunk with  fused_s(n) <= limit_s - decode_s,   limit_s = paced_s (else tpot_slo_s)
 
 ``decode_s`` is a moving average of what the decoding sequences wait between two steps beyond the chunk's
-share (the decode pass and the loop's own work). ``fused_s`` is what the chunk adds to that pass: a linear cost
-model fitted on this instance's measured prefill passes (seeded by the start-up profile) without its per-pass
-term, times a moving correction of its recent error, measured as the fused pass's time beyond what the
-decode pass alone is predicted to take. The fit is trusted only near what it saw: a chunk is at most twice the
-largest one measured, starting from ``PROBE_TOKENS``. With no sequence decoding, or no SLO, a step computes the
-whole chunk in a pass of its own (nobody's TPOT is at stake). With no slack, or none known yet (no decode pass
+share (the decode pass and the loop's own work). ``fused_s`` is what the chunk adds to that pass: a linear
+cost model fitted on this instance's measured prefill passes (seeded by the start-up profile) without its
+per-pass term, times a correction of its recent error, measured as the fused pass's time beyond what the
+decode pass alone is predicted to take: the ``FUSED_RATIO_QUANTILE`` quantile of the last
+``FUSED_RATIO_WINDOW`` ratios of measured over predicted, so that a step overruns its bound about once in ten
+rather than every other time (on a shared host the error swings from step to step, and a step that overruns
+costs the TPOT of every sequence in it). A step of several chunks is sized chunk by chunk, each at its own
+depth into its prompt. The fit is trusted only near what it saw: a chunk is at most twice the largest one
+measured, starting from ``PROBE_TOKENS``. With no sequence decoding, or no SLO, a step computes the whole
+chunk in a pass of its own (nobody's TPOT is at stake). With no slack, or none known yet (no decode pass
 measured), it computes nothing: the queued prompts wait, a decoding request's TPOT is never spent on them.
 
 A request's TPOT, as clients measure it, is its mean gap after its first token, the first gap included (the KV
@@ -23,6 +27,12 @@ it, and a sequence whose speculative steps give it several tokens each affords a
 assumes one token a step until it has taken ``MIN_PACE_STEPS`` steps here (so without a pace, the bound is
 ``tpot_slo_s`` itself); the rule corrects itself from the tokens it actually got, as a run of rejected drafts
 shows in its pace at once.
+
+A request whose KV is arriving (its prefill instance has begun sending it) joins the batch at the next step
+boundary, its first token already streamed: its first gap is the rest of the step under way and its own first
+step. It has no tokens banked, so a long step spent on the credit of sequences ahead of their pace would cost it
+its SLO, most of all with few tokens to come (``arrival_limit_s``): while such a request arrives, steps are held
+to what its TPOT affords too.
 
 The rate the router predicts a local prefill's wait with (``tokens_per_s``) is sampled over the steps of the
 last ``RATE_WINDOW_S`` beside decoding sequences: what a step computed while prompts were queued, what it
@@ -42,6 +52,9 @@ from decode_worker.policy import LinearCostModel, PassShape
 PROBE_TOKENS = 64  # the first chunk measured beside decoding sequences, with nothing measured yet
 SMOOTHING = 0.3  # weight of the newest step in the moving averages
 MAX_CORRECTION = 4.0  # the correction of the prefill cost model stays within [1/4, 4]
+FUSED_RATIO_WINDOW = 32  # the fused chunks' correction: over this many recent ratios of measured to predicted ...
+FUSED_RATIO_QUANTILE = 0.9  # ... this quantile of them ...
+MIN_FUSED_RATIOS = 4  # ... once there are this many (a moving average until then)
 RATE_WINDOW_S = 5.0  # the local-prefill rate reported is sampled over the steps of this many seconds ...
 MIN_RATE_STEPS = 4  # ... once there are this many
 PACE_HORIZON_TOKENS = 32  # a sequence's time per output token is held to the target over this many tokens ahead
@@ -97,6 +110,24 @@ def pace_limit_s(paces: Iterable[Pace], target_s: float, decode_s: float) -> flo
     return limit
 
 
+def arrival_limit_s(arriving: Iterable[int], target_s: float, decode_s: float) -> float:
+    """The longest step that each arriving request (``arriving``: the output tokens each may still produce after
+    its first) can afford. Over its next ``h = min(tokens, PACE_HORIZON_TOKENS)`` tokens it ends within
+    ``target_s`` of time per output token if its first gap (at most this step and its own first, so two steps)
+    and ``h - 1`` steps of ``decode_s`` after it fit in ``h * target_s``:
+
+        2 * step + (h - 1) * decode_s <= h * target_s
+
+    ``inf`` when none arrives with a token to come (a request of one token has no TPOT)."""
+    limit = math.inf
+    for tokens in arriving:
+        if tokens < 1:
+            continue
+        h = min(tokens, PACE_HORIZON_TOKENS)
+        limit = min(limit, (h * target_s - (h - 1) * decode_s) / 2)
+    return limit
+
+
 class PrefillBudget:
     """The local-prefill tokens of each step (see the module doc). ``tpot_slo_s`` None: always the whole
     ``chunk``."""
@@ -106,7 +137,8 @@ class PrefillBudget:
         self.tpot_slo_s = tpot_slo_s
         self.cost = LinearCostModel(window=128, refit_every=4)
         self.correction = 1.0  # measured over predicted seconds of the recent prefill passes, moving average
-        self.fused_correction = 1.0  # the same, of the recent chunks fused into a decode pass
+        self.fused_correction = 1.0  # the same, of the recent chunks fused into a decode pass (a high quantile)
+        self.fused_ratios: deque[float] = deque(maxlen=FUSED_RATIO_WINDOW)
         self.largest_measured = 0
         self.decode_s: float | None = None  # what a step costs the decoding sequences beside the chunk, average
         self.rate_samples: deque[tuple[float, int, float]] = deque()  # (ended at, tokens prefilled, step seconds)
@@ -125,7 +157,13 @@ class PrefillBudget:
         predicted = sum(self.fused_s(start, n, corrected=False) for start, n in chunks)
         if self.cost.ready and predicted > 0:
             ratio = seconds / predicted
-            self.fused_correction = min(MAX_CORRECTION, max(1 / MAX_CORRECTION, _average(self.fused_correction, ratio)))
+            self.fused_ratios.append(ratio)
+            if len(self.fused_ratios) >= MIN_FUSED_RATIOS:
+                ranked = sorted(self.fused_ratios)
+                correction = ranked[min(len(ranked) - 1, int(FUSED_RATIO_QUANTILE * len(ranked)))]
+            else:
+                correction = _average(self.fused_correction, ratio)
+            self.fused_correction = min(MAX_CORRECTION, max(1 / MAX_CORRECTION, correction))
         self.largest_measured = max([self.largest_measured] + [n for _, n in chunks])
 
     def observe_step(self, seconds: float) -> None:
@@ -185,22 +223,28 @@ class PrefillBudget:
         return (c["kv_tokens"] * start, c["kv_tokens"] + c["new_tokens"] + c["kv_queries"] * (start + 0.5),
                 c["kv_queries"] * 0.5)
 
-    def slack_s(self, paces: Iterable[Pace] = ()) -> float:
+    def slack_s(self, paces: Iterable[Pace] = (), arriving: Iterable[int] = ()) -> float:
         """Seconds a step beside the decoding sequences (``paces``: theirs, one per sequence) may spend
-        prefilling (negative: none). Without a pace that counts, a step is held to ``tpot_slo_s``."""
+        prefilling (negative: none), the requests ``arriving`` (``arrival_limit_s``) included. Without a pace
+        that counts, a step is held to ``tpot_slo_s``."""
         decode_s = self.decode_s or 0.0
         limit = pace_limit_s(paces, self.tpot_slo_s, decode_s)
-        return (self.tpot_slo_s if math.isinf(limit) else limit) - decode_s
+        limit = min(self.tpot_slo_s if math.isinf(limit) else limit,
+                    arrival_limit_s(arriving, self.tpot_slo_s, decode_s))
+        return limit - decode_s
 
-    def tokens(self, start: int, decoding: bool, paces: Iterable[Pace] = ()) -> int:
+    def tokens(self, start: int, decoding: bool, paces: Iterable[Pace] = (), arriving: Iterable[int] = (),
+               spent_s: float = 0.0) -> int:
         """Prompt tokens the next step prefills, the head of the queue having ``start`` computed; ``paces``: the
-        decoding sequences' (none given: the step bound alone, as a rate over many steps uses)."""
+        decoding sequences' (none given: the step bound alone, as a rate over many steps uses); ``arriving``:
+        the output tokens still to come of each request whose KV is arriving; ``spent_s``: the predicted
+        seconds of the step's chunks before this one (a step of several chunks sizes each at its own start)."""
         if self.tpot_slo_s is None or not decoding:
             return self.chunk
         if self.decode_s is None:  # the batch's decode pass not measured yet: its slack is unknown
             return 0
         cap = min(self.chunk, max(PROBE_TOKENS, 2 * self.largest_measured))
-        slack = self.slack_s(paces)
+        slack = self.slack_s(paces, arriving) - spent_s
         if not self.cost.ready:
             return cap if slack > 0 else 0
         # the largest n in [0, cap] whose predicted share fits the slack (cost rises with n); the fit's terms

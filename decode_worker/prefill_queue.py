@@ -80,22 +80,32 @@ class PrefillQueue:
         """``request_id`` leaves the queue (the caller frees it)."""
         self.order.remove(request_id)
 
-    def plan(self, decoding: bool, paces: Iterable[Pace] = ()) -> list[PrefillChunk]:
-        """The chunks of the step (``decoding``: sequences decode beside them, at ``paces``): the tokens the
-        budget allows, the fewest remaining first; all but the last complete their prompt."""
+    def plan(self, decoding: bool, paces: Iterable[Pace] = (), arriving: Iterable[int] = ()) -> list[PrefillChunk]:
+        """The chunks of the step (``decoding``: sequences decode beside them, at ``paces``, and requests join
+        whose KV is arriving, with ``arriving`` output tokens to come): the tokens the budget allows, the fewest
+        remaining first; all but the last complete their prompt."""
         if len(self.order) > 1:  # shortest remaining first: a conversation's next turn does not wait on a document
             ranked = sorted(self.order, key=self._remaining)
             self.order.clear()
             self.order.extend(ranked)
-        budget, chunks = self.budget.tokens(self.head_start(), decoding, paces), []
+        paces, arriving = list(paces), list(arriving)
+        budget, chunks, spent_s = self.budget.tokens(self.head_start(), decoding, paces, arriving), [], 0.0
+        fitted = decoding and self.budget.tpot_slo_s is not None and self.budget.cost.ready
         for rid in self.order:
             if budget <= 0:
                 break
             held = self.requests[rid]
             start = held.seq.num_computed
-            end = min(held.seq.num_prompt, start + budget)
+            n = budget
+            if chunks and fitted:  # a later chunk is deeper into its prompt: sized by what the slack has left
+                n = min(n, self.budget.tokens(start, decoding, paces, arriving, spent_s))
+                if n <= 0:
+                    break
+            end = min(held.seq.num_prompt, start + n)
             chunks.append(PrefillChunk(held, start, end))
             budget -= end - start
+            if fitted:
+                spent_s += self.budget.fused_s(start, end - start)
         return chunks
 
     def finish(self, chunks: list[PrefillChunk], logits: torch.Tensor) -> list[TokenDelta]:
@@ -113,10 +123,10 @@ class PrefillQueue:
             row += 1
         return out
 
-    def step(self, decoding: bool, paces: Iterable[Pace] = ()) -> list[TokenDelta]:
+    def step(self, decoding: bool, paces: Iterable[Pace] = (), arriving: Iterable[int] = ()) -> list[TokenDelta]:
         """Compute the step's chunks (``plan``) in passes of their own, one per request (no decode pass to ride
         in), and start the requests whose prompt is complete."""
-        chunks = self.plan(decoding, paces)
+        chunks = self.plan(decoding, paces, arriving)
         self.last_seconds, rows = 0.0, []
         for chunk in chunks:
             start = time.perf_counter()

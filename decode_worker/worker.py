@@ -205,16 +205,17 @@ class DecodeWorker:
                                if k is None else (k, None))
             planned_batch = len(running)
             k, running = self._make_room(planned)
+        paced = self.prefill_budget.tpot_slo_s is not None  # without an SLO a chunk is the whole chunk
+        arriving = self._arriving() if paced and len(self.prefills) else []
         if not running:  # no decode pass to ride in: the local prefills run in passes of their own
             self._last_decode_end = None
-            received += self.prefills.step(self.decoding)
+            received += self.prefills.step(self.decoding, arriving=arriving)
             return received + self._take_events()
         seqs = [h.seq for h in running]
-        paced = self.prefill_budget.tpot_slo_s is not None  # without an SLO a chunk is the whole chunk
         paces = self._paces(running) if paced else []
         queued = len(self.prefills) > 0
         head = self.prefills.head_start()
-        chunks = self.prefills.plan(True, paces)
+        chunks = self.prefills.plan(True, paces, arriving)
         same_shape = k == planned and len(running) == planned_batch  # the step the policy predicted
         verdicts, logits = self.speculator.run(seqs, k, choice if same_shape else None,
                                                [c.step_input() for c in chunks])
@@ -265,6 +266,21 @@ class DecodeWorker:
             since_first, got = (0.0, 0) if h.first_token_at is None else (now - h.first_token_at, out - 1)
             paces.append(Pace.measured(since_first, got, max(1, room - out), h.steps_here, h.tokens_here))
         return paces
+
+    def _arriving(self) -> list[int]:
+        """The output tokens still to come after the first of each request whose KV is arriving (its first token
+        may be streamed at any moment; ``decode_worker/prefill_budget.py``). A migration's is not among them: its
+        request decodes on at its source meanwhile."""
+        if self.inbox is None:
+            return []
+        out = []
+        for rid in self.inbox.receiver.arriving():
+            held = self.requests.get(rid)
+            if held is None or rid in self.migrations.incoming:
+                continue
+            seq = held.seq
+            out.append(min(seq.sampler.params.max_tokens, seq.max_model_len - seq.num_prompt) - 1)
+        return out
 
     def _take_events(self) -> list:
         out = list(self.events)

@@ -263,6 +263,12 @@ class KVReceiver:
         with self._lock:
             return list(self._reservations)
 
+    def arriving(self) -> set[str]:
+        """Request ids whose KV has begun to arrive and is not handed over yet (its sender is computing or has
+        computed the prompt: the first token may come at any moment)."""
+        with self._lock:
+            return {rid for rid, res in self._reservations.items() if res.state in ("receiving", "complete")}
+
     def close(self) -> None:
         for ch in self._channels.values():
             ch.abort("receiver closed")

@@ -339,6 +339,7 @@ class PrefillSim(_Instance):
             return None
         for c in chunks:
             c.seq.req.prefill_latency_s += self.costs.prefill_latency(c.start, c.num_tokens)
+            c.seq.req.decode.kv_arriving(c.seq.req)
         self.step_outputs = len(chunks)
         return self.costs.prefill_step([(c.start, c.num_tokens) for c in chunks]), lambda: self._done(chunks)
 
@@ -433,6 +434,7 @@ class DecodeSim(_Instance):
         self.step_k = StepK(spec, self.policy)
         self.seqs: dict[int, SimSequence] = {}  # request index -> its sequence here (reserved or live)
         self.ready: list[SimSequence] = []  # KV complete, joins at the next step
+        self.arriving: set[int] = set()  # requests whose prefill instance began sending their KV, until it lands
         self.k_counts: dict[int, int] = {}
 
     def reserve(self, req: SimRequest) -> bool:
@@ -475,12 +477,19 @@ class DecodeSim(_Instance):
         running = tuple(RequestLoad(rid, blocks) for rid, blocks in report.running.items())
         return InstanceLoad(self.name, report.total_blocks, running, report.waiting_blocks, False, report.held_blocks)
 
+    def kv_arriving(self, req: SimRequest) -> None:
+        """The prefill instance began computing the request: its KV is on its way (``KVReceiver.arriving``)."""
+        if req.index in self.seqs:
+            self.arriving.add(req.index)
+
     def admit(self, req: SimRequest) -> None:
+        self.arriving.discard(req.index)
         self.ready.append(self.seqs[req.index])
         self.kick()
 
     def release(self, req: SimRequest) -> None:
         """Free the request's blocks (reserved or live)."""
+        self.arriving.discard(req.index)
         self.scheduler.finish(self.seqs.pop(req.index))
 
     def _commit(self, seq: SimSequence, num_final: int) -> None:
@@ -526,8 +535,10 @@ class DecodeSim(_Instance):
         self._prefilled = 0 if self.prefilling else None  # the step's local-prefill tokens, begun with a queue
         if len(self.prefilling) > 1:  # the fewest remaining tokens first, as the worker's queue
             self.prefilling = deque(sorted(self.prefilling, key=lambda seq: seq.num_prompt - seq.num_computed))
-        budget = (self.budget.tokens(self.prefilling[0].num_computed, fused or self._decoding(), self._paced)
-                  if self.prefilling else 0)
+        arriving = ([self.seqs[i].req.output_tokens - 1 for i in self.arriving] if self.budget.tpot_slo_s is not None
+                    else [])
+        budget = (self.budget.tokens(self.prefilling[0].num_computed, fused or self._decoding(), self._paced,
+                                     arriving) if self.prefilling else 0)
         self._spans = []
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]

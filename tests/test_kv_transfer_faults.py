@@ -241,6 +241,34 @@ def test_release_during_transfer_drains_and_frees():
     del store
 
 
+def test_a_transfer_is_arriving_from_its_acceptance_until_it_is_handed_over():
+    """What a decode worker holds its steps short for (``KVReceiver.arriving``): a reservation whose sender has
+    begun (its prompt is being computed, the first token may come at any moment), until the receiver hands it
+    over with that token; not a reservation nothing is sent to yet."""
+    reserver = PoolReserver(BlockPool(32, 4))
+    store, sender, receiver = _pair_in_process(TransferConfig(timeout_s=10), reserver, cache())
+    try:
+        assert receiver.reserve("r", 10) is not None and receiver.arriving() == set()
+        sender.begin("r", 10, [5, 6, 7], [LegTarget("d", HeadRange(0, HEADS), reserved=True)])
+        group = sender.open_group({"r": 3})  # returns once the receiver accepted
+        assert receiver.arriving() == {"r"}
+        for layer in range(LAYERS):
+            group.send_layer(layer)
+        group.close()
+        sender.finish_prompt("r", 42)
+        completed, deadline = [], time.monotonic() + 20
+        while not completed and time.monotonic() < deadline:
+            assert receiver.arriving() == {"r"}
+            completed += receiver.poll().completed
+            assert not sender.poll().failed
+            time.sleep(0.005)
+        assert [kv.first_token for kv in completed] == [42] and receiver.arriving() == set()
+    finally:
+        sender.close()
+        receiver.close()
+    del store
+
+
 def test_long_control_frames_continue_in_a_second_message():
     """A control frame larger than the fixed frame (a migration's end: the request's state, its output
     tokens included) arrives whole, and the frame after it is read normally."""

@@ -11,7 +11,7 @@ from controller.config import ConfigError, load_config
 from controller.load_aware import (BACKLOG, MEETS_SLO, NO_SLACK, OFF, UNMEASURED, DecodeOption, LoadAwarePolicy,
                                    LoadAwareState, PrefillRate, decide, prefill_ttft_s)
 from decode_worker.prefill_budget import (MIN_PACE_STEPS, PACE_HORIZON_TOKENS, PROBE_TOKENS, RATE_WINDOW_S, Pace,
-                                         PrefillBudget, pace_limit_s)
+                                         PrefillBudget, arrival_limit_s, pace_limit_s)
 
 POLICY = LoadAwarePolicy(enabled=True, ttft_s=1.0)
 
@@ -201,6 +201,73 @@ def test_a_sequence_past_saving_does_not_hold_the_others_back_nor_falls_further_
     assert pace_limit_s([ahead, lost], 0.04, 0.01) == pytest.approx(0.04)  # the lost one bounds the step
     tight = Pace(since_first_s=0.0595, tokens_since_first=0, remaining=2)  # just within reach: holds
     assert pace_limit_s([tight], 0.04, 0.01) == pytest.approx((0.04 * 2 - 0.0595) / 2)
+
+
+def test_a_request_whose_kv_arrives_holds_the_steps_to_what_its_few_tokens_afford():
+    """Sequences ahead of their pace afford a long step; a request whose KV is arriving has its first token
+    streamed and nothing banked: it waits out the step under way and its own first, so the steps are held so
+    that two of them and its next tokens at ``decode_s`` fit its target. Four tokens to come bound the step hard,
+    many hardly; one output token (nothing to come) not at all."""
+    target, decode = 0.05, 0.03
+    assert arrival_limit_s([3], target, decode) == pytest.approx((3 * target - 2 * decode) / 2)  # 45 ms
+    many = arrival_limit_s([500], target, decode)
+    assert many == pytest.approx((PACE_HORIZON_TOKENS * target - (PACE_HORIZON_TOKENS - 1) * decode) / 2)
+    assert many > 4 * target
+    assert arrival_limit_s([500, 3], target, decode) == arrival_limit_s([3], target, decode)
+    assert arrival_limit_s([0], target, decode) == math.inf == arrival_limit_s([], target, decode)
+    # its first gap (two steps at the limit) and two decode steps: a mean of the target over its three gaps
+    assert (2 * arrival_limit_s([3], target, decode) + 2 * decode) / 3 == pytest.approx(target)
+    b = measured_budget(target, per_token_s=1e-3)
+    b.observe_step(decode)
+    ahead = Pace(since_first_s=0.1, tokens_since_first=400, remaining=500)  # 0.25 ms a token: a long step
+    long_step = b.tokens(0, True, [ahead])
+    assert long_step > b.tokens(0, True, [ahead], arriving=[500]) > b.tokens(0, True, [ahead], arriving=[3]) > 0
+    assert b.fused_s(0, b.tokens(0, True, [ahead], arriving=[3])) <= arrival_limit_s([3], target, decode) - decode
+    assert b.tokens(0, True, [ahead], arriving=[0]) == long_step
+
+
+def test_a_high_quantile_of_the_recent_errors_sizes_the_chunk():
+    """On a shared host the fused chunks' error swings from step to step: one in eight ran twice as long as
+    predicted. The correction is the 90th percentile of the recent ratios (2x), not their mean, so the chunk is
+    sized for the slow steps rather than overrunning the bound on each of them."""
+    b = measured_budget(0.1)
+    b.observe_step(0.02)
+    for i in range(32):
+        b.observe_fused([(0, 256)], (2.0 if i % 8 == 7 else 1.0) * 1e-4 * 256)
+    assert b.fused_correction == pytest.approx(2.0)
+    assert b.fused_s(0, 256) == pytest.approx(2 * 1e-4 * 256)
+    for _ in range(32):  # the slow steps age out of the window
+        b.observe_fused([(0, 256)], 1e-4 * 256)
+    assert b.fused_correction == pytest.approx(1.0)
+
+
+def test_a_step_of_several_chunks_sizes_each_at_its_own_depth():
+    """The head of the queue is a short prompt at its start, the next one deep into a long prompt, where each
+    position costs more: the step's chunks together stay within the slack (the second sized at its own
+    start), where tokens counted at the head's start would overrun it."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from decode_worker.prefill_queue import PrefillQueue
+
+    b = PrefillBudget(4096, 0.1)
+    for start in (0, 2048, 8192):  # an attention term: deeper positions attend to more
+        for n in (64, 256, 1024):
+            b.observe_prefill(start, n, 0.002 + 1e-5 * n + 2e-8 * (n * start + n * (n + 1) // 2))
+    b.observe_step(0.02)
+
+    def held(computed, prompt):
+        return SimpleNamespace(seq=SimpleNamespace(num_computed=computed, num_prompt=prompt))
+
+    requests = {"short": held(0, 100), "deep": held(6000, 8000)}
+    queue = PrefillQueue(None, requests, deque(["short", "deep"]), None, b, None, None)
+    chunks = queue.plan(True)
+    assert [(c.start, c.end) for c in chunks][0] == (0, 100)
+    spent = sum(b.fused_s(c.start, c.end - c.start) for c in chunks)
+    assert spent <= b.slack_s() + 1e-9
+    head_tokens = b.tokens(0, True)
+    assert chunks[1].end - chunks[1].start < head_tokens - 100  # what the head's start would have given it
+    assert b.fused_s(0, 100) + b.fused_s(6000, head_tokens - 100) > b.slack_s()
 
 
 def test_the_reported_rate_counts_the_steps_held_back():
