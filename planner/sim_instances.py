@@ -535,10 +535,12 @@ class DecodeSim(_Instance):
         self._prefilled = 0 if self.prefilling else None  # the step's local-prefill tokens, begun with a queue
         if len(self.prefilling) > 1:  # the fewest remaining tokens first, as the worker's queue
             self.prefilling = deque(sorted(self.prefilling, key=lambda seq: seq.num_prompt - seq.num_computed))
-        arriving = ([self.seqs[i].req.output_tokens - 1 for i in self.arriving] if self.budget.tpot_slo_s is not None
-                    else [])
-        budget = (self.budget.tokens(self.prefilling[0].num_computed, fused or self._decoding(), self._paced,
-                                     arriving) if self.prefilling else 0)
+        budget = 0
+        if self.prefilling:
+            arriving = ([self.seqs[i].req.output_tokens - 1 for i in self.arriving]
+                        if self.budget.tpot_slo_s is not None else [])
+            budget = self.budget.tokens(self.prefilling[0].num_computed, fused or self._decoding(), self._paced,
+                                        arriving)
         self._spans = []
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
