@@ -92,12 +92,15 @@ _INSTANCE_COUNTERS = {
 _TIER_COUNTERS = {
     "hits": ("kv_tier_hits", "KV blocks loaded from the tier into the instance's pool."),
     "bytes_in": ("kv_tier_load_bytes", "Bytes of KV loaded from the tier into the pool."),
-    "load_s": ("kv_tier_load_seconds", "Seconds spent loading KV blocks from the tier."),
+    "load_s": ("kv_tier_load_seconds", "Seconds the worker spent loading KV blocks from the tier (on its step)."),
     "stored": ("kv_tier_stored", "KV blocks written into the tier."),
     "bytes_out": ("kv_tier_store_bytes", "Bytes of KV written into the tier."),
     "evicted": ("kv_tier_evictions", "KV blocks the tier dropped to make room."),
     "corrupt": ("kv_tier_corrupt", "Tier entries found truncated or failing their checksum (recomputed)."),
     "dropped": ("kv_tier_dropped_writes", "KV blocks not written to the tier because its writer was behind."),
+    "read_ahead": ("kv_tier_read_ahead", "Of the KV blocks loaded from the tier, those read while their prompt "
+                   "waited (off the worker's step)."),
+    "read_ahead_s": ("kv_tier_read_ahead_seconds", "Seconds reading KV blocks ahead, off the worker's step."),
 }
 # KV tier gauges: field -> (metric name, help)
 _TIER_GAUGES = {

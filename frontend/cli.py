@@ -273,8 +273,8 @@ def cmd_status(args) -> int:
     for i in st.instances:
         for t in i.kv_tiers:
             print(f"{i.name:<12} kv tier {t.tier}: {t.blocks} blocks, {t.bytes / 2**20:.0f}/{t.capacity_bytes / 2**20:.0f} MiB, "
-                  f"{t.hits} blocks loaded in {t.load_seconds:.2f} s, {t.stored} stored, {t.evictions} evicted, "
-                  f"{t.corrupt} corrupt")
+                  f"{t.hits} blocks loaded in {t.load_seconds:.2f} s ({t.read_ahead} read ahead), {t.stored} stored, "
+                  f"{t.evictions} evicted, {t.corrupt} corrupt")
     if st.load_aware_placements:
         print("load-aware placements: " + ", ".join(f"{c.count} on {c.prefilled_on} ({c.reason})"
                                                     for c in st.load_aware_placements))

@@ -314,7 +314,8 @@ def _tier_statuses(status: dict) -> list:
     """An instance status's KV tiers (``kv_tiers``: tier -> ``TierStats`` fields) as ``KVTierStatus`` messages."""
     return [pb.KVTierStatus(tier=tier, hits=t["hits"], load_bytes=t["bytes_in"], load_seconds=t["load_s"],
                             stored=t["stored"], evictions=t["evicted"], corrupt=t["corrupt"], blocks=t["blocks"],
-                            bytes=t["bytes"], capacity_bytes=t["capacity_bytes"])
+                            bytes=t["bytes"], capacity_bytes=t["capacity_bytes"], read_ahead=t["read_ahead"],
+                            read_ahead_seconds=t["read_ahead_s"])
             for tier, t in (status.get("kv_tiers") or {}).items()]
 
 

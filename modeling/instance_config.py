@@ -114,20 +114,23 @@ class KVTiersConfig:
     ``disk_dir`` (0: no disk tier; empty dir: ``$MAGICSERVE_KV_DIR`` or ``~/.cache/magicserve/kv``), each an
     LRU cache of full KV blocks; below them the cluster-wide ``store`` (:class:`KVStoreConfig`).
     ``write_queue_blocks``: blocks waiting for the writer at most (a block cached while the queue is full is not
-    written to disk or the store, and counted)."""
+    written to disk or the store, and counted); ``read_ahead_mb``: host memory for blocks read from the disk
+    tier or the store while their prompt waits (``modeling/kv_tiers/read_ahead.py``; 0: loads read them when
+    the prompt is scheduled)."""
 
     enabled: bool = True
     host_memory_mb: int = 256
     disk_dir: str = ""
     disk_mb: int = 2048
     write_queue_blocks: int = 4096
+    read_ahead_mb: int = 256
     store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
-        errs = booleans(self, ("enabled",)) + integers(self, ("host_memory_mb", "disk_mb"), low=0)
+        errs = booleans(self, ("enabled",)) + integers(self, ("host_memory_mb", "disk_mb", "read_ahead_mb"), low=0)
         errs += integers(self, ("write_queue_blocks",), low=1)
         if not isinstance(self.disk_dir, str):
             errs.append(("disk_dir", f"must be a directory path (a string), got {self.disk_dir!r}"))

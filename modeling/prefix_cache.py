@@ -9,7 +9,9 @@ keeps at least its last token to compute: its logits sample the first output tok
 
 Below the pool may sit tiers (:class:`LowerTiers`, ``modeling/kv_tiers``): every block the cache caches is
 handed to them too, and a prompt whose prefix runs past the pool's cached blocks loads the blocks the tiers
-hold next into fresh blocks (cached in the pool from then on) instead of computing them.
+hold next into fresh blocks (cached in the pool from then on) instead of computing them. A prompt that waits
+to be scheduled may have those blocks read ahead (:meth:`PrefixCache.read_ahead`), so its load finds them in
+host memory.
 """
 
 from __future__ import annotations
@@ -66,8 +68,16 @@ class LowerTiers(Protocol):
     def find(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``, from the first, the tiers hold."""
 
-    def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
-        """Write the KV of ``hashes[i]`` into ``blocks[i]`` from the first on; how many were loaded."""
+    def load(self, hashes: Sequence[int], blocks: Sequence[int], request_id: str = "") -> int:
+        """Write the KV of ``hashes[i]`` into ``blocks[i]`` from the first on (taking what was read ahead for
+        ``request_id``); how many were loaded."""
+
+    def read_ahead(self, request_id: str, hashes: Sequence[int]) -> bool:
+        """Start reading, off the worker's thread, what the slower tiers hold of ``hashes`` (a waiting prompt's
+        blocks beyond its pool's), for the request's load; whether anything was queued."""
+
+    def cancel_read_ahead(self, request_id: str) -> None:
+        """Drop what was read ahead for the request."""
 
     def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """Keep the KV of ``blocks`` (final, cached under ``hashes``)."""
@@ -126,6 +136,19 @@ class PrefixCache:
         """The sequence needs every prompt position computed (its prompt's log-probabilities): no lookup."""
         self._computed_in_full.add(seq_id)
 
+    def read_ahead(self, seq, upto: int | None = None) -> bool:
+        """A sequence just queued (nothing computed, no blocks): start reading ahead the blocks of its first
+        ``upto`` tokens (default: its prompt but the last token) beyond the pool's cached prefix that only the
+        slower tiers (disk, store) hold, while it waits; whether a read was queued. Its :meth:`attach` then loads
+        them from host memory."""
+        if self.tiers is None or seq.block_table.blocks or seq.num_computed or \
+                seq.request_id in self._computed_in_full:
+            return False
+        upto = len(seq.prompt_ids) - 1 if upto is None else upto
+        hashes = block_hashes(seq.tokens[:upto], self.pool.block_size, self.salt)
+        held = self.pool.cached_run(hashes)
+        return self.tiers.read_ahead(seq.request_id, hashes[held:])
+
     def attach(self, seq, upto: int | None = None, load_tiers: bool = True) -> int:
         """A sequence about to be scheduled with no blocks and nothing computed (new, or preempted) starts
         from the cached blocks of the longest cached prefix of its first ``upto`` tokens (default: its prompt
@@ -155,8 +178,10 @@ class PrefixCache:
         hashes = self._looked_up.pop(seq.request_id, None)
         held = len(seq.block_table.blocks)
         if hashes is None or held >= len(hashes):
+            if self.tiers is not None:
+                self.tiers.cancel_read_ahead(seq.request_id)
             return 0
-        loaded = self._load_from_tiers(hashes[held:], seq.block_table.blocks[-1] if held else None)
+        loaded = self._load_from_tiers(hashes[held:], seq.block_table.blocks[-1] if held else None, seq.request_id)
         seq.block_table.blocks += loaded
         self._hashed[seq.request_id] += hashes[held:held + len(loaded)]
         seq.num_computed += len(loaded) * self.pool.block_size
@@ -194,14 +219,15 @@ class PrefixCache:
         self._uncount(seq.request_id)
         self.forget(seq.request_id)
 
-    def _load_from_tiers(self, hashes: list[int], after: int | None) -> list[int]:
+    def _load_from_tiers(self, hashes: list[int], after: int | None, request_id: str) -> list[int]:
         """Fresh blocks holding the leading run of ``hashes`` the tiers hold (as many as the pool has room
         for), cached in the pool."""
         want = min(self.tiers.find(hashes), self.pool.num_free)
         if not want:
+            self.tiers.cancel_read_ahead(request_id)
             return []
         blocks = self.pool.allocate(want, after=after)
-        got = self.tiers.load(hashes[:want], blocks)
+        got = self.tiers.load(hashes[:want], blocks, request_id=request_id)
         if got < want:
             self.pool.free(blocks[got:])
         for block, block_hash in zip(blocks[:got], hashes[:got]):
@@ -231,3 +257,5 @@ class PrefixCache:
         self._computed_in_full.discard(seq_id)
         self._looked_up.pop(seq_id, None)
         self._counted.pop(seq_id, None)
+        if self.tiers is not None:
+            self.tiers.cancel_read_ahead(seq_id)

@@ -44,6 +44,9 @@ class ChunkedPrefillScheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence; the blocks of its prompt only slower KV tiers hold are read ahead while it waits."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.read_ahead(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

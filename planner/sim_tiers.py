@@ -68,7 +68,14 @@ class SimTiers:
             n += 1
         return n
 
-    def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
+    def read_ahead(self, request_id: str, hashes: Sequence[int]) -> bool:
+        """Not modelled: every load's time is paid by the step that takes it (an upper bound)."""
+        return False
+
+    def cancel_read_ahead(self, request_id: str) -> None:
+        pass
+
+    def load(self, hashes: Sequence[int], blocks: Sequence[int], request_id: str = "") -> int:
         n = self.find(hashes[:len(blocks)])
         for h in hashes[:n]:
             self._held.move_to_end(h)

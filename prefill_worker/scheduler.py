@@ -30,6 +30,9 @@ class PrefillScheduler:
         self.handed_off: dict[str, Sequence] = {}  # prefilled, KV in transfer
 
     def add(self, seq: Sequence) -> None:
+        """Queue a prompt; the blocks of it only slower KV tiers hold are read ahead while it waits."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.read_ahead(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

@@ -246,9 +246,15 @@ class _ListedTiers:
             n += 1
         return n
 
-    def load(self, hashes, blocks):
+    def load(self, hashes, blocks, request_id=""):
         self.loads = getattr(self, "loads", 0) + 1
         return min(len(hashes), self.loadable)
+
+    def read_ahead(self, request_id, hashes):
+        return False
+
+    def cancel_read_ahead(self, request_id):
+        pass
 
     def save(self, blocks, hashes):
         self.saved += list(hashes)

@@ -87,8 +87,8 @@ def decode(block_hash: int, data: bytes, expected_bytes: int) -> memoryview | No
 
 
 class StoreTier:
-    """Blocks in the store under ``namespace``, over two clients (reads on the worker's thread, writes on the
-    writer's), connected from the writer thread (``connect``)."""
+    """Blocks in the store under ``namespace``, over two clients (reads on the worker's thread and the read-ahead
+    thread, one call at a time; writes on the writer's), connected from the writer thread (``connect``)."""
 
     def __init__(self, config: KVStoreConfig, namespace: str):
         """Raises :class:`StoreUnavailable` when the client library cannot load (before any thread starts)."""
@@ -101,6 +101,7 @@ class StoreTier:
         self._writer = None
         self._down_until = 0.0
         self._ready = threading.Event()
+        self._reading = threading.Lock()  # the reader client serves one call at a time
 
     def _key(self, block_hash: int) -> str:
         return f"{self.prefix}{block_hash:016x}"
@@ -154,7 +155,8 @@ class StoreTier:
         if not hashes or not self._usable():
             return 0
         try:
-            found = self._reader.batch_is_exist([self._key(h) for h in hashes])
+            with self._reading:
+                found = self._reader.batch_is_exist([self._key(h) for h in hashes])
         except Exception:  # the client library raises its own errors: any of them means down
             found = [-1]
         n = 0
@@ -171,7 +173,8 @@ class StoreTier:
         if not hashes or not self._usable():
             return []
         try:
-            data = self._reader.get_batch([self._key(h) for h in hashes])
+            with self._reading:
+                data = self._reader.get_batch([self._key(h) for h in hashes])
         except Exception:
             self._mark_down()
             return []

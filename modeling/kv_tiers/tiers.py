@@ -5,7 +5,9 @@ blocks (their KV is final), ``find`` and ``load`` when a prompt's prefix runs pa
 copies the blocks' KV out of the cache at once (on a GPU: an asynchronous copy to pinned host memory), keeps
 it in the host tier and queues it for the writer thread, which writes it to the disk tier and the cluster's
 store off the step. A load takes each block from the host tier, else from its file (checked), else from the
-store (checked), and writes them into the given blocks.
+store (checked), and writes them into the given blocks. A prompt that waits to be scheduled has the blocks only
+the disk tier or the store holds read ahead on a thread of their own (``read_ahead``,
+:class:`~modeling.kv_tiers.read_ahead.ReadAhead`), so its load copies them from host memory.
 
 Keys: a block's content hash already covers its tokens, every token before it, the model path, dtype and
 block size (the prefix cache's salt); the disk tier's directory and the store's key prefix add a fingerprint
@@ -32,6 +34,7 @@ from modeling.instance_config import KVTiersConfig
 from modeling.kv_tiers.disk import DiskTier
 from modeling.kv_tiers.events import DISK, HOST, STORE, TierEvents
 from modeling.kv_tiers.host import HostTier
+from modeling.kv_tiers.read_ahead import ReadAhead, ReadResult
 from modeling.kv_tiers.stats import TierStats
 from modeling.kv_tiers.store import StoreTier
 
@@ -86,7 +89,7 @@ class KVTiers:
     """The host tier, the disk tier and the cluster's store (each may be None) of one instance's cache."""
 
     def __init__(self, cache: WholeBlocks, host: HostTier | None, disk: DiskTier | None,
-                 write_queue_blocks: int = 4096, store: StoreTier | None = None):
+                 write_queue_blocks: int = 4096, store: StoreTier | None = None, read_ahead_bytes: int = 0):
         spec = cache.spec
         self.cache = cache
         self.host = host
@@ -99,9 +102,12 @@ class KVTiers:
         self._writer = None
         self._events: TierEvents | None = None
         self.names: tuple[str, ...] = tuple(self._by_name())  # the tiers this instance loads from
+        self._read_ahead: ReadAhead | None = None
         if disk is not None or store is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
+            if read_ahead_bytes >= self.block_bytes:
+                self._read_ahead = ReadAhead(self._read_slow, self.block_bytes, read_ahead_bytes)
 
     @classmethod
     def build(cls, config: KVTiersConfig, cache: WholeBlocks, salt: bytes, model_path: str, instance_name: str,
@@ -122,7 +128,7 @@ class KVTiers:
             log.info("kv tiers of %s: host %d MiB, disk %d MiB in %s (%d blocks found)", instance_name,
                      config.host_memory_mb, config.disk_mb, disk.directory, len(disk))
         store = StoreTier(config.store, namespace) if config.store.enabled else None
-        tiers = cls(cache, host, disk, config.write_queue_blocks, store)
+        tiers = cls(cache, host, disk, config.write_queue_blocks, store, config.read_ahead_mb * MB)
         if store is not None and not store.wait_connected(STORE_CONNECT_WAIT_S):
             log.warning("kv tiers of %s: the store at %s is not reachable yet; serving without it meanwhile",
                         instance_name, config.store.master_address)
@@ -153,17 +159,53 @@ class KVTiers:
             n += self.store.find(hashes[n:])
         return n
 
-    def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> int:
+    def read_ahead(self, request_id: str, hashes: Sequence[int]) -> bool:
+        """Start reading the blocks of ``hashes`` (a waiting prompt's, from the first its pool lacks) that only the
+        disk tier or the store holds, up to the first no tier holds, for the request's :meth:`load` to take;
+        whether a read was queued."""
+        if self._read_ahead is None:
+            return False
+        held = {h for h in hashes if self.host is not None and h in self.host}
+        return self._read_ahead.submit(request_id, hashes, held)
+
+    def cancel_read_ahead(self, request_id: str) -> None:
+        """Drop what is read ahead for the request (it ended, or was loaded)."""
+        if self._read_ahead is not None:
+            self._read_ahead.cancel(request_id)
+
+    def read_ahead_held(self) -> tuple[int, int]:
+        """(requests with blocks being read or held ahead, the bytes held): both 0 once every request ended."""
+        ahead = self._read_ahead
+        return (0, 0) if ahead is None else (len(ahead), ahead.held_bytes)
+
+    def load(self, hashes: Sequence[int], blocks: Sequence[int], request_id: str = "") -> int:
         """Write the KV of ``hashes[i]`` into ``blocks[i]``, from the first until one is missing (evicted since
-        ``find``) or fails its check; returns how many were loaded."""
+        ``find``) or fails its check; returns how many were loaded. What was read ahead for ``request_id`` is
+        taken first (waiting for a read under way)."""
+        t0 = time.perf_counter()
+        ahead = self._read_ahead.take(request_id) if self._read_ahead is not None and request_id else ReadResult()
+        waited = time.perf_counter() - t0
         self._wait_for_copies()
         parts: list[torch.Tensor] = []
         per_tier: list[TierStats] = []
         for h in hashes:
             t0 = time.perf_counter()
-            kv, tier = self._local(h)
-            if kv is None:
-                break
+            read = ahead.blocks.get(h)
+            if read is not None:
+                tier = self._by_name()[read.tier]
+                kv = self._promote_read(h, read.kv)
+                tier.stats.read_ahead += 1
+                tier.stats.read_ahead_s += read.seconds
+                tier.stats.load_s += waited / len(ahead.blocks)
+            elif h == ahead.missing:  # the slow tiers failed it already: only the host tier may hold it now
+                kv = self.host.get(h) if self.host is not None else None
+                if kv is None:
+                    return self._write(parts, per_tier, blocks)
+                tier = self.host
+            else:
+                kv, tier = self._local(h)
+                if kv is None:
+                    break
             tier.stats.load_s += time.perf_counter() - t0
             parts.append(kv)
             per_tier.append(tier.stats)
@@ -174,6 +216,10 @@ class KVTiers:
                 parts.append(self._promote(h, payload))
                 per_tier.append(self.store.stats)
             self.store.stats.load_s += time.perf_counter() - t0
+        return self._write(parts, per_tier, blocks)
+
+    def _write(self, parts: list[torch.Tensor], per_tier: list[TierStats], blocks: Sequence[int]) -> int:
+        """Write the loaded blocks' KV into the first of ``blocks`` and count them; how many."""
         if not parts:
             return 0
         t0 = time.perf_counter()
@@ -198,10 +244,33 @@ class KVTiers:
 
     def _promote(self, block_hash: int, payload) -> torch.Tensor:
         """A block's payload from a lower tier as its KV tensor, kept in the host tier too."""
-        kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.cache.spec.dtype).view(self.block_shape)
+        kv = self._as_kv(payload)
         if self.host is not None:
             self.host.put(block_hash, self._pinned(kv))
         return kv
+
+    def _promote_read(self, block_hash: int, kv: torch.Tensor) -> torch.Tensor:
+        """A block read ahead (pinned already on a GPU), kept in the host tier too."""
+        if self.host is not None:
+            self.host.put(block_hash, kv)
+        return kv
+
+    def _as_kv(self, payload) -> torch.Tensor:
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self.cache.spec.dtype).view(self.block_shape)
+
+    def _read_slow(self, block_hash: int):
+        """(the block's KV, the tier's name) from the disk tier, else the store; (None, None) when neither returns
+        it whole and intact. The read-ahead thread's: it touches neither the host tier nor any counter but the
+        reading tier's own."""
+        if self.disk is not None:
+            payload = self.disk.read(block_hash, self.block_bytes)
+            if payload is not None:
+                return self._pinned(self._as_kv(payload)), DISK
+        if self.store is not None:
+            got = self.store.read([block_hash], self.block_bytes)
+            if got:
+                return self._pinned(self._as_kv(got[0])), STORE
+        return None, None
 
     # -- write-down (the worker's thread; disk writes on the writer thread) ------------------------
 
@@ -277,7 +346,10 @@ class KVTiers:
             self._queue.join()
 
     def close(self) -> None:
-        """Finish the queued writes, stop the writer and release the disk directory."""
+        """Finish the queued writes, stop the writer and the read-ahead, and release the disk directory."""
+        if self._read_ahead is not None:
+            self._read_ahead.close()
+            self._read_ahead = None
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join()

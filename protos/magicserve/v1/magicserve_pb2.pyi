@@ -362,7 +362,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., call_failures: _Optional[int] = ..., prefix_cache_tier_hits: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
 
 class KVTierStatus(_message.Message):
-    __slots__ = ("tier", "hits", "load_bytes", "load_seconds", "stored", "evictions", "corrupt", "blocks", "bytes", "capacity_bytes")
+    __slots__ = ("tier", "hits", "load_bytes", "load_seconds", "stored", "evictions", "corrupt", "blocks", "bytes", "capacity_bytes", "read_ahead", "read_ahead_seconds")
     TIER_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,8 @@ class KVTierStatus(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tier: str
     hits: int
     load_bytes: int
@@ -383,7 +385,9 @@ class KVTierStatus(_message.Message):
     blocks: int
     bytes: int
     capacity_bytes: int
-    def __init__(self, tier: _Optional[str] = ..., hits: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., stored: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    read_ahead: int
+    read_ahead_seconds: float
+    def __init__(self, tier: _Optional[str] = ..., hits: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., stored: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., read_ahead: _Optional[int] = ..., read_ahead_seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling", "dtype", "dtype_reason", "load_aware_placements")
