@@ -73,11 +73,13 @@ class ChunkedPrefillScheduler:
                 budget -= self._add_prefill_chunk(seq, budget, chunks)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self.prefix_cache is not None:
-                self.prefix_cache.attach(seq)
+            if self.prefix_cache is not None:  # a preempted sequence's output tokens too: their blocks were cached
+                self.prefix_cache.attach(seq, upto=seq.num_tokens - 1, load_tiers=False)
             n = min(seq.num_uncomputed, budget)
             if not self.pool.can_allocate(self.pool.blocks_for_tokens(seq.num_computed + n) - len(seq.block_table.blocks)):
                 break
+            if self.prefix_cache is not None:  # the tiers' blocks after the pool's, in room the chunk was granted
+                self.prefix_cache.load_from_tiers(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -109,7 +111,8 @@ class ChunkedPrefillScheduler:
                     return False
 
     def preempt(self, seq: Sequence) -> None:
-        """Drop ``seq``'s KV and requeue it at the front; it recomputes its tokens later."""
+        """Drop ``seq``'s KV and requeue it at the front; it recomputes later what its prefix cache (the pool's
+        cached blocks, the tiers below) no longer holds of its tokens."""
         seq.block_table.release(self.pool)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING

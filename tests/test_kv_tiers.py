@@ -370,3 +370,41 @@ def test_on_cuda_a_document_evicted_from_the_pool_is_loaded_from_a_tier(llama_di
             assert all(kv.is_pinned() for kv in engine.core.tiers.host._entries.values())
     finally:
         engine.close()
+
+
+def test_a_preempted_sequence_resumes_from_its_cached_output_blocks(llama_dir, tmp_path, plain):
+    """A colocated engine short of room preempts its newest sequence; the blocks it had filled, prompt and output,
+    went down to the host tier as they were cached, so it resumes computing only its last, partial block (and
+    the tokens are the reference's)."""
+    engine = ReferenceEngine(llama_dir, EngineConfig(**{**CFG.__dict__, "kv_cache_tokens": 256, "token_budget": 256,
+                                                        "kv_tiers": KVTiersConfig(host_memory_mb=16, disk_mb=0)}),
+                             instance_id="colocated-preempt")
+    rng = random.Random(11)
+    prompts = [_tokens(rng, 40) for _ in range(4)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    preempted_at: dict[str, int] = {}
+    resumed_from: dict[str, tuple[int, int]] = {}  # request id -> (tokens when preempted, first chunk's start)
+    scheduler = engine.scheduler
+    preempt, schedule = scheduler.preempt, scheduler.schedule
+
+    def recording_preempt(seq):
+        preempted_at[seq.request_id] = seq.num_tokens
+        preempt(seq)
+
+    def recording_schedule():
+        chunks = schedule()
+        for c in chunks:
+            if c.seq.request_id in preempted_at:  # its first chunk since: the resume
+                resumed_from[c.seq.request_id] = (preempted_at.pop(c.seq.request_id), c.start)
+        return chunks
+
+    scheduler.preempt, scheduler.schedule = recording_preempt, recording_schedule
+    try:
+        out = [c.token_ids for c in engine.generate(prompts, params)]
+        assert out == [c.token_ids for c in plain.generate(prompts, params)]
+        assert scheduler.num_preemptions > 0 and resumed_from
+        for tokens, start in resumed_from.values():
+            assert start == (tokens - 1) // BLOCK * BLOCK, (tokens, start)  # only the last, partial block
+        assert any(tokens > 40 + BLOCK for tokens, _ in resumed_from.values())  # output blocks, not only the prompt's
+    finally:
+        engine.close()
