@@ -181,6 +181,14 @@ def bench(args, url: str, trace_path: str, n: int, name: str, workdir: str) -> d
     return {**{k: res.get(k) for k in keep}, "command": " ".join(shlex.quote(c) for c in cmd)}
 
 
+# every instance's and tier's loads together: blocks loaded, of them read ahead while their prompt waited, and the
+# seconds the workers spent loading on their steps against those the read-ahead spent off them
+TIER_LOAD_COUNTERS = {"tier_blocks_loaded": "magicserve:kv_tier_hits_total",
+                      "tier_blocks_read_ahead": "magicserve:kv_tier_read_ahead_total",
+                      "tier_load_s_on_step": "magicserve:kv_tier_load_seconds_total",
+                      "tier_read_ahead_s": "magicserve:kv_tier_read_ahead_seconds_total"}
+
+
 def run_system(system: str, args, trace_path: str, n: int, workdir: str) -> dict:
     server, url = server_for(system, args, workdir)
     with server:
@@ -194,6 +202,8 @@ def run_system(system: str, args, trace_path: str, n: int, workdir: str) -> dict
         out["prefill_pool_hit_rate"] = prefill_pool_hit_rate(before, after)
         out["tier_hit_tokens"] = after.get("magicserve:prefix_cache_tier_hits_total", 0.0) - \
             before.get("magicserve:prefix_cache_tier_hits_total", 0.0)
+        for key, metric in TIER_LOAD_COUNTERS.items():
+            out[key] = after.get(metric, 0.0) - before.get(metric, 0.0)
     print(f"[{system}] {json.dumps({k: v for k, v in out.items() if k != 'command'})}", file=sys.stderr, flush=True)
     return out
 
@@ -226,6 +236,11 @@ def write_md(result: dict, path: str) -> None:
         lines += ["", f"With tiers / without: goodput {t['request_goodput'] / max(n['request_goodput'], 1e-9):.2f}x, "
                       f"TTFT p50 {t['median_ttft_ms'] / n['median_ttft_ms']:.2f}x; the tiers supplied "
                       f"{t['tier_hit_tokens']:.0f} prompt tokens."]
+        if t.get("tier_blocks_loaded"):
+            lines += ["", f"Tier loads: {t['tier_blocks_loaded']:.0f} blocks, {t['tier_blocks_read_ahead']:.0f} of them "
+                          f"read ahead while their prompt waited ({t['tier_read_ahead_s']:.2f} s of reads off the "
+                          f"workers' steps); the workers spent {t['tier_load_s_on_step']:.2f} s loading on their "
+                          f"steps (host-tier copies, waits, and the reads not done ahead)."]
     lines += ["", "Prompt tokens found cached: each server's `prompt_tokens_cached_total` over `prompt_tokens_total`, "
               "over every finished request (magicserve's counts what the instance that computed the prompt found "
               "in its pool or its tiers, a prefill instance or, for a turn prefilled where it decodes, a decode "

@@ -80,10 +80,10 @@ class Admission:
         blocks stay cached."""
         held = self.requests.pop(request_id)
         pool = self.scheduler.pool
+        self.scheduler.prefix_cache.forget(request_id)  # first: a load into its blocks stops before they go
         held.seq.block_table.release(pool)
         pool.free(held.fork_blocks)
         held.fork_blocks = []
-        self.scheduler.prefix_cache.forget(request_id)
 
     def release_waiting(self, request_id: str) -> None:
         """``KVInbox``: the transfer into a waiting request's blocks failed or was cancelled, and no bytes are
@@ -101,7 +101,7 @@ class Admission:
         if self.inbox is None:
             raise InvalidRequestError("request_id", "this worker receives no KV (it was built without transfer)")
         held = self._new_held(request, SequenceStatus.WAITING_FOR_KV)
-        grant = self._reserve(held, num_tokens)
+        grant = self._reserve(held, num_tokens, load_in_background=True)  # loaded while the rest arrives
         if grant is None:
             return False
         try:
@@ -183,12 +183,13 @@ class Admission:
         seq.status = status
         return HeldRequest(seq, OutputStream.for_sequence(seq, self.tokenizer))
 
-    def _reserve(self, held: HeldRequest, num_tokens: int) -> SlotGrant | None:
+    def _reserve(self, held: HeldRequest, num_tokens: int, load_in_background: bool = False) -> SlotGrant | None:
         """Reserve ``held``'s blocks (one ``allocate_slots`` call, from the prompt's longest cached prefix on)
-        and hold it; None, holding nothing, when there is no room for every sequence of its request."""
+        and hold it; None, holding nothing, when there is no room for every sequence of its request.
+        ``load_in_background``: its blocks found in the tiers are loaded while it waits (``KVSlots``)."""
         seq = held.seq
         grant = self.scheduler.reserve(seq, num_tokens, num_forks=seq.sampler.params.num_sequences - 1,
-                                       cached_upto=seq.num_prompt - 1)
+                                       cached_upto=seq.num_prompt - 1, load_in_background=load_in_background)
         if grant is not None:
             held.fork_blocks = list(grant.fork_blocks)
             self.requests[seq.request_id] = held

@@ -49,9 +49,11 @@ class KVSlots:
         return self.pool.blocks_for_tokens(num_prompt + 1) - num_prompt // self.pool.block_size
 
     def allocate_slots(self, seq, num_tokens: int, lookahead_tokens: int = 0, num_forks: int = 0,
-                       cached_upto: int | None = None) -> SlotGrant | None:
+                       cached_upto: int | None = None, load_in_background: bool = False) -> SlotGrant | None:
         """Give ``seq`` blocks for ``num_tokens + lookahead_tokens`` positions (beside the blocks it holds)
         and ``num_forks`` further sequences' own blocks; None when the pool cannot (nothing taken).
+        ``load_in_background``: the blocks found in the tiers are loaded beside the worker's steps where they
+        can be (``PrefixCache.load_from_tiers``; the caller finishes the load before the sequence runs).
 
         ``seq``: any object with ``request_id``, ``block_table`` and ``num_computed`` (with ``cached_upto``,
         also ``tokens``; with ``num_forks``, also ``prompt_ids``)."""
@@ -65,7 +67,7 @@ class KVSlots:
                 self.prefix_cache.give_back(seq)
             return None
         if looked_up:  # fresh blocks out of ``need``, their KV loaded instead of computed or sent
-            self.prefix_cache.load_from_tiers(seq)
+            self.prefix_cache.load_from_tiers(seq, in_background=load_in_background)
         cached = len(seq.block_table.blocks) if looked_up else 0
         seq.block_table.ensure_capacity(self.pool, num_tokens + lookahead_tokens)
         forks = self.pool.allocate(fork_blocks) if fork_blocks else []

@@ -80,8 +80,8 @@ class WorkerMigrationHost:
     def release(self, request_id: str) -> None:
         held = self._requests.pop(request_id)
         self._speculator.drafter.release(held.seq)
-        held.seq.block_table.release(self._scheduler.pool)  # its cached blocks stay cached here
         self._scheduler.prefix_cache.forget(request_id)
+        held.seq.block_table.release(self._scheduler.pool)  # its cached blocks stay cached here
         held.seq.status = SequenceStatus.FINISHED
 
     def export_draft(self, seq: Sequence) -> DraftState | None:

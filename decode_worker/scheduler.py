@@ -44,15 +44,16 @@ class DecodeScheduler:
         return len(self.running) + len(num_tokens) <= self.max_num_seqs and \
             self.pool.can_allocate(sum(self.pool.blocks_for_tokens(n + 1) for n in num_tokens))
 
-    def reserve(self, seq, num_tokens: int, num_forks: int = 0, cached_upto: int | None = None) -> SlotGrant | None:
+    def reserve(self, seq, num_tokens: int, num_forks: int = 0, cached_upto: int | None = None,
+                load_in_background: bool = False) -> SlotGrant | None:
         """Admit ``seq`` with blocks for ``num_tokens`` positions and its first decode step (on top of the blocks
         it holds: a cached prefix, looked up here first with ``cached_upto``), and the own blocks of its
         ``num_forks`` further sequences, if there are seats for all of them beside the running ones and
-        blocks in the pool; None, with nothing taken, when not."""
+        blocks in the pool; None, with nothing taken, when not. ``load_in_background``: ``KVSlots.allocate_slots``'s."""
         if len(self.running) + 1 + num_forks > self.max_num_seqs:
             return None
         return self.slots.allocate_slots(seq, num_tokens, lookahead_tokens=1, num_forks=num_forks,
-                                         cached_upto=cached_upto)
+                                         cached_upto=cached_upto, load_in_background=load_in_background)
 
     def start(self, seq) -> None:
         """``seq`` (its prompt computed) joins the running batch."""
@@ -63,9 +64,9 @@ class DecodeScheduler:
         """``seq`` leaves (finished or aborted), wherever it is; its blocks are freed."""
         if self.running.pop(seq.request_id, None) is None and seq in self.preempted:
             self.preempted.remove(seq)
-        seq.block_table.release(self.pool)
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None:  # first: a load into its blocks stops before they go
             self.prefix_cache.forget(seq.request_id)
+        seq.block_table.release(self.pool)
 
     def load(self, movable: Callable[[object], bool], holds: frozenset[str] = frozenset()) -> PoolLoad:
         """The pool's load report: the running sequences ``movable`` accepts count as running, every other

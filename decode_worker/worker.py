@@ -176,6 +176,12 @@ class DecodeWorker:
         finished = self.inbox.get_finished()
         out: list = []
         for kv in finished.received:
+            held = self.requests.get(kv.request_id)
+            if held is not None and not self.prefix_cache.finish_load(held.seq):
+                self.admission.drop(kv.request_id)  # its blocks from the tiers are not all there: computed again
+                out.append(self._transfer_failed(kv.request_id, "a KV block loaded from a tier was missing or corrupt",
+                                                 True))
+                continue
             try:
                 out.extend(self.kv_received(kv))
             except InvalidRequestError as err:  # no first token, or a migration state that does not fit

@@ -79,6 +79,15 @@ class LowerTiers(Protocol):
     def cancel_read_ahead(self, request_id: str) -> None:
         """Drop what was read ahead for the request."""
 
+    def start_load(self, request_id: str, hashes: Sequence[int], blocks: Sequence[int]) -> bool:
+        """Start :meth:`load` in the background (False, nothing started: it cannot run there)."""
+
+    def finish_load(self, request_id: str) -> int:
+        """Wait for a started load; how many of its blocks, from the first, were loaded."""
+
+    def abandon_load(self, request_id: str) -> None:
+        """Stop a started load: nothing writes into its blocks once this returns."""
+
     def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """Keep the KV of ``blocks`` (final, cached under ``hashes``)."""
 
@@ -106,12 +115,14 @@ class PrefixCache:
         self._computed_in_full: set[str] = set()  # sequences that must compute every prompt position
         self._looked_up: dict[str, list[int]] = {}  # sequence id -> its prefix's hashes, attached, tiers not asked
         self._counted: dict[str, PrefixCacheStats] = {}  # sequence id -> what its latest lookup added to ``stats``
+        self._loading: dict[str, tuple[list[int], list[int]]] = {}  # sequence id -> (blocks, hashes) of its load
         self._publishing = False
 
     @property
     def num_tracked(self) -> int:
         """Sequences with per-sequence state here (0 once every one has ended)."""
-        return len(self._hashed.keys() | self._computed_in_full | self._looked_up.keys() | self._counted.keys())
+        return len(self._hashed.keys() | self._computed_in_full | self._looked_up.keys() | self._counted.keys() |
+                   self._loading.keys())
 
     def take_events(self) -> PrefixCacheEvents | None:
         """The cache's changes since the last call (None: none, or caching is off). The first call lists
@@ -171,23 +182,63 @@ class PrefixCache:
                 self.load_from_tiers(seq)
         return seq.num_computed
 
-    def load_from_tiers(self, seq) -> int:
+    def load_from_tiers(self, seq, in_background: bool = False) -> int:
         """Right after :meth:`attach`: extend the sequence's cached prefix with fresh blocks holding what the
         tiers have next (as many as the pool has room for; cached in the pool), marked computed; returns how
-        many tokens they cover."""
+        many tokens they cover. ``in_background``: for a sequence that waits before any step reads its KV (its
+        rest arriving from a prefill instance), the blocks are loaded beside the worker's steps where the tiers
+        can (:meth:`finish_load` before it runs), else at once."""
         hashes = self._looked_up.pop(seq.request_id, None)
         held = len(seq.block_table.blocks)
         if hashes is None or held >= len(hashes):
             if self.tiers is not None:
                 self.tiers.cancel_read_ahead(seq.request_id)
             return 0
-        loaded = self._load_from_tiers(hashes[held:], seq.block_table.blocks[-1] if held else None, seq.request_id)
+        rest, after = hashes[held:], seq.block_table.blocks[-1] if held else None
+        loaded = self._load_in_background(seq.request_id, rest, after) if in_background else None
+        if loaded is None:
+            loaded = self._load_from_tiers(rest, after, seq.request_id)
         seq.block_table.blocks += loaded
         self._hashed[seq.request_id] += hashes[held:held + len(loaded)]
         seq.num_computed += len(loaded) * self.pool.block_size
         self._count(seq.request_id, PrefixCacheStats(0, len(loaded) * self.pool.block_size,
                                                      len(loaded) * self.pool.block_size))
         return len(loaded) * self.pool.block_size
+
+    def _load_in_background(self, request_id: str, hashes: list[int], after: int | None) -> list[int] | None:
+        """Fresh blocks the tiers are to fill with the leading run of ``hashes`` they hold, in the background
+        (None: they cannot; [] nothing to load)."""
+        want = min(self.tiers.find(hashes), self.pool.num_free)
+        if not want:
+            return []
+        blocks = self.pool.allocate(want, after=after)
+        if not self.tiers.start_load(request_id, hashes[:want], blocks):
+            self.pool.free(blocks)
+            return None
+        self._loading[request_id] = (blocks, hashes[:want])
+        return blocks
+
+    def finish_load(self, seq) -> bool:
+        """The sequence's background load (:meth:`load_from_tiers`) written, its blocks cached in the pool;
+        False when some of them could not be loaded (their KV is missing: the sequence cannot run, and its
+        lookup is taken back out of the counts). True at once for a sequence with no such load."""
+        loading = self._loading.pop(seq.request_id, None)
+        if loading is None:
+            return True
+        blocks, hashes = loading
+        got = self.tiers.finish_load(seq.request_id)
+        for block, block_hash in zip(blocks[:got], hashes[:got]):
+            self.pool.cache(block, block_hash)
+        if got < len(blocks):
+            self._uncount(seq.request_id)
+            return False
+        return True
+
+    def abandon_load(self, seq_id: str) -> None:
+        """Before the sequence's blocks are freed: stop its background load, if any (nothing writes into them
+        once this returns)."""
+        if self._loading.pop(seq_id, None) is not None:
+            self.tiers.abandon_load(seq_id)
 
     def _count(self, seq_id: str, found: PrefixCacheStats) -> None:
         """Add what a lookup found to ``stats`` and to the sequence's own count."""
@@ -214,6 +265,7 @@ class PrefixCache:
     def give_back(self, seq) -> None:
         """Undo :meth:`attach` for a sequence that could not get room (it is not held here: it comes back, or goes
         elsewhere): its cached prefix released (the blocks stay cached), nothing computed, its lookup not counted."""
+        self.abandon_load(seq.request_id)
         seq.block_table.release(self.pool)
         seq.num_computed = 0
         self._uncount(seq.request_id)
@@ -253,6 +305,7 @@ class PrefixCache:
 
     def forget(self, seq_id: str) -> None:
         """The sequence ended: drop what was kept for it (its cached blocks stay in the pool)."""
+        self.abandon_load(seq_id)
         self._hashed.pop(seq_id, None)
         self._computed_in_full.discard(seq_id)
         self._looked_up.pop(seq_id, None)

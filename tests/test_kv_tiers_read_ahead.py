@@ -4,6 +4,7 @@ reference's, what is held stays within its bound, and nothing is left once the r
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -14,6 +15,7 @@ import torch
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.instance_config import KVTiersConfig
 from modeling.kv_tiers.read_ahead import ReadAhead, ReadResult
+from modeling.prefix_hash import block_hashes
 from modeling.sampling import SamplingParams
 
 BLOCK = 16
@@ -174,3 +176,106 @@ def test_a_waiting_prompt_has_its_document_read_ahead_and_loaded_from_memory(lla
     finally:
         ahead.close()
         inline.close()
+
+
+# -- a load in the background, into blocks no step reads yet ------------------------------------------------------
+
+def _cache_and_tiers(tmp_path):
+    from modeling.block_pool import BlockPool
+    from modeling.kv_cache import KVCacheSpec, PagedKVCache
+    from modeling.kv_tiers.disk import DiskTier
+    from modeling.kv_tiers.tiers import KVTiers
+    from modeling.prefix_cache import PrefixCache
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    cache = PagedKVCache(spec, num_blocks=16)
+    tiers = KVTiers(cache, None, DiskTier.open(str(tmp_path), "decode-0", 1 << 20), read_ahead_bytes=1 << 20)
+    pool = BlockPool(num_blocks=16, block_size=4)
+    return cache, tiers, pool, PrefixCache(pool, b"s", tiers=tiers)
+
+
+class _Seq:
+    def __init__(self, request_id: str, tokens: list[int]):
+        from modeling.block_pool import BlockTable
+
+        self.request_id, self.prompt_ids, self.tokens = request_id, tokens, tokens
+        self.block_table, self.num_computed = BlockTable(4), 0
+
+
+def _written_down(cache, tiers, prefix, tokens: list[int]) -> torch.Tensor:
+    """A sequence's 4 full blocks computed (random KV), cached, written to disk and evicted from the pool: their
+    KV [4, L, 2, bs, H, D]."""
+    seq = _Seq("writer", tokens)
+    seq.block_table.ensure_capacity(prefix.pool, len(tokens))
+    kv = torch.randn(4, *tiers.block_shape)
+    cache.write_blocks(seq.block_table.blocks[:4], kv)
+    prefix.commit(seq, 16)
+    tiers.flush()
+    seq.block_table.release(prefix.pool)
+    prefix.forget("writer")
+    for _ in range(2):  # every free block taken and given back: the cached ones are evicted
+        prefix.pool.free(prefix.pool.allocate(prefix.pool.num_free))
+    return kv
+
+
+def test_a_background_load_fills_its_blocks_and_caches_them_when_finished(tmp_path):
+    cache, tiers, pool, prefix = _cache_and_tiers(tmp_path)
+    try:
+        tokens = list(range(3, 20))
+        kv = _written_down(cache, tiers, prefix, tokens)
+        assert pool.cached_run(block_hashes(tokens[:16], 4, b"s")) == 0 and len(tiers.disk) == 4
+        seq = _Seq("reader", tokens)
+        prefix.attach(seq, load_tiers=False)
+        assert prefix.load_from_tiers(seq, in_background=True) == 16 and seq.num_computed == 16
+        assert pool.num_cached == 0  # not cached (findable by others) before its KV is written
+        assert prefix.finish_load(seq)
+        assert torch.equal(cache.read_blocks(seq.block_table.blocks), kv)
+        assert pool.num_cached == 4 and tiers.disk.stats.read_ahead == 4 and prefix.stats.tier_hits == 16
+        seq.block_table.release(pool)
+        prefix.forget("reader")
+        assert prefix.num_tracked == 0 and tiers.read_ahead_held() == (0, 0)
+    finally:
+        tiers.close()
+
+
+def test_a_background_load_that_meets_a_corrupt_block_fails_and_is_not_counted(tmp_path):
+    cache, tiers, pool, prefix = _cache_and_tiers(tmp_path)
+    try:
+        tokens = list(range(3, 20))
+        _written_down(cache, tiers, prefix, tokens)
+        h = block_hashes(tokens[:16], 4, b"s")[2]
+        with open(os.path.join(tiers.disk.directory, f"{h:016x}.kv"), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\xff")
+        seq = _Seq("reader", tokens)
+        prefix.attach(seq, load_tiers=False)
+        assert prefix.load_from_tiers(seq, in_background=True) == 16  # found on disk: the corruption is seen later
+        assert not prefix.finish_load(seq)  # two blocks loaded, the third corrupt: the sequence cannot run
+        assert pool.num_cached == 2 and prefix.stats.hits == 0 and prefix.stats.tier_hits == 0
+        assert tiers.disk.stats.corrupt == 1 and h not in tiers.disk
+        seq.block_table.release(pool)
+        prefix.forget("reader")
+        assert prefix.num_tracked == 0
+    finally:
+        tiers.close()
+
+
+def test_a_request_dropped_while_its_load_runs_gets_no_write_after(tmp_path):
+    cache, tiers, pool, prefix = _cache_and_tiers(tmp_path)
+    try:
+        tokens = list(range(3, 20))
+        _written_down(cache, tiers, prefix, tokens)
+        gate, read = threading.Event(), tiers.disk.read
+        tiers.disk.read = lambda block_hash, n: (gate.wait(), read(block_hash, n))[1]
+        seq = _Seq("reader", tokens)
+        prefix.attach(seq, load_tiers=False)
+        prefix.load_from_tiers(seq, in_background=True)
+        blocks = list(seq.block_table.blocks)
+        cache.write_blocks(blocks, torch.zeros(len(blocks), *tiers.block_shape))
+        threading.Timer(0.05, gate.set).start()
+        prefix.forget("reader")  # waits for the read under way; its write does not happen
+        seq.block_table.release(pool)
+        assert torch.count_nonzero(cache.read_blocks(blocks)) == 0
+        assert prefix.num_tracked == 0 and tiers.read_ahead_held() == (0, 0) and pool.num_cached == 0
+    finally:
+        tiers.close()

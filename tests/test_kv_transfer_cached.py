@@ -1,12 +1,14 @@
 """KV transfer into a decode worker that holds part of the prompt cached: two real processes over gloo, a
 PrefillWorker and a DecodeWorker. The decode worker served an earlier turn of the conversation, so it holds
 that turn's KV; the next turn's transfer skips those blocks (fewer bytes on the wire, counted by the
-sender) and the output is token for token the reference engine's."""
+sender) and the output is token for token the reference engine's. With a disk tier below a pool too small to keep
+that turn, the decode worker loads its blocks from disk while the rest of the prompt is prefilled and sent."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from decode_worker.config import DecodeWorkerConfig, SpeculationConfig
@@ -49,12 +51,19 @@ def prefill_proc(ckpt, rdv, prompt_q, done_q):
     return {"transferred": transferred, "failed": failed, "bytes": worker.sender.stats.bytes}
 
 
-def decode_proc(ckpt, rdv, prompt_q, done_q):
+DISK_READ_DELAY_S = 0.04  # per block: a disk slower than this VM's page cache, so the load visibly runs beside
+
+
+def decode_proc(ckpt, rdv, prompt_q, done_q, disk_dir=None):
     from decode_worker.messages import DecodeRequest
     from decode_worker.worker import DecodeWorker
+    from modeling.instance_config import KVTiersConfig
 
-    cfg = DecodeWorkerConfig(dtype="float32", kv_cache_tokens=2048, attention_backend="torch", profile_on_start=False,
-                             speculation=SpeculationConfig(budget=32, sink_tokens=4, k_policy="fixed", k=3))
+    tiers = {} if disk_dir is None else \
+        {"kv_cache_tokens": 384, "kv_tiers": KVTiersConfig(host_memory_mb=0, disk_dir=disk_dir, disk_mb=16)}
+    cfg = DecodeWorkerConfig(**{"dtype": "float32", "kv_cache_tokens": 2048, "attention_backend": "torch",
+                                "profile_on_start": False, **tiers,
+                                "speculation": SpeculationConfig(budget=32, sink_tokens=4, k_policy="fixed", k=3)})
     worker = DecodeWorker(ckpt, cfg, "decode-0", CONFIG)
     worker.connect("prefill-0", rdv)
 
@@ -69,23 +78,40 @@ def decode_proc(ckpt, rdv, prompt_q, done_q):
     first, question = turns()
     out1 = [t for d in worker.add_local("turn-1", first, PARAMS) for t in d.token_ids] + drain("turn-1")
     second = first + out1 + question
-    hits = worker.prefix_cache.stats.hits
+    tiers = worker.prefix_cache.tiers
+    if tiers is not None:  # two other prompts push turn 1 out of the pool: it is left on disk, read slowly
+        g = torch.Generator().manual_seed(5)
+        for i in range(2):
+            worker.add_local(f"other-{i}", torch.randint(2, 384, (200,), generator=g).tolist(), PARAMS)
+            drain(f"other-{i}")
+        tiers.flush()
+        read = tiers.disk.read
+        tiers.disk.read = lambda block_hash, n: (time.sleep(DISK_READ_DELAY_S), read(block_hash, n))[1]
+    hits, tier_hits = worker.prefix_cache.stats.hits, worker.prefix_cache.stats.tier_hits
+    t0 = time.perf_counter()
     assert worker.add_remote(DecodeRequest("turn-2", tuple(second), PARAMS))
+    admit_s = time.perf_counter() - t0
     held = len(worker.requests["turn-2"].seq.block_table.blocks)
     prompt_q.put(("turn-2", second))
     out2 = drain("turn-2")  # the first token came with the KV: the deltas carry the rest
     done_q.put(True)
+    disk = tiers.disk.stats if tiers is not None else None
     return {"out1": out1, "second": second, "out2": out2, "cached": worker.prefix_cache.stats.hits - hits,
-            "held": held, "free": worker.pool.num_free == worker.pool.num_blocks}
+            "tier_hits": worker.prefix_cache.stats.tier_hits - tier_hits, "admit_s": admit_s,
+            "read_in_background": disk.read_ahead if disk else 0, "disk_hits": disk.hits if disk else 0,
+            "held": held, "free": worker.pool.num_free == worker.pool.num_blocks,
+            "idle": worker.prefix_cache.num_tracked == 0 and (tiers is None or tiers.read_ahead_held() == (0, 0))}
 
 
-def test_a_transfer_skips_the_blocks_the_decode_worker_holds_cached(llama_dir):
+@pytest.mark.parametrize("from_disk", [False, True], ids=["pool", "disk-tier"])
+def test_a_transfer_skips_the_blocks_the_decode_worker_holds_cached(llama_dir, tmp_path, from_disk):
     store, rdv = Rendezvous.host_store()
     ctx = context()
     args = dict(ckpt=llama_dir, rdv=rdv, prompt_q=ctx.Queue(), done_q=ctx.Queue())
-    out = run_procs({"prefill": (prefill_proc, args), "decode": (decode_proc, args)}, timeout_s=150)
+    decode_args = {**args, "disk_dir": str(tmp_path) if from_disk else None}
+    out = run_procs({"prefill": (prefill_proc, args), "decode": (decode_proc, decode_args)}, timeout_s=150)
     pre, dec = out["prefill"], out["decode"]
-    assert pre["failed"] == [] and pre["transferred"] == ["turn-2"] and dec["free"]
+    assert pre["failed"] == [] and pre["transferred"] == ["turn-2"] and dec["free"] and dec["idle"]
     assert dec["held"] == -(-(len(dec["second"]) + 1) // BLOCK)  # cached blocks + new ones: prompt and a step
 
     engine = ReferenceEngine(llama_dir, EngineConfig(dtype="float32", attention_backend="torch", prefix_caching=False))
@@ -102,4 +128,7 @@ def test_a_transfer_skips_the_blocks_the_decode_worker_holds_cached(llama_dir):
         loaded_config.head_dim * 4  # K and V, every layer, float32
     prompt_blocks = -(-len(dec["second"]) // BLOCK)
     assert pre["bytes"] == (prompt_blocks - skipped) * per_block  # only the blocks it lacked went over the wire
+    if from_disk:  # every one of them from disk, read and written beside the worker's steps, not in its admission
+        assert dec["tier_hits"] == skipped * BLOCK and dec["read_in_background"] == skipped == dec["disk_hits"]
+        assert dec["admit_s"] < skipped * DISK_READ_DELAY_S / 2, dec["admit_s"]
     del store

@@ -7,7 +7,9 @@ it in the host tier and queues it for the writer thread, which writes it to the 
 store off the step. A load takes each block from the host tier, else from its file (checked), else from the
 store (checked), and writes them into the given blocks. A prompt that waits to be scheduled has the blocks only
 the disk tier or the store holds read ahead on a thread of their own (``read_ahead``,
-:class:`~modeling.kv_tiers.read_ahead.ReadAhead`), so its load copies them from host memory.
+:class:`~modeling.kv_tiers.read_ahead.ReadAhead`), so its load copies them from host memory; a decode
+instance's load for a prompt whose rest arrives from a prefill instance runs wholly on that thread
+(``start_load`` / ``finish_load``).
 
 Keys: a block's content hash already covers its tokens, every token before it, the model path, dtype and
 block size (the prefix cache's salt); the disk tier's directory and the store's key prefix add a fingerprint
@@ -29,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from modeling.kv_cache import KVCacheSpec
+from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.instance_config import KVTiersConfig
 from modeling.kv_tiers.disk import DiskTier
 from modeling.kv_tiers.events import DISK, HOST, STORE, TierEvents
@@ -177,6 +179,59 @@ class KVTiers:
         """(requests with blocks being read or held ahead, the bytes held): both 0 once every request ended."""
         ahead = self._read_ahead
         return (0, 0) if ahead is None else (len(ahead), ahead.held_bytes)
+
+    def start_load(self, request_id: str, hashes: Sequence[int], blocks: Sequence[int]) -> bool:
+        """Load as :meth:`load` does, in the background: the blocks the host tier holds now are taken at once,
+        the rest read on the read-ahead thread, which then writes them all into ``blocks`` (which no step may
+        read until :meth:`finish_load`). False, nothing started, where that cannot run beside the worker's
+        steps (no disk tier or store, no read-ahead, or a sharded tensor-parallel cache, whose writes are
+        collectives): the caller loads."""
+        if self._read_ahead is None or not isinstance(self.cache, PagedKVCache):
+            return False
+        self._wait_for_copies()
+        from_host = {h: self.host.get(h) for h in hashes if self.host is not None and h in self.host}
+
+        def write(read: ReadResult) -> list[str]:
+            parts, tiers = [], []
+            for h in hashes:
+                kv = from_host.get(h)
+                got = read.blocks.get(h) if kv is None else None
+                if kv is None and got is None:
+                    break
+                parts.append(kv if kv is not None else got.kv)
+                tiers.append(HOST if kv is not None else got.tier)
+            if parts:
+                self.cache.write_blocks(list(blocks[:len(parts)]), torch.stack(parts))
+            return tiers
+        return self._read_ahead.submit(request_id, hashes, skip=from_host.keys(), then=write)
+
+    def finish_load(self, request_id: str) -> int:
+        """Wait for the request's :meth:`start_load` to be written; how many of its blocks, from the first, were
+        loaded (the rest were missing or failed their checks, or the write failed)."""
+        t0 = time.perf_counter()
+        read = self._read_ahead.take(request_id)
+        waited = time.perf_counter() - t0
+        if read.error:
+            log.warning("kv tiers: loading %s failed: %s", request_id, read.error)
+            return 0
+        loaded: list[str] = read.done_with or []
+        by_name = self._by_name()
+        for name in loaded:
+            stats = by_name[name].stats
+            stats.hits += 1
+            stats.bytes_in += self.block_bytes
+            stats.load_s += waited / len(loaded)
+        for h, got in read.blocks.items():
+            self._promote_read(h, got.kv)
+            stats = by_name[got.tier].stats
+            stats.read_ahead += 1
+            stats.read_ahead_s += got.seconds
+        return len(loaded)
+
+    def abandon_load(self, request_id: str) -> None:
+        """Stop the request's :meth:`start_load`: once this returns nothing writes into its blocks."""
+        if self._read_ahead is not None:
+            self._read_ahead.cancel(request_id)
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int], request_id: str = "") -> int:
         """Write the KV of ``hashes[i]`` into ``blocks[i]``, from the first until one is missing (evicted since
