@@ -218,64 +218,66 @@ def _written_down(cache, tiers, prefix, tokens: list[int]) -> torch.Tensor:
     return kv
 
 
-def test_a_background_load_fills_its_blocks_and_caches_them_when_finished(tmp_path):
+def _loading(prefix, tokens: list[int]) -> tuple[_Seq, int]:
+    """A sequence over ``tokens`` attached, its tiers' blocks loading in the background: (it, the tokens they
+    cover)."""
+    seq = _Seq("reader", tokens)
+    prefix.attach(seq, load_tiers=False)
+    return seq, prefix.load_from_tiers(seq, in_background=True)
+
+
+def _ended(prefix, seq) -> None:
+    seq.block_table.release(prefix.pool)
+    prefix.forget(seq.request_id)
+
+
+@pytest.fixture
+def written(tmp_path):
+    """(cache, tiers, pool, prefix cache, tokens, their 4 blocks' KV): the blocks on disk only."""
     cache, tiers, pool, prefix = _cache_and_tiers(tmp_path)
-    try:
-        tokens = list(range(3, 20))
-        kv = _written_down(cache, tiers, prefix, tokens)
-        assert pool.cached_run(block_hashes(tokens[:16], 4, b"s")) == 0 and len(tiers.disk) == 4
-        seq = _Seq("reader", tokens)
-        prefix.attach(seq, load_tiers=False)
-        assert prefix.load_from_tiers(seq, in_background=True) == 16 and seq.num_computed == 16
-        assert pool.num_cached == 0  # not cached (findable by others) before its KV is written
-        assert prefix.finish_load(seq)
-        assert torch.equal(cache.read_blocks(seq.block_table.blocks), kv)
-        assert pool.num_cached == 4 and tiers.disk.stats.read_ahead == 4 and prefix.stats.tier_hits == 16
-        seq.block_table.release(pool)
-        prefix.forget("reader")
-        assert prefix.num_tracked == 0 and tiers.read_ahead_held() == (0, 0)
-    finally:
-        tiers.close()
+    tokens = list(range(3, 20))
+    kv = _written_down(cache, tiers, prefix, tokens)
+    yield cache, tiers, pool, prefix, tokens, kv
+    tiers.close()
 
 
-def test_a_background_load_that_meets_a_corrupt_block_fails_and_is_not_counted(tmp_path):
-    cache, tiers, pool, prefix = _cache_and_tiers(tmp_path)
-    try:
-        tokens = list(range(3, 20))
-        _written_down(cache, tiers, prefix, tokens)
-        h = block_hashes(tokens[:16], 4, b"s")[2]
-        with open(os.path.join(tiers.disk.directory, f"{h:016x}.kv"), "r+b") as f:
-            f.seek(-1, os.SEEK_END)
-            f.write(b"\xff")
-        seq = _Seq("reader", tokens)
-        prefix.attach(seq, load_tiers=False)
-        assert prefix.load_from_tiers(seq, in_background=True) == 16  # found on disk: the corruption is seen later
-        assert not prefix.finish_load(seq)  # two blocks loaded, the third corrupt: the sequence cannot run
-        assert pool.num_cached == 2 and prefix.stats.hits == 0 and prefix.stats.tier_hits == 0
-        assert tiers.disk.stats.corrupt == 1 and h not in tiers.disk
-        seq.block_table.release(pool)
-        prefix.forget("reader")
-        assert prefix.num_tracked == 0
-    finally:
-        tiers.close()
+def test_a_background_load_fills_its_blocks_and_caches_them_when_finished(written):
+    cache, tiers, pool, prefix, tokens, kv = written
+    assert pool.cached_run(block_hashes(tokens[:16], 4, b"s")) == 0 and len(tiers.disk) == 4
+    seq, covered = _loading(prefix, tokens)
+    assert covered == 16 and seq.num_computed == 16
+    assert pool.num_cached == 0  # not cached (findable by others) before its KV is written
+    assert prefix.finish_load(seq)
+    assert torch.equal(cache.read_blocks(seq.block_table.blocks), kv)
+    assert pool.num_cached == 4 and tiers.disk.stats.read_ahead == 4 and prefix.stats.tier_hits == 16
+    _ended(prefix, seq)
+    assert prefix.num_tracked == 0 and tiers.read_ahead_held() == (0, 0)
 
 
-def test_a_request_dropped_while_its_load_runs_gets_no_write_after(tmp_path):
-    cache, tiers, pool, prefix = _cache_and_tiers(tmp_path)
-    try:
-        tokens = list(range(3, 20))
-        _written_down(cache, tiers, prefix, tokens)
-        gate, read = threading.Event(), tiers.disk.read
-        tiers.disk.read = lambda block_hash, n: (gate.wait(), read(block_hash, n))[1]
-        seq = _Seq("reader", tokens)
-        prefix.attach(seq, load_tiers=False)
-        prefix.load_from_tiers(seq, in_background=True)
-        blocks = list(seq.block_table.blocks)
-        cache.write_blocks(blocks, torch.zeros(len(blocks), *tiers.block_shape))
-        threading.Timer(0.05, gate.set).start()
-        prefix.forget("reader")  # waits for the read under way; its write does not happen
-        seq.block_table.release(pool)
-        assert torch.count_nonzero(cache.read_blocks(blocks)) == 0
-        assert prefix.num_tracked == 0 and tiers.read_ahead_held() == (0, 0) and pool.num_cached == 0
-    finally:
-        tiers.close()
+def test_a_background_load_that_meets_a_corrupt_block_fails_and_is_not_counted(written):
+    _, tiers, pool, prefix, tokens, _ = written
+    h = block_hashes(tokens[:16], 4, b"s")[2]
+    with open(os.path.join(tiers.disk.directory, f"{h:016x}.kv"), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xff")
+    seq, covered = _loading(prefix, tokens)
+    assert covered == 16  # found on disk: the corruption is seen when read
+    assert not prefix.finish_load(seq)  # two blocks loaded, the third corrupt: the sequence cannot run
+    assert pool.num_cached == 2 and prefix.stats.hits == 0 and prefix.stats.tier_hits == 0
+    assert tiers.disk.stats.corrupt == 1 and h not in tiers.disk
+    _ended(prefix, seq)
+    assert prefix.num_tracked == 0
+
+
+def test_a_request_dropped_while_its_load_runs_gets_no_write_after(written):
+    cache, tiers, pool, prefix, tokens, _ = written
+    gate, read = threading.Event(), tiers.disk.read
+    tiers.disk.read = lambda block_hash, n: (gate.wait(), read(block_hash, n))[1]
+    seq, _ = _loading(prefix, tokens)
+    blocks = list(seq.block_table.blocks)
+    cache.write_blocks(blocks, torch.zeros(len(blocks), *tiers.block_shape))
+    threading.Timer(0.05, gate.set).start()
+    prefix.forget("reader")  # waits for the read under way; its write does not happen
+    seq.block_table.release(pool)
+    assert torch.count_nonzero(cache.read_blocks(blocks)) == 0
+    assert prefix.num_tracked == 0 and tiers.read_ahead_held() == (0, 0) and pool.num_cached == 0
