@@ -437,12 +437,13 @@ class DecodeSim(_Instance):
         self.arriving: set[int] = set()  # requests whose prefill instance began sending their KV, until it lands
         self.k_counts: dict[int, int] = {}
 
-    def reserve(self, req: SimRequest) -> bool:
-        """Hold the request with blocks for its prompt and a step, from its cached prefix on."""
+    def reserve(self, req: SimRequest, kv_sent: bool = False) -> bool:
+        """Hold the request with blocks for its prompt and a step, from its cached prefix on; ``kv_sent``: the
+        rest of its KV comes from a prefill instance (the tiers' blocks load meanwhile, beside the steps)."""
         seq = SimSequence(req, self.block_size)
         # as the worker admits: the cached prefix (pool, then tiers once the rest fits) in the one allocation
         cached_upto = req.prompt_tokens - 1 if self.prefix_cache is not None else None
-        if not self.scheduler.reserve(seq, req.prompt_tokens, cached_upto=cached_upto):
+        if not self.scheduler.reserve(seq, req.prompt_tokens, cached_upto=cached_upto, load_in_background=kv_sent):
             return False
         req.decode_cached = seq.num_computed
         self.seqs[req.index] = seq
@@ -484,7 +485,10 @@ class DecodeSim(_Instance):
 
     def admit(self, req: SimRequest) -> None:
         self.arriving.discard(req.index)
-        self.ready.append(self.seqs[req.index])
+        seq = self.seqs[req.index]
+        if self.prefix_cache is not None:
+            self.prefix_cache.finish_load(seq)  # its blocks from the tiers, cached in the pool from now on
+        self.ready.append(seq)
         self.kick()
 
     def release(self, req: SimRequest) -> None:

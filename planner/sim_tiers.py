@@ -5,7 +5,10 @@ cluster's store), as content hashes only, and what loading them back costs.
 prefix caches hand it every block they cache and ask it for the blocks after their pool's cached run, exactly
 as a serving instance's ``KVTiers`` is asked. It keeps up to ``capacity_tokens`` of blocks, least recently used
 evicted first, and counts what it loads; the instance adds the load time, at ``load_gb_per_s``, to its next
-step (a serving instance loads on its worker thread before the pass). With ``SimTierConfig.shared`` every
+step (a serving instance loads on its worker thread before the pass), except a decode instance's load for a
+prompt whose KV a prefill instance sends, which a serving instance runs beside its steps while the rest is
+prefilled and sent (``start_load``: taken to be done by the time the KV lands, so no step pays it). Reading
+ahead for a waiting prompt is not modelled: each of its loads is paid whole by the step that takes it. With ``SimTierConfig.shared`` every
 instance's ``SimTiers`` reads and writes one set of hashes (the cluster's store), each paying its own loads.
 Pure Python.
 """
@@ -56,6 +59,7 @@ class SimTiers:
         self.loaded_tokens = 0  # since the start
         self.evicted_blocks = 0
         self._pending_tokens = 0  # loaded since the last step took their time
+        self._started: dict[str, int] = {}  # request id -> blocks its background load brings
 
     def __len__(self) -> int:
         return len(self._held)
@@ -74,6 +78,21 @@ class SimTiers:
 
     def cancel_read_ahead(self, request_id: str) -> None:
         pass
+
+    def start_load(self, request_id: str, hashes: Sequence[int], blocks: Sequence[int]) -> bool:
+        """A load beside the instance's steps: counted, and paid by no step."""
+        n = self.find(hashes[:len(blocks)])
+        for h in hashes[:n]:
+            self._held.move_to_end(h)
+        self.loaded_tokens += n * self.block_size
+        self._started[request_id] = n
+        return True
+
+    def finish_load(self, request_id: str) -> int:
+        return self._started.pop(request_id, 0)
+
+    def abandon_load(self, request_id: str) -> None:
+        self._started.pop(request_id, None)
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int], request_id: str = "") -> int:
         n = self.find(hashes[:len(blocks)])

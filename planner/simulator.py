@@ -540,7 +540,7 @@ class Simulation:
             return
         if self.config.load_aware is not None and prefill_on_decode(self, req):
             return
-        if first.reserve(req):
+        if first.reserve(req, kv_sent=True):
             # contacted together with a prefill instance: prefill starts now, and the hold (answered between
             # decode steps) is in place before the KV can land, which joins the batch at a step boundary anyway
             self._start(req, first)
@@ -593,7 +593,7 @@ class Simulation:
 
     def _reserve(self, req: SimRequest) -> bool:
         for d in self._decode_order(req):
-            if d.reserve(req):
+            if d.reserve(req, kv_sent=True):
                 self._start(req, d)
                 return True
         return False

@@ -149,6 +149,36 @@ def test_tiers_bring_back_documents_the_pools_evicted_and_their_loads_take_time(
     assert ttft["fast"] < ttft["pools"] < ttft["slow"]
 
 
+def test_a_decode_instance_loads_a_prompt_sent_to_it_beside_its_steps():
+    """A decode pool that holds one document: a question on the other finds it in the decode instance's tiers,
+    whose load runs while the prefill instance computes the question (``SimTiers.start_load``): counted, and
+    paid by none of the decode instance's steps, while the prefill instance's loads are paid by its steps."""
+    from planner.sim_tiers import SimTierConfig
+
+    shape = SharedDocsShape(documents=2, questions=4, document=LengthDist(2000, 0.0, 2000, 2000),
+                            question=LengthDist(300, 0.0, 300, 300))
+    trace = shared_docs_trace(shape, rate=0.5, seed=2)
+    cfg = SimConfig("disaggregated", prefill=PoolPlan(1, 1, 2560, 512, 16), decode=PoolPlan(1, 1, 2560, 1, 2),
+                    speculation=NO_SPECULATION, prefix_caching=PrefixRouting(True, 1.0),
+                    tiers=SimTierConfig(8192, 1.0, 131072))
+    sim = Simulation(make_profile(), cfg)
+    paid = {"prefill": 0.0, "decode": 0.0}
+    for role, inst in (("prefill", sim.prefill[0]), ("decode", sim.decode[0])):
+        tiers, take = inst.prefix_cache.tiers, inst.prefix_cache.tiers.take_load_seconds
+
+        def taking(role=role, take=take):
+            seconds = take()
+            paid[role] += seconds
+            return seconds
+        tiers.take_load_seconds = taking
+    result = sim.run(trace)
+    assert all(rec.finished for rec in result.records)
+    assert_idle(sim)
+    decode_tiers = sim.decode[0].prefix_cache.tiers
+    assert decode_tiers.loaded_tokens >= 2000 and sim.decode[0].prefix_cache.stats.tier_hits >= 2000
+    assert paid["decode"] == 0.0 and paid["prefill"] > 0.0
+
+
 def test_a_shared_store_serves_every_instance_and_each_pays_its_own_loads():
     """``SimTierConfig.shared``: one store for the cluster; what one instance saved another finds and loads, the
     load time on the loader's next step only; and a whole simulation over it serves every request."""
