@@ -1,10 +1,11 @@
 """Autoregressive decode-step latency against its roofline.
 
 For batch x context cells, times one decode step (one new token per sequence) of a ~30M-parameter
-Llama in bfloat16 over a paged KV cache, and compares it with the step's roofline, the larger of
+Llama over a paged KV cache (``--dtype``, default ``auto``: bfloat16 on GPUs and on CPUs that compute it
+natively, float32 on the other CPUs, where bf16 matrix products are emulated), and compares it with the step's roofline, the larger of
     (weight bytes + KV bytes read per step) / read bandwidth      (memory bound)
     step FLOPs / matmul rate                                      (compute bound)
-where the read bandwidth (a reduction over a large tensor) and the matmul rate (a large bf16 GEMM) are
+where the read bandwidth (a reduction over a large tensor) and the matmul rate (a large GEMM in the dtype) are
 measured in the same run, on the same device and threads. Step FLOPs: 2 per weight per sequence for the
 matrices, plus 4 x heads x head_dim per cached position per layer per sequence for attention (scores
 and the weighted sum). The KV content is random: step cost depends on sizes, not values.
@@ -41,6 +42,7 @@ from modeling.block_pool import BlockPool, BlockTable
 from modeling.compiled_step import CompiledSteps
 from modeling.config import ModelConfig
 from modeling.cpu_linear import unroute, use_skinny_linear
+from modeling.dtype_choice import choose_dtype
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.model import CausalLM
 from modeling.runner import ModelRunner, StepInput
@@ -244,6 +246,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (flash needs cuda and a block size of 256)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="auto: as model.dtype auto chooses on the device (modeling/dtype_choice.py)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "decode_step"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -252,19 +256,21 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device: CUDA requested but no CUDA device is available")
 
+    choice = choose_dtype(args.dtype, device.type)
+    args.dtype, dtype = choice.dtype, getattr(torch, choice.dtype)
+    print(f"dtype {choice.describe()}")
     config = ModelConfig.from_hf_dict(BENCH_CONFIG)
-    model = CausalLM(config).to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
-    spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                       args.block_size, torch.bfloat16)
+    model = CausalLM(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, args.block_size, dtype)
     max_tokens = max(args.batches) * (max(args.contexts) + args.block_size)
     num_blocks = -(-max_tokens // args.block_size)
-    print(f"model {config.num_parameters() / 1e6:.1f}M params bf16; KV cache {num_blocks * spec.bytes_per_block / 2**30:.2f} GiB")
+    print(f"model {config.num_parameters() / 1e6:.1f}M params {args.dtype}; KV cache {num_blocks * spec.bytes_per_block / 2**30:.2f} GiB")
     cache = PagedKVCache(spec, num_blocks, device, scratch_blocks=1)  # the scratch block: --compile on CUDA
     cache.kv.normal_()
     pool = BlockPool(num_blocks, args.block_size)
     bandwidth = read_bandwidth(device=device)
-    rate = matmul_rate(device=device)
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 matmul {rate / 1e9:.1f} GFLOP/s on {device_label(device)}, "
+    rate = matmul_rate(device=device, dtype=dtype)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul {rate / 1e9:.1f} GFLOP/s on {device_label(device)}, "
           f"threads {args.threads}")
 
     rows = []
@@ -290,7 +296,7 @@ def main() -> None:
         timed += [(name, runner, batch, context, step, part) for (name, runner), step, part in zip(runners, steps, parts)]
     # the machine's limits, measured again after the cells: a shared host's bandwidth drifts, and the roofline
     # takes the best each reached
-    bandwidths, rates = [bandwidth, read_bandwidth(device=device)], [rate, matmul_rate(device=device)]
+    bandwidths, rates = [bandwidth, read_bandwidth(device=device)], [rate, matmul_rate(device=device, dtype=dtype)]
     bandwidth, rate = max(bandwidths), max(rates)
     print(f"read bandwidth {' / '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s, matmul "
           f"{' / '.join(f'{r / 1e9:.1f}' for r in rates)} GFLOP/s (before / after the cells)")
@@ -336,7 +342,7 @@ def write_outputs(args, model: CausalLM, config: ModelConfig, device: torch.devi
         "machine": device_label(device), "device": str(device), "cpus": os.cpu_count(), "threads": args.threads,
         "torch": torch.__version__, "read_bandwidth_gbps": bandwidth / 1e9, "matmul_gflops": rate / 1e9,
         "read_bandwidth_runs_gbps": [b / 1e9 for b in bandwidths], "matmul_runs_gflops": [r / 1e9 for r in rates],
-        "dtype": "bfloat16",
+        "dtype": args.dtype,
         "params_m": config.num_parameters() / 1e6, "block_size": args.block_size, "repeats": args.repeats,
         "command": "python benchmarks/decode_step.py " + " ".join(sys.argv[1:]),
     }
@@ -346,9 +352,9 @@ def write_outputs(args, model: CausalLM, config: ModelConfig, device: torch.devi
     where = f"{args.threads} threads" if device.type == "cpu" else f"{meta['machine']} ({device})"
     with open(args.out + ".md", "w") as f:
         f.write(f"# Decode step vs its roofline\n\n`{meta['command']}`  \n"
-                f"{meta['params_m']:.1f}M-param Llama, bf16, {where}, measured in this run before and after the "
+                f"{meta['params_m']:.1f}M-param Llama, {meta['dtype']}, {where}, measured in this run before and after the "
                 f"cells, the better of each taken: read bandwidth {' / '.join(f'{b:.1f}' for b in meta['read_bandwidth_runs_gbps'])} "
-                f"GB/s, bf16 matmul {' / '.join(f'{r:.1f}' for r in meta['matmul_runs_gflops'])} GFLOP/s; median of "
+                f"GB/s, {meta['dtype']} matmul {' / '.join(f'{r:.1f}' for r in meta['matmul_runs_gflops'])} GFLOP/s; median of "
                 f"{args.repeats}, the backends of a cell timed in alternation. Roofline: the larger of (weight + KV "
                 "bytes) / read bandwidth and step FLOPs / matmul rate.\n\n"
                 "| backend | batch | context | ms/step | tokens/s | memory ms | compute ms | roofline / measured |\n"

@@ -6,7 +6,8 @@ bandwidth (``benchmarks/decode_step.py`` measures both). :func:`use_skinny_linea
 ``nn.Linear`` layers through the kernel (``modeling/attention/csrc/skinny_linear.cpp``) for inputs of at
 most :data:`MAX_ROWS` rows, leaving larger steps (prefill chunks, big batches) to torch, and is applied from
 outside the model like tensor parallelism. It runs with the ``cpu`` attention backend (the same extension),
-on CPUs with AVX512-BF16; elsewhere every layer stays on torch.
+on CPUs with AVX512-BF16 that torch's kernels may use (the ISA caps ``modeling/dtype_choice.py`` honours);
+elsewhere every layer stays on torch.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from modeling.attention.cpu_kernel import cpu_kernel_available, load_cpu_kernel
+from modeling.dtype_choice import cpu_native_bf16
 
 # Steps with more rows than this go to torch's GEMM (measured faster at 16 rows, break-even near 32).
 MAX_ROWS = 16
 
 
 def skinny_linear_available() -> bool:
-    """True when the CPU extension is built and this CPU has the kernel's instructions."""
-    return cpu_kernel_available() and bool(load_cpu_kernel().skinny_linear_supported())
+    """True when the CPU extension is built, this CPU has the kernel's instructions and no ISA cap set for torch
+    (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) keeps it off them."""
+    return cpu_kernel_available() and bool(load_cpu_kernel().skinny_linear_supported()) and cpu_native_bf16()[0]
 
 
 def _eligible(module: nn.Module) -> bool:

@@ -7,8 +7,9 @@ picks:
 
 * on CUDA, bfloat16 where the GPU computes it (compute capability 8.0 and later), float16 on older GPUs;
   a controller without a GPU of its own plans CUDA pools in bfloat16 (every GPU since the A100);
-* on CPU, bfloat16 where the CPU has native bf16 arithmetic and oneDNN may use it (``ONEDNN_MAX_CPU_ISA``
-  below ``AVX512_CORE_BF16`` forbids it), float32 elsewhere.
+* on CPU, bfloat16 where the CPU has native bf16 arithmetic and torch's kernels may use it
+  (``ONEDNN_MAX_CPU_ISA`` below ``AVX512_CORE_BF16``, or ``ATEN_CPU_CAPABILITY`` below ``avx512``, forbids
+  it), float32 elsewhere. The CPU extension's bf16 kernel (``modeling/cpu_linear.py``) honours the same caps.
 
 Every choice carries its reason, which ``magicserve serve`` prints on its first line and ``magicserve status``
 reports. An explicit ``float32``, ``bfloat16`` or ``float16`` is taken as it is.
@@ -23,6 +24,8 @@ AUTO = "auto"
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which its bf16 kernels emulate bf16 in float32
 _ONEDNN_ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
                                        "AVX512_CORE_VNNI"})
+# ATEN_CPU_CAPABILITY values that keep torch's own kernels (and the code torch.compile generates) off AVX-512
+_ATEN_CAPS_WITHOUT_AVX512 = frozenset({"DEFAULT", "AVX2"})
 # /proc/cpuinfo flags of native bf16 arithmetic: x86 (AVX512-BF16, AMX-BF16) and Arm (FEAT_BF16)
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
@@ -63,6 +66,9 @@ def cpu_native_bf16(flags: set[str] | None = None, environ: dict | None = None) 
     cap = environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if cap in _ONEDNN_ISAS_WITHOUT_BF16:
         return False, f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off this CPU's bf16 instructions"
+    aten = environ.get("ATEN_CPU_CAPABILITY", "").strip().upper()
+    if aten in _ATEN_CAPS_WITHOUT_AVX512:
+        return False, f"ATEN_CPU_CAPABILITY={aten.lower()} keeps torch's kernels off this CPU's bf16 instructions"
     return True, f"this CPU computes bf16 natively ({', '.join(have)})"
 
 

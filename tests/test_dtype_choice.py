@@ -31,12 +31,16 @@ def test_auto_on_cpu_follows_the_native_bf16_flags(flags, dtype, words):
     assert choice.dtype == dtype and words in choice.reason
 
 
-def test_a_onednn_isa_cap_below_bf16_counts_as_no_native_bf16():
+def test_an_isa_cap_below_bf16_counts_as_no_native_bf16():
     flags = AVX512 | {"avx512_bf16"}
     capped = choose_dtype("auto", "cpu", flags=flags, environ={"ONEDNN_MAX_CPU_ISA": "avx512_core"})
     assert capped == DtypeChoice("float32", "ONEDNN_MAX_CPU_ISA=AVX512_CORE keeps oneDNN off this CPU's bf16 "
                                             "instructions")
     assert choose_dtype("auto", "cpu", flags=flags, environ={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}).dtype == "bfloat16"
+    aten = choose_dtype("auto", "cpu", flags=flags, environ={"ATEN_CPU_CAPABILITY": "avx2"})
+    assert aten == DtypeChoice("float32", "ATEN_CPU_CAPABILITY=avx2 keeps torch's kernels off this CPU's bf16 "
+                                          "instructions")
+    assert choose_dtype("auto", "cpu", flags=flags, environ={"ATEN_CPU_CAPABILITY": "avx512"}).dtype == "bfloat16"
 
 
 def test_an_explicit_dtype_is_taken_as_it_is():
