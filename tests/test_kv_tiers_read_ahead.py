@@ -180,7 +180,7 @@ def test_a_waiting_prompt_has_its_document_read_ahead_and_loaded_from_memory(lla
 
 # -- a load in the background, into blocks no step reads yet ------------------------------------------------------
 
-def _cache_and_tiers(tmp_path):
+def _cache_and_tiers(tmp_path, device: str = "cpu"):
     from modeling.block_pool import BlockPool
     from modeling.kv_cache import KVCacheSpec, PagedKVCache
     from modeling.kv_tiers.disk import DiskTier
@@ -188,7 +188,7 @@ def _cache_and_tiers(tmp_path):
     from modeling.prefix_cache import PrefixCache
 
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-    cache = PagedKVCache(spec, num_blocks=16)
+    cache = PagedKVCache(spec, num_blocks=16, device=device)
     tiers = KVTiers(cache, None, DiskTier.open(str(tmp_path), "decode-0", 1 << 20), read_ahead_bytes=1 << 20)
     pool = BlockPool(num_blocks=16, block_size=4)
     return cache, tiers, pool, PrefixCache(pool, b"s", tiers=tiers)
@@ -281,3 +281,20 @@ def test_a_request_dropped_while_its_load_runs_gets_no_write_after(written):
     seq.block_table.release(pool)
     assert torch.count_nonzero(cache.read_blocks(blocks)) == 0
     assert prefix.num_tracked == 0 and tiers.read_ahead_held() == (0, 0) and pool.num_cached == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_background_load_is_written_before_it_is_finished(tmp_path):
+    """The pool on the GPU: the background thread's copy into the cache has completed, not only been queued, once
+    ``finish_load`` returns (the worker's steps read the blocks from then on, on their own stream)."""
+    cache, tiers, pool, prefix = _cache_and_tiers(tmp_path, "cuda")
+    try:
+        tokens = list(range(3, 20))
+        kv = _written_down(cache, tiers, prefix, tokens)
+        seq, covered = _loading(prefix, tokens)
+        assert covered == 16 and prefix.finish_load(seq)
+        with torch.cuda.stream(torch.cuda.Stream()):  # read on another stream, as a step may
+            got = cache.read_blocks(seq.block_table.blocks).cpu()
+        assert torch.equal(got, kv) and pool.num_cached == 4 and tiers.disk.stats.read_ahead == 4
+    finally:
+        tiers.close()

@@ -202,6 +202,8 @@ class KVTiers:
                 tiers.append(HOST if kv is not None else got.tier)
             if parts:
                 self.cache.write_blocks(list(blocks[:len(parts)]), torch.stack(parts))
+                if self.cache.device.type == "cuda":  # written, not only queued, before the worker's steps read it
+                    torch.cuda.current_stream(self.cache.device).synchronize()
             return tiers
         return self._read_ahead.submit(request_id, hashes, skip=from_host.keys(), then=write)
 
