@@ -77,16 +77,14 @@ class LowerTiers(Protocol):
         blocks beyond its pool's), for the request's load; whether anything was queued."""
 
     def cancel_read_ahead(self, request_id: str) -> None:
-        """Drop what was read ahead for the request."""
+        """Drop what was read ahead for the request and stop its started load: nothing writes into its blocks
+        once this returns."""
 
     def start_load(self, request_id: str, hashes: Sequence[int], blocks: Sequence[int]) -> bool:
         """Start :meth:`load` in the background (False, nothing started: it cannot run there)."""
 
     def finish_load(self, request_id: str) -> int:
         """Wait for a started load; how many of its blocks, from the first, were loaded."""
-
-    def abandon_load(self, request_id: str) -> None:
-        """Stop a started load: nothing writes into its blocks once this returns."""
 
     def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """Keep the KV of ``blocks`` (final, cached under ``hashes``)."""
@@ -147,16 +145,14 @@ class PrefixCache:
         """The sequence needs every prompt position computed (its prompt's log-probabilities): no lookup."""
         self._computed_in_full.add(seq_id)
 
-    def read_ahead(self, seq, upto: int | None = None) -> bool:
-        """A sequence just queued (nothing computed, no blocks): start reading ahead the blocks of its first
-        ``upto`` tokens (default: its prompt but the last token) beyond the pool's cached prefix that only the
-        slower tiers (disk, store) hold, while it waits; whether a read was queued. Its :meth:`attach` then loads
-        them from host memory."""
+    def read_ahead(self, seq) -> bool:
+        """A sequence just queued (nothing computed, no blocks): start reading ahead the blocks of its prompt but
+        the last token beyond the pool's cached prefix that only the slower tiers (disk, store) hold, while it
+        waits; whether a read was queued. Its :meth:`attach` then loads them from host memory."""
         if self.tiers is None or seq.block_table.blocks or seq.num_computed or \
                 seq.request_id in self._computed_in_full:
             return False
-        upto = len(seq.prompt_ids) - 1 if upto is None else upto
-        hashes = block_hashes(seq.tokens[:upto], self.pool.block_size, self.salt)
+        hashes = block_hashes(seq.prompt_ids[:-1], self.pool.block_size, self.salt)
         held = self.pool.cached_run(hashes)
         return self.tiers.read_ahead(seq.request_id, hashes[held:])
 
@@ -234,12 +230,6 @@ class PrefixCache:
             return False
         return True
 
-    def abandon_load(self, seq_id: str) -> None:
-        """Before the sequence's blocks are freed: stop its background load, if any (nothing writes into them
-        once this returns)."""
-        if self._loading.pop(seq_id, None) is not None:
-            self.tiers.abandon_load(seq_id)
-
     def _count(self, seq_id: str, found: PrefixCacheStats) -> None:
         """Add what a lookup found to ``stats`` and to the sequence's own count."""
         mine = self._counted.setdefault(seq_id, PrefixCacheStats())
@@ -265,11 +255,10 @@ class PrefixCache:
     def give_back(self, seq) -> None:
         """Undo :meth:`attach` for a sequence that could not get room (it is not held here: it comes back, or goes
         elsewhere): its cached prefix released (the blocks stay cached), nothing computed, its lookup not counted."""
-        self.abandon_load(seq.request_id)
-        seq.block_table.release(self.pool)
-        seq.num_computed = 0
         self._uncount(seq.request_id)
         self.forget(seq.request_id)
+        seq.block_table.release(self.pool)
+        seq.num_computed = 0
 
     def _load_from_tiers(self, hashes: list[int], after: int | None, request_id: str) -> list[int]:
         """Fresh blocks holding the leading run of ``hashes`` the tiers hold (as many as the pool has room
@@ -304,8 +293,9 @@ class PrefixCache:
             self.tiers.save(seq.block_table.blocks[start:full], hashed[start:full])
 
     def forget(self, seq_id: str) -> None:
-        """The sequence ended: drop what was kept for it (its cached blocks stay in the pool)."""
-        self.abandon_load(seq_id)
+        """The sequence ended: drop what was kept for it (its cached blocks stay in the pool). Called before its
+        blocks are freed: a background load into them stops here."""
+        self._loading.pop(seq_id, None)
         self._hashed.pop(seq_id, None)
         self._computed_in_full.discard(seq_id)
         self._looked_up.pop(seq_id, None)

@@ -77,7 +77,7 @@ class SimTiers:
         return False
 
     def cancel_read_ahead(self, request_id: str) -> None:
-        pass
+        self._started.pop(request_id, None)
 
     def start_load(self, request_id: str, hashes: Sequence[int], blocks: Sequence[int]) -> bool:
         """A load beside the instance's steps: counted, and paid by no step."""
@@ -90,9 +90,6 @@ class SimTiers:
 
     def finish_load(self, request_id: str) -> int:
         return self._started.pop(request_id, 0)
-
-    def abandon_load(self, request_id: str) -> None:
-        self._started.pop(request_id, None)
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int], request_id: str = "") -> int:
         n = self.find(hashes[:len(blocks)])

@@ -178,12 +178,12 @@ class ReadAhead:
                     job.done.set()
 
     def _fill(self, job: _Job) -> None:
+        bounded = job.then is None
         for h in job.hashes:
             if job.cancelled or self._closed:
                 return
             if h in job.skip:
                 continue
-            bounded = job.then is None
             with self._cond:
                 if bounded and self._held_bytes + self.block_bytes > self.capacity_bytes:
                     return  # the rest is read at load time

@@ -171,7 +171,8 @@ class KVTiers:
         return self._read_ahead.submit(request_id, hashes, held)
 
     def cancel_read_ahead(self, request_id: str) -> None:
-        """Drop what is read ahead for the request (it ended, or was loaded)."""
+        """Drop what is read ahead for the request (it ended, or was loaded), and stop its :meth:`start_load`:
+        once this returns nothing writes into its blocks."""
         if self._read_ahead is not None:
             self._read_ahead.cancel(request_id)
 
@@ -229,11 +230,6 @@ class KVTiers:
             stats.read_ahead += 1
             stats.read_ahead_s += got.seconds
         return len(loaded)
-
-    def abandon_load(self, request_id: str) -> None:
-        """Stop the request's :meth:`start_load`: once this returns nothing writes into its blocks."""
-        if self._read_ahead is not None:
-            self._read_ahead.cancel(request_id)
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int], request_id: str = "") -> int:
         """Write the KV of ``hashes[i]`` into ``blocks[i]``, from the first until one is missing (evicted since
