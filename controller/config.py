@@ -233,18 +233,20 @@ class PrefixCachingSection:
     pool (``kv_tiers``: host memory, disk, the cluster's store) costs as a fraction of computing it, in that
     choice (0: free; 1: as dear as computing). ``local_prefill_tokens``: a request whose decode instance already
     holds all of its prompt (in its pool or its tiers) but at most this many tokens is prefilled there, with no
-    prefill instance involved (0: never)."""
+    prefill instance involved (0: never). ``prefill_ahead``: while a request waits for room on a decode instance,
+    an idle prefill instance computes its prompt ahead, so its full blocks are cached there when it is placed."""
 
     enabled: bool = True
     overlap_weight: float = 1.0
     local_prefill_tokens: int = 256
     tier_load_cost: float = 0.2
+    prefill_ahead: bool = True
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
-        errs = booleans(self, ("enabled",)) + integers(self, ("local_prefill_tokens",), low=0)
+        errs = booleans(self, ("enabled", "prefill_ahead")) + integers(self, ("local_prefill_tokens",), low=0)
         w = self.overlap_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
             errs.append(("overlap_weight", f"must be a number >= 0, got {w!r}"))
@@ -256,7 +258,7 @@ class PrefixCachingSection:
     def routing(self) -> PrefixRouting:
         """What the router reads of it."""
         return PrefixRouting(self.enabled, float(self.overlap_weight), self.local_prefill_tokens if self.enabled else 0,
-                             float(self.tier_load_cost))
+                             float(self.tier_load_cost), self.enabled and self.prefill_ahead)
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,13 @@ class InstanceWatch:
                 run = ctx.runs.get(rid)
                 if run is not None:
                     run.handed_off(inst)
-            for f in item.failed:
+            for f in item.failed:  # the instance holds the prompt no more
+                run = ctx.runs.get(f.request_id)
+                if run is not None:
+                    run.handed_off(inst)
                 ctx.send(f.request_id, RunFailed(f.reason, f.retryable))
+            for rid in item.ahead_ended:
+                ctx.prefill_ahead.ended(inst.name, rid)
         elif isinstance(item, TokenDelta):
             ctx.send(item.request_id, OutputArrived(item, inst))
         elif isinstance(item, PoolLoad):

@@ -33,12 +33,14 @@ class PrefixRouting:
     cached prefix; ``overlap_weight`` weighs a block to compute against a block in use; ``tier_load_cost``: what
     loading a block from a tier below the pool (host, disk, the store) costs, as a fraction of computing it; a
     request whose decode instance holds all of its prompt (in its pool or its tiers) but at most
-    ``local_prefill_tokens`` tokens is prefilled there."""
+    ``local_prefill_tokens`` tokens is prefilled there; ``prefill_ahead``: an idle prefill instance computes a
+    prompt ahead while it waits for room on a decode instance (``controller/prefill_ahead.py``)."""
 
     enabled: bool = True
     overlap_weight: float = 1.0
     local_prefill_tokens: int = 256
     tier_load_cost: float = 0.2
+    prefill_ahead: bool = True
 
 
 @dataclass(frozen=True)

@@ -238,6 +238,9 @@ class ServingMetrics:
                                        "instance (no prefill instance, no transfer): from the KV it held cached, "
                                        "under a prefill backlog, or with no prefill instance in service.",
                                        m, registry=reg).labels(model_name)
+        self._prefill_ahead = Counter(PREFIX + "prefill_ahead_passes", "Prompts an idle prefill instance was given "
+                                      "to compute ahead while they waited for room on a decode instance "
+                                      "(controller/prefill_ahead.py).", m, registry=reg).labels(model_name)
         self._load_aware = Counter(PREFIX + "load_aware_placements", "Where the load-aware policy had a prompt "
                                    "prefilled (prefill pool or decode instance) and why (controller/load_aware.py).",
                                    m + ["prefilled_on", "reason"], registry=reg)
@@ -286,6 +289,9 @@ class ServingMetrics:
 
     def local_prefill(self) -> None:
         self._local_prefills.inc()
+
+    def prefill_ahead(self) -> None:
+        self._prefill_ahead.inc()
 
     def load_aware(self, prefilled_on: str, reason: str) -> None:
         """The load-aware policy placed a prompt's prefill on ``prefilled_on`` (prefill | decode) for ``reason``."""

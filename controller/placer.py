@@ -4,11 +4,12 @@
 ``Placer.place`` hands the request to a decode instance (which reserves its KV) and the prompt to a prefill
 instance: both at once when the decode instance is thought to have room (its last hold succeeded, or a request
 has left it since), else the decode instance first, waiting for one with room (back-pressure: KV frees up as
-requests finish). A request whose decode instance holds all its prompt cached but a short suffix is prefilled
-there alone (``prefix_caching.local_prefill_tokens``), and so is every request while no prefill instance is in
-service. A request that generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance
-alone. The order of the decode instances is the rescheduling policy's (``controller/placement.py``), by the load
-each pushes and the prefix each holds cached (``controller/kv_index.py``).
+requests finish), while an idle prefill instance may compute its prompt ahead (``controller/prefill_ahead.py``).
+A request whose decode instance holds all its prompt cached but a short suffix is prefilled there alone
+(``prefix_caching.local_prefill_tokens``), and so is every request while no prefill instance is in service. A
+request that generates nothing (``max_tokens`` 0: its prompt is scored) goes to a prefill instance alone. The
+order of the decode instances is the rescheduling policy's (``controller/placement.py``), by the load each pushes
+and the prefix each holds cached (``controller/kv_index.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from controller.request_state import RequestState
 from controller.router_context import PLACEMENT_RETRY_S, RouterContext
 from controller.routing import Instance, RouterError
 from decode_worker.messages import DecodeRequest
+from modeling.params import SamplingParams
 from prefill_worker.messages import KVDestination, PrefillRequest
 
 log = logging.getLogger("magicserve.router")
@@ -66,7 +68,7 @@ class Placer:
             return
         if first is not None and await self._place_at_once(run, request, prefill, first):
             return
-        decode = await self._wait_for_room(run, request, lambda: self.decode_order(run, cached)[0])
+        decode = await self._wait_for_room(run, request, lambda: self.decode_order(run, cached)[0], compute_ahead=True)
         prefill = self.cheapest(run, ctx.prefill)
         if prefill is None:
             await self.calls.abort_on(decode, rid)
@@ -225,14 +227,19 @@ class Placer:
         return False
 
     async def _hold_when_room(self, run: RequestRun, request: DecodeRequest, decode: Instance) -> bool:
-        """Wait for ``decode`` to hold the request (``_wait_for_room``); True once it does. Raises RouterError
-        UNAVAILABLE when it fails meanwhile, RESOURCE_EXHAUSTED when it never had room."""
+        """Wait for ``decode`` to hold the request (``_wait_for_room``); True once it does, or once the prefill
+        instance gave the prompt up (its transfer withdrawn for want of room: the failure it reported runs the
+        request again). Raises RouterError UNAVAILABLE when ``decode`` fails meanwhile, RESOURCE_EXHAUSTED when it
+        never had room."""
+        prefill = run.prefill
+
         def there() -> list[Instance]:
             if decode.name in run.avoid or not decode.alive:
                 raise RouterError("UNAVAILABLE", f"{decode.name} failed while the prompt was on its way there")
             return [decode]
 
-        await self._wait_for_room(run, request, there)
+        await self._wait_for_room(run, request, there,
+                                  given_up=lambda: prefill is not None and run.request_id not in prefill.assigned)
         run.prefilling()
         return True
 
@@ -265,17 +272,45 @@ class Placer:
             self.calls.failed(inst, "submit", run.request_id, err, run)
             run.tell(RunFailed(f"submit to {inst.role} {inst.name} failed: {type(err).__name__}: {err}", True))
 
-    async def _wait_for_room(self, run: RequestRun, request: DecodeRequest,
-                             order: Callable[[], list[Instance]]) -> Instance:
+    async def _wait_for_room(self, run: RequestRun, request: DecodeRequest, order: Callable[[], list[Instance]],
+                             compute_ahead: bool = False, given_up: Callable[[], bool] | None = None) -> Instance | None:
         """The first instance of ``order()`` to hold the request, asked again every ``PLACEMENT_RETRY_S`` while
-        none has room, up to the request's timeout. Raises RouterError RESOURCE_EXHAUSTED when none had room in
-        time."""
+        none has room, up to the request's timeout (None once ``given_up()``). Raises RouterError RESOURCE_EXHAUSTED
+        when none had room in time. ``compute_ahead``: meanwhile an idle prefill instance may compute the prompt
+        ahead (``controller/prefill_ahead.py``)."""
         deadline = time.monotonic() + self.context.request_timeout_s
-        while (decode := await self.reserve_decode(run, request, order())) is None:
-            if time.monotonic() > deadline:
-                raise RouterError("RESOURCE_EXHAUSTED", "no decode instance had room for the prompt's KV in time")
-            await asyncio.sleep(PLACEMENT_RETRY_S)
+        ahead = self.context.prefill_ahead
+        if compute_ahead:
+            ahead.wait(run)
+        try:
+            while (decode := await self.reserve_decode(run, request, order())) is None:
+                if given_up is not None and given_up():
+                    return None
+                if time.monotonic() > deadline:
+                    raise RouterError("RESOURCE_EXHAUSTED", "no decode instance had room for the prompt's KV in time")
+                if compute_ahead:
+                    await self._compute_ahead(run)
+                await asyncio.sleep(PLACEMENT_RETRY_S)
+        finally:
+            ahead.leave(run)
         return decode
+
+    async def _compute_ahead(self, run: RequestRun) -> None:
+        """Have an idle prefill instance compute ``run``'s prompt ahead, when it is the request's turn."""
+        ctx = self.context
+        inst = ctx.prefill_ahead.instance_for(run, ctx.prefill, ctx.runs, ctx.cached, ctx.kv_index.block_size)
+        if inst is None:
+            return
+        ctx.prefill_ahead.started(run, inst)
+        try:
+            await inst.handle.submit.remote(PrefillRequest(run.request_id, tuple(run.prompt_ids), SamplingParams(),
+                                                           None, ahead=True))
+        except Exception as err:  # the instance's death is handled as any instance's; the request waits on
+            ctx.prefill_ahead.ended(inst.name, run.request_id)
+            self.calls.failed(inst, "submit", run.request_id, err)
+            return
+        if ctx.metrics is not None:
+            ctx.metrics.prefill_ahead()
 
     async def reserve_decode(self, run: RequestRun, request, order: list[Instance],
                              method: str = "add_remote") -> Instance | None:

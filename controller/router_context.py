@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from controller.kv_index import NOTHING, Cached, PrefixIndex, PrefixRouting
 from controller.load_aware import LoadAwareState
+from controller.prefill_ahead import PrefillAhead
 from controller.metrics import ServingMetrics
 from controller.request_run import RequestRun, RunEvent
 from controller.routing import Instance
@@ -35,12 +36,14 @@ class RouterContext:
     runs: dict[str, RequestRun] = field(default_factory=dict)
     load_window: object = None  # planner.online.LoadWindow: what the online planner reads, when it runs
     load_aware: LoadAwareState = field(default_factory=LoadAwareState)  # prefill on decode under a backlog
+    prefill_ahead: PrefillAhead = field(default_factory=PrefillAhead)  # prompts computed while they wait for room
     closing: bool = False
     instances: list[Instance] = field(init=False)
 
     def __post_init__(self) -> None:
         self.prefill, self.decode = list(self.prefill), list(self.decode)
         self.instances = self.prefill + self.decode
+        self.prefill_ahead.enabled = self.prefix_routing.enabled and self.prefix_routing.prefill_ahead
 
     def pool_of(self, inst: Instance) -> list[Instance]:
         return self.prefill if inst.role == "prefill" else self.decode

@@ -70,6 +70,13 @@ class FinishTransfer:
 
 
 @dataclass(frozen=True)
+class WithdrawTransfer:
+    """``withdraw_refused`` decided on the driver: every rank drops its legs of the request's transfer."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class SyncTransfers:
     """Every rank polls its sender and reports its finished and failed transfers' slots
     (:func:`~kv_transfer.rank_sync.exchange_outcomes`)."""
@@ -142,6 +149,19 @@ class TransferConnector(KVConnector):
             raise ValueError(f"hand_off: the transfer of {request_id!r} is under way; it ends with the first token")
         self.sender.finish_prompt(request_id, hand_off.first_token, hand_off.sampler_state, state=hand_off.state)
         return BlockRelease.WHEN_FINISHED
+
+    def withdraw_refused(self, min_s: float) -> list[str]:
+        """Fail the transfers every receiver of which has answered BUSY (no room) for ``min_s`` seconds: the
+        request runs again, its prompt's full blocks still cached here."""
+        withdrawn = [rid for rid in self.sender.refused(min_s)
+                     if self.sender.withdraw(rid, f"withdrawn: its decode instance had no room for {min_s:g} s "
+                                                  "while the prefill instance needed its blocks")]
+        return withdrawn
+
+    def drop(self, request_id: str) -> None:
+        """Forget this rank's legs of a transfer the driver withdrew."""
+        self.sender.cancel(request_id)
+        self._open.pop(request_id, None)
 
     # -- worker side ------------------------------------------------------------------------------------------
 
@@ -231,6 +251,14 @@ class TPTransferConnector(KVConnector):
             state = hand_off.sampler_state.hex()
             self._runner.call(FinishTransfer(request_id, hand_off.first_token, state, hand_off.state))
         return BlockRelease.WHEN_FINISHED
+
+    def withdraw_refused(self, min_s: float) -> list[str]:
+        """This rank's refused transfers withdrawn (its receivers stand for the decode instance's room), and every
+        other rank told to drop its legs of them."""
+        withdrawn = self.local.withdraw_refused(min_s)
+        for rid in withdrawn:
+            self._runner.call(WithdrawTransfer(rid))
+        return withdrawn
 
     # -- worker side (this rank's; the others run theirs as told) ----------------------------------------------
 

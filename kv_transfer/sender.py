@@ -102,6 +102,7 @@ class _Leg:
     sends_pending: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     retry_at: float = 0.0
+    refused_since: float | None = None  # the receiver answered BUSY (no room) from then on, never accepting
 
 
 @dataclass
@@ -260,6 +261,23 @@ class KVSender:
         return tr is not None and all(leg.state == "accepted" and leg.sends_pending == 0 and
                                       leg.blocks_sent >= tr.ready_blocks for leg in tr.legs)
 
+    def refused(self, min_s: float) -> list[str]:
+        """Transfers no receiver has accepted, every one of which has answered BUSY (no room) for at least
+        ``min_s`` seconds, oldest first: their blocks wait on the receivers' room."""
+        now = time.monotonic()
+        return [rid for rid, tr in self._transfers.items()
+                if all(leg.state in ("busy", "hello") and leg.refused_since is not None and
+                       now - leg.refused_since >= min_s for leg in tr.legs)]
+
+    def withdraw(self, request_id: str, reason: str) -> bool:
+        """Fail a transfer no receiver has accepted (retryable: the request runs again), reported by the next
+        ``poll``; False (nothing done) when one has accepted it, or it is not under way here."""
+        tr = self._transfers.get(request_id)
+        if tr is None or any(leg.state not in ("busy", "hello") for leg in tr.legs):
+            return False
+        self._fail(request_id, TransferError(reason, True, request_id), self._stash)
+        return True
+
     def cancel(self, request_id: str) -> bool:
         """Forget a transfer here (its receivers are told by their owner, who drains what is in flight);
         the caller must keep the source blocks unchanged until the channel is done with posted sends, or
@@ -391,6 +409,8 @@ class KVSender:
         elif reply.kind == "busy":
             leg.state = "busy"
             leg.retry_at = time.monotonic() + self.config.retry_interval_s
+            if leg.refused_since is None:
+                leg.refused_since = leg.last_progress
         elif reply.kind == "refuse":
             self._fail(leg.request_id, TransferError(f"refused by {peer}: {reply.reason}", reply.retryable,
                                                      leg.request_id), out)

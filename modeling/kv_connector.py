@@ -150,6 +150,12 @@ class KVConnectorScheduler(ABC):
         it) or it is dropped (None): whether its blocks may be freed now or only once ``get_finished`` reports
         the request."""
 
+    def withdraw_refused(self, min_s: float) -> list[str]:
+        """Called when a waiting request lacks blocks and nothing runs: give up the hand-offs whose peers have
+        had no room for them for ``min_s`` seconds or more, so their blocks go (each reported failed, retryable,
+        by ``get_finished``); the requests given up. By default none (a connector whose hand-offs never wait)."""
+        return []
+
 
 class KVConnectorWorker(ABC):
     """The worker side: moves bytes between the paged cache and wherever the connector keeps or sends KV.

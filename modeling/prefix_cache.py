@@ -114,13 +114,15 @@ class PrefixCache:
         self._looked_up: dict[str, list[int]] = {}  # sequence id -> its prefix's hashes, attached, tiers not asked
         self._counted: dict[str, PrefixCacheStats] = {}  # sequence id -> what its latest lookup added to ``stats``
         self._loading: dict[str, tuple[list[int], list[int]]] = {}  # sequence id -> (blocks, hashes) of its load
+        self._apart: set[str] = set()  # sequences whose lookups are not added to ``stats``
+        self._found_before: dict[str, CachedPrompt] = {}  # sequence id -> what a pass ahead found of its prompt
         self._publishing = False
 
     @property
     def num_tracked(self) -> int:
         """Sequences with per-sequence state here (0 once every one has ended)."""
         return len(self._hashed.keys() | self._computed_in_full | self._looked_up.keys() | self._counted.keys() |
-                   self._loading.keys())
+                   self._loading.keys() | self._apart | self._found_before.keys())
 
     def take_events(self) -> PrefixCacheEvents | None:
         """The cache's changes since the last call (None: none, or caching is off). The first call lists
@@ -144,6 +146,16 @@ class PrefixCache:
     def compute_in_full(self, seq_id: str) -> None:
         """The sequence needs every prompt position computed (its prompt's log-probabilities): no lookup."""
         self._computed_in_full.add(seq_id)
+
+    def count_apart(self, seq_id: str) -> None:
+        """The sequence's lookups are its own (:meth:`found`), not added to ``stats``: a pass computing a prompt
+        ahead, which is counted when it is served."""
+        self._apart.add(seq_id)
+
+    def found_before(self, seq_id: str, found: CachedPrompt) -> None:
+        """A pass ahead found ``found`` of the sequence's prompt and computed the rest for it: its lookups count
+        at most that as found, whatever the pass left cached."""
+        self._found_before[seq_id] = found
 
     def read_ahead(self, seq) -> bool:
         """A sequence just queued (nothing computed, no blocks): start reading ahead the blocks of its prompt but
@@ -233,7 +245,12 @@ class PrefixCache:
     def _count(self, seq_id: str, found: PrefixCacheStats) -> None:
         """Add what a lookup found to ``stats`` and to the sequence's own count."""
         mine = self._counted.setdefault(seq_id, PrefixCacheStats())
-        for total in (self.stats, mine):
+        before = self._found_before.get(seq_id)
+        if before is not None:  # the blocks its pass ahead computed were not found: they were computed for it
+            hits = max(0, min(found.hits, before.tokens - mine.hits))
+            found = PrefixCacheStats(found.queries, hits,
+                                     max(0, min(found.tier_hits, before.from_tiers - mine.tier_hits, hits)))
+        for total in (mine,) if seq_id in self._apart else (self.stats, mine):
             total.queries += found.queries
             total.hits += found.hits
             total.tier_hits += found.tier_hits
@@ -241,7 +258,7 @@ class PrefixCache:
     def _uncount(self, seq_id: str) -> None:
         """Take the sequence's lookups back out of ``stats``."""
         mine = self._counted.pop(seq_id, None)
-        if mine is not None:
+        if mine is not None and seq_id not in self._apart:
             self.stats.queries -= mine.queries
             self.stats.hits -= mine.hits
             self.stats.tier_hits -= mine.tier_hits
@@ -300,5 +317,7 @@ class PrefixCache:
         self._computed_in_full.discard(seq_id)
         self._looked_up.pop(seq_id, None)
         self._counted.pop(seq_id, None)
+        self._apart.discard(seq_id)
+        self._found_before.pop(seq_id, None)
         if self.tiers is not None:
             self.tiers.cancel_read_ahead(seq_id)

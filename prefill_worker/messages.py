@@ -34,16 +34,24 @@ class KVDestination:
 class PrefillRequest:
     """One prompt to prefill. ``arrival_time`` (time.perf_counter() clock of this process) defaults to
     when the worker receives it; TTFT is measured from it. ``destination`` None: no KV hand-off (the
-    blocks are freed right after the first token; profiling and colocated use)."""
+    blocks are freed right after the first token; profiling and colocated use).
+
+    ``ahead``: a pass computed ahead, while the request waits for room on a decode instance, only so its prompt's
+    full blocks are cached here when it comes back under the same id: no destination, no first token, no
+    sampling; it runs in steps no other prompt needs and gives way to any that needs its blocks (reported in
+    ``PrefillStepOutput.ahead_ended``). The request itself, arriving, takes over a pass still running."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     destination: KVDestination | None
     arrival_time: float | None = None
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        if self.ahead and self.destination is not None:
+            raise ValueError("destination: a pass computed ahead hands no KV off (must be None)")
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,8 @@ class PrefillStepOutput:
     failed: list[PrefillFailure] = field(default_factory=list)
     tokens_computed: int = 0  # prompt tokens the step's forward pass computed, in ``compute_s`` seconds
     compute_s: float = 0.0  # (the router's measure of how fast the instance prefills)
+    ahead_ended: list[str] = field(default_factory=list)  # passes ahead computed, dropped or taken over
 
     @property
     def empty(self) -> bool:
-        return not (self.first_tokens or self.transferred or self.failed or self.tokens_computed)
+        return not (self.first_tokens or self.transferred or self.failed or self.tokens_computed or self.ahead_ended)

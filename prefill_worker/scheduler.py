@@ -2,10 +2,15 @@
 
 Each step fills a token budget: prompts already mid-prefill continue first (oldest first), then
 waiting prompts are admitted while the budget, ``max_num_seqs`` and free blocks allow. A prompt gets
-all of its blocks at admission, so it never runs out mid-prompt and nothing is ever preempted. After
+all of its blocks at admission, so it never runs out mid-prompt and nothing it needs is ever preempted. After
 its last chunk a prompt leaves the running set but keeps its blocks until the KV transfer is
 acknowledged (:meth:`PrefillScheduler.release`): blocks held by transfers are the back-pressure that
 stops admission when the decode side is slow.
+
+Passes computed ahead (``add(seq, ahead=True)``: a prompt that waits for room on a decode instance, computed
+only so its KV is cached here when its turn comes) run in steps no other prompt has a chunk in, and give
+their blocks up when another prompt needs them (:meth:`PrefillScheduler.take_dropped`): what they computed
+stays cached.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ from __future__ import annotations
 from collections import deque
 
 from modeling.block_pool import BlockPool
-from modeling.prefix_cache import PrefixCache
+from modeling.prefix_cache import CachedPrompt, PrefixCache
 from modeling.scheduler import ScheduledChunk, SchedulerLimits
 from modeling.sequence import Sequence, SequenceStatus
 
 
 class PrefillScheduler:
-    """Invariant: every sequence in ``running`` or ``handed_off`` holds blocks for its whole prompt."""
+    """Invariant: every sequence in ``running`` or ``handed_off`` holds blocks for its whole prompt; so does
+    every one in ``running_ahead``."""
 
     def __init__(self, config: SchedulerLimits, pool: BlockPool, prefix_cache: PrefixCache | None = None):
         self.config = config
@@ -28,37 +34,71 @@ class PrefillScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.handed_off: dict[str, Sequence] = {}  # prefilled, KV in transfer
+        self.waiting_ahead: deque[Sequence] = deque()  # passes computed ahead, in their own lane
+        self.running_ahead: list[Sequence] = []
+        self._dropped: list[tuple[Sequence, CachedPrompt]] = []  # passes ahead that gave their blocks up, and
+        # what each found of its prompt cached, not yet taken
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a prompt; the blocks of it only slower KV tiers hold are read ahead while it waits."""
+    def add(self, seq: Sequence, ahead: bool = False) -> None:
+        """Queue a prompt (``ahead``: a pass computed ahead, see the module doc); the blocks of it only slower KV
+        tiers hold are read ahead while it waits."""
         if self.prefix_cache is not None:
             self.prefix_cache.read_ahead(seq)
-        self.waiting.append(seq)
+        (self.waiting_ahead if ahead else self.waiting).append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.handed_off)
+        return bool(self.waiting or self.running or self.handed_off or self.waiting_ahead or self.running_ahead)
 
     def schedule(self) -> list[ScheduledChunk]:
-        """This step's chunks; ``sample`` marks a prompt's last chunk."""
+        """This step's chunks; ``sample`` marks a prompt's last chunk. Passes ahead get a step only when no other
+        prompt has a chunk to run."""
+        chunks = self._fill(self.running, self.waiting)
+        if chunks or (self.waiting and self._give_ahead_blocks_up()):
+            return chunks or self._fill(self.running, self.waiting)
+        return self._fill(self.running_ahead, self.waiting_ahead)
+
+    def _fill(self, running: list[Sequence], waiting: deque[Sequence]) -> list[ScheduledChunk]:
         budget = self.config.token_budget
         chunks: list[ScheduledChunk] = []
-        for seq in self.running:
+        for seq in running:
             if budget == 0:
                 break
             budget -= self._chunk(seq, budget, chunks)
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if self.prefix_cache is not None:
-                self.prefix_cache.attach(seq)
-            need = self.pool.blocks_for_tokens(seq.num_prompt) - len(seq.block_table.blocks)
-            if not self.pool.can_allocate(need):
+        while budget > 0 and waiting and len(self.running) + len(self.running_ahead) < self.config.max_num_seqs:
+            seq = waiting[0]
+            if not self._allocate(seq):
                 break
-            self.waiting.popleft()
-            seq.block_table.ensure_capacity(self.pool, seq.num_prompt)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            waiting.popleft()
+            running.append(seq)
             budget -= self._chunk(seq, budget, chunks)
         return chunks
+
+    def _allocate(self, seq: Sequence) -> bool:
+        """Give ``seq`` blocks for its whole prompt, from its cached prefix on; False when the pool lacks room."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.attach(seq)
+        need = self.pool.blocks_for_tokens(seq.num_prompt) - len(seq.block_table.blocks)
+        if not self.pool.can_allocate(need):
+            return False
+        seq.block_table.ensure_capacity(self.pool, seq.num_prompt)
+        seq.status = SequenceStatus.RUNNING
+        return True
+
+    def _give_ahead_blocks_up(self) -> bool:
+        """A prompt waits, and passes ahead hold blocks or seats: drop them all (their full blocks stay cached);
+        whether any was dropped."""
+        dropped = self.running_ahead + list(self.waiting_ahead)
+        for seq in dropped:
+            found = CachedPrompt() if self.prefix_cache is None else self.prefix_cache.found(seq.request_id)
+            self.release(seq.request_id)
+            self._dropped.append((seq, found))
+        return bool(dropped)
+
+    def take_dropped(self) -> list[tuple[Sequence, CachedPrompt]]:
+        """The passes ahead dropped since the last call (their blocks are freed), each with what it found of its
+        prompt cached."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def _chunk(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
         n = min(seq.num_prompt - seq.num_computed, budget)
@@ -71,19 +111,24 @@ class PrefillScheduler:
         self.handed_off[seq.request_id] = seq
 
     def release(self, request_id: str) -> Sequence | None:
-        """Free a sequence's blocks wherever it is (transfer acknowledged, failed, or aborted)."""
+        """Free a sequence's blocks wherever it is (transfer acknowledged, failed, or aborted; a pass ahead
+        computed or dropped)."""
         seq = self.handed_off.pop(request_id, None)
         if seq is None:
-            seq = next((s for s in self.running if s.request_id == request_id), None)
-            if seq is not None:
-                self.running.remove(seq)
-            else:
-                seq = next((s for s in self.waiting if s.request_id == request_id), None)
-                if seq is None:
-                    return None
-                self.waiting.remove(seq)
+            seq = self._take(request_id)
+            if seq is None:
+                return None
         seq.block_table.release(self.pool)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request_id)
         seq.status = SequenceStatus.FINISHED
         return seq
+
+    def _take(self, request_id: str) -> Sequence | None:
+        """Take the sequence out of whichever running or waiting list holds it."""
+        for held in (self.running, self.running_ahead, self.waiting, self.waiting_ahead):
+            seq = next((s for s in held if s.request_id == request_id), None)
+            if seq is not None:
+                held.remove(seq)
+                return seq
+        return None

@@ -5,14 +5,15 @@ The driver (rank 0, the :class:`PrefillWorker` with a :class:`~kv_transfer.conne
 schedules and owns the blocks; block ids are the same on every rank. It tells this rank, as typed actions, what
 its connector's scheduler side decided: a prompt's transfer begins (:class:`BeginTransfer`: its slot, blocks
 and destination), the blocks the next forward makes final (:class:`SaveStep`), the first token that ends a
-transfer (:class:`FinishTransfer`), and when to report outcomes (:class:`SyncTransfers`, see
+transfer (:class:`FinishTransfer`), a transfer given up (:class:`WithdrawTransfer`), and when to report outcomes (:class:`SyncTransfers`, see
 :mod:`kv_transfer.rank_sync`).
 """
 
 from __future__ import annotations
 
 from kv_transfer.channel import Rendezvous
-from kv_transfer.connector import BeginTransfer, FinishTransfer, SaveStep, SyncTransfers, TransferConnector
+from kv_transfer.connector import (BeginTransfer, FinishTransfer, SaveStep, SyncTransfers, TransferConnector,
+                                  WithdrawTransfer)
 from kv_transfer.descriptors import KVFingerprint
 from kv_transfer.rank_sync import exchange_outcomes
 from kv_transfer.sender import KVSender
@@ -43,6 +44,7 @@ class PrefillRankFollower(TPFollower):
         self.on(SaveStep, self._save_step)
         self.on(FinishTransfer, self._finish)
         self.on(SyncTransfers, self._sync)
+        self.on(WithdrawTransfer, self._withdraw)
 
     @property
     def sender(self) -> KVSender:
@@ -75,6 +77,10 @@ class PrefillRankFollower(TPFollower):
     def _finish(self, action: FinishTransfer) -> None:
         self.kv.request_finished(action.request_id,
                                  HandOff(action.first_token, bytes.fromhex(action.sampler_state), action.state))
+
+    def _withdraw(self, action: WithdrawTransfer) -> None:
+        self.kv.drop(action.request_id)
+        self._slots.pop(action.request_id, None)
 
     def _sync(self, action: SyncTransfers) -> None:
         finished = self.kv.get_finished()

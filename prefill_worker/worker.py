@@ -6,11 +6,16 @@ A plain class (the controller wraps it as a Ray actor). ``step()`` is the loop's
 
     apply the connector's outcomes (free acknowledged KV)  ->  schedule chunks  ->  tell the connector of
     new prompts  ->  forward, the connector saving each layer's KV as it is written  ->  sample first tokens
+
+A prompt that waits for room on a decode instance may be computed ahead (``PrefillRequest.ahead``), in steps no
+other prompt needs: its full blocks are cached here, and the request, arriving under the same id, computes only
+the rest; what it reports found cached is what the pass ahead found.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +33,7 @@ from modeling.instance_core import InstanceCore, follower_runner
 from modeling.kv_connector import HandOff, KVConnector, KVPeer, KVRequest, StepKV
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
+from modeling.prefix_cache import CachedPrompt
 from modeling.request_check import check_request
 from modeling.runner import StepInput
 from modeling.sampling import PromptLogprobs, sampler_for, token_logprobs
@@ -48,6 +54,18 @@ class _Request:
     arrival: float
     prompt_scorer: PromptLogprobs | None = None
     kv_told: bool = False  # the connector knows the request (its blocks are allocated)
+
+    @property
+    def ahead(self) -> bool:
+        return self.request.ahead
+
+
+# A prompt's transfer whose decode instance has had no room for this long gives its blocks up when a waiting prompt
+# needs them and nothing else runs (it fails as retryable, its full blocks cached): otherwise that decode instance,
+# full of requests waiting for their prompts here, and this pool, full of prompts waiting for its room, would wait
+# on each other for ever.
+REFUSED_TRANSFER_S = 1.0
+AHEAD_FOUND_KEPT = 4096  # passes ahead whose finding is kept for their request's return (the oldest forgotten)
 
 
 class PrefillWorker:
@@ -78,6 +96,8 @@ class PrefillWorker:
         self.kv: KVConnector = self.transfer if kv_connector is None else kv_connector
         self.kv.register_kv_cache(self.cache)
         self._requests: dict[str, _Request] = {}
+        self._found_ahead: OrderedDict[str, CachedPrompt] = OrderedDict()  # ended passes ahead: what each found
+        self._ahead_ended: list[str] = []  # not reported yet
 
     # -- control ----------------------------------------------------------------------------------
 
@@ -102,15 +122,22 @@ class PrefillWorker:
         return self.transfer.pending()
 
     def add_request(self, request: PrefillRequest) -> None:
-        """Validate and queue a prompt. Raises InvalidRequestError naming the field."""
+        """Validate and queue a prompt (a pass ahead: ``PrefillRequest.ahead``). Raises InvalidRequestError naming
+        the field."""
         check_request(request.request_id, request.prompt_ids, request.params, self.loaded.config.vocab_size)
-        if request.request_id in self._requests:
+        held = self._requests.get(request.request_id)
+        if held is not None and held.ahead and not request.ahead:  # the request is back: its pass ahead ends
+            self._end_ahead(request.request_id)
+        elif held is not None:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if request.params.max_tokens == 0 and request.destination is not None:
             raise InvalidRequestError("destination", "a request that generates nothing (max_tokens 0) hands no KV off")
         if self.pool.blocks_for_tokens(len(request.prompt_ids)) > self.pool.num_blocks:
             raise InvalidRequestError("prompt_ids", f"{len(request.prompt_ids)} tokens exceed the KV cache "
                                                     f"({self.pool.num_blocks * self.pool.block_size} tokens)")
+        if request.ahead:
+            self._add_ahead(request)
+            return
         prompt, eos = list(request.prompt_ids), frozenset(self.loaded.eos_token_ids)
         seq = Sequence(request.request_id, prompt, sampler_for(self.loaded, request.params, prompt),
                        eos, BlockTable(self.config.block_size), max_model_len=self.loaded.config.max_position_embeddings)
@@ -120,11 +147,44 @@ class PrefillWorker:
                                                       None if num is None else PromptLogprobs(prompt, num))
         if num is not None:  # scoring the prompt needs the logits of every position
             self.prefix_cache.compute_in_full(request.request_id)
+        found = self._found_ahead.pop(request.request_id, None)
+        if found is not None:
+            self.prefix_cache.found_before(request.request_id, found)
         self.scheduler.add(seq)
+
+    def _add_ahead(self, request: PrefillRequest) -> None:
+        """Queue a pass ahead over the prompt's full blocks but its last token (what a lookup can find; the
+        request computes the rest), and one token more, so that the last of them is final."""
+        rid, bs = request.request_id, self.config.block_size
+        end = (len(request.prompt_ids) - 1) // bs * bs + 1
+        if end == 1:  # not one full block: nothing to keep
+            self._ahead_ended.append(rid)
+            return
+        prompt = list(request.prompt_ids[:end])
+        seq = Sequence(rid, prompt, sampler_for(self.loaded, request.params, prompt), frozenset(),
+                       BlockTable(bs), max_model_len=self.loaded.config.max_position_embeddings)
+        self._requests[rid] = _Request(request, seq, time.perf_counter())
+        self.prefix_cache.count_apart(rid)
+        self.scheduler.add(seq, ahead=True)
+
+    def _end_ahead(self, request_id: str, found: CachedPrompt | None = None) -> None:
+        """A pass ahead ends (computed, taken over, aborted; ``found`` given: dropped, its blocks freed): what it
+        found is kept for its request, whose lookup counts that as found."""
+        if found is None:
+            found = self.prefix_cache.found(request_id)
+            self.scheduler.release(request_id)
+        del self._requests[request_id]
+        self._found_ahead[request_id] = found
+        while len(self._found_ahead) > AHEAD_FOUND_KEPT:
+            self._found_ahead.popitem(last=False)
+        self._ahead_ended.append(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request that is not yet transferring (False otherwise: its transfer runs to the end)."""
         req = self._requests.get(request_id)
+        if req is not None and req.ahead:
+            self._end_ahead(request_id)
+            return True
         if req is None or request_id in self.scheduler.handed_off:
             return False
         if any(s.request_id == request_id for s in self.scheduler.running):
@@ -134,7 +194,7 @@ class PrefillWorker:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._ahead_ended)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -143,6 +203,10 @@ class PrefillWorker:
         out = PrefillStepOutput()
         self._apply_kv_outcomes(out)
         chunks = self.scheduler.schedule()
+        for seq, found in self.scheduler.take_dropped():
+            self._end_ahead(seq.request_id, found)
+        if not chunks and self.scheduler.waiting:  # the next prompt lacks blocks, and nothing runs
+            self.kv.withdraw_refused(REFUSED_TRANSFER_S)
         chunks = self._tell_connector(chunks, out)
         if chunks:
             t0 = time.perf_counter()
@@ -151,6 +215,7 @@ class PrefillWorker:
             out.tokens_computed = sum(c.num_tokens for c in chunks)
             self.pass_log.record("prefill", out.compute_s, chunks=[[c.start, c.num_tokens] for c in chunks])
             out.first_tokens.extend(self._sample(chunks, logits))
+        out.ahead_ended, self._ahead_ended = self._ahead_ended, []
         return out
 
     # -- internals --------------------------------------------------------------------------------
@@ -195,10 +260,10 @@ class PrefillWorker:
 
     def _num_logits(self, chunk: ScheduledChunk) -> int:
         """Logits at the chunk's last position when it samples, at all of them when they score the prompt."""
-        scorer = self._requests[chunk.seq.request_id].prompt_scorer
-        if scorer is not None and scorer.wants(chunk.start):
+        req = self._requests[chunk.seq.request_id]
+        if req.prompt_scorer is not None and req.prompt_scorer.wants(chunk.start):
             return chunk.num_tokens
-        return 1 if chunk.sample else 0
+        return 1 if chunk.sample and not req.ahead else 0
 
     @torch.inference_mode()
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -229,6 +294,9 @@ class PrefillWorker:
             seq.num_computed += c.num_tokens
             self.prefix_cache.commit(seq, seq.num_computed)
             if not c.sample:
+                continue
+            if req.ahead:  # its blocks are cached: nothing to sample
+                self._end_ahead(seq.request_id)
                 continue
             params = seq.sampler.params
             prompt_logprobs = None if req.prompt_scorer is None else tuple(req.prompt_scorer.logprobs)
