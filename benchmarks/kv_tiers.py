@@ -129,6 +129,26 @@ def add_trace_args(ap, chunk: int, max_prompt: int, speedup: float, prefill_kv: 
     ap.add_argument("--time-limit-s", type=float, default=1800.0)
 
 
+def chosen_systems(ap, value: str, allowed: tuple[str, ...]) -> list[str]:
+    """The ``--systems`` list, each checked against ``allowed`` (an argparse error names a wrong one)."""
+    systems = [s for s in value.split(",") if s]
+    for s in systems:
+        if s not in allowed:
+            ap.error(f"--systems: {s!r} is not one of {', '.join(allowed)}")
+    return systems
+
+
+def replay_trace(args) -> tuple[list[dict], str]:
+    """The sampled, scaled and compressed trace (``sampled_trace`` with the flags), and the path of its copy in
+    the scratch folder that ``vllm bench serve`` reads."""
+    os.makedirs(args.scratch, exist_ok=True)
+    rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
+    trace_path = os.path.join(args.scratch, "trace.jsonl")
+    with open(trace_path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows, trace_path
+
+
 def _ratio(names: tuple[str, str], before: dict, after: dict) -> float | None:
     part, whole = (after.get(n, 0.0) - before.get(n, 0.0) for n in names)
     return part / whole if whole else None
@@ -281,15 +301,8 @@ def main() -> int:
     add_trace_args(ap, chunk=32, max_prompt=3072, speedup=40.0, prefill_kv=4096, decode_kv=8192)
     ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "kv_tiers"))
     args = ap.parse_args()
-    systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            ap.error(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
-    os.makedirs(args.scratch, exist_ok=True)
-    rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
-    trace_path = os.path.join(args.scratch, "trace.jsonl")
-    with open(trace_path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    systems = chosen_systems(ap, args.systems, SYSTEMS)
+    rows, trace_path = replay_trace(args)
     result = {"command": "python benchmarks/kv_tiers.py " + " ".join(
                   shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
               "machine": f"{cpu_model_name()}, {os.cpu_count()} cores", "args": {k: v for k, v in vars(args).items()

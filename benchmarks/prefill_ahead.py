@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
-from benchmarks.kv_tiers import add_trace_args, bench, hit_rate, sampled_trace, scrape  # noqa: E402
+from benchmarks.kv_tiers import add_trace_args, bench, chosen_systems, hit_rate, replay_trace, scrape  # noqa: E402
 from planner.profiler import cpu_model_name  # noqa: E402
 
 SYSTEMS = ("magicserve-ahead", "magicserve-no-ahead", "vllm")
@@ -130,25 +130,18 @@ def main() -> int:
     ap.add_argument("--trace", required=True, help="Mooncake's conversation_trace.jsonl")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "prefill_ahead"))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--decode-kvs", default="3072,4096,6144", help="decode pool sizes (KV tokens), comma-separated")
+    ap.add_argument("--decode-kvs", default="3584,4096,6144", help="decode pool sizes (KV tokens), comma-separated")
     add_trace_args(ap, chunk=32, max_prompt=3072, speedup=40.0, prefill_kv=4096, decode_kv=0)
     ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "prefill_ahead"))
     args = ap.parse_args()
-    systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            ap.error(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+    systems = chosen_systems(ap, args.systems, SYSTEMS)
     try:
         sizes = [int(v) for v in args.decode_kvs.split(",") if v]
     except ValueError:
         ap.error(f"--decode-kvs: comma-separated integers, got {args.decode_kvs!r}")
     if not sizes or min(sizes) < args.max_prompt + 64:
         ap.error(f"--decode-kvs: each must hold the longest prompt and some output (>= {args.max_prompt + 64})")
-    os.makedirs(args.scratch, exist_ok=True)
-    rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
-    trace_path = os.path.join(args.scratch, "trace.jsonl")
-    with open(trace_path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    rows, trace_path = replay_trace(args)
     result = {"command": "python benchmarks/prefill_ahead.py " + " ".join(
                   shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
               "machine": f"{cpu_model_name()}, {os.cpu_count()} cores",

@@ -159,6 +159,10 @@ class Placer:
         return cached > 0 and missing <= self.context.prefix_routing.local_prefill_tokens and \
             run.params.prompt_logprobs is None
 
+    def _prefilled_on_decode(self, run: RequestRun) -> bool:
+        """Whether a decode instance holds enough of the prompt to prefill the rest itself, once it has room."""
+        return any(self._prefills_there(run, self.context.cached(run, d).tokens) for d in self.context.decode)
+
     async def _hold_prefill(self, run: RequestRun, request: DecodeRequest, decode: Instance) -> bool:
         """Have ``decode`` prefill the request from its cache; False (it holds nothing) when it has no room or
         cannot be reached."""
@@ -298,7 +302,8 @@ class Placer:
     async def _compute_ahead(self, run: RequestRun) -> None:
         """Have an idle prefill instance compute ``run``'s prompt ahead, when it is the request's turn."""
         ctx = self.context
-        inst = ctx.prefill_ahead.instance_for(run, ctx.prefill, ctx.runs, ctx.cached, ctx.kv_index.block_size)
+        inst = ctx.prefill_ahead.instance_for(run, ctx.prefill, ctx.runs, ctx.cached, ctx.kv_index.block_size,
+                                              self._prefilled_on_decode)
         if inst is None:
             return
         ctx.prefill_ahead.started(run, inst)

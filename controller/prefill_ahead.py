@@ -11,7 +11,7 @@ prompt is held back from its decode instance, never from its prefill.
 Idle capacity only: one pass per prefill instance at a time, only on an instance with no request of its own
 queued or prefilling, and on the instance the pass runs in steps no other prompt needs (``prefill_worker``'s
 scheduler). The oldest waiting request goes first (the highest priority first), and only one with at least one
-block its instance lacks.
+block its instance lacks, and none a decode instance holding its prompt would prefill itself.
 """
 
 from __future__ import annotations
@@ -82,23 +82,25 @@ class PrefillAhead:
             self._chosen_at = float("-inf")
 
     def instance_for(self, run: RequestRun, pool: list[Instance], runs: dict[str, RequestRun],
-                     cached: Callable[[RequestRun, Instance], Cached],
-                     block_size: Callable[[str], int | None]) -> Instance | None:
+                     cached: Callable[[RequestRun, Instance], Cached], block_size: Callable[[str], int | None],
+                     skip: Callable[[RequestRun], bool] = lambda run: False) -> Instance | None:
         """The prefill instance to compute ``run``'s prompt ahead now, when ``run`` is the first waiting request
         some idle instance has a block to compute for (None otherwise: each waiting request asks for itself, so
         its pass is submitted before it looks for room again). ``cached``: what an instance holds of a prompt, by
-        the router's index; ``block_size``: an instance's, None when it keeps no prefix cache."""
+        the router's index; ``block_size``: an instance's, None when it keeps no prefix cache; ``skip``: a request
+        no prefill instance is to compute (a decode instance holding it will)."""
         if run.request_id not in self._waiting or run.request_id in self._started:
             return None
         now = time.monotonic()
         if now - self._chosen_at > RESCAN_S:
-            self._choice, self._chosen_at = self._scan(pool, runs, cached, block_size), now
+            self._choice, self._chosen_at = self._scan(pool, runs, cached, block_size, skip), now
         if self._choice is None or self._choice[0] != run.request_id:
             return None
         return self._choice[1]
 
     def _scan(self, pool: list[Instance], runs: dict[str, RequestRun], cached: Callable[[RequestRun, Instance], Cached],
-              block_size: Callable[[str], int | None]) -> tuple[str, Instance] | None:
+              block_size: Callable[[str], int | None],
+              skip: Callable[[RequestRun], bool]) -> tuple[str, Instance] | None:
         """The first of the ``SCANNED`` oldest waiting requests not started that an idle instance has a block to
         compute for, and that instance."""
         idle = [i for i in pool if self._idle(i, runs) and block_size(i.name)]
@@ -107,6 +109,8 @@ class PrefillAhead:
         candidates = [r for r in sorted(self._waiting.values(), key=lambda r: -r.priority)  # stable: oldest first
                       if r.request_id not in self._started][:SCANNED]
         for waiting in candidates:
+            if skip(waiting):
+                continue
             inst = self._best(waiting, idle, cached, block_size)
             if inst is not None:
                 return waiting.request_id, inst

@@ -269,6 +269,10 @@ class PrefixCache:
         mine = self._counted.get(seq_id)
         return CachedPrompt() if mine is None else CachedPrompt(mine.hits, mine.tier_hits)
 
+    def looked_up(self, seq_id: str) -> bool:
+        """Whether the sequence's prompt was looked up (:meth:`found` says what that found)."""
+        return seq_id in self._counted
+
     def give_back(self, seq) -> None:
         """Undo :meth:`attach` for a sequence that could not get room (it is not held here: it comes back, or goes
         elsewhere): its cached prefix released (the blocks stay cached), nothing computed, its lookup not counted."""

@@ -44,7 +44,7 @@ from decode_worker.prefill_budget import PROBE_TOKENS, Pace, PrefillBudget
 from decode_worker.scheduler import DecodeScheduler
 from modeling.block_pool import BlockPool, BlockTable
 from modeling.errors import OutOfBlocksError
-from modeling.prefix_cache import PrefixCache
+from modeling.prefix_cache import CachedPrompt, PrefixCache
 from planner.sim_tiers import SimTiers
 from modeling.prefix_hash import block_hashes
 from modeling.scheduler import ChunkedPrefillScheduler, ScheduledChunk, SchedulerLimits
@@ -80,6 +80,8 @@ class SimRequest:
     hashes: dict = field(default_factory=dict)  # block size -> the prompt's block hashes (cache lookups)
     decode_cached: int = 0  # prompt tokens its decode instance held cached when it took the request
     cached_tokens: int = 0  # prompt tokens its prefill instance holds cached (the trace says; not computed)
+    ahead_on: str = ""  # the prefill instance given its prompt to compute ahead while it waited for decode room
+    found_ahead: CachedPrompt | None = None  # what that pass found of the prompt cached there
 
     @property
     def context(self) -> int:
@@ -124,6 +126,8 @@ class SimSequence:
     """A request on one instance as the real schedulers see a ``Sequence``: its token count, computed
     tokens, block table and status; with prefix caching, its token ids too (the simulator never runs the
     model: they only identify the KV)."""
+
+    ahead = False  # a pass computing the prompt's full blocks ahead (``PrefillSim.add_ahead``)
 
     def __init__(self, req: SimRequest, block_size: int):
         self.req = req
@@ -328,18 +332,58 @@ class PrefillSim(_Instance):
         if self.pool.blocks_for_tokens(req.prompt_tokens) > self.pool.num_blocks:
             raise ValueError(f"{self.name}: a {req.prompt_tokens}-token prompt does not fit in its KV cache "
                              f"({self.pool.num_blocks * self.block_size} tokens)")
+        rid = str(req.index)
+        if any(s.request_id == rid for s in [*self.scheduler.running_ahead, *self.scheduler.waiting_ahead]):
+            self._end_ahead(req, self._found(rid))  # the request takes its pass ahead over
+            self.scheduler.release(rid)
         seq = SimSequence(req, self.block_size)
         seq.num_computed = req.cached_tokens
+        if req.found_ahead is not None and req.ahead_on == self.name:
+            self.prefix_cache.found_before(rid, req.found_ahead)
         self.scheduler.add(seq)
         self.kick()
 
+    def idle(self) -> bool:
+        """Nothing queued or running here, not even a pass ahead, and in service."""
+        s = self.scheduler
+        return not (self.leaving or s.waiting or s.running or s.waiting_ahead or s.running_ahead)
+
+    def add_ahead(self, req: SimRequest) -> bool:
+        """Compute the full blocks of ``req``'s prompt but its last token ahead, and one token more
+        (``PrefillRequest.ahead``, ``prefill_worker/worker.py``): False, nothing queued, when this instance holds
+        all but its last block cached already, or keeps no cache."""
+        bs = self.block_size
+        end = (req.prompt_tokens - 1) // bs * bs + 1
+        if self.prefix_cache is None or req.prompt_ids is None or end - 1 - self.cached(req).tokens < bs:
+            return False
+        seq = SimSequence(req, bs)
+        seq.ahead = True
+        seq.num_prompt = seq.num_tokens = end
+        seq.prompt_ids, seq.tokens = req.prompt_ids[:end], list(req.prompt_ids[:end])
+        req.ahead_on = self.name
+        self.prefix_cache.count_apart(seq.request_id)
+        self.scheduler.add(seq, ahead=True)
+        self.kick()
+        return True
+
+    def _found(self, rid: str) -> CachedPrompt | None:
+        """What a pass ahead found of its prompt (None: not looked up yet)."""
+        return self.prefix_cache.found(rid) if self.prefix_cache.looked_up(rid) else None
+
+    @staticmethod
+    def _end_ahead(req: SimRequest, found: CachedPrompt | None) -> None:
+        req.found_ahead = found
+
     def _plan_step(self):
         chunks = self.scheduler.schedule()
+        for seq, found in self.scheduler.take_dropped():
+            self._end_ahead(seq.req, found)
         if not chunks:
             return None
         for c in chunks:
-            c.seq.req.prefill_latency_s += self.costs.prefill_latency(c.start, c.num_tokens)
-            c.seq.req.decode.kv_arriving(c.seq.req)
+            if not c.seq.ahead:
+                c.seq.req.prefill_latency_s += self.costs.prefill_latency(c.start, c.num_tokens)
+                c.seq.req.decode.kv_arriving(c.seq.req)
         self.step_outputs = len(chunks)
         return self.costs.prefill_step([(c.start, c.num_tokens) for c in chunks]), lambda: self._done(chunks)
 
@@ -351,6 +395,11 @@ class PrefillSim(_Instance):
             seq.num_computed += c.num_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(seq, seq.num_computed)
+            if seq.ahead:
+                if c.sample:  # its blocks are cached
+                    self._end_ahead(req, self._found(seq.request_id))
+                    self.scheduler.release(seq.request_id)
+                continue
             dest = req.decode.name
             begin = max(now, self.channel_free_at.get(dest, 0.0))
             first = 0 if c.start == req.cached_tokens else c.start  # a cached prefix goes with the first chunk
@@ -361,6 +410,7 @@ class PrefillSim(_Instance):
                 self.scheduler.hand_off(seq)
                 self.sim.on_first_token(req, now + req.prefill_latency_s)
                 self.sim.at(end, lambda seq=seq: self._transferred(seq))
+        self.sim.compute_ahead()
 
     def _transferred(self, seq: SimSequence) -> None:
         self.scheduler.release(seq.request_id)

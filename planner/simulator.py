@@ -31,6 +31,9 @@ What it models (and mirrors from the real router, ``controller/router.py``):
                the simulated instances' queues and speeds), each decode step prefilling only what its
                budget allows beside the batch (``decode_worker/prefill_budget.py``, the worker's own), the
                chunk riding in the decode pass (``StepCosts.fused_prefill_chunk``)
+            -> with ``prefix_caching.prefill_ahead``: a prefill instance with nothing queued computes the full
+               blocks of a request waiting for decode room ahead (``controller/prefill_ahead.py``), in steps of
+               their own that give way to any prompt (the worker's scheduler lanes)
 
 Instance behaviour lives in ``sim_instances`` (the real schedulers, run on plain objects). A step's time is
 its profiled cost times the mode's calibration (``sim_instances.StepCosts``): the serving path's own costs
@@ -56,6 +59,7 @@ from controller.kv_index import PrefixRouting, cached_first, cheapest
 from controller.load_aware import LoadAwarePolicy
 from controller.migration_policy import PolicyConfig, placement_order
 from controller.placement import blocks_for
+from controller.prefill_ahead import SCANNED as AHEAD_SCANNED
 from planner.profile import Profile, calibration_threads
 from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
 from planner.reuse_workload import ReuseRequest
@@ -530,6 +534,7 @@ class Simulation:
             return
         if self._unplaced:  # FIFO behind requests already waiting for decode memory
             self._unplaced.append(req)
+            self.compute_ahead()
             return
         first = self._decode_order(req)[0]  # the router's first try
         routing = self.config.prefix_caching
@@ -586,6 +591,29 @@ class Simulation:
     def _reserve_or_queue(self, req: SimRequest) -> None:
         if self._unplaced or not self._reserve(req):
             self._unplaced.append(req)
+            self.compute_ahead()
+
+    def compute_ahead(self) -> None:
+        """Prefill ahead (``controller/prefill_ahead.py``): each idle prefill instance computes the full blocks of
+        the oldest request waiting for decode room that it has a block of to compute and no decode instance would
+        prefill itself (one pass per request)."""
+        routing = self.config.prefix_caching
+        if routing is None or not routing.enabled or not routing.prefill_ahead or not self._unplaced:
+            return
+        for p in self.prefill:
+            if not p.idle():
+                continue
+            for req in itertools.islice(self._unplaced, AHEAD_SCANNED):
+                if not req.ahead_on and not self._prefilled_on_decode(req, routing) and p.add_ahead(req):
+                    break
+
+    def _prefilled_on_decode(self, req: SimRequest, routing: PrefixRouting) -> bool:
+        """Whether a decode instance holds enough of the prompt to prefill the rest itself."""
+        for d in self.decode:
+            cached = d.cached(req, routing.tier_load_cost).tokens
+            if 0 < cached and req.prompt_tokens - cached <= routing.local_prefill_tokens:
+                return True
+        return False
 
     def _place_unplaced(self) -> None:
         while self._unplaced and self._reserve(self._unplaced[0]):

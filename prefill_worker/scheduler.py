@@ -36,8 +36,8 @@ class PrefillScheduler:
         self.handed_off: dict[str, Sequence] = {}  # prefilled, KV in transfer
         self.waiting_ahead: deque[Sequence] = deque()  # passes computed ahead, in their own lane
         self.running_ahead: list[Sequence] = []
-        self._dropped: list[tuple[Sequence, CachedPrompt]] = []  # passes ahead that gave their blocks up, and
-        # what each found of its prompt cached, not yet taken
+        self._dropped: list[tuple[Sequence, CachedPrompt | None]] = []  # passes ahead that gave their blocks up,
+        # and what each found of its prompt cached (None: not looked up yet), not yet taken
 
     def add(self, seq: Sequence, ahead: bool = False) -> None:
         """Queue a prompt (``ahead``: a pass computed ahead, see the module doc); the blocks of it only slower KV
@@ -89,14 +89,15 @@ class PrefillScheduler:
         whether any was dropped."""
         dropped = self.running_ahead + list(self.waiting_ahead)
         for seq in dropped:
-            found = CachedPrompt() if self.prefix_cache is None else self.prefix_cache.found(seq.request_id)
+            cache = self.prefix_cache
+            found = cache.found(seq.request_id) if cache is not None and cache.looked_up(seq.request_id) else None
             self.release(seq.request_id)
             self._dropped.append((seq, found))
         return bool(dropped)
 
-    def take_dropped(self) -> list[tuple[Sequence, CachedPrompt]]:
+    def take_dropped(self) -> list[tuple[Sequence, CachedPrompt | None]]:
         """The passes ahead dropped since the last call (their blocks are freed), each with what it found of its
-        prompt cached."""
+        prompt cached (None: it had not looked it up)."""
         dropped, self._dropped = self._dropped, []
         return dropped
 

@@ -167,16 +167,17 @@ class PrefillWorker:
         self.prefix_cache.count_apart(rid)
         self.scheduler.add(seq, ahead=True)
 
-    def _end_ahead(self, request_id: str, found: CachedPrompt | None = None) -> None:
-        """A pass ahead ends (computed, taken over, aborted; ``found`` given: dropped, its blocks freed): what it
-        found is kept for its request, whose lookup counts that as found."""
-        if found is None:
-            found = self.prefix_cache.found(request_id)
+    def _end_ahead(self, request_id: str, found: CachedPrompt | None = None, freed: bool = False) -> None:
+        """A pass ahead ends (computed, taken over, aborted; ``freed``: dropped, its blocks freed already): what it
+        found, if it looked its prompt up, is kept for its request, whose lookup counts that as found."""
+        if not freed:
+            found = self.prefix_cache.found(request_id) if self.prefix_cache.looked_up(request_id) else None
             self.scheduler.release(request_id)
         del self._requests[request_id]
-        self._found_ahead[request_id] = found
-        while len(self._found_ahead) > AHEAD_FOUND_KEPT:
-            self._found_ahead.popitem(last=False)
+        if found is not None:
+            self._found_ahead[request_id] = found
+            while len(self._found_ahead) > AHEAD_FOUND_KEPT:
+                self._found_ahead.popitem(last=False)
         self._ahead_ended.append(request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -204,7 +205,7 @@ class PrefillWorker:
         self._apply_kv_outcomes(out)
         chunks = self.scheduler.schedule()
         for seq, found in self.scheduler.take_dropped():
-            self._end_ahead(seq.request_id, found)
+            self._end_ahead(seq.request_id, found, freed=True)
         if not chunks and self.scheduler.waiting:  # the next prompt lacks blocks, and nothing runs
             self.kv.withdraw_refused(REFUSED_TRANSFER_S)
         chunks = self._tell_connector(chunks, out)

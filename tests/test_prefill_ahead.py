@@ -168,3 +168,15 @@ def test_a_prompt_whose_transfer_waits_for_room_stops_waiting_when_the_prefill_i
 
     run, p0 = asyncio.run(scenario())
     assert "r" not in p0.assigned and isinstance(run.events.get_nowait(), RunFailed)
+
+
+def test_no_pass_for_a_request_a_decode_instance_will_prefill_itself():
+    ahead = PrefillAhead()
+    p0 = Instance("prefill-0", "prefill", None)
+    turn, other = _run("turn"), _run("other")
+    for r in (turn, other):
+        ahead.wait(r)
+    time.sleep(RESCAN_S)
+    skip = lambda r: r is turn  # noqa: E731 - its history is on the decode instance it waits for
+    assert ahead.instance_for(turn, [p0], {}, lambda r, i: Cached(), lambda name: BS, skip) is None
+    assert ahead.instance_for(other, [p0], {}, lambda r, i: Cached(), lambda name: BS, skip) is p0

@@ -183,3 +183,18 @@ def test_a_transfer_refused_for_want_of_room_gives_its_blocks_up_to_a_waiting_pr
     assert set(firsts) == {"held", "next"} and 0.3 <= waited < 10
     assert worker.pool.cached_run(block_hashes(held, 4, worker.prefix_cache.salt)) >= 2  # what "next" left of it
     del store
+
+
+def test_a_pass_taken_over_before_it_looked_its_prompt_up_leaves_the_requests_count_alone(llama_dir):
+    """A pass still queued behind another has found nothing because it has not looked: its request counts what
+    its own lookup finds."""
+    doc = list(range(7, 7 + 40))
+    worker = _worker(llama_dir, max_num_seqs=1)
+    worker.add_request(PrefillRequest("warm", tuple(doc + [3]), SamplingParams(), None))
+    _drain(worker)
+    worker.add_request(PrefillRequest("other", tuple(range(200, 240)), SamplingParams(), None, ahead=True))
+    worker.add_request(PrefillRequest("r", tuple(doc + [5, 6]), SamplingParams(), None, ahead=True))
+    worker.step()  # "other" runs; "r" waits behind it (one seat)
+    worker.add_request(PrefillRequest("r", tuple(doc + [5, 6]), SamplingParams(max_tokens=1), None))
+    firsts, _, _ = _drain(worker)
+    assert firsts["r"].cached.tokens == 40  # the document, found in the pool

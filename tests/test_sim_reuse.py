@@ -214,3 +214,27 @@ def test_tiers_without_prefix_caching_are_refused():
     with pytest.raises(SimConfigError, match="tiers: sit below the prefix cache"):
         SimConfig("disaggregated", prefill=PoolPlan(1, 1, 4096, 512, 16), decode=PoolPlan(1, 1, 4096, 1, 64),
                   tiers=SimTierConfig(4096, 10.0, 1024))
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_prompts_waiting_for_decode_room_are_computed_ahead_by_the_idle_prefill_instance(ahead):
+    """A decode pool of 2048 tokens holds two of four 1000-token prompts: the other two wait for room. With
+    ``prefill_ahead`` the idle prefill instance computes their 62 full blocks meanwhile, in steps of their own,
+    and once placed each computes only its last 8 tokens; each prompt is looked up once, and what was computed
+    ahead for it is not counted found."""
+    trace = [ReuseRequest(0.0, g, 0, 0, 1000, 50) for g in range(4)]
+    cfg = SimConfig("disaggregated", prefill=PoolPlan(1, 1, 1 << 20, 512, 16), decode=PoolPlan(1, 1, 2048, 1, 64),
+                    speculation=NO_SPECULATION, prefix_caching=PrefixRouting(True, prefill_ahead=ahead))
+    sim = Simulation(make_profile(), cfg)
+    sim.result = sim.run(trace)
+    waited = sorted(r.ttft_s for r in sim.result.records)[2:]
+    freed = min(r.finish_s for r in sim.result.records)  # room for both frees when the first request ends
+    prefill = sim.prefill[0]
+    assert prefill.prefix_cache.stats.queries == 4000 and prefill.prefix_cache.stats.hits == 0
+    if ahead:  # each computes its last 8 tokens in a short step of its own
+        assert all(t - freed < 0.02 for t in waited)  # two such steps and the transfers, in turn
+        assert prefill.steps == 4 + 4 + 2  # the two placed at once, the two passes ahead, the two last blocks
+    else:  # each computes its whole prompt, in two full steps, once the room frees
+        assert all(t - freed > 2 * 5e-3 + 1000 * 1e-4 for t in waited)
+        assert prefill.steps == 8
+    assert_idle(sim)
