@@ -234,19 +234,24 @@ class PrefixCachingSection:
     choice (0: free; 1: as dear as computing). ``local_prefill_tokens``: a request whose decode instance already
     holds all of its prompt (in its pool or its tiers) but at most this many tokens is prefilled there, with no
     prefill instance involved (0: never). ``prefill_ahead``: while a request waits for room on a decode instance,
-    an idle prefill instance computes its prompt ahead, so its full blocks are cached there when it is placed."""
+    an idle prefill instance computes its prompt ahead, so its full blocks are cached there when it is placed;
+    ``auto``: where the prefill instances run on GPUs of their own (on CPU the instances share the host's cores, and
+    a pass ahead slows the decoding beside it: ``benchmarks/results/prefill_ahead.md``)."""
 
     enabled: bool = True
     overlap_weight: float = 1.0
     local_prefill_tokens: int = 256
     tier_load_cost: float = 0.2
-    prefill_ahead: bool = True
+    prefill_ahead: bool | str = "auto"
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
-        errs = booleans(self, ("enabled", "prefill_ahead")) + integers(self, ("local_prefill_tokens",), low=0)
+        errs = booleans(self, ("enabled",)) + integers(self, ("local_prefill_tokens",), low=0)
+        if self.prefill_ahead not in (True, False, "auto") or isinstance(self.prefill_ahead, int) and \
+                not isinstance(self.prefill_ahead, bool):
+            errs.append(("prefill_ahead", f"must be true, false or auto, got {self.prefill_ahead!r}"))
         w = self.overlap_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
             errs.append(("overlap_weight", f"must be a number >= 0, got {w!r}"))
@@ -255,10 +260,11 @@ class PrefixCachingSection:
             errs.append(("tier_load_cost", f"must be a number in [0, 1], got {c!r}"))
         return errs
 
-    def routing(self) -> PrefixRouting:
-        """What the router reads of it."""
+    def routing(self, prefill_on_gpus: bool = False) -> PrefixRouting:
+        """What the router reads of it (``prefill_on_gpus``: the prefill instances run on GPUs, for ``auto``)."""
+        ahead = prefill_on_gpus if self.prefill_ahead == "auto" else self.prefill_ahead
         return PrefixRouting(self.enabled, float(self.overlap_weight), self.local_prefill_tokens if self.enabled else 0,
-                             float(self.tier_load_cost), self.enabled and self.prefill_ahead)
+                             float(self.tier_load_cost), self.enabled and ahead is True)
 
 
 @dataclass(frozen=True)
@@ -536,6 +542,8 @@ def _convert(hint, value, path: str):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
+        if len(args) > 1 and all(a in (bool, int, float, str) for a in args):
+            return value  # one of several kinds of scalar: the section's own check() says which values it takes
         return _convert(args[0], value, path)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)

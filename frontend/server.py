@@ -454,7 +454,8 @@ def build_router(config: ClusterConfig, cluster, metrics=None) -> Router:
                                metrics=metrics, prefix_routing=config.prefix_caching.routing())
     router = Router(cluster.prefill, cluster.decode, lim.max_concurrent_requests, lim.max_queue_length,
                     lim.request_timeout_s, restart=cluster.restart, check_ranks=cluster.check_ranks, metrics=metrics,
-                    connect_pair=cluster.connect_migration_pair, prefix_routing=config.prefix_caching.routing())
+                    connect_pair=cluster.connect_migration_pair,
+                    prefix_routing=config.prefix_caching.routing(config.prefill.devices_per_instance > 0))
     mig = config.migration
     router.migrations.configure(mig.policy(), mig.timeout_s, mig.interval_s if mig.enabled else None)
     router.context.load_aware.policy = config.load_aware.policy(config.slo)

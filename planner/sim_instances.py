@@ -392,6 +392,8 @@ class PrefillSim(_Instance):
         self.rate.observe(sum(c.num_tokens for c in chunks), self.step_s)
         for c in chunks:
             seq, req = c.seq, c.seq.req
+            if seq.ahead and seq not in self.scheduler.running_ahead:
+                continue  # taken over by its request while this step ran: what the step computed is not kept
             seq.num_computed += c.num_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(seq, seq.num_computed)

@@ -104,6 +104,9 @@ def test_decode_order_goes_where_the_prefix_is_cached_when_it_has_room():
     ({"prefix_caching": {"local_prefill_tokens": -5}}, "prefix_caching.local_prefill_tokens: must be >= 0, got -5"),
     ({"prefix_caching": {"enabled": "yes"}}, "prefix_caching.enabled: must be true or false, got 'yes'"),
     ({"prefix_caching": {"tier_load_cost": 1.5}}, "prefix_caching.tier_load_cost: must be a number in [0, 1], got 1.5"),
+    ({"prefix_caching": {"prefill_ahead": "sometimes"}},
+     "prefix_caching.prefill_ahead: must be true, false or auto, got 'sometimes'"),
+    ({"prefix_caching": {"prefill_ahead": 1}}, "prefix_caching.prefill_ahead: must be true, false or auto, got 1"),
     ({"prefix_caching": {"hash": "md5"}}, "prefix_caching.hash: unknown field; allowed: enabled, overlap_weight,"),
     ({"decode": {"prefix_caching": False}}, "decode.prefix_caching: not set here; it follows prefix_caching.enabled"),
 ])
@@ -116,7 +119,10 @@ def test_prefix_caching_config_errors_name_the_field(raw, message):
 def test_one_switch_turns_caching_off_in_every_pool_and_the_router():
     on = parse_config({"model": {"path": "m"}})
     assert on.prefill.prefix_caching and on.decode.prefix_caching and on.colocated.prefix_caching
-    assert on.prefix_caching.routing() == PrefixRouting(True, 1.0, 256, 0.2)
+    assert on.prefix_caching.routing() == PrefixRouting(True, 1.0, 256, 0.2, prefill_ahead=False)  # auto, on CPU
+    assert on.prefix_caching.routing(prefill_on_gpus=True).prefill_ahead  # auto, with GPUs
+    forced = parse_config({"model": {"path": "m"}, "prefix_caching": {"prefill_ahead": True}})
+    assert forced.prefix_caching.routing().prefill_ahead
     off = parse_config({"model": {"path": "m"}, "prefix_caching": {"enabled": False}})
     assert not (off.prefill.prefix_caching or off.decode.prefix_caching or off.colocated.prefix_caching)
     assert not off.prefix_caching.routing().enabled and off.prefix_caching.routing().local_prefill_tokens == 0
