@@ -14,6 +14,7 @@ the rest; what it reports found cached is what the pass ahead found.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class _Request:
     def ahead(self) -> bool:
         return self.request.ahead
 
+
+log = logging.getLogger("magicserve.prefill")
 
 # A prompt's transfer whose decode instance has had no room for this long gives its blocks up when a waiting prompt
 # needs them and nothing else runs (it fails as retryable, its full blocks cached): otherwise that decode instance,
@@ -207,7 +210,10 @@ class PrefillWorker:
         for seq, found in self.scheduler.take_dropped():
             self._end_ahead(seq.request_id, found, freed=True)
         if not chunks and self.scheduler.waiting:  # the next prompt lacks blocks, and nothing runs
-            self.kv.withdraw_refused(REFUSED_TRANSFER_S)
+            for rid in self.kv.withdraw_refused(REFUSED_TRANSFER_S):
+                log.warning("%s: withdrew the transfer of %s (its decode instance has had no room for %g s; a "
+                            "waiting prompt needs its blocks): it runs again", self.instance_id, rid,
+                            REFUSED_TRANSFER_S)
         chunks = self._tell_connector(chunks, out)
         if chunks:
             t0 = time.perf_counter()
