@@ -207,7 +207,7 @@ def simulated(args) -> dict:
         runs = pool.starmap(simulate_one, cells)
     return {"command": "python benchmarks/prefill_ahead.py " + " ".join(
                 shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
-            "profile": profile.hardware, "model": profile.model, "shape": list(shape),
+            "gpu": args.sim_gpu, "model": profile.model, "shape": list(shape),
             "prefill_kv_tokens": profile.costs(1, 1).prefill_kv_capacity_tokens,
             "full_decode_kv_tokens": profile.costs(1, 1).kv_capacity_tokens,
             "trace": {"requests": len(rows), "duration_s": rows[-1]["arrival_s"]},
@@ -218,7 +218,7 @@ def write_simulated_md(result: dict, path: str) -> None:
     p, d = result["shape"]
     lines = ["# Prefill ahead at GPU scale, simulated", "", f"Command: `{result['command']}`", "",
              f"Mooncake's conversation trace, the whole hour as recorded ({result['trace']['requests']} requests), "
-             f"through the simulator on {result['model']} over {result['profile']} (analytical profile), every "
+             f"through the simulator on {result['model']} over {result['gpu']} GPUs (analytical profile), every "
              f"instance on a GPU of its own: {p} prefill + {d} decode instances, each prefill instance's KV as its "
              f"memory allows ({result['prefill_kv_tokens']} tokens), the decode instances' cut to the sizes listed "
              f"(their memory allows {result['full_decode_kv_tokens']}) so that their room binds; prefix caching on, "
