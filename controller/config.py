@@ -236,7 +236,7 @@ class PrefixCachingSection:
     prefill instance involved (0: never). ``prefill_ahead``: while a request waits for room on a decode instance,
     an idle prefill instance computes its prompt ahead, so its full blocks are cached there when it is placed;
     ``auto``: where the prefill instances run on GPUs of their own (on CPU the instances share the host's cores, and
-    a pass ahead slows the decoding beside it: ``benchmarks/results/prefill_ahead.md``)."""
+    it measured no gain beyond the run-to-run spread: ``benchmarks/results/prefill_ahead.md``)."""
 
     enabled: bool = True
     overlap_weight: float = 1.0
