@@ -59,10 +59,10 @@ from controller.kv_index import PrefixRouting, cached_first, cheapest
 from controller.load_aware import LoadAwarePolicy
 from controller.migration_policy import PolicyConfig, placement_order
 from controller.placement import blocks_for
-from controller.prefill_ahead import SCANNED as AHEAD_SCANNED
 from planner.profile import Profile, calibration_threads
 from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
 from planner.reuse_workload import ReuseRequest
+from planner.sim_ahead import compute_ahead
 from planner.sim_load_aware import prefill_on_decode
 from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
 from planner.sim_reuse import distinct_requests, reuse_requests
@@ -594,26 +594,8 @@ class Simulation:
             self.compute_ahead()
 
     def compute_ahead(self) -> None:
-        """Prefill ahead (``controller/prefill_ahead.py``): each idle prefill instance computes the full blocks of
-        the oldest request waiting for decode room that it has a block of to compute and no decode instance would
-        prefill itself (one pass per request)."""
-        routing = self.config.prefix_caching
-        if routing is None or not routing.enabled or not routing.prefill_ahead or not self._unplaced:
-            return
-        for p in self.prefill:
-            if not p.idle():
-                continue
-            for req in itertools.islice(self._unplaced, AHEAD_SCANNED):
-                if not req.ahead_on and not self._prefilled_on_decode(req, routing) and p.add_ahead(req):
-                    break
-
-    def _prefilled_on_decode(self, req: SimRequest, routing: PrefixRouting) -> bool:
-        """Whether a decode instance holds enough of the prompt to prefill the rest itself."""
-        for d in self.decode:
-            cached = d.cached(req, routing.tier_load_cost).tokens
-            if 0 < cached and req.prompt_tokens - cached <= routing.local_prefill_tokens:
-                return True
-        return False
+        """Prefill ahead for the requests waiting for decode room (``planner/sim_ahead.py``)."""
+        compute_ahead(self, self._unplaced)
 
     def _place_unplaced(self) -> None:
         while self._unplaced and self._reserve(self._unplaced[0]):
