@@ -296,7 +296,8 @@ class Placer:
                     await self._compute_ahead(run)
                 await asyncio.sleep(PLACEMENT_RETRY_S)
         finally:
-            ahead.leave(run)
+            if compute_ahead:
+                ahead.leave(run)
         return decode
 
     async def _compute_ahead(self, run: RequestRun) -> None:

@@ -32,10 +32,10 @@ RESCAN_S = 0.02  # how long a choice stands while nothing it depends on changed 
 
 @dataclass(frozen=True)
 class AheadPass:
-    """A pass running on instance ``instance`` (of generation ``generation``) for request ``request_id``."""
+    """A pass running for request ``request_id`` on an instance of generation ``generation`` (a pass of an earlier
+    generation died with it)."""
 
     request_id: str
-    instance: str
     generation: int
 
 
@@ -44,7 +44,7 @@ class PrefillAhead:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._waiting: dict[str, RequestRun] = {}  # requests waiting for decode room, in the order they began to
+        self._waiting: dict[str, RequestRun] = {}  # requests waiting for decode room, oldest first
         self._started: set[str] = set()  # waiting requests whose pass started
         self._running: dict[str, AheadPass] = {}  # prefill instance name -> its pass
         self._choice: tuple[str, Instance] | None = None  # (request, instance) the last scan chose
@@ -70,7 +70,7 @@ class PrefillAhead:
 
     def started(self, run: RequestRun, inst: Instance) -> None:
         self._started.add(run.request_id)
-        self._running[inst.name] = AheadPass(run.request_id, inst.name, inst.generation)
+        self._running[inst.name] = AheadPass(run.request_id, inst.generation)
         self.passes += 1
         self._chosen_at = float("-inf")
 

@@ -334,7 +334,7 @@ class PrefillSim(_Instance):
                              f"({self.pool.num_blocks * self.block_size} tokens)")
         rid = str(req.index)
         if any(s.request_id == rid for s in [*self.scheduler.running_ahead, *self.scheduler.waiting_ahead]):
-            self._end_ahead(req, self._found(rid))  # the request takes its pass ahead over
+            req.found_ahead = self._found(rid)  # the request takes its pass ahead over
             self.scheduler.release(rid)
         seq = SimSequence(req, self.block_size)
         seq.num_computed = req.cached_tokens
@@ -370,14 +370,10 @@ class PrefillSim(_Instance):
         """What a pass ahead found of its prompt (None: not looked up yet)."""
         return self.prefix_cache.found(rid) if self.prefix_cache.looked_up(rid) else None
 
-    @staticmethod
-    def _end_ahead(req: SimRequest, found: CachedPrompt | None) -> None:
-        req.found_ahead = found
-
     def _plan_step(self):
         chunks = self.scheduler.schedule()
         for seq, found in self.scheduler.take_dropped():
-            self._end_ahead(seq.req, found)
+            seq.req.found_ahead = found
         if not chunks:
             return None
         for c in chunks:
@@ -399,7 +395,7 @@ class PrefillSim(_Instance):
                 self.prefix_cache.commit(seq, seq.num_computed)
             if seq.ahead:
                 if c.sample:  # its blocks are cached
-                    self._end_ahead(req, self._found(seq.request_id))
+                    req.found_ahead = self._found(seq.request_id)
                     self.scheduler.release(seq.request_id)
                 continue
             dest = req.decode.name
