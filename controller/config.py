@@ -33,7 +33,8 @@ from kv_transfer.channel import TransferConfig
 from modeling.dtype_choice import AUTO, DtypeChoice, choose_dtype
 from modeling.dtypes import DTYPES
 from modeling.engine import EngineConfig
-from modeling.instance_config import InstanceConfig, KVTiersConfig, Problems, booleans, integers, raise_first
+from modeling.instance_config import (InstanceConfig, KVTiersConfig, Problems, booleans, booleans_or_auto, integers,
+                                      raise_first)
 from prefill_worker.config import PrefillWorkerConfig
 
 MODES = ("disaggregated", "colocated")
@@ -249,9 +250,7 @@ class PrefixCachingSection:
 
     def check(self) -> Problems:
         errs = booleans(self, ("enabled",)) + integers(self, ("local_prefill_tokens",), low=0)
-        if self.prefill_ahead not in (True, False, "auto") or isinstance(self.prefill_ahead, int) and \
-                not isinstance(self.prefill_ahead, bool):
-            errs.append(("prefill_ahead", f"must be true, false or auto, got {self.prefill_ahead!r}"))
+        errs += booleans_or_auto(self, ("prefill_ahead",))
         w = self.overlap_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
             errs.append(("overlap_weight", f"must be a number >= 0, got {w!r}"))

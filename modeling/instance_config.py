@@ -52,6 +52,12 @@ def booleans(obj, names: tuple[str, ...]) -> Problems:
             if not isinstance(getattr(obj, name), bool)]
 
 
+def booleans_or_auto(obj, names: tuple[str, ...]) -> Problems:
+    """(field, reason) for each of ``names`` that is not true, false or ``auto``."""
+    return [(name, f"must be true, false or auto, got {getattr(obj, name)!r}") for name in names
+            if not (isinstance(getattr(obj, name), bool) or getattr(obj, name) == "auto")]
+
+
 def positive(obj, names: tuple[str, ...]) -> Problems:
     """(field, reason) for each of ``names`` that is not a number > 0."""
     out = []
@@ -116,7 +122,10 @@ class KVTiersConfig:
     ``write_queue_blocks``: blocks waiting for the writer at most (a block cached while the queue is full is not
     written to disk or the store, and counted); ``read_ahead_mb``: host memory for blocks read from the disk
     tier or the store while their prompt waits (``modeling/kv_tiers/read_ahead.py``; 0: loads read them when
-    the prompt is scheduled)."""
+    the prompt is scheduled); ``layered_loads``: a prefill instance writes what it loads into the cache layer by
+    layer beside the pass that reads it (``modeling/kv_tiers/layer_load.py``; False: all of it before the pass;
+    ``auto``: layer by layer where the cache is on a GPU, whose copy engine runs beside the pass, at once on CPU,
+    where the copy would take the cores the pass runs on: ``benchmarks/results/tier_load_overlap.md``)."""
 
     enabled: bool = True
     host_memory_mb: int = 256
@@ -124,13 +133,15 @@ class KVTiersConfig:
     disk_mb: int = 2048
     write_queue_blocks: int = 4096
     read_ahead_mb: int = 256
+    layered_loads: bool | str = "auto"
     store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
-        errs = booleans(self, ("enabled",)) + integers(self, ("host_memory_mb", "disk_mb", "read_ahead_mb"), low=0)
+        errs = booleans(self, ("enabled",)) + booleans_or_auto(self, ("layered_loads",))
+        errs += integers(self, ("host_memory_mb", "disk_mb", "read_ahead_mb"), low=0)
         errs += integers(self, ("write_queue_blocks",), low=1)
         if not isinstance(self.disk_dir, str):
             errs.append(("disk_dir", f"must be a directory path (a string), got {self.disk_dir!r}"))
@@ -140,6 +151,12 @@ class KVTiersConfig:
     def active(self) -> bool:
         """Enabled with at least one tier: of non-zero size, or the store."""
         return self.enabled and (self.host_memory_mb > 0 or self.disk_mb > 0 or self.store.enabled)
+
+    def loads_layer_by_layer(self, device: str) -> bool:
+        """Whether an instance whose cache is on ``device`` (``cpu``, ``cuda``, ``cuda:1``) loads layer by layer."""
+        if self.layered_loads == "auto":
+            return device.startswith("cuda")
+        return self.layered_loads is True
 
     def resolved_disk_dir(self) -> str:
         """The disk tier's root directory on this node."""

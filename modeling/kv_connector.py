@@ -49,6 +49,22 @@ class LayerHook(Protocol):
     def save_kv_layer(self, layer: int) -> None: ...
 
 
+class LayerHooks:
+    """Several layer hooks as one: each method calls every hook's, in the order given (a tier load's before the
+    connector's, so a layer's loaded KV is in before the connector sends it)."""
+
+    def __init__(self, *hooks: LayerHook):
+        self.hooks = hooks
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        for hook in self.hooks:
+            hook.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int) -> None:
+        for hook in self.hooks:
+            hook.save_kv_layer(layer)
+
+
 class BlockRelease(Enum):
     """``request_finished``'s answer: when the owner may free the request's blocks."""
 

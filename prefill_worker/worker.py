@@ -31,7 +31,7 @@ from modeling.errors import InvalidRequestError, KVConnectorError
 from modeling.forks import ForkStart, SequenceStarts, encode_starts
 from modeling.heads import rank_peer_id
 from modeling.instance_core import InstanceCore, follower_runner
-from modeling.kv_connector import HandOff, KVConnector, KVPeer, KVRequest, StepKV
+from modeling.kv_connector import HandOff, KVConnector, KVPeer, KVRequest, LayerHooks, StepKV
 from modeling.output import OutputStream
 from modeling.pass_log import PassLog
 from modeling.prefix_cache import CachedPrompt
@@ -98,6 +98,10 @@ class PrefillWorker:
         self.transfer = here if self.tp is None else TPTransferConnector(here, self.runner, self.tp)
         self.kv: KVConnector = self.transfer if kv_connector is None else kv_connector
         self.kv.register_kv_cache(self.cache)
+        # what the tiers load is written layer by layer beside the pass that reads it (None: before the pass)
+        self._layer_loads = core.tiers.load_layer_by_layer() \
+            if core.tiers is not None and config.kv_tiers.loads_layer_by_layer(str(self.cache.device)) else None
+        self._hook = self.kv if self._layer_loads is None else LayerHooks(self._layer_loads, self.kv)
         self._requests: dict[str, _Request] = {}
         self._found_ahead: OrderedDict[str, CachedPrompt] = OrderedDict()  # ended passes ahead: what each found
         self._ahead_ended: list[str] = []  # not reported yet
@@ -222,6 +226,8 @@ class PrefillWorker:
             out.tokens_computed = sum(c.num_tokens for c in chunks)
             self.pass_log.record("prefill", out.compute_s, chunks=[[c.start, c.num_tokens] for c in chunks])
             out.first_tokens.extend(self._sample(chunks, logits))
+        if self._layer_loads is not None:  # in before anything else reads or reuses the blocks
+            self._layer_loads.finish()
         out.ahead_ended, self._ahead_ended = self._ahead_ended, []
         return out
 
@@ -279,7 +285,7 @@ class PrefillWorker:
         inputs = [StepInput(c.seq.tokens[c.start : c.start + c.num_tokens], c.start, c.seq.block_table.blocks,
                             num_logits=self._num_logits(c)) for c in chunks]
         self.kv.start_load_kv(StepKV({c.seq.request_id: self._final_blocks(c) for c in chunks}))
-        hidden, rows = self.runner.forward(inputs, kv_hook=self.kv)
+        hidden, rows = self.runner.forward(inputs, kv_hook=self._hook)
         self.kv.wait_for_save()
         if not rows:
             return torch.empty(0, self.loaded.config.vocab_size)

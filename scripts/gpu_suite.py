@@ -12,7 +12,9 @@ is recorded and the others still run; the exit status is 1 when any step failed:
 2. tests: ``python -m pytest -m gpu -q -rs`` over the test modules holding GPU tests (counts, failures, skip reasons, the output's tail);
 3. ``benchmarks/decode_step.py`` on CUDA: the torch and Triton backends, Triton steps captured as CUDA graphs
    (``--compile``), and flash-attn when installed (block size 256 then, else 16);
-4. ``benchmarks/spec_decode.py`` on CUDA: the Triton and torch backends, and flash-attn when installed.
+4. ``benchmarks/spec_decode.py`` on CUDA: the Triton and torch backends, and flash-attn when installed;
+5. ``benchmarks/tier_load_overlap.py`` on CUDA: a tier hit's TTFT with the load written layer by layer beside
+   the pass or before it, random weights in Llama-3.1-8B's shapes.
 
 The benchmarks write under a scratch folder (``runs/gpu/`` by default, git-ignored) so the CPU records in
 ``benchmarks/results/`` stay as they are; the record copies their tables. Without a CUDA device the script
@@ -376,6 +378,16 @@ def spec_decode_step(args, scratch: str, tag: str, backend: str, cpu: bool) -> S
     return Step(f"spec_decode_{backend}", title, cmd, data={"out": out})
 
 
+def tier_load_overlap_step(args, scratch: str, tag: str, cpu: bool) -> Step:
+    out = os.path.join(scratch, f"tier_load_overlap_{tag}")
+    cmd = [sys.executable, "benchmarks/tier_load_overlap.py", "--out", out]
+    if cpu:  # dry run: one short document, the bundled model
+        cmd += ["--docs", "64", "--question", "8", "--repeats", "1", "--threads", "1"]
+    else:  # random weights in Llama-3.1-8B's shapes: 128 KiB of KV per token, as in serving
+        cmd += ["--device", "cuda", "--model", "llama-3.1-8b", "--docs", "2048", "8192", "32768", "--repeats", "3"]
+    return Step("tier_load_overlap", "Tier hits loaded layer by layer", cmd, data={"out": out})
+
+
 def load_benchmark(step: Step) -> None:
     """Attach a finished benchmark's JSON figures and markdown body (its title line dropped) to the step."""
     out = step.data.get("out")
@@ -520,6 +532,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--spec-triton-timeout-s", type=float, default=80.0, help="speculative decoding, Triton backend")
     ap.add_argument("--spec-timeout-s", type=float, default=60.0, help="speculative decoding, torch backend")
     ap.add_argument("--spec-flash-timeout-s", type=float, default=80.0, help="speculative decoding, flash backend")
+    ap.add_argument("--tier-load-timeout-s", type=float, default=90.0, help="tier hits loaded layer by layer")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. \"-k flash -x\"")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-benchmarks", action="store_true")
@@ -538,6 +551,7 @@ def plan_steps(args, scratch: str, tag: str, flash: bool, cpu: bool) -> tuple[li
         flash_spec.status = "skipped"
         flash_spec.note = "flash-attn not installed" if not cpu else "flash-attn needs CUDA"
     plan.append((flash_spec, args.spec_flash_timeout_s))
+    plan.append((tier_load_overlap_step(args, scratch, tag, cpu), args.tier_load_timeout_s))
     for step, _ in plan:
         if args.skip_tests and step.name == "tests" or args.skip_benchmarks and step.name != "tests":
             step.status, step.note = "skipped", "skipped on the command line"

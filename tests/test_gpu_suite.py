@@ -40,18 +40,18 @@ def test_dry_run_on_cpu_runs_every_step_and_records_it(tmp_path):
     record = json.loads((tmp_path / "suite.json").read_text())
     status = {s["name"]: s["status"] for s in record["steps"]}
     assert status == {"tests": "passed", "decode_step": "passed", "spec_decode_triton": "passed",
-                      "spec_decode_torch": "passed", "spec_decode_flash": "skipped"}
+                      "spec_decode_torch": "passed", "spec_decode_flash": "skipped", "tier_load_overlap": "passed"}
     assert record["failed_steps"] == []
     tests = record["tests"]  # without CUDA every GPU test is collected and skips, naming why
     assert tests["passed"] == tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 100
     assert any("CUDA" in reason for reason in tests["skip_reasons"])
     outcomes = (tmp_path / "scratch" / "cpu" / "pytest_gpu_outcomes.jsonl").read_text().splitlines()
     assert len(outcomes) == tests["skipped"]  # the plugin wrote every test's outcome as it went
-    for step in record["steps"][1:4]:  # each benchmark's own figures were read back
+    for step in record["steps"][1:4] + record["steps"][5:]:  # each benchmark's own figures were read back
         assert step["data"]["result"]["rows"], step["name"]
     markdown = out.read_text()
     # the verdict counts what ran: the flash step skipped, every GPU test skipped
-    verdict = (f"**4 of 5 steps passed; not run: spec_decode_flash; GPU tests: 0 passed, 0 failed, "
+    verdict = (f"**5 of 6 steps passed; not run: spec_decode_flash; GPU tests: 0 passed, 0 failed, "
                f"{tests['skipped']} skipped of {tests['skipped']}**")
     assert markdown.startswith("# GPU suite: dry run on CPU") and verdict in markdown, markdown[:600]
 

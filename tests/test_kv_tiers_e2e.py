@@ -29,14 +29,15 @@ def test_a_document_evicted_from_every_pool_is_served_from_the_tiers(llama_dir, 
     """The router's index knows each instance's disk tier holds the evicted document: a short question after it
     is prefilled on the decode instance, which loads the document from its tier (no prefill instance involved);
     a long question goes to the prefill instance, which loads the document from its own tier and computes only
-    the question. With ``tp`` 2, every instance's ranks each hold half the KV heads: rank 0 gathers and scatters
-    whole blocks for its tiers."""
+    the question, written layer by layer beside its pass (``layered_loads`` on, as on GPUs). With ``tp`` 2, every
+    instance's ranks each hold half the KV heads: rank 0 gathers and scatters whole blocks for its tiers, before
+    the pass."""
     cfg = e2e_config(
         llama_dir,
         prefill={"tensor_parallel": tp, "kv_cache_tokens": 640, "attention_backend": "torch", "token_budget": 128},
         decode={"tensor_parallel": tp, "kv_cache_tokens": 1280, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
-        kv_tiers={"host_memory_mb": 0, "disk_dir": str(tmp_path), "disk_mb": 64},
+        kv_tiers={"host_memory_mb": 0, "disk_dir": str(tmp_path), "disk_mb": 64, "layered_loads": True},
     )
     doc, q1, q2, q3, *others = prompts_of([320, 20, 24, 280, 500, 500, 500], seed=31)
     greedy = dict(max_tokens=16, ignore_eos=True)

@@ -340,11 +340,15 @@ def test_kv_tiers_config_names_the_field():
     base = {"model": {"path": "x"}}
     cfg = parse_config(base)
     assert cfg.kv_tiers.active and cfg.decode.kv_tiers == cfg.prefill.kv_tiers == cfg.kv_tiers  # on by default
+    assert cfg.kv_tiers.loads_layer_by_layer("cuda:0") and not cfg.kv_tiers.loads_layer_by_layer("cpu")  # auto
+    assert parse_config({**base, "kv_tiers": {"layered_loads": True}}).prefill.kv_tiers.loads_layer_by_layer("cpu")
     off = parse_config({**base, "kv_tiers": {"enabled": False}})
     assert not off.colocated.kv_tiers.active
     for bad, why in [({"disk_mb": -1}, "kv_tiers.disk_mb: must be >= 0, got -1"),
                      ({"host_memory_mb": "1G"}, "kv_tiers.host_memory_mb: must be an integer"),
                      ({"write_queue_blocks": 0}, "kv_tiers.write_queue_blocks: must be >= 1"),
+                     ({"layered_loads": "sometimes"}, "kv_tiers.layered_loads: must be true, false or auto, got 'some"),
+                     ({"layered_loads": 1}, "kv_tiers.layered_loads: must be true, false or auto, got 1"),
                      ({"disk": 1}, "kv_tiers.disk: unknown field")]:
         with pytest.raises(ConfigError, match=why):
             parse_config({**base, "kv_tiers": bad})

@@ -9,7 +9,9 @@ store (checked), and writes them into the given blocks. A prompt that waits to b
 the disk tier or the store holds read ahead on a thread of their own (``read_ahead``,
 :class:`~modeling.kv_tiers.read_ahead.ReadAhead`), so its load copies them from host memory; a decode
 instance's load for a prompt whose rest arrives from a prefill instance runs wholly on that thread
-(``start_load`` / ``finish_load``).
+(``start_load`` / ``finish_load``). An owner that runs every pass with a layer hook may have its loads written
+into the cache layer by layer beside the pass that reads them (``load_layer_by_layer``,
+:class:`~modeling.kv_tiers.layer_load.LayerLoads`).
 
 Keys: a block's content hash already covers its tokens, every token before it, the model path, dtype and
 block size (the prefix cache's salt); the disk tier's directory and the store's key prefix add a fingerprint
@@ -36,6 +38,7 @@ from modeling.instance_config import KVTiersConfig
 from modeling.kv_tiers.disk import DiskTier
 from modeling.kv_tiers.events import DISK, HOST, STORE, TierEvents
 from modeling.kv_tiers.host import HostTier
+from modeling.kv_tiers.layer_load import LayerLoads
 from modeling.kv_tiers.read_ahead import ReadAhead, ReadResult
 from modeling.kv_tiers.stats import TierStats
 from modeling.kv_tiers.store import StoreTier
@@ -105,6 +108,7 @@ class KVTiers:
         self._events: TierEvents | None = None
         self.names: tuple[str, ...] = tuple(self._by_name())  # the tiers this instance loads from
         self._read_ahead: ReadAhead | None = None
+        self.layer_loads: LayerLoads | None = None  # loads written beside the next pass (load_layer_by_layer)
         if disk is not None or store is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
@@ -147,6 +151,15 @@ class KVTiers:
             if tuple(kv.shape) == self.block_shape and kv.dtype == self.cache.spec.dtype:
                 kept += self.host.put(block_hash, kv)
         return kept
+
+    def load_layer_by_layer(self) -> LayerLoads | None:
+        """From now on, :meth:`load` hands the blocks it loads to the returned :class:`LayerLoads`, which writes
+        them into the cache layer by layer beside the next forward pass: for an owner that runs every pass with
+        it as a layer hook and calls its ``finish`` after each (``modeling/kv_tiers/layer_load.py``). None, and
+        loads write at once, on a sharded tensor-parallel instance, whose writes are collectives between steps."""
+        if self.layer_loads is None and isinstance(self.cache, PagedKVCache):
+            self.layer_loads = LayerLoads(self.cache)
+        return self.layer_loads
 
     # -- lookups and loads (the worker's thread) --------------------------------------------------
 
@@ -272,11 +285,15 @@ class KVTiers:
         return self._write(parts, per_tier, blocks)
 
     def _write(self, parts: list[torch.Tensor], per_tier: list[TierStats], blocks: Sequence[int]) -> int:
-        """Write the loaded blocks' KV into the first of ``blocks`` and count them; how many."""
+        """Write the loaded blocks' KV into the first of ``blocks`` (or hand them to :attr:`layer_loads`) and
+        count them; how many."""
         if not parts:
             return 0
         t0 = time.perf_counter()
-        self.cache.write_blocks(list(blocks[:len(parts)]), torch.stack(parts))  # [n, L, 2, bs, H, D]
+        if self.layer_loads is not None:
+            self.layer_loads.add(blocks[:len(parts)], parts)
+        else:
+            self.cache.write_blocks(list(blocks[:len(parts)]), torch.stack(parts))  # [n, L, 2, bs, H, D]
         share = (time.perf_counter() - t0) / len(parts)
         for stats in per_tier:
             stats.hits += 1
@@ -399,7 +416,11 @@ class KVTiers:
             self._queue.join()
 
     def close(self) -> None:
-        """Finish the queued writes, stop the writer and the read-ahead, and release the disk directory."""
+        """Finish the queued writes, stop the writer, the read-ahead and the layer loads, and release the disk
+        directory."""
+        if self.layer_loads is not None:
+            self.layer_loads.close()
+            self.layer_loads = None
         if self._read_ahead is not None:
             self._read_ahead.close()
             self._read_ahead = None
