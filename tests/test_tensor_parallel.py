@@ -8,6 +8,8 @@ must draw the same tokens.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from kv_transfer import Rendezvous
 from modeling.checkpoint import load_model
 from modeling.engine import EngineConfig, ReferenceEngine
 from modeling.params import SamplingParams
+from modeling.prefix_hash import block_hashes
 from modeling.tp import TPShard, slice_plan
 from tests.kv_procs import run_procs
 
@@ -266,6 +269,91 @@ def test_prefill_tp_to_decode_tp_matches_the_engine(checkpoint_dir, p, d):
     assert got == reference
     assert out["p0"]["blocks_free"] and out["d0"]["blocks_free"]
 
+
+
+# -- a refused transfer withdrawn on every rank ----------------------------------------------------------------
+
+def _small_prefill_config():
+    from kv_transfer.channel import TransferConfig
+    from prefill_worker.config import PrefillWorkerConfig
+
+    return PrefillWorkerConfig(dtype="float32", block_size=4, kv_cache_tokens=32, token_budget=32,
+                               attention_backend="torch", transfer=TransferConfig(timeout_s=20, retry_interval_s=0.02))
+
+
+HELD, WAITING = tuple(range(10, 34)), tuple(range(50, 66))  # 6 blocks of the prefill pool's 8, then 4
+
+
+def refusing_prefill_rank(path, rdv, rank, stop):
+    """Rank ``rank`` of a TP-2 prefill instance of 8 blocks: rank 0 prefills "held" for the decode instance (which
+    has no room) and then "next", which needs held's blocks; returns what it saw, and rank 1 the legs it still
+    holds once rank 0 closes."""
+    from prefill_worker import worker as worker_module
+    from prefill_worker.messages import KVDestination, PrefillRequest
+    from prefill_worker.worker import PrefillWorker, follower
+
+    group = _form(rdv, "prefill-0", rank, 2)
+    if rank:
+        f = follower(path, _small_prefill_config(), group, "prefill-0")
+        f.connect("decode-0", rdv, 0, decode_tp=1)
+        f.serve()
+        return {"legs": f.sender.pending()}
+    worker_module.REFUSED_TRANSFER_S = 0.3
+    worker = PrefillWorker(path, _small_prefill_config(), "prefill-0", tp=group)
+    worker.connect("decode-0", rdv, 0, decode_tp=1)
+    failed, firsts = [], []
+    try:
+        # placed at once on both instances, the decode one without room: its reservation never comes
+        worker.add_request(PrefillRequest("held", HELD, SamplingParams(max_tokens=2),
+                                          KVDestination("decode-0", reserved=True)))
+        worker.add_request(PrefillRequest("next", WAITING, SamplingParams(max_tokens=1), None))
+        deadline = time.monotonic() + 30
+        while "next" not in firsts and time.monotonic() < deadline:
+            out = worker.step()
+            failed += [(f.request_id, f.retryable, f.reason) for f in out.failed]
+            firsts += [ft.request_id for ft in out.first_tokens]
+            time.sleep(0.005)
+        return {"failed": failed, "firsts": firsts, "pending": worker.transfers_pending(),
+                "cached": worker.pool.cached_run(block_hashes(list(HELD), 4, worker.prefix_cache.salt))}
+    finally:
+        stop.set()
+        worker.close()
+
+
+def full_decode_rank(path, rdv, stop):
+    """A decode instance that holds no room for "held": it answers its transfer BUSY until ``stop``."""
+    from decode_worker.worker import DecodeWorker
+    from kv_transfer.channel import TransferConfig
+
+    worker = DecodeWorker(path, _remote_decode_config(), "decode-0", TransferConfig(timeout_s=20))
+    worker.connect("prefill-0", rdv, 0, prefill_tp=2)
+    while not stop.is_set():
+        worker.step()
+        time.sleep(0.005)
+    held = "held" in worker.requests
+    worker.close()
+    return {"held": held, "busy": worker.inbox.receiver.num_busy}
+
+
+def test_a_refused_transfer_is_withdrawn_on_every_rank_of_a_tp_prefill_instance(checkpoint_dir):
+    """TP 2 prefill, its decode instance full: "held"'s transfer is refused on both ranks' legs. "next" needs its
+    blocks with nothing else to run, so rank 0 withdraws it (failed, retryable) and tells rank 1 to drop its legs:
+    "next" runs, and once the driver closes the follower holds no leg."""
+    from tests.kv_procs import context
+
+    path = checkpoint_dir("llama_gqa")
+    store, rdv = Rendezvous.host_store()
+    stop = context().Event()
+    specs = {f"p{r}": (refusing_prefill_rank, dict(path=path, rdv=rdv, rank=r, stop=stop)) for r in range(2)}
+    specs["d0"] = (full_decode_rank, dict(path=path, rdv=rdv, stop=stop))
+    out = run_procs(specs, timeout_s=120)
+    del store
+    p0 = out["p0"]
+    assert [(rid, retryable) for rid, retryable, _ in p0["failed"]] == [("held", True)], p0["failed"]
+    assert "withdrawn" in p0["failed"][0][2]
+    assert sorted(p0["firsts"]) == ["held", "next"] and p0["pending"] == 0
+    assert p0["cached"] >= 2  # what "next" left of held's blocks stays cached
+    assert out["p1"]["legs"] == 0 and not out["d0"]["held"] and out["d0"]["busy"] >= 2  # both ranks' legs asked
 
 # -- CUDA: NCCL all-reduces, flash-attn where installed ---------------------------------------------------
 
