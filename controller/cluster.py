@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from controller.actors import (ColocatedActor, DisaggregatedActor, RankFollowerActor, RankSpec,
                                ray_actor_class)
 from controller.config import ClusterConfig
-from controller.kv_store import MooncakeStoreService
+from controller.kv_store import MooncakeStoreService, placement_nodes
 from controller.startup import StartupTimeline
 from controller.routing import Instance
 from kv_transfer.channel import Rendezvous, TransferConfig
@@ -121,7 +121,7 @@ class Cluster:
         self._pools: dict[str, tuple] = {}  # role -> (pool config, actor class, model, args, transfer)
         self._store = None
         self.rendezvous: Rendezvous | None = None
-        self._kv_store: MooncakeStoreService | None = None
+        self.kv_store: MooncakeStoreService | None = None  # the store this cluster runs (kv_tiers.store)
         self._migration_pairs = 0  # migration channels formed (each under its own generation)
         self._started_ray = False
         # instances whose ranks are up: a restarted or added instance forms its KV channels with these, one
@@ -158,8 +158,9 @@ class Cluster:
         if not (tiers.enabled and store.enabled and not store.master_address):
             return
         with timeline.phase("kv store"):
-            self._kv_store = MooncakeStoreService.start(store, self.config.kv_transfer.rendezvous_host)
-        store = dataclasses.replace(store, master_address=self._kv_store.master_address)
+            self.kv_store = MooncakeStoreService.start(store, self.config.kv_transfer.rendezvous_host,
+                                                       node=ray.get_runtime_context().get_node_id())
+        store = dataclasses.replace(store, master_address=self.kv_store.master_address)
         self.config = dataclasses.replace(self.config, kv_tiers=dataclasses.replace(tiers, store=store))
 
     @property
@@ -197,9 +198,11 @@ class Cluster:
             self._wait_ready()
 
     def _wait_ready(self) -> None:
-
+        """Every rank up; every node they run on holding a segment of the cluster's store."""
         ray.get([i.handle.ping.remote() for i in self.instances]
                 + [f.ping.remote() for fs in self.followers.values() for f in fs])
+        if self.kv_store is not None:
+            self.kv_store.cover(placement_nodes(self._groups.values()))
 
     def _init_ray(self, ray) -> None:
         rc = self.config.ray
@@ -262,6 +265,8 @@ class Cluster:
         inst = self._start_instance(name, role)
         try:
             await asyncio.wait_for(asyncio.gather(*(h.ping.remote() for h in self._ranks(inst))), READY_TIMEOUT_S)
+            if self.kv_store is not None:
+                await loop.run_in_executor(None, self.kv_store.cover, placement_nodes([self._groups[name]]))
             if self.config.mode == "disaggregated":
                 await asyncio.wait_for(self.rewire(inst), self.config.kv_transfer.timeout_s * 4 + 60)
         except Exception as err:
@@ -491,6 +496,6 @@ class Cluster:
                 pass
         if self._started_ray:
             ray.shutdown()
-        if self._kv_store is not None:
-            self._kv_store.stop()
-            self._kv_store = None
+        if self.kv_store is not None:
+            self.kv_store.stop()
+            self.kv_store = None

@@ -256,6 +256,14 @@ class ServingMetrics:
                                       "about a request that failed there (raised, timed out, or found the request "
                                       "not as the router holds it), by instance and call.",
                                       ["model_name", "instance", "call"], registry=reg)
+        segment = ["model_name", "segment", "node"]
+        self._store_capacity = Gauge(PREFIX + "kv_store_capacity_bytes", "Memory of each segment server of the "
+                                     "cluster's KV store (controller/kv_store.py), as its master reports it.",
+                                     segment, registry=reg)
+        self._store_used = Gauge(PREFIX + "kv_store_used_bytes", "Bytes of KV blocks each segment server of the "
+                                 "cluster's KV store holds.", segment, registry=reg)
+        self._store_objects = Gauge(PREFIX + "kv_store_objects", "KV blocks the cluster's KV store holds.", m,
+                                    registry=reg).labels(model_name)
         reg.register(_InstanceCollector(self))
 
     # -- the router's hooks (event loop thread) ----------------------------------------------------
@@ -331,6 +339,16 @@ class ServingMetrics:
             self._totals.update(st["name"], int(st.get("generation", 0)), values)
         with self._lock:
             self._statuses = [dict(st) for st in statuses]
+
+    def observe_store(self, occupancy) -> None:
+        """The cluster's KV store as of this scrape (``MooncakeStoreService.occupancy``; None: the master did not
+        answer, its last figures stay)."""
+        if occupancy is None:
+            return
+        for seg in occupancy.segments:
+            self._store_capacity.labels(self.model_name, seg.name, seg.node).set(seg.capacity_bytes)
+            self._store_used.labels(self.model_name, seg.name, seg.node).set(seg.used_bytes)
+        self._store_objects.set(occupancy.objects)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""

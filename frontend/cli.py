@@ -275,6 +275,14 @@ def cmd_status(args) -> int:
             print(f"{i.name:<12} kv tier {t.tier}: {t.blocks} blocks, {t.bytes / 2**20:.0f}/{t.capacity_bytes / 2**20:.0f} MiB, "
                   f"{t.hits} blocks loaded in {t.load_seconds:.2f} s ({t.read_ahead} read ahead), {t.stored} stored, "
                   f"{t.evictions} evicted, {t.corrupt} corrupt")
+    if st.kv_store_segments:
+        used = sum(g.used_bytes for g in st.kv_store_segments)
+        capacity = sum(g.capacity_bytes for g in st.kv_store_segments)
+        print(f"kv store: {st.kv_store_objects} blocks, {used / 2**20:.0f}/{capacity / 2**20:.0f} MiB in "
+              f"{len(st.kv_store_segments)} segment servers")
+        for g in st.kv_store_segments:
+            print(f"  segment {g.name} (node {g.node[:8] or '?'}): {g.used_bytes / 2**20:.0f}/"
+                  f"{g.capacity_bytes / 2**20:.0f} MiB")
     if st.load_aware_placements:
         print("load-aware placements: " + ", ".join(f"{c.count} on {c.prefilled_on} ({c.reason})"
                                                     for c in st.load_aware_placements))

@@ -44,14 +44,16 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 class OpenAIServer:
-    """The routes over one router. ``status_fn``: ``Cluster.statuses`` (for ``/metrics``)."""
+    """The routes over one router. ``status_fn``: ``Cluster.statuses``; ``store_fn``: the cluster's KV store's
+    ``occupancy_now`` (None: the server runs no store); both for ``/metrics``."""
 
     def __init__(self, router: Router, protocol: OpenAIProtocol, metrics: ServingMetrics, status_fn,
-                 token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+                 token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, store_fn=None):
         self.router = router
         self.protocol = protocol
         self.metrics = metrics
         self.status_fn = status_fn
+        self.store_fn = store_fn
         self._expected = f"Bearer {token}".encode() if token else None
         self.max_body_bytes = max_body_bytes
         self.created = now()
@@ -86,6 +88,8 @@ class OpenAIServer:
         q = self.router.queue_stats()
         self.metrics.queue(q["active"], q["waiting"])
         self.metrics.observe_instances(await self.status_fn())
+        if self.store_fn is not None:
+            self.metrics.observe_store(await self.store_fn())
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     # -- generation -------------------------------------------------------------------------------

@@ -151,11 +151,14 @@ class RequestValidator:
 
 class MagicServeServicer(pb_grpc.MagicServeServicer):
     """``pass_log_fn``: an async callable returning the instances' drained pass logs
-    (``Cluster.drain_pass_logs``), or None where the config leaves ``DrainPassLog`` off."""
+    (``Cluster.drain_pass_logs``), or None where the config leaves ``DrainPassLog`` off; ``store_fn``: one
+    returning the cluster's KV store's occupancy (``MooncakeStoreService.occupancy_now``), None where the server
+    runs no store."""
 
     def __init__(self, router: Router, validator: RequestValidator, status_fn, model_name: str, pass_log_fn=None,
-                 scaler: Scaler | None = None, dtype_choice: DtypeChoice | None = None):
+                 scaler: Scaler | None = None, dtype_choice: DtypeChoice | None = None, store_fn=None):
         self.router = router
+        self.store_fn = store_fn
         self.dtype_choice = dtype_choice
         self.scaler = scaler
         self.validator = validator
@@ -217,6 +220,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
 
     async def GetClusterStatus(self, request, context):
         statuses = await self.status_fn()
+        store = await self.store_fn() if self.store_fn is not None else None
         q = self.router.queue_stats()
         failures = collections.Counter()
         for (name, _), count in self.router.call_failures.items():
@@ -242,7 +246,10 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
             dtype=self.dtype_choice.dtype if self.dtype_choice else "",
             dtype_reason=self.dtype_choice.reason if self.dtype_choice else "",
             load_aware_placements=[pb.PlacementCount(prefilled_on=where, reason=reason, count=n)
-                                   for (where, reason), n in sorted(self.router.context.load_aware.counts.items())])
+                                   for (where, reason), n in sorted(self.router.context.load_aware.counts.items())],
+            kv_store_segments=[pb.KVStoreSegment(name=seg.name, node=seg.node, capacity_bytes=seg.capacity_bytes,
+                                                 used_bytes=seg.used_bytes) for seg in (store.segments if store else ())],
+            kv_store_objects=store.objects if store else 0)
 
     async def ScalePool(self, request, context):
         if self.scaler is None:
@@ -504,12 +511,13 @@ def start_planner(config: ClusterConfig, router: Router, scaler: Scaler) -> asyn
         scaler.plan_forever(planner, policy, router.load_window, a.interval_s, a.headroom, a.min_window_requests))
 
 
-def _openai_server(config: ClusterConfig, router: Router, metrics, tokenizer: TextTokenizer, mc, status_fn):
+def _openai_server(config: ClusterConfig, router: Router, metrics, tokenizer: TextTokenizer, mc, status_fn,
+                   store_fn=None):
     lim = config.limits
     protocol = OpenAIProtocol(metrics.model_name, tokenizer, ChatTemplate.from_checkpoint(config.model_path),
                               mc.vocab_size, lim.max_prompt_tokens, lim.max_tokens, mc.max_position_embeddings,
                               grammar_check(config.model_path, mc), config.server.tool_call_parser)
-    return OpenAIServer(router, protocol, metrics, status_fn, token=config.server.token())
+    return OpenAIServer(router, protocol, metrics, status_fn, token=config.server.token(), store_fn=store_fn)
 
 
 async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: asyncio.Event | None = None) -> None:
@@ -532,14 +540,15 @@ async def serve_forever(config: ClusterConfig, ready_callback=None, stop_event: 
                                      grammar_check(config.model_path, mc))
         scaler = Scaler(cluster, router, config.autoscale, metrics)
         planning = start_planner(config, router, scaler)
+        store_fn = cluster.kv_store.occupancy_now if cluster.kv_store is not None else None
         servicer = MagicServeServicer(router, validator, cluster.statuses, model_name,
                                       cluster.drain_pass_logs if config.server.pass_log_rpc else None, scaler,
-                                      config.dtype_choice)
+                                      config.dtype_choice, store_fn)
         server, port, health_servicer = await start_server(config, servicer)
         log.info("serving magicserve.v1 on %s:%d", config.server.host, port)
         http_port = None
         if config.server.http_port is not None:
-            front = _openai_server(config, router, metrics, tokenizer, mc, cluster.statuses)
+            front = _openai_server(config, router, metrics, tokenizer, mc, cluster.statuses, store_fn)
             sc = config.server
             http = HttpServer(front.app, sc.host, sc.http_port, sc.tls_cert, sc.tls_key)
             http_port = await http.start()

@@ -181,3 +181,46 @@ def test_a_request_resumed_after_its_decode_instance_died_loads_its_kv_from_the_
     resumed_from_store = sum(after[n].prefix_cache_tier_hits for n in after if n.startswith("decode")) - \
         sum(before[n].prefix_cache_tier_hits for n in before if n.startswith("decode"))
     assert resumed_from_store >= len(prompt) // BLOCK * BLOCK, resumed_from_store
+
+
+@needs_store
+def test_every_node_an_instance_runs_on_holds_a_segment_of_the_store(llama_dir, reference, capsys):
+    """A Ray cluster of two nodes (two raylets on this machine, one CPU each): the prefill and the decode instance
+    land on different nodes, the server's segment server runs on the head node and a Ray actor starts one on the
+    other. ``magicserve status`` shows both segments with their nodes, the blocks the instances wrote and the
+    memory they take; stopping the server leaves no store process behind."""
+    import subprocess
+
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from frontend.cli import main as cli_main
+
+    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    doc, q1 = prompts_of([320, 20], seed=53)
+    greedy = dict(max_tokens=16, ignore_eos=True)
+    cfg = dataclasses.replace(_store_only_config(llama_dir), ray=dataclasses.replace(
+        _store_only_config(llama_dir).ray, address=nodes.address, num_cpus=None))
+    try:
+        with running_server(cfg) as address:
+            ids, _ = stream_ids(address, doc + q1, **greedy)
+            time.sleep(1.0)  # the instances' writer threads put the blocks
+            with Client(address) as c:
+                st = c.status()
+            placed = {i["NodeID"] for i in ray.nodes() if i["Alive"]}
+            capsys.readouterr()
+            assert cli_main(["status", "--address", address]) == 0
+            printed = capsys.readouterr().out
+        after = subprocess.run(["pgrep", "-f", "mooncake_"], capture_output=True, text=True).stdout.split()
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+    assert ids == reference.generate([doc + q1], SamplingParams(**greedy))[0].token_ids
+    segments = list(st.kv_store_segments)
+    assert len(segments) == 2 and {g.node for g in segments} == placed, segments
+    assert all(g.capacity_bytes == 256 << 20 for g in segments)
+    assert st.kv_store_objects >= len(doc) // BLOCK and sum(g.used_bytes for g in segments) > 0
+    assert after == [], after  # the master and both segment servers stopped with the server
+    assert f"kv store: {st.kv_store_objects} blocks" in printed and "in 2 segment servers" in printed, printed

@@ -333,6 +333,30 @@ def test_kv_tier_series_carry_the_tier_and_never_go_backwards():
     assert value("magicserve:kv_tier_blocks", tier="disk") == 1
 
 
+
+MASTER_METRICS = """# HELP master_key_count keys
+master_key_count 42
+master_total_capacity_bytes 402653184
+segment_allocated_bytes{segment="10.0.0.1:13544"} 1048576
+segment_total_capacity_bytes{segment="10.0.0.1:13544"} 268435456
+segment_total_capacity_bytes{segment="10.0.0.2:12001"} 134217728
+"""
+
+
+def test_the_stores_segments_come_from_its_masters_metrics_and_reach_metrics():
+    from controller.kv_store import parse_master_metrics
+
+    occupancy = parse_master_metrics(MASTER_METRICS, {"10.0.0.1:13544": "node-a"})
+    assert occupancy.objects == 42 and occupancy.capacity_bytes == 402653184 and occupancy.used_bytes == 1048576
+    assert [(g.name, g.node, g.used_bytes) for g in occupancy.segments] == [("10.0.0.1:13544", "node-a", 1048576),
+                                                                            ("10.0.0.2:12001", "", 0)]
+    m = ServingMetrics("m")
+    m.observe_store(occupancy)
+    m.observe_store(None)  # the master did not answer: the last figures stay
+    assert _sample(m, "magicserve:kv_store_capacity_bytes", segment="10.0.0.2:12001") == 134217728
+    assert _sample(m, "magicserve:kv_store_used_bytes", segment="10.0.0.1:13544", node="node-a") == 1048576
+    assert _sample(m, "magicserve:kv_store_objects") == 42
+
 # -- config -----------------------------------------------------------------------------------------
 
 

@@ -390,7 +390,7 @@ class KVTierStatus(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., hits: _Optional[int] = ..., load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., stored: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., read_ahead: _Optional[int] = ..., read_ahead_seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling", "dtype", "dtype_reason", "load_aware_placements")
+    __slots__ = ("instances", "queued_requests", "running_requests", "model", "migrations_committed", "migrations_aborted", "pools", "recent_scaling", "dtype", "dtype_reason", "load_aware_placements", "kv_store_segments", "kv_store_objects")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +402,8 @@ class ClusterStatus(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     LOAD_AWARE_PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     queued_requests: int
     running_requests: int
@@ -413,7 +415,21 @@ class ClusterStatus(_message.Message):
     dtype: str
     dtype_reason: str
     load_aware_placements: _containers.RepeatedCompositeFieldContainer[PlacementCount]
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolShape, _Mapping]]] = ..., recent_scaling: _Optional[_Iterable[_Union[ScalePoolResult, _Mapping]]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., load_aware_placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ...) -> None: ...
+    kv_store_segments: _containers.RepeatedCompositeFieldContainer[KVStoreSegment]
+    kv_store_objects: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., migrations_committed: _Optional[int] = ..., migrations_aborted: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolShape, _Mapping]]] = ..., recent_scaling: _Optional[_Iterable[_Union[ScalePoolResult, _Mapping]]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., load_aware_placements: _Optional[_Iterable[_Union[PlacementCount, _Mapping]]] = ..., kv_store_segments: _Optional[_Iterable[_Union[KVStoreSegment, _Mapping]]] = ..., kv_store_objects: _Optional[int] = ...) -> None: ...
+
+class KVStoreSegment(_message.Message):
+    __slots__ = ("name", "node", "capacity_bytes", "used_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    node: str
+    capacity_bytes: int
+    used_bytes: int
+    def __init__(self, name: _Optional[str] = ..., node: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class PlacementCount(_message.Message):
     __slots__ = ("prefilled_on", "reason", "count")
