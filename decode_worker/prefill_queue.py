@@ -5,7 +5,9 @@ resumed sequences recompute with.
 
 A step's chunks (``plan``) ride in the decode pass of the sequences decoding (``Speculator.run``'s riders), or,
 with none decoding, run in passes of their own (``step``); ``finish`` then starts the requests whose prompt
-they completed."""
+they completed. A request whose cached prefix the tiers are still loading in the background
+(``PrefixCache.load_from_tiers``) gets no chunk until the load is in; one whose load fell short (a block missing
+or corrupt) leaves the queue, for the worker to fail (``take_failed_loads``)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class PrefillQueue:
         self.pass_log = pass_log
         self.first_tokens = first_tokens
         self.last_seconds = 0.0  # the prompt passes of the latest ``step``
+        self._failed_loads: list[str] = []
 
     def __len__(self) -> int:
         return len(self.order)
@@ -80,10 +83,28 @@ class PrefillQueue:
         """``request_id`` leaves the queue (the caller frees it)."""
         self.order.remove(request_id)
 
+    def take_failed_loads(self) -> list[str]:
+        """The requests that left the queue since the last call because a block of their background tier load was
+        missing or corrupt (their blocks are still held: the caller drops them)."""
+        failed, self._failed_loads = self._failed_loads, []
+        return failed
+
+    def _loading(self, request_id: str) -> bool:
+        return self.prefix_cache is not None and self.prefix_cache.loading(request_id)
+
+    def _settle_loads(self) -> None:
+        """Finish the background tier loads that are done; a request whose load fell short leaves the queue."""
+        for rid in [r for r in self.order if self._loading(r) and self.prefix_cache.load_done(r)]:
+            if not self.prefix_cache.finish_load(self.requests[rid].seq):
+                self.order.remove(rid)
+                self._failed_loads.append(rid)
+
     def plan(self, decoding: bool, paces: Iterable[Pace] = (), arriving: Iterable[int] = ()) -> list[PrefillChunk]:
         """The chunks of the step (``decoding``: sequences decode beside them, at ``paces``, and requests join
         whose KV is arriving, with ``arriving`` output tokens to come): the tokens the budget allows, the fewest
-        remaining first; all but the last complete their prompt."""
+        remaining first, none for a request whose tier load is still running; all but the last complete their
+        prompt."""
+        self._settle_loads()
         if len(self.order) > 1:  # shortest remaining first: a conversation's next turn does not wait on a document
             ranked = sorted(self.order, key=self._remaining)
             self.order.clear()
@@ -94,6 +115,8 @@ class PrefillQueue:
         for rid in self.order:
             if budget <= 0:
                 break
+            if self._loading(rid):
+                continue
             held = self.requests[rid]
             start = held.seq.num_computed
             n = budget
@@ -144,6 +167,8 @@ class PrefillQueue:
         single-process use)."""
         self.order.remove(request_id)
         held = self.requests[request_id]
+        if not self.prefix_cache.finish_load(held.seq):
+            raise RuntimeError(f"{request_id}: a KV block loaded from a tier was missing or corrupt")
         logits = self.compute(held.seq, held.seq.num_prompt, want_logits=True)
         self.prefix_cache.commit(held.seq, held.seq.num_prompt)
         return self.first_tokens.after_prefill(held, logits)

@@ -203,6 +203,9 @@ class DecodeWorker:
         overrides the policy."""
         began = time.perf_counter()
         received = self._receive() + self.migrations.poll()
+        for rid in self.prefills.take_failed_loads():  # prefilled here: the router runs it again
+            self.admission.drop(rid)
+            received.append(DecodeFailure(rid, "a KV block loaded from a tier was missing or corrupt", True))
         self._resume_preempted()
         running = [self.requests[rid] for rid in self.scheduler.running]
         if running:

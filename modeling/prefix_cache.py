@@ -226,6 +226,14 @@ class PrefixCache:
         self._loading[request_id] = (blocks, hashes[:want])
         return blocks
 
+    def loading(self, seq_id: str) -> bool:
+        """Whether the sequence has a background load (:meth:`load_from_tiers`) not yet finished."""
+        return seq_id in self._loading
+
+    def load_done(self, seq_id: str) -> bool:
+        """Whether its background load, if any, has written its blocks: :meth:`finish_load` returns at once."""
+        return seq_id not in self._loading or self.tiers.load_done(seq_id)
+
     def finish_load(self, seq) -> bool:
         """The sequence's background load (:meth:`load_from_tiers`) written, its blocks cached in the pool;
         False when some of them could not be loaded (their KV is missing: the sequence cannot run, and its

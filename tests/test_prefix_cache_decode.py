@@ -175,3 +175,86 @@ def test_preempted_requests_whose_blocks_were_evicted_resume_from_the_tiers(llam
         assert_idle(worker)
     finally:
         worker.close()
+
+
+DISK_READ_DELAY_S = 0.03  # per block: a disk slower than this VM's page cache, so the load visibly runs beside
+
+
+def _history_on_disk(llama_dir, tmp_path, params):
+    """A decode worker over a slow disk tier that served a 320-token turn and then lost it from its pool (every
+    free block allocated once): (the worker, the next turn's prompt, the history's full blocks)."""
+    import dataclasses
+    import time
+
+    from modeling.instance_config import KVTiersConfig
+
+    base = decode_worker(llama_dir, kv_cache_tokens=1024).config
+    tiers = KVTiersConfig(host_memory_mb=0, disk_dir=str(tmp_path), disk_mb=16)
+    worker = DecodeWorker(llama_dir, dataclasses.replace(base, kv_tiers=tiers))
+    first, question = prompts_of([320, 12], seed=23)
+    out = [t for d in worker.add_local("turn-1", first, params) for t in d.token_ids] + drain(worker)["turn-1"]
+    worker.pool.free(worker.pool.allocate(worker.pool.num_free))  # the pool's cached blocks evicted
+    disk = worker.prefix_cache.tiers.disk
+    worker.prefix_cache.tiers.flush()
+    read = disk.read
+    disk.read = lambda block_hash, n: (time.sleep(DISK_READ_DELAY_S), read(block_hash, n))[1]
+    return worker, first + out + question, (len(first) + len(out) - 1) // BS
+
+
+def test_a_turn_prefilled_here_loads_its_history_beside_the_decoding_batch(llama_dir, tmp_path):
+    """The next turn of a conversation whose history only the disk tier holds, prefilled on this decode
+    instance: admitted at once, its blocks read on the tiers' thread while the requests decoding keep getting a
+    token every step, and its tokens a cold run's."""
+    import time
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    worker, second, blocks = _history_on_disk(llama_dir, tmp_path, SamplingParams(max_tokens=24, ignore_eos=True))
+    try:
+        busy = prompts_of([40, 50], seed=29)
+        for i, p in enumerate(busy):  # two requests decode throughout
+            worker.add_local(f"busy-{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+        t0 = time.perf_counter()
+        assert worker.add_prefill(DecodeRequest("turn-2", tuple(second), params))
+        admit_s = time.perf_counter() - t0
+        steps_while_loading = 0
+        outs = {}
+        while worker.prefix_cache.loading("turn-2"):
+            deltas = worker.step()
+            steps_while_loading += any(d.request_id.startswith("busy") and d.token_ids for d in deltas)
+            for d in deltas:
+                outs.setdefault(d.request_id, []).extend(d.token_ids)
+        drain(worker, outs)
+        disk = worker.prefix_cache.tiers.disk.stats
+        assert admit_s < blocks * DISK_READ_DELAY_S / 2, admit_s  # the disk was not read in the admission
+        assert steps_while_loading >= 3, steps_while_loading  # the batch decoded while the blocks were read
+        assert outs["turn-2"] == cold_reference(llama_dir, [second], params)[0]
+        assert disk.hits == disk.read_ahead == blocks  # every block of the history from disk, off the step
+        assert_idle(worker)
+    finally:
+        worker.close()
+
+
+def test_a_turn_whose_history_fails_its_check_is_failed_for_the_router_to_run_again(llama_dir, tmp_path):
+    import os
+
+    from decode_worker.messages import DecodeFailure
+    from modeling.kv_tiers.disk import HEADER
+
+    worker, second, _ = _history_on_disk(llama_dir, tmp_path, SamplingParams(max_tokens=24, ignore_eos=True))
+    try:
+        disk = worker.prefix_cache.tiers.disk
+        for name in [n for n in os.listdir(disk.directory) if n.endswith(".kv")]:  # every block: a flipped byte
+            with open(os.path.join(disk.directory, name), "r+b") as f:
+                f.seek(HEADER.size + 5)
+                byte = f.read(1)
+                f.seek(HEADER.size + 5)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        assert worker.add_prefill(DecodeRequest("turn-2", tuple(second), SamplingParams(max_tokens=4)))
+        failures = []
+        while worker.has_work():
+            failures += [d for d in worker.step() if isinstance(d, DecodeFailure)]
+        assert [(f.request_id, f.retryable) for f in failures] == [("turn-2", True)] and "corrupt" in failures[0].reason
+        assert disk.stats.corrupt >= 1
+        assert_idle(worker)
+    finally:
+        worker.close()

@@ -104,6 +104,12 @@ class ReadAhead:
             self._cond.notify()
         return True
 
+    def done(self, request_id: str) -> bool:
+        """Whether the request's job (if any) has finished: :meth:`take` then returns at once."""
+        with self._cond:
+            job = self._jobs.get(request_id)
+        return job is None or job.done.is_set()
+
     def take(self, request_id: str) -> ReadResult:
         """What was read ahead for the request, its job forgotten: waits for a job under way to finish; a job not
         yet started is withdrawn (nothing read: the caller reads its blocks), unless it has a ``then``."""

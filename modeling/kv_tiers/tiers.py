@@ -221,6 +221,10 @@ class KVTiers:
             return tiers
         return self._read_ahead.submit(request_id, hashes, skip=from_host.keys(), then=write)
 
+    def load_done(self, request_id: str) -> bool:
+        """Whether the request's :meth:`start_load` has written its blocks (:meth:`finish_load` returns at once)."""
+        return self._read_ahead is None or self._read_ahead.done(request_id)
+
     def finish_load(self, request_id: str) -> int:
         """Wait for the request's :meth:`start_load` to be written; how many of its blocks, from the first, were
         loaded (the rest were missing or failed their checks, or the write failed)."""
