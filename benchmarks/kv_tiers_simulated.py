@@ -152,10 +152,11 @@ def sim_config(profile, system: str, prefill: int, decode: int, args) -> SimConf
     costs = profile.costs(1, 1)
     kv = profile.kv_bytes_per_token
     tiers = None
+    layered = not args.loads_at_once
     if system == "host tier":
-        tiers = SimTierConfig(int(args.host_gb * 1e9 // kv), args.host_gb_per_s, kv)
+        tiers = SimTierConfig(int(args.host_gb * 1e9 // kv), args.host_gb_per_s, kv, layered=layered)
     elif system == "cluster store":
-        tiers = SimTierConfig(int(args.store_tb * 1e12 // kv), args.store_gb_per_s, kv, shared=True)
+        tiers = SimTierConfig(int(args.store_tb * 1e12 // kv), args.store_gb_per_s, kv, shared=True, layered=layered)
     return SimConfig(prefill=PoolPlan(prefill, 1, costs.prefill_kv_capacity_tokens, args.token_budget, 256),
                      decode=PoolPlan(decode, 1, costs.kv_capacity_tokens, 1, 256),
                      speculation=SpeculationConfig(drafter="none"), max_concurrent=1_000_000,
@@ -212,7 +213,7 @@ def settings(profile, args) -> dict:
     return {"block_size": args.block_size, "token_budget": args.token_budget, "host_gb": args.host_gb,
             "host_gb_per_s": args.host_gb_per_s, "store_tb": args.store_tb, "store_gb_per_s": args.store_gb_per_s,
             "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "time_limit_s": args.time_limit_s,
-            "pool_tokens": {"prefill": profile.costs(1, 1).prefill_kv_capacity_tokens,
+            "layered_loads": not args.loads_at_once, "pool_tokens": {"prefill": profile.costs(1, 1).prefill_kv_capacity_tokens,
                             "decode": profile.costs(1, 1).kv_capacity_tokens}}
 
 
@@ -275,7 +276,12 @@ def write_markdown(result: dict, path: str) -> None:
              f"tokens per prefill instance, {s['pool_tokens']['decode']:,} per decode instance (the profile's KV "
              f"capacity); blocks of {s['block_size']} tokens; no speculation. Host tier: {s['host_gb']:g} GB per "
              f"instance at {s['host_gb_per_s']:g} GB/s. Cluster store: {s['store_tb']:g} TB shared at "
-             f"{s['store_gb_per_s']:g} GB/s. SLOs: TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
+             f"{s['store_gb_per_s']:g} GB/s. "
+             + ("A prefill instance writes what it loads layer by layer beside its pass (`kv_tiers.layered_loads`, "
+                "on on GPUs): a step pays only what its pass does not hide; a prompt a decode instance prefills "
+                "itself loads beside its steps. " if s.get("layered_loads") else
+                "A prefill instance loads before its pass (`--loads-at-once`). ")
+             + f"SLOs: TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms, "
              f"target {slo['attainment']:.0%} of requests.", "",
              "| system | shape | attainment | TTFT p50 (s) | TTFT p99 (s) | prompt found by prefill | loaded from tiers, both pools "
              "| GPU-hours | goodput per GPU-hour | vs no tiers, same shape |",
@@ -355,6 +361,8 @@ def main() -> None:
     ap.add_argument("--host-gb-per-s", type=float, default=25.0, help="host tier load bandwidth (PCIe)")
     ap.add_argument("--store-tb", type=float, default=8.0, help="the cluster store's capacity")
     ap.add_argument("--store-gb-per-s", type=float, default=12.5, help="store load bandwidth (RDMA)")
+    ap.add_argument("--loads-at-once", action="store_true",
+                    help="prefill instances load from the tiers before their pass (kv_tiers.layered_loads: false)")
     ap.add_argument("--time-limit-s", type=float, default=600.0,
                     help="requests unfinished this long after the last arrival count as missed")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (processes)")

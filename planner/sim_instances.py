@@ -244,6 +244,7 @@ class _Instance:
     role = ""
     prefix_cache: PrefixCache | None = None
     devices = 1  # devices the instance holds (its pool's tensor_parallel x threads; set by the simulation)
+    loads_beside_pass = False  # tier loads written layer by layer beside the step's pass (``SimTierConfig.layered``)
 
     def __init__(self, sim, name: str):
         self.sim = sim
@@ -271,7 +272,8 @@ class _Instance:
         duration, done = planned
         duration *= self.sim.step_factor(self, duration)
         if self.prefix_cache is not None and self.prefix_cache.tiers is not None:
-            duration += self.prefix_cache.tiers.take_load_seconds()  # loaded on the worker's thread first
+            load_s = self.prefix_cache.tiers.take_load_seconds()  # on the worker's thread first, or beside the pass
+            duration += max(0.0, load_s - duration) if self.loads_beside_pass else load_s
         self.step_s = duration
         self.busy = True
         self.steps += 1
@@ -320,6 +322,7 @@ class PrefillSim(_Instance):
         self.transfer = transfer
         self.block_size = block_size
         self.pool, self.prefix_cache = pool_and_cache(capacity_tokens, block_size, caching, tiers)
+        self.loads_beside_pass = tiers is not None and tiers.config.layered
         self.scheduler = PrefillScheduler(limits, self.pool, self.prefix_cache)  # the worker's own scheduler
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
         self.rate = PrefillRate()  # its measured speed, as the router keeps it (``controller/load_aware.py``)
@@ -455,6 +458,7 @@ class DecodeSim(_Instance):
         self.scheduler = DecodeScheduler(pool, max_num_seqs, self.prefix_cache)
         self.prefill_chunk = prefill_chunk
         self.prefilling: deque[SimSequence] = deque()  # requests prefilled here (a cache hit, a prefill backlog)
+        self._loading: dict[str, float] = {}  # of them, those whose tier load runs beside the steps -> when it ends
         # the worker's own budget of local-prefill tokens per step, its cost model seeded as the start-up profile
         # seeds it (a few chunk sizes, here at a few contexts too: the simulated cost is exact)
         self.budget = PrefillBudget(prefill_chunk, prefill_tpot_slo_s)
@@ -498,11 +502,20 @@ class DecodeSim(_Instance):
         return True
 
     def hold_prefill(self, req: SimRequest) -> bool:
-        """Hold the request and prefill the rest of its prompt here (``DecodeWorker.add_prefill``)."""
-        if not self.reserve(req):
+        """Hold the request and prefill the rest of its prompt here (``DecodeWorker.add_prefill``): what the tiers
+        hold of it loads beside the steps, and its first chunk waits for that."""
+        if not self.reserve(req, kv_sent=True):
             return False
         req.decode = self
-        self.prefilling.append(self.seqs[req.index])
+        seq = self.seqs[req.index]
+        self.prefilling.append(seq)
+        load_s = self.prefix_cache.tiers.background_seconds(seq.request_id) \
+            if self.prefix_cache is not None and self.prefix_cache.tiers is not None else 0.0
+        if load_s > 0:
+            self._loading[seq.request_id] = self.sim.now + load_s
+            self.sim.at(self.sim.now + load_s, self.kick)
+        elif self.prefix_cache is not None:
+            self.prefix_cache.finish_load(seq)
         self.kick()
         return True
 
@@ -542,6 +555,7 @@ class DecodeSim(_Instance):
     def release(self, req: SimRequest) -> None:
         """Free the request's blocks (reserved or live)."""
         self.arriving.discard(req.index)
+        self._loading.pop(str(req.index), None)
         self.scheduler.finish(self.seqs.pop(req.index))
 
     def _commit(self, seq: SimSequence, num_final: int) -> None:
@@ -585,17 +599,21 @@ class DecodeSim(_Instance):
         seconds, done = 0.0, []
         self._paced = self._paces() if self.budget.tpot_slo_s is not None else []
         self._prefilled = 0 if self.prefilling else None  # the step's local-prefill tokens, begun with a queue
+        for seq in [s for s in self.prefilling if self._loading.get(s.request_id, math.inf) <= self.sim.now]:
+            del self._loading[seq.request_id]
+            self.prefix_cache.finish_load(seq)  # its blocks from the tiers are in (``PrefillQueue``)
         if len(self.prefilling) > 1:  # the fewest remaining tokens first, as the worker's queue
             self.prefilling = deque(sorted(self.prefilling, key=lambda seq: seq.num_prompt - seq.num_computed))
+        ready = [seq for seq in self.prefilling if seq.request_id not in self._loading]
         budget = 0
-        if self.prefilling:
+        if ready:
             arriving = ([self.seqs[i].req.output_tokens - 1 for i in self.arriving]
                         if self.budget.tpot_slo_s is not None else [])
-            budget = self.budget.tokens(self.prefilling[0].num_computed, fused or self._decoding(), self._paced,
-                                        arriving)
+            budget = self.budget.tokens(ready[0].num_computed, fused or self._decoding(), self._paced, arriving)
         self._spans = []
-        while self.prefilling and budget > 0:
-            seq = self.prefilling[0]
+        for seq in ready:
+            if budget <= 0:
+                break
             n = min(seq.num_prompt - seq.num_computed, budget)
             self._spans.append((seq.num_computed, n))
             seconds += (self.costs.fused_prefill_chunk if fused else self.costs.prefill_chunk)(seq.num_computed, n)
@@ -604,7 +622,8 @@ class DecodeSim(_Instance):
             self._prefilled += n
             if seq.num_computed < seq.num_prompt:
                 break
-            done.append(self.prefilling.popleft())
+            self.prefilling.remove(seq)
+            done.append(seq)
         return seconds, done
 
     def _paces(self) -> list[Pace]:

@@ -4,13 +4,18 @@ cluster's store), as content hashes only, and what loading them back costs.
 :class:`SimTiers` is a ``LowerTiers`` (``modeling/prefix_cache.py``) over hashes: the simulated instances' real
 prefix caches hand it every block they cache and ask it for the blocks after their pool's cached run, exactly
 as a serving instance's ``KVTiers`` is asked. It keeps up to ``capacity_tokens`` of blocks, least recently used
-evicted first, and counts what it loads; the instance adds the load time, at ``load_gb_per_s``, to its next
-step (a serving instance loads on its worker thread before the pass), except a decode instance's load for a
-prompt whose KV a prefill instance sends, which a serving instance runs beside its steps while the rest is
-prefilled and sent (``start_load``: taken to be done by the time the KV lands, so no step pays it). Reading
-ahead for a waiting prompt is not modelled: each of its loads is paid whole by the step that takes it. With ``SimTierConfig.shared`` every
-instance's ``SimTiers`` reads and writes one set of hashes (the cluster's store), each paying its own loads.
-Pure Python.
+evicted first, and counts what it loads, at ``load_gb_per_s``. Who pays a load, as serving instances do:
+
+* a prefill instance's next step: the whole load (``layered`` off: written before the pass), or only what its
+  pass does not hide (``layered``, ``kv_tiers.layered_loads`` on GPUs: written layer by layer beside the pass);
+* nobody's step, on a decode instance (``start_load``, beside its steps): for a prompt whose KV a prefill
+  instance sends, taken to be done by the time the KV lands; for a prompt it prefills itself, its first chunk
+  waits ``background_seconds`` for it while the batch decodes on;
+* a decode instance's next step, for a preempted sequence it recomputes.
+
+Reading ahead for a waiting prompt is not modelled: each of its loads is paid whole by the step that takes it.
+With ``SimTierConfig.shared`` every instance's ``SimTiers`` reads and writes one set of hashes (the cluster's
+store), each paying its own loads. Pure Python.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ class SimTierConfigError(ValueError):
 class SimTierConfig:
     """``capacity_tokens`` of KV below each instance's pool, loaded back at ``load_gb_per_s``; a token's KV is
     ``kv_bytes_per_token`` bytes. ``shared``: one store for the whole cluster (``capacity_tokens`` in all),
-    which every instance writes to and loads from, each at ``load_gb_per_s``."""
+    which every instance writes to and loads from, each at ``load_gb_per_s``. ``layered``: a prefill instance's
+    loads are written layer by layer beside its pass (``kv_tiers.layered_loads``, on by default on GPUs), so a
+    step pays only what its pass does not hide."""
 
     capacity_tokens: int
     load_gb_per_s: float
     kv_bytes_per_token: int
     shared: bool = False
+    layered: bool = True
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "kv_bytes_per_token"):
@@ -88,6 +96,14 @@ class SimTiers:
         self._started[request_id] = n
         return True
 
+    def background_seconds(self, request_id: str) -> float:
+        """How long the request's load beside the steps (``start_load``) takes."""
+        return self.config.load_seconds(self._started.get(request_id, 0) * self.block_size)
+
+    def load_done(self, request_id: str) -> bool:
+        """The simulation waits ``background_seconds`` before it finishes a load: done by then."""
+        return True
+
     def finish_load(self, request_id: str) -> int:
         return self._started.pop(request_id, 0)
 
@@ -110,6 +126,7 @@ class SimTiers:
                 self.evicted_blocks += 1
 
     def take_load_seconds(self) -> float:
-        """The time to load what was loaded since the last call (the instance's next step pays it)."""
+        """The time to load what was loaded since the last call (the instance's next step pays it, or the part of
+        it its pass does not hide)."""
         tokens, self._pending_tokens = self._pending_tokens, 0
         return self.config.load_seconds(tokens) if tokens else 0.0

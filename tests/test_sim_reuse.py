@@ -179,6 +179,55 @@ def test_a_decode_instance_loads_a_prompt_sent_to_it_beside_its_steps():
     assert paid["decode"] == 0.0 and paid["prefill"] > 0.0
 
 
+def test_a_prefill_instance_loading_layer_by_layer_pays_only_what_its_pass_does_not_hide():
+    """``SimTierConfig.layered`` (``kv_tiers.layered_loads``, on GPUs): a question on a document the prefill pool
+    evicted loads 1744 of its tokens from the tiers (0.23 s at 1 GB/s) beside its own 300-token pass (35 ms): the
+    step takes the load's time, not the sum, so its first token comes exactly that pass sooner."""
+    from planner.sim_tiers import SimTierConfig
+
+    trace = [ReuseRequest(0.0, 0, 0, 2000, 300, 2), ReuseRequest(1.0, 1, 0, 2000, 300, 2),  # the second evicts doc 0
+             ReuseRequest(2.0, 0, 1, 2000, 300, 2)]
+
+    def question_ttft(layered: bool) -> float:
+        cfg = SimConfig("disaggregated", prefill=PoolPlan(1, 1, 2560, 512, 16), decode=PoolPlan(1, 1, 1 << 20, 1, 64),
+                        speculation=NO_SPECULATION, prefix_caching=PrefixRouting(True, 1.0),
+                        tiers=SimTierConfig(8192, 1.0, 131072, layered=layered))
+        sim = Simulation(make_profile(), cfg)
+        sim.result = sim.run(trace)
+        assert all(rec.finished for rec in sim.result.records)
+        # the third request's document: its first 16 blocks still in the pool, the other 109 from the tiers
+        assert sim.prefill[0].prefix_cache.stats.tier_hits == 1744
+        assert_idle(sim)
+        return sim.result.records[2].ttft_s
+
+    layered, at_once = question_ttft(True), question_ttft(False)
+    assert at_once - layered == pytest.approx(5e-3 + 300 * 1e-4)  # the question's pass, hidden under the load
+    assert layered >= 1744 * 131072 / 1e9 - 1e-9  # and no sooner than the load allows
+
+
+def test_a_turn_prefilled_on_its_decode_instance_loads_its_history_beside_the_batch():
+    """Questions of 100 tokens are prefilled on the decode instance, whose pool holds one of two documents: a
+    question on the other loads it from the decode instance's tiers beside its steps (no step pays the 2.6 s
+    load at 0.1 GB/s) and its first chunk waits for the load."""
+    from planner.sim_tiers import SimTierConfig
+
+    shape = SharedDocsShape(documents=2, questions=4, document=LengthDist(2000, 0.0, 2000, 2000),
+                            question=LengthDist(100, 0.0, 100, 100))
+    trace = shared_docs_trace(shape, rate=0.5, seed=2)
+    cfg = SimConfig("disaggregated", prefill=PoolPlan(1, 1, 1 << 20, 512, 16), decode=PoolPlan(1, 1, 2560, 1, 64),
+                    speculation=NO_SPECULATION, prefix_caching=PrefixRouting(True, 1.0),
+                    tiers=SimTierConfig(8192, 0.1, 131072))
+    sim = Simulation(make_profile(), cfg)
+    decode = sim.decode[0]
+    tiers, take, paid = decode.prefix_cache.tiers, decode.prefix_cache.tiers.take_load_seconds, []
+    tiers.take_load_seconds = lambda: paid.append(take()) or paid[-1]
+    result = sim.run(trace)
+    assert all(rec.finished for rec in result.records)
+    assert_idle(sim)
+    assert tiers.loaded_tokens >= 2000 and decode.prefix_cache.stats.tier_hits >= 2000
+    assert sum(paid) == 0.0  # loaded beside the steps
+    assert max(r.ttft_s for r in result.records) >= 2000 * 131072 / 1e8  # a question waited for its document
+
 def test_a_shared_store_serves_every_instance_and_each_pays_its_own_loads():
     """``SimTierConfig.shared``: one store for the cluster; what one instance saved another finds and loads, the
     load time on the loader's next step only; and a whole simulation over it serves every request."""
