@@ -43,6 +43,7 @@ from modeling.config import ModelConfig  # noqa: E402
 from modeling.dtype_choice import choose_dtype  # noqa: E402
 from modeling.instance_config import KVTiersConfig  # noqa: E402
 from modeling.model import CausalLM  # noqa: E402
+from modeling.rope import RotaryEmbedding  # noqa: E402
 from modeling.sampling import SamplingParams  # noqa: E402
 from prefill_worker.config import PrefillWorkerConfig  # noqa: E402
 from prefill_worker.messages import PrefillRequest  # noqa: E402
@@ -58,35 +59,44 @@ LLAMA_31_8B = {
 }
 BLOCK = 16
 MODES = ("at once", "layer by layer")
-ONE_TOKEN = SamplingParams(max_tokens=1)
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)  # greedy: random weights need not give a distribution
 
 
 def build_model(name: str, device: str, dtype: str) -> LoadedModel:
     """The bundled checkpoint, or random weights in Llama-3.1-8B's shapes built on ``device``."""
     if name == "bundled":
         return load_model(BUNDLED, dtype, device)
-    config = ModelConfig.from_hf_dict(LLAMA_31_8B)
+    return random_model(LLAMA_31_8B, device, dtype)
+
+
+def random_model(hf_config: dict, device: str, dtype: str) -> LoadedModel:
+    """Random weights in ``hf_config``'s shapes, made on ``device`` in ``dtype`` (no float32 copy of an 8B model
+    on the host): norms at one, the rest normal with a std of 0.02, the rotary table computed as the loader does."""
+    config = ModelConfig.from_hf_dict(hf_config)
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to_empty(device=device).to(torch_dtype).eval().requires_grad_(False)
+        model = CausalLM(config).to(torch_dtype)
+    model = model.to_empty(device=device).eval().requires_grad_(False)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    model.model.rotary = RotaryEmbedding(config).to(device)  # a buffer to_empty left unset
     return LoadedModel("", config, model, torch_dtype, torch.device(device), ())
 
 
 class Instance:
     """A prefill worker over a pool that holds one document and its question, above a host tier."""
 
-    def __init__(self, loaded: LoadedModel, doc_tokens: int, layered: bool, device: str, dtype: str, name: str):
+    def __init__(self, loaded: LoadedModel, doc_tokens: int, layered: bool, device: str, dtype: str, name: str,
+                 token_budget: int = 0):
         tokens = (doc_tokens // BLOCK + 8) * BLOCK
         block_bytes = 2 * loaded.config.num_hidden_layers * BLOCK * loaded.config.num_key_value_heads * \
             loaded.config.head_dim * loaded.dtype.itemsize
         host_mb = -(-2 * tokens // BLOCK * block_bytes // (1 << 20))  # this round's documents, and the last's
         tiers = KVTiersConfig(host_memory_mb=host_mb, disk_mb=0, layered_loads=layered)
         self.worker = PrefillWorker(loaded, PrefillWorkerConfig(
-            block_size=BLOCK, kv_cache_tokens=tokens, token_budget=tokens, kv_tiers=tiers, device=device,
+            block_size=BLOCK, kv_cache_tokens=tokens, token_budget=min(tokens, token_budget or tokens), kv_tiers=tiers,
+            device=device,
             dtype=dtype), name)
         self.device = torch.device(device)
         self._n = 0
@@ -132,15 +142,15 @@ class Instance:
 
 
 def measure(loaded: LoadedModel, doc_tokens: int, question: int, repeats: int, device: str, dtype: str,
-            seed: int) -> dict:
+            seed: int, token_budget: int = 0) -> dict:
     rng = random.Random(seed)
     vocab = loaded.config.vocab_size
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    instances = {mode: Instance(loaded, doc_tokens, mode == "layer by layer", device, dtype, f"prefill-{i}")
-                 for i, mode in enumerate(MODES)}
+    instances = {mode: Instance(loaded, doc_tokens, mode == "layer by layer", device, dtype, f"prefill-{i}",
+                                token_budget) for i, mode in enumerate(MODES)}
     runs: dict[str, list[float]] = {"cold": [], "pool hit": [], **{f"tier hit, {m}": [] for m in MODES}}
     try:
         for r in range(repeats + 1):  # the first round warms up and is not kept
@@ -260,6 +270,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto (as magicserve serve chooses), bfloat16, float32, ...")
     ap.add_argument("--docs", type=int, nargs="+", default=[1024, 4096, 12288], help="document lengths, tokens")
     ap.add_argument("--question", type=int, default=64, help="question length, tokens")
+    ap.add_argument("--token-budget", type=int, default=0,
+                    help="prompt tokens per pass (0: a whole document in one; a cold prompt is chunked by it)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch threads, each a run of every document length (on CPU; ignored on a GPU)")
@@ -275,7 +287,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for i, doc in enumerate(args.docs):
             rows.append({"threads": threads, **measure(loaded, doc, args.question, args.repeats, args.device, dtype,
-                                                       seed=i)})
+                                                       seed=i, token_budget=args.token_budget)})
             print(f"{threads} threads, {doc} tokens: " +
                   ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rows[-1]["median_s"].items()), flush=True)
     result = {"command": "python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),

@@ -384,7 +384,8 @@ def tier_load_overlap_step(args, scratch: str, tag: str, cpu: bool) -> Step:
     if cpu:  # dry run: one short document, the bundled model
         cmd += ["--docs", "64", "--question", "8", "--repeats", "1", "--threads", "1"]
     else:  # random weights in Llama-3.1-8B's shapes: 128 KiB of KV per token, as in serving
-        cmd += ["--device", "cuda", "--model", "llama-3.1-8b", "--docs", "2048", "8192", "32768", "--repeats", "3"]
+        cmd += ["--device", "cuda", "--model", "llama-3.1-8b", "--docs", "2048", "8192", "32768", "--repeats", "3",
+                "--token-budget", "8192"]
     return Step("tier_load_overlap", "Tier hits loaded layer by layer", cmd, data={"out": out})
 
 
