@@ -116,10 +116,11 @@ class Admission:
         """LocalPrefill: blocks for the prompt and the first step from its longest cached prefix on (a
         conversation's earlier turns, left by the requests that served them), every further sequence's room
         with them; the worker's steps compute the rest. What the tiers hold of it is loaded beside the worker's
-        steps where they can: the request's first chunk waits for it (``PrefillQueue``), the decoding batch
-        does not."""
+        steps where they can, unless that is a mere copy within host memory on CPU: the request's first chunk
+        waits for it (``PrefillQueue``), the decoding batch does not."""
         held = self._new_held(request, SequenceStatus.PREFILLING)
-        if self._reserve(held, held.seq.num_prompt, load_in_background=True) is None:
+        beside = not self.scheduler.prefix_cache.loads_from_memory(held.seq.prompt_ids)
+        if self._reserve(held, held.seq.num_prompt, load_in_background=beside) is None:
             return False
         self.prefill_order.append(request.request_id)
         return True

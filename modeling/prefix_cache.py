@@ -83,8 +83,15 @@ class LowerTiers(Protocol):
     def start_load(self, request_id: str, hashes: Sequence[int], blocks: Sequence[int]) -> bool:
         """Start :meth:`load` in the background (False, nothing started: it cannot run there)."""
 
+    def load_done(self, request_id: str) -> bool:
+        """Whether a started load has written its blocks (``finish_load`` then returns at once)."""
+
     def finish_load(self, request_id: str) -> int:
         """Wait for a started load; how many of its blocks, from the first, were loaded."""
+
+    def copies_from_memory(self, hashes: Sequence[int]) -> bool:
+        """Whether loading the leading run of ``hashes`` the tiers hold is a copy within host memory (nothing worth
+        moving off the worker's thread)."""
 
     def save(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """Keep the KV of ``blocks`` (final, cached under ``hashes``)."""
@@ -167,6 +174,15 @@ class PrefixCache:
         hashes = block_hashes(seq.prompt_ids[:-1], self.pool.block_size, self.salt)
         held = self.pool.cached_run(hashes)
         return self.tiers.read_ahead(seq.request_id, hashes[held:])
+
+    def loads_from_memory(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether loading what the tiers hold of the prompt (but its last token) beyond the pool's cached run is a
+        copy within host memory on CPU (``KVTiers.copies_from_memory``): quicker on the worker's thread than
+        handed to another. True without tiers."""
+        if self.tiers is None:
+            return True
+        hashes = block_hashes(list(prompt_ids[:-1]), self.pool.block_size, self.salt)
+        return self.tiers.copies_from_memory(hashes[self.pool.cached_run(hashes):])
 
     def attach(self, seq, upto: int | None = None, load_tiers: bool = True) -> int:
         """A sequence about to be scheduled with no blocks and nothing computed (new, or preempted) starts

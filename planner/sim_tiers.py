@@ -100,6 +100,10 @@ class SimTiers:
         """How long the request's load beside the steps (``start_load``) takes."""
         return self.config.load_seconds(self._started.get(request_id, 0) * self.block_size)
 
+    def copies_from_memory(self, hashes: Sequence[int]) -> bool:
+        """Never: the simulated instances run on GPUs, where every load crosses to the device."""
+        return False
+
     def load_done(self, request_id: str) -> bool:
         """The simulation waits ``background_seconds`` before it finishes a load: done by then."""
         return True

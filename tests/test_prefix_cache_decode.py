@@ -180,20 +180,24 @@ def test_preempted_requests_whose_blocks_were_evicted_resume_from_the_tiers(llam
 DISK_READ_DELAY_S = 0.03  # per block: a disk slower than this VM's page cache, so the load visibly runs beside
 
 
-def _history_on_disk(llama_dir, tmp_path, params):
-    """A decode worker over a slow disk tier that served a 320-token turn and then lost it from its pool (every
-    free block allocated once): (the worker, the next turn's prompt, the history's full blocks)."""
+def _history_on_disk(llama_dir, tmp_path, params, in_memory: bool = False):
+    """A decode worker over a slow disk tier (``in_memory``: a host tier instead) that served a 320-token turn and
+    then lost it from its pool (every free block allocated once): (the worker, the next turn's prompt, the
+    history's full blocks)."""
     import dataclasses
     import time
 
     from modeling.instance_config import KVTiersConfig
 
     base = decode_worker(llama_dir, kv_cache_tokens=1024).config
-    tiers = KVTiersConfig(host_memory_mb=0, disk_dir=str(tmp_path), disk_mb=16)
+    tiers = KVTiersConfig(host_memory_mb=16 if in_memory else 0, disk_dir=str(tmp_path),
+                          disk_mb=0 if in_memory else 16)
     worker = DecodeWorker(llama_dir, dataclasses.replace(base, kv_tiers=tiers))
     first, question = prompts_of([320, 12], seed=23)
     out = [t for d in worker.add_local("turn-1", first, params) for t in d.token_ids] + drain(worker)["turn-1"]
     worker.pool.free(worker.pool.allocate(worker.pool.num_free))  # the pool's cached blocks evicted
+    if in_memory:
+        return worker, first + out + question, (len(first) + len(out) - 1) // BS
     disk = worker.prefix_cache.tiers.disk
     worker.prefix_cache.tiers.flush()
     read = disk.read
@@ -255,6 +259,22 @@ def test_a_turn_whose_history_fails_its_check_is_failed_for_the_router_to_run_ag
             failures += [d for d in worker.step() if isinstance(d, DecodeFailure)]
         assert [(f.request_id, f.retryable) for f in failures] == [("turn-2", True)] and "corrupt" in failures[0].reason
         assert disk.stats.corrupt >= 1
+        assert_idle(worker)
+    finally:
+        worker.close()
+
+
+def test_a_turn_whose_history_is_in_host_memory_on_cpu_loads_it_at_once(llama_dir, tmp_path):
+    """On CPU a host-tier load is a copy within the same memory, quicker on the worker's thread than handed to the
+    tiers' thread: the turn's admission loads its history, and its first chunk need not wait a step for it."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    worker, second, blocks = _history_on_disk(llama_dir, tmp_path, SamplingParams(max_tokens=24, ignore_eos=True),
+                                              in_memory=True)
+    try:
+        assert worker.add_prefill(DecodeRequest("turn-2", tuple(second), params))
+        assert not worker.prefix_cache.loading("turn-2")
+        assert worker.prefix_cache.tiers.host.stats.hits == blocks  # loaded in the admission
+        assert drain(worker)["turn-2"] == cold_reference(llama_dir, [second], params)[0]
         assert_idle(worker)
     finally:
         worker.close()

@@ -174,6 +174,18 @@ class KVTiers:
             n += self.store.find(hashes[n:])
         return n
 
+    def copies_from_memory(self, hashes: Sequence[int]) -> bool:
+        """Whether loading the leading run of ``hashes`` the tiers hold is a copy within host memory: the cache is
+        on CPU and the host tier holds each of them (up to the first no tier holds). Then there is nothing worth
+        moving off the worker's thread."""
+        if self.cache.device.type != "cpu":
+            return False
+        for h in hashes:
+            if self.host is not None and h in self.host:
+                continue
+            return not ((self.disk is not None and h in self.disk) or (self.store is not None and self.store.find([h])))
+        return True
+
     def read_ahead(self, request_id: str, hashes: Sequence[int]) -> bool:
         """Start reading the blocks of ``hashes`` (a waiting prompt's, from the first its pool lacks) that only the
         disk tier or the store holds, up to the first no tier holds, for the request's :meth:`load` to take;
