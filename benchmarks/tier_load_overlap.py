@@ -151,6 +151,7 @@ def measure(loaded: LoadedModel, doc_tokens: int, question: int, repeats: int, d
 
     instances = {mode: Instance(loaded, doc_tokens, mode == "layer by layer", device, dtype, f"prefill-{i}",
                                 token_budget) for i, mode in enumerate(MODES)}
+    kv_bytes = doc_tokens // BLOCK * instances["at once"].worker.cache.spec.bytes_per_block
     runs: dict[str, list[float]] = {"cold": [], "pool hit": [], **{f"tier hit, {m}": [] for m in MODES}}
     try:
         for r in range(repeats + 1):  # the first round warms up and is not kept
@@ -176,7 +177,7 @@ def measure(loaded: LoadedModel, doc_tokens: int, question: int, repeats: int, d
     med = {name: statistics.median(v) for name, v in runs.items()}
     return {
         "doc_tokens": doc_tokens, "question_tokens": question, "runs_s": runs, "median_s": med,
-        "copy_s": statistics.median(copy), "kv_bytes": doc_tokens // BLOCK * instances["at once"].worker.cache.spec.bytes_per_block,
+        "copy_s": statistics.median(copy), "kv_bytes": kv_bytes,
         "load_cost": {m: med[f"tier hit, {m}"] / med["pool hit"] - 1 for m in MODES},
         "layered_vs_at_once": med["tier hit, layer by layer"] / med["tier hit, at once"],
     }
@@ -200,7 +201,8 @@ def write_markdown(result: dict, path: str) -> None:
     for row in result["rows"]:
         m = row["median_s"]
         lines.append(
-            f"| {row['threads']} | {row['doc_tokens']} | {row['kv_bytes'] / 2**20:.1f} MiB | {m['cold'] * 1e3:.1f} ms | "
+            f"| {row['threads']} | {row['doc_tokens']} | {row['kv_bytes'] / 2**20:.1f} MiB | "
+            f"{m['cold'] * 1e3:.1f} ms | "
             f"{m['pool hit'] * 1e3:.1f} ms | {m['tier hit, at once'] * 1e3:.1f} ms | "
             f"{m['tier hit, layer by layer'] * 1e3:.1f} ms | {row['layered_vs_at_once']:.2f}x | "
             f"{row['load_cost']['at once'] * 100:+.0f} % | {row['load_cost']['layer by layer'] * 100:+.0f} % | "

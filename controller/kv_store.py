@@ -76,17 +76,31 @@ def _wait_for_port(host: str, port: int, proc: subprocess.Popen, what: str, log_
     raise KVStoreError(f"{what} did not listen on {host}:{port} within {timeout_s:.0f} s (log: {log_path})")
 
 
+def _libc_prctl():
+    """glibc's ``prctl``, looked up here in the parent (None off Linux or without glibc): the child between fork
+    and exec only calls it, so it takes no lock another thread of this many-threaded process may hold."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
-    """In the child before exec (Linux): terminated when the process that started it dies, so a store process
-    never outlives the server or the actor that owns it."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    """In the child before exec: terminated when the process that started it dies, so a store process never
+    outlives the server or the actor that owns it."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _spawn(argv: list[str], log_path: str) -> subprocess.Popen:
     with open(log_path, "wb") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=_die_with_parent if _PRCTL is not None else None)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -236,7 +250,7 @@ class MooncakeStoreService:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        held = set(self.segments.values()) | set(self._node_actors)
+        held = set(self.segments.values())
         started = []
         for node in dict.fromkeys(n for n in nodes if n and n not in held):
             actor = ray.remote(num_cpus=0, max_restarts=0)(NodeSegment).options(

@@ -87,9 +87,10 @@ class KVStoreConfig:
     blocks another computed. ``backend``: ``none`` or ``mooncake`` (Mooncake Store: the
     ``mooncake-transfer-engine`` package and ``libibverbs1``). ``master_address``: ``host:port`` of its master;
     empty: ``magicserve serve`` starts a master, and a segment server holding ``segment_mb`` of the store on the
-    head node and on every other node an instance is placed on. ``protocol``: ``tcp`` or ``rdma`` (on ``rdma_devices``, empty: found automatically);
-    ``local_buffer_mb``: each instance's transfer buffer; ``retry_s``: after a failed call the instances compute
-    instead for this long before trying the store again."""
+    head node and on every other node an instance is placed on. ``protocol``: ``tcp`` or ``rdma`` (on
+    ``rdma_devices``, empty: found automatically); ``local_buffer_mb``: each instance's transfer buffer;
+    ``retry_s``: after a failed call the instances compute instead for this long before trying the store
+    again."""
 
     backend: str = "none"
     master_address: str = ""

@@ -201,8 +201,8 @@ def test_every_node_an_instance_runs_on_holds_a_segment_of_the_store(llama_dir, 
     nodes.wait_for_nodes()
     doc, q1 = prompts_of([320, 20], seed=53)
     greedy = dict(max_tokens=16, ignore_eos=True)
-    cfg = dataclasses.replace(_store_only_config(llama_dir), ray=dataclasses.replace(
-        _store_only_config(llama_dir).ray, address=nodes.address, num_cpus=None))
+    cfg = _store_only_config(llama_dir)
+    cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=nodes.address, num_cpus=None))
     try:
         with running_server(cfg) as address:
             ids, _ = stream_ids(address, doc + q1, **greedy)

@@ -96,7 +96,7 @@ def reference(llama_dir):
     return ReferenceEngine(llama_dir, EngineConfig(block_size=BLOCK, attention_backend="torch", prefix_caching=False))
 
 
-def _served_after_eviction(llama_dir, tmp_path, reference, layered: bool, device: str = "cpu"):
+def _served_after_eviction(llama_dir, reference, layered: bool, device: str = "cpu"):
     """A prefill worker with a 512-token pool over a host tier serves a 320-token document with a question, two
     400-token prompts push the document out of the pool, and a second question on it comes back: its document
     loaded from the host tier. Returns (the worker, the second prompt's first token, the reference's)."""
@@ -117,9 +117,8 @@ def _served_after_eviction(llama_dir, tmp_path, reference, layered: bool, device
 
 
 @pytest.mark.parametrize("layered", [True, False], ids=["layer-by-layer", "at-once"])
-def test_a_document_evicted_to_the_host_tier_is_loaded_and_sampled_as_the_reference(llama_dir, tmp_path, reference,
-                                                                                    layered):
-    worker, got, want = _served_after_eviction(llama_dir, tmp_path, reference, layered)
+def test_a_document_evicted_to_the_host_tier_is_loaded_and_sampled_as_the_reference(llama_dir, reference, layered):
+    worker, got, want = _served_after_eviction(llama_dir, reference, layered)
     try:
         assert got.cached.from_tiers == 320 and got.cached.tokens == 320  # the document's 20 blocks, loaded
         assert got.token_id == want.token_id and got.logprob.logprob == pytest.approx(want.logprob, abs=1e-4)
@@ -138,8 +137,8 @@ def test_on_cuda_each_layer_is_in_before_the_pass_reaches_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_a_document_evicted_to_the_host_tier_is_loaded_layer_by_layer(llama_dir, tmp_path, reference):
-    worker, got, want = _served_after_eviction(llama_dir, tmp_path, reference, layered=True, device="cuda")
+def test_on_cuda_a_document_evicted_to_the_host_tier_is_loaded_layer_by_layer(llama_dir, reference):
+    worker, got, want = _served_after_eviction(llama_dir, reference, layered=True, device="cuda")
     try:
         assert got.cached.from_tiers == 320 and worker.core.tiers.layer_loads.loads_added == 1
         assert got.token_id == want.token_id and got.logprob.logprob == pytest.approx(want.logprob, abs=2e-3)

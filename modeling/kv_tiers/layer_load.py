@@ -1,6 +1,7 @@
 """Blocks loaded from the KV tiers, written into the cache layer by layer while the pass that reads them runs.
 
-A load (:meth:`KVTiers.load` with ``layered``) has every block's KV on the host already (host tier, read ahead,
+A load (:meth:`KVTiers.load`, once its owner has called ``load_layer_by_layer``) has every block's KV on the
+host already (host tier, read ahead,
 or read at load time); what is left is the copy into the cache, which on a GPU crosses PCIe: a 7K-token prompt
 of Llama-3.1-8B is 0.9 GB, tens of milliseconds. Written layer by layer beside the pass, layer ``i``'s copy
 overlaps the pass's work on the layers before it, and the pass waits only for what is not in yet when it

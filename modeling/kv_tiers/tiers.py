@@ -183,7 +183,8 @@ class KVTiers:
         for h in hashes:
             if self.host is not None and h in self.host:
                 continue
-            return not ((self.disk is not None and h in self.disk) or (self.store is not None and self.store.find([h])))
+            on_disk = self.disk is not None and h in self.disk
+            return not (on_disk or (self.store is not None and self.store.find([h])))
         return True
 
     def read_ahead(self, request_id: str, hashes: Sequence[int]) -> bool:
