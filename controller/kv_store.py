@@ -6,7 +6,9 @@ With ``kv_tiers.store.backend: mooncake`` and no ``master_address``, the cluster
 configured), and hands the master's address to every instance. Every other node an instance is placed on gets
 a segment server of its own, started there by a Ray actor (:class:`NodeSegment`), so the store's memory grows
 with the cluster and objects can live near the instances that write them. The objects live in the segment
-servers, not in the instances, so a drained, retired or dead instance's blocks stay in the store. The processes
+servers, not in the instances, so a drained, retired or dead instance's blocks stay in the store; a node that
+leaves takes its segment's copies with it (``kv_tiers.store.replicas`` keeps each block on as many nodes, and
+:meth:`MooncakeStoreService.forget_lost` lets a later :meth:`~MooncakeStoreService.cover` serve that node again). The processes
 stop with the cluster (and with the process that started them); their logs go to temporary directories named in
 the log. What each segment holds, as the master reports it, is :meth:`MooncakeStoreService.occupancy`.
 """
@@ -250,6 +252,7 @@ class MooncakeStoreService:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        self.forget_lost()
         held = set(self.segments.values())
         started = []
         for node in dict.fromkeys(n for n in nodes if n and n not in held):
@@ -266,6 +269,30 @@ class MooncakeStoreService:
             self.segments[name] = node
             started.append(node)
         return started
+
+    def forget_lost(self) -> list[str]:
+        """Forget the segments the master no longer reports (their server or node went away, and the master
+        dropped them once their heartbeats stopped for its client TTL, with the copies they held): the nodes
+        they were on, which :meth:`cover` serves again. Nothing when the master does not answer."""
+        occupancy = self.occupancy()
+        if occupancy is None:
+            return []
+        live = {s.name for s in occupancy.segments}
+        lost = []
+        for name in [n for n in self.segments if n not in live]:
+            node = self.segments.pop(name)
+            actor = self._node_actors.pop(node, None)
+            if actor is not None:
+                import ray
+
+                try:
+                    ray.kill(actor)
+                except Exception:  # its node is gone, and the actor with it
+                    pass
+            log.warning("kv store: the segment server at %s (node %s) left the store; the blocks only it held "
+                        "are computed again when asked for", name, node or "of the master")
+            lost.append(node)
+        return lost
 
     def _new_segment(self, timeout_s: float) -> str:
         """The name the master gives the segment just started (its transfer endpoint, not the address it was

@@ -90,7 +90,8 @@ class KVStoreConfig:
     head node and on every other node an instance is placed on. ``protocol``: ``tcp`` or ``rdma`` (on
     ``rdma_devices``, empty: found automatically); ``local_buffer_mb``: each instance's transfer buffer;
     ``retry_s``: after a failed call the instances compute instead for this long before trying the store
-    again."""
+    again. ``replicas``: copies of each block the store keeps, each in another segment (so on another node);
+    a block survives the loss of ``replicas - 1`` nodes (fewer segments than that: one copy in each)."""
 
     backend: str = "none"
     master_address: str = ""
@@ -99,13 +100,14 @@ class KVStoreConfig:
     rdma_devices: str = ""
     local_buffer_mb: int = 64
     retry_s: float = 5.0
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
         errs = one_of("backend", self.backend, STORE_BACKENDS) + one_of("protocol", self.protocol, ("tcp", "rdma"))
-        errs += integers(self, ("segment_mb", "local_buffer_mb")) + positive(self, ("retry_s",))
+        errs += integers(self, ("segment_mb", "local_buffer_mb", "replicas")) + positive(self, ("retry_s",))
         if self.master_address and not re.fullmatch(r"[\w.\-]+:\d{1,5}", self.master_address):
             errs.append(("master_address", f"must be host:port, got {self.master_address!r}"))
         return [(f"store.{name}", why) for name, why in errs]

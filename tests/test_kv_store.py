@@ -1,7 +1,7 @@
 """The cluster-wide KV store tier (Mooncake Store, its master and segment server started for real): an
 instance serves a document another instance computed, from the store, with the tokens of an engine without
 caching (float32, greedy); a corrupt object is recomputed, never served; a store that is down degrades to
-computing, and serving heals when it returns."""
+computing, and serving heals when it returns; a block kept in two segments survives the loss of a node."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def plain(llama_dir):
     return ReferenceEngine(llama_dir, dataclasses.replace(CFG, prefix_caching=False))
 
 
-def _engine(llama_dir, master_address: str, name: str) -> ReferenceEngine:
-    """An engine whose only tier is the store (no host or disk tier)."""
-    tiers = KVTiersConfig(host_memory_mb=0, disk_mb=0, store=dataclasses.replace(STORE, master_address=master_address))
+def _engine(llama_dir, master_address: str, name: str, replicas: int = 1) -> ReferenceEngine:
+    """An engine whose only tier is the store (no host or disk tier), writing ``replicas`` copies of a block."""
+    store = dataclasses.replace(STORE, master_address=master_address, replicas=replicas)
+    tiers = KVTiersConfig(host_memory_mb=0, disk_mb=0, store=store)
     return ReferenceEngine(llama_dir, dataclasses.replace(CFG, kv_tiers=tiers), instance_id=name)
 
 
@@ -124,3 +125,50 @@ def test_a_store_that_is_down_degrades_to_computing_and_heals(llama_dir, plain):
     finally:
         engine.close()
         service.stop()
+
+
+def test_a_block_kept_in_two_segments_survives_the_loss_of_a_node(llama_dir, plain):
+    """A Ray cluster of two nodes (two raylets on this machine), a segment server on each. A document written
+    with ``replicas: 2`` is served whole from the store after the second node is removed (its segment server
+    dies with its actor, and the master drops the segment once its heartbeats stop); one written with a single
+    copy loses the blocks that lived there, and those are computed again. Both serve the reference's tokens."""
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    second = nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address)
+    service = MooncakeStoreService.start(STORE, node=nodes.head_node.node_id)
+    try:
+        assert service.cover([second.node_id]) == [second.node_id]
+        assert sorted(service.segments.values()) == sorted([nodes.head_node.node_id, second.node_id])
+        (doc2, first2, second2), (doc1, first1, second1) = _prompts(20), _prompts(21)
+        for replicas, prompt in ((2, first2), (1, first1)):
+            writer = _engine(llama_dir, service.master_address, "colocated-0", replicas=replicas)
+            _run(writer, prompt)
+            writer.close()  # its writes finish
+        occupancy = service.occupancy()
+        assert occupancy.objects == len(doc2) // BLOCK + len(doc1) // BLOCK
+        assert all(s.used_bytes > 0 for s in occupancy.segments)
+
+        nodes.remove_node(second)
+        deadline = time.monotonic() + 60
+        while not (lost := service.forget_lost()):
+            assert time.monotonic() < deadline, "the master kept the lost node's segment"
+            time.sleep(0.5)
+        assert lost == [second.node_id] and list(service.segments.values()) == [nodes.head_node.node_id]
+
+        reader = _engine(llama_dir, service.master_address, "colocated-1")
+        try:
+            assert _run(reader, second2) == _run(plain, second2)
+            assert reader.prefix_cache.stats.tier_hits == len(doc2) // BLOCK * BLOCK  # every block, from the copy
+            assert _run(reader, second1) == _run(plain, second1)
+            found_single = reader.prefix_cache.stats.tier_hits - len(doc2) // BLOCK * BLOCK
+            assert found_single < len(doc1) // BLOCK * BLOCK, "no block of the single-copy document was lost"
+        finally:
+            reader.close()
+    finally:
+        service.stop()
+        ray.shutdown()
+        nodes.shutdown()

@@ -366,6 +366,7 @@ def test_kv_tiers_config_names_the_field():
     assert cfg.kv_tiers.active and cfg.decode.kv_tiers == cfg.prefill.kv_tiers == cfg.kv_tiers  # on by default
     assert cfg.kv_tiers.loads_layer_by_layer("cuda:0") and not cfg.kv_tiers.loads_layer_by_layer("cpu")  # auto
     assert parse_config({**base, "kv_tiers": {"layered_loads": True}}).prefill.kv_tiers.loads_layer_by_layer("cpu")
+    assert parse_config({**base, "kv_tiers": {"store": {"replicas": 2}}}).decode.kv_tiers.store.replicas == 2
     off = parse_config({**base, "kv_tiers": {"enabled": False}})
     assert not off.colocated.kv_tiers.active
     for bad, why in [({"disk_mb": -1}, "kv_tiers.disk_mb: must be >= 0, got -1"),
@@ -373,6 +374,7 @@ def test_kv_tiers_config_names_the_field():
                      ({"write_queue_blocks": 0}, "kv_tiers.write_queue_blocks: must be >= 1"),
                      ({"layered_loads": "sometimes"}, "kv_tiers.layered_loads: must be true, false or auto, got 'some"),
                      ({"layered_loads": 1}, "kv_tiers.layered_loads: must be true, false or auto, got 1"),
+                     ({"store": {"replicas": 0}}, "kv_tiers.store.replicas: must be >= 1, got 0"),
                      ({"disk": 1}, "kv_tiers.disk: unknown field")]:
         with pytest.raises(ConfigError, match=why):
             parse_config({**base, "kv_tiers": bad})

@@ -99,6 +99,7 @@ class StoreTier:
         self.events: TierEvents | None = None  # set while the router is told what the store holds
         self._reader = None
         self._writer = None
+        self._put_config = None
         self._down_until = 0.0
         self._ready = threading.Event()
         self._reading = threading.Lock()  # the reader client serves one call at a time
@@ -125,9 +126,17 @@ class StoreTier:
                 return False
             clients.append(client)
         self._reader, self._writer = clients
+        self._put_config = self._replicate_config()
         self._ready.set()
         log.info("kv store: connected to the Mooncake master at %s as %s", c.master_address, host)
         return True
+
+    def _replicate_config(self):
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = self.config.replicas  # the master puts each copy in another segment
+        return config
 
     @property
     def connected(self) -> bool:
@@ -196,7 +205,7 @@ class StoreTier:
             return False
         data = encode(block_hash, payload)
         try:
-            rc = self._writer.put(self._key(block_hash), data)
+            rc = self._writer.put(self._key(block_hash), data, self._put_config)
         except Exception:
             rc = -1
         if rc != 0:
