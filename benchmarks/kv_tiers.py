@@ -76,20 +76,25 @@ def sampled_trace(path: str, sample: int, chunk: int, max_prompt: int, speedup: 
     return rows
 
 
-def unbounded_hit_rate(rows: list[dict], chunk: int) -> float:
-    """Prompt tokens an unbounded cache of every earlier prompt's full blocks finds (its prefix run)."""
+def unbounded_cached(rows: list[dict], chunk: int) -> list[int]:
+    """Each request's prompt tokens an unbounded cache of every earlier prompt's full blocks holds (its prefix
+    run; at least one token is left to compute)."""
     seen: set[int] = set()
-    found = total = 0
+    cached = []
     for r in rows:
         run = 0
         for h in r["hash_ids"]:
             if h not in seen or (run + 1) * chunk > r["input_length"] - 1:
                 break
             run += 1
-        found += run * chunk
-        total += r["input_length"]
+        cached.append(run * chunk)
         seen.update(r["hash_ids"][:r["input_length"] // chunk])
-    return found / total
+    return cached
+
+
+def unbounded_hit_rate(rows: list[dict], chunk: int) -> float:
+    """Prompt tokens an unbounded cache of every earlier prompt's full blocks finds."""
+    return sum(unbounded_cached(rows, chunk)) / sum(r["input_length"] for r in rows)
 
 
 def scrape(url: str, by_labels: dict[str, tuple[str, ...]] | None = None) -> dict[str, float]:

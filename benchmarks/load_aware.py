@@ -6,7 +6,14 @@ cores, in one run, on two workloads whose prefill saturates a static split:
   512-token block as ``--chunk`` tokens, prompts cut at ``--max-prompt``, time compressed ``--speedup`` times
   (``benchmarks/kv_tiers.py``'s sampling);
 * ``burst``: ``--burst-requests`` distinct long prompts (``--burst-min``..``--burst-max`` tokens) arriving over
-  ``--burst-span-s`` seconds.
+  ``--burst-span-s`` seconds;
+* ``edge``: the same with ``--edge-*`` flags, by default shorter prompts at a rate past what the prefill
+  instance alone serves within the TTFT target but where each prompt alone is well inside it: the load where
+  static P/D misses its TTFT p99 and load-aware placement can hold it.
+
+For each workload the record gives the TTFT floor: how long each prompt takes to prefill alone on an idle
+prefill instance, every earlier prompt's full blocks cached (``--profile``'s prefill model, chunks of the
+prefill pool's token budget). Requests whose floor is past the TTFT target miss it on any system.
 
 Systems: ``static`` (1 prefill + 1 decode instance, every prompt computed in the prefill pool unless its decode
 instance holds it cached), ``load-aware`` (the same pools; a prompt the prefill pool would serve past the TTFT
@@ -40,24 +47,67 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
-from benchmarks.kv_tiers import add_trace_args, bench, sampled_trace, scrape  # noqa: E402
+from benchmarks.kv_tiers import add_trace_args, bench, sampled_trace, scrape, unbounded_cached  # noqa: E402
+from planner.profile import Profile, prefill_features  # noqa: E402
 from planner.profiler import cpu_model_name  # noqa: E402
 
 SYSTEMS = ("static", "load-aware", "colocated", "vllm")
-WORKLOADS = ("trace", "burst")
+WORKLOADS = ("trace", "burst", "edge")
+DISTINCT = {"burst": (30, 2048, 6144, 64, 30.0), "edge": (60, 512, 1536, 64, 28.0)}  # requests, min, max, out, span
 PLACEMENTS = "magicserve:load_aware_placements_total"
+PROFILE = os.path.join(ROOT, "benchmarks", "results", "profile_local_cpu.json")
+PREFILL_TOKEN_BUDGET = 512  # cluster_configs/local.yaml's prefill.token_budget, which every magicserve system keeps
 
 
-def burst_rows(args) -> list[dict]:
-    """Distinct long prompts (hashes no other prompt shares), arriving evenly over the span."""
+def distinct_rows(args, workload: str) -> list[dict]:
+    """Distinct prompts (hashes no other prompt shares) of the workload's ``--<workload>-*`` lengths, arriving
+    evenly over its span."""
     rng = random.Random(args.seed)
+    n, lo, hi, out, span = (getattr(args, f"{workload}_{k}") for k in ("requests", "min", "max", "output", "span_s"))
     rows, next_hash = [], 1 << 30
-    for i in range(args.burst_requests):
-        blocks = rng.randint(args.burst_min // args.chunk, args.burst_max // args.chunk)
-        rows.append({"timestamp": i * args.burst_span_s / args.burst_requests, "input_length": blocks * args.chunk,
-                     "output_length": args.burst_output, "hash_ids": list(range(next_hash, next_hash + blocks))})
+    for i in range(n):
+        blocks = rng.randint(lo // args.chunk, hi // args.chunk)
+        rows.append({"timestamp": i * span / n, "input_length": blocks * args.chunk, "output_length": out,
+                     "hash_ids": list(range(next_hash, next_hash + blocks))})
         next_hash += blocks
     return rows
+
+
+def workload_rows(args, workload: str) -> tuple[list[dict], str]:
+    """The workload's requests (``vllm bench serve``'s timed-trace rows) and a sentence saying what they are."""
+    if workload == "trace":
+        rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
+        return rows, (f"Mooncake's conversation trace: {len(rows)} requests of the conversations sampled 1 in "
+                      f"{args.sample}, each 512-token block as {args.chunk} tokens (prompts up to "
+                      f"{args.max_prompt}), {args.speedup:g}x faster ({rows[-1]['timestamp']:.0f} s).")
+    rows = distinct_rows(args, workload)
+    lo, hi, out, span = (getattr(args, f"{workload}_{k}") for k in ("min", "max", "output", "span_s"))
+    return rows, (f"{'A burst' if workload == 'burst' else 'Near the prefill instance capacity'}: {len(rows)} "
+                  f"distinct prompts of {lo}-{hi} tokens (mean {sum(r['input_length'] for r in rows) / len(rows):.0f}) "
+                  f"over {span:g} s ({len(rows) / span:.2f} req/s), {out} output tokens each.")
+
+
+def ttft_floors(rows: list[dict], chunk: int, profile_path: str, token_budget: int) -> list[float]:
+    """Each request's prefill alone on an idle prefill instance (seconds): its prompt past what an unbounded cache
+    of every earlier prompt's full blocks holds, in chunks of ``token_budget``, priced by the profile's prefill
+    model (tensor parallel 1, one thread, as every magicserve system here runs)."""
+    model = Profile.load(profile_path).prefill_model(1, 1)
+    floors = []
+    for r, start in zip(rows, unbounded_cached(rows, chunk)):
+        seconds = 0.0
+        while start < r["input_length"]:
+            n = min(token_budget, r["input_length"] - start)
+            seconds += model.predict(prefill_features([(start, n)]))
+            start += n
+        floors.append(seconds)
+    return floors
+
+
+def floor_summary(floors: list[float], ttft_slo_ms: float) -> dict:
+    ordered = sorted(floors)
+    return {"over_slo": sum(f * 1e3 > ttft_slo_ms for f in floors), "requests": len(floors),
+            "p50_s": ordered[len(ordered) // 2], "p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+            "max_s": ordered[-1]}
 
 
 def server_for(system: str, args, workdir: str):
@@ -66,7 +116,7 @@ def server_for(system: str, args, workdir: str):
         port = free_port()
         extra = ["--block-size", "32", "--num-gpu-blocks-override", str((args.prefill_kv + args.decode_kv) // 32),
                  "--served-model-name", os.path.basename(os.path.abspath(args.model))]
-        return vllm_server(args.model, port, max(args.max_prompt, args.burst_max) + 1024, 1, args.launch_timeout_s,
+        return vllm_server(args.model, port, max(args.max_prompt, args.burst_max, args.edge_max) + 1024, 1, args.launch_timeout_s,
                            extra, prefix_caching=True), f"http://127.0.0.1:{port}"
     sections = {"slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}}
     if system == "colocated":
@@ -151,8 +201,18 @@ def write_md(result: dict, path: str) -> None:
                          f"{r['p99_ttft_ms'] / 1e3:.2f} | {r['median_tpot_ms']:.1f} | {r['p99_tpot_ms']:.1f} | {local} | "
                          f"{r['completed']} / {r['failed']} |")
         s = w["systems"]
+        floor = w.get("ttft_floor")
+        if floor:
+            lines += ["", f"TTFT floor (each prompt's prefill alone on an idle prefill instance, every earlier prompt's "
+                          f"blocks cached; `--profile`'s prefill model): p50 {floor['p50_s']:.2f} s, p99 "
+                          f"{floor['p99_s']:.2f} s, max {floor['max_s']:.2f} s; {floor['over_slo']} of "
+                          f"{floor['requests']} requests past the {a['ttft_slo_ms'] / 1e3:g} s target on any system."]
         if "load-aware" in s and "static" in s:
             la, st = s["load-aware"], s["static"]
+            slo_s = a["ttft_slo_ms"] / 1e3
+            lines += ["", "TTFT p99 against the target: " + ", ".join(
+                f"{name} {s[name]['p99_ttft_ms'] / 1e3:.2f} s ({'within' if s[name]['p99_ttft_ms'] <= a['ttft_slo_ms'] else 'past'} "
+                f"{slo_s:g} s)" for name in s) + "."]
             lines += ["", f"Load-aware / static: goodput {ratio(la['request_goodput'], st['request_goodput'])}, "
                           f"TTFT p99 {ratio(la['p99_ttft_ms'], st['p99_ttft_ms'])}, TPOT p99 "
                           f"{ratio(la['p99_tpot_ms'], st['p99_tpot_ms'])}. Load-aware decisions: "
@@ -206,11 +266,13 @@ def main() -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "load_aware"))
     add_trace_args(ap, chunk=64, max_prompt=7808, speedup=24.0, prefill_kv=65536, decode_kv=262144)
-    ap.add_argument("--burst-requests", type=int, default=30)
-    ap.add_argument("--burst-min", type=int, default=2048)
-    ap.add_argument("--burst-max", type=int, default=6144)
-    ap.add_argument("--burst-output", type=int, default=64)
-    ap.add_argument("--burst-span-s", type=float, default=30.0)
+    for workload, (n, lo, hi, out, span) in DISTINCT.items():
+        ap.add_argument(f"--{workload}-requests", type=int, default=n)
+        ap.add_argument(f"--{workload}-min", type=int, default=lo)
+        ap.add_argument(f"--{workload}-max", type=int, default=hi)
+        ap.add_argument(f"--{workload}-output", type=int, default=out)
+        ap.add_argument(f"--{workload}-span-s", type=float, default=span)
+    ap.add_argument("--profile", default=PROFILE, help="hardware profile whose prefill model prices the TTFT floor")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="rounds: each runs every system once")
     ap.add_argument("--add-runs", action="store_true",
@@ -229,38 +291,32 @@ def main() -> int:
                 ap.error(f"{flag}: {v!r} is not one of {', '.join(allowed)}")
     if "trace" in workloads and not args.trace:
         ap.error("--trace: required for the trace workload (or --workloads burst)")
-    if args.burst_min % args.chunk or args.burst_max % args.chunk or not args.chunk <= args.burst_min <= args.burst_max:
-        ap.error(f"--burst-min, --burst-max: multiples of --chunk ({args.chunk}) with min <= max")
+    for workload in DISTINCT:
+        lo, hi = getattr(args, f"{workload}_min"), getattr(args, f"{workload}_max")
+        if lo % args.chunk or hi % args.chunk or not args.chunk <= lo <= hi:
+            ap.error(f"--{workload}-min, --{workload}-max: multiples of --chunk ({args.chunk}) with min <= max")
     if args.repeats < 1:
         ap.error(f"--repeats: must be >= 1, got {args.repeats}")
     os.makedirs(args.scratch, exist_ok=True)
     command = "python benchmarks/load_aware.py " + " ".join(
         shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:])
-    per_invocation = ("vllm", "scratch", "repeats", "add_runs", "systems", "workloads", "render")
+    per_invocation = ("vllm", "scratch", "repeats", "add_runs", "systems", "workloads", "render", "profile")
     settings = {k: v for k, v in vars(args).items() if k not in per_invocation}
     if args.add_runs:
         with open(args.out + ".json", encoding="utf-8") as f:
             result = json.load(f)
         same = {"out": lambda a, b: True, "model": lambda a, b: os.path.basename(str(a)) == os.path.basename(str(b))}
-        differ = {k: (result["args"].get(k), v) for k, v in settings.items()
-                  if not same.get(k, lambda a, b: a == b)(result["args"].get(k), v)}
+        differ = {k: (result["args"][k], v) for k, v in settings.items()
+                  if k in result["args"] and not same.get(k, lambda a, b: a == b)(result["args"][k], v)}
         if differ:
             ap.error(f"--add-runs: these settings differ from the record's ({args.out}.json): {differ}")
+        result["args"].update({k: v for k, v in settings.items() if k not in result["args"]})  # flags it lacked
         result.setdefault("more_commands", []).append(command)
     else:
         result = {"command": command, "machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
                   "args": {k: v for k, v in vars(args).items() if k not in ("vllm", "scratch")}, "workloads": {}}
     for workload in workloads:
-        if workload == "trace":
-            rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
-            description = (f"Mooncake's conversation trace: {len(rows)} requests of the conversations sampled 1 in "
-                           f"{args.sample}, each 512-token block as {args.chunk} tokens (prompts up to "
-                           f"{args.max_prompt}), {args.speedup:g}x faster ({rows[-1]['timestamp']:.0f} s).")
-        else:
-            rows = burst_rows(args)
-            description = (f"A burst: {len(rows)} distinct prompts of {args.burst_min}-{args.burst_max} tokens "
-                           f"(mean {sum(r['input_length'] for r in rows) / len(rows):.0f}) over {args.burst_span_s:g} s, "
-                           f"{args.burst_output} output tokens each.")
+        rows, description = workload_rows(args, workload)
         path = os.path.join(args.scratch, f"{workload}.jsonl")
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -273,6 +329,11 @@ def main() -> int:
                 runs.setdefault(system, []).append(run_system(system, workload, args, path, len(rows), args.scratch))
                 w["systems"][system] = median_run(runs[system])
                 record(result, args.out, write_md)  # what finished so far survives a later failure
+    for workload, w in result["workloads"].items():  # the record's workloads, whichever this invocation ran
+        if workload != "trace" or args.trace:
+            floors = ttft_floors(workload_rows(args, workload)[0], args.chunk, args.profile, PREFILL_TOKEN_BUDGET)
+            w["ttft_floor"] = floor_summary(floors, args.ttft_slo_ms)
+    record(result, args.out, write_md)
     plot(result, args.out + ".png")
     return 0
 
