@@ -368,7 +368,7 @@ class AutoscaleSection:
             if b.max_instances is None:
                 raise ConfigError(f"autoscale.{role}.max_instances: required when autoscale.enabled (the planner "
                                   "searches up to it)")
-            out[role] = (max(1, b.min_instances), b.max_instances)  # the planner's shapes keep every pool
+            out[role] = (b.min_instances, b.max_instances)  # only the prefill pool may have 0 (validated)
         return out
 
 

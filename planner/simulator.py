@@ -108,10 +108,12 @@ class PoolPlan:
     def devices(self) -> int:
         return self.instances * self.tensor_parallel * self.threads
 
-    def validate(self, name: str) -> None:
+    def validate(self, name: str, may_empty: bool = False) -> None:
+        """``may_empty``: the pool may have no instance (the prefill pool: decode instances then prefill)."""
         for f in ("instances", "tensor_parallel", "kv_cache_tokens", "token_budget", "max_num_seqs", "threads"):
-            if getattr(self, f) < 1:
-                raise SimConfigError(f"{name}.{f}: must be >= 1, got {getattr(self, f)}")
+            if getattr(self, f) < (0 if may_empty and f == "instances" else 1):
+                raise SimConfigError(f"{name}.{f}: must be >= {0 if may_empty and f == 'instances' else 1}, "
+                                     f"got {getattr(self, f)}")
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class SimConfig:
             pool = getattr(self, name)
             if pool is None:
                 raise SimConfigError(f"{name}: required in {self.mode} mode")
-            pool.validate(name)
+            pool.validate(name, may_empty=name == "prefill")
         if self.max_concurrent < 1:
             raise SimConfigError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
         if self.migration is not None and self.mode != "disaggregated":
@@ -543,6 +545,10 @@ class Simulation:
                 and first.hold_prefill(req):  # prefilled there, from its cache: no prefill instance
             self._assign(req, first)
             return
+        if not self.prefill:  # the prefill pool is empty: decode instances prefill every prompt
+            if not self._hold_on_decode(req):
+                self._unplaced.append(req)
+            return
         if self.config.load_aware is not None and prefill_on_decode(self, req):
             return
         if first.reserve(req, kv_sent=True):
@@ -601,7 +607,18 @@ class Simulation:
         while self._unplaced and self._reserve(self._unplaced[0]):
             self._unplaced.popleft()
 
+    def _hold_on_decode(self, req: SimRequest) -> bool:
+        """With no prefill instance, the first decode instance in the router's order that holds the prompt
+        prefills it (``Placer._place_without_prefill``); False when none has room."""
+        for d in self._decode_order(req):
+            if d.hold_prefill(req):
+                self._assign(req, d)
+                return True
+        return False
+
     def _reserve(self, req: SimRequest) -> bool:
+        if not self.prefill:
+            return self._hold_on_decode(req)
         for d in self._decode_order(req):
             if d.reserve(req, kv_sent=True):
                 self._start(req, d)

@@ -4,6 +4,7 @@ time), and the policy's hysteresis and cooldown."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -231,3 +232,28 @@ def test_a_decision_that_moves_an_instance_between_pools_is_a_role_change(planne
     assert policy.switch(d, {"prefill": 2, "decode": 1}) is None  # the prefill pool was resized just now
     clock.t += 31
     assert policy.switch(d, {"prefill": 2, "decode": 1}) == ("decode", 2, "prefill")
+
+
+def test_with_load_aware_prefill_the_prefill_pool_may_empty(planner):
+    """``autoscale.prefill.min_instances: 0`` with load-aware disaggregation: a light load keeps one decode
+    instance and no prefill instance (it prefills every prompt within its TPOT slack), and a decode-bound load
+    on one instance of each moves the prefill instance to decode, a role change to 0 + 2 rather than a third
+    device."""
+    from controller.load_aware import LoadAwarePolicy
+
+    aware = dataclasses.replace(planner.base, load_aware=LoadAwarePolicy(True, 0.5), decode_prefill_tpot_s=0.05)
+    bounds = {"prefill": (0, 1), "decode": (1, 2)}
+    switching = OnlinePlanner(planner.profile, aware, planner.slo, bounds, time_limit_s=20.0, switchable=True)
+    light = switching.decide(chat(20), {"prefill": 1, "decode": 1})
+    assert light.met and light.shape == {"prefill": 0, "decode": 1}
+    heavy = switching.decide(chat(100), {"prefill": 1, "decode": 1})
+    assert heavy.met and heavy.shape == {"prefill": 0, "decode": 2}
+    assert heavy.predicted["decode=1,prefill=1"] < 0.9
+    assert ScalePolicy(cooldown_s=30.0, scale_down_after=3, clock=Clock()).switch(
+        heavy, {"prefill": 1, "decode": 1}) == ("decode", 2, "prefill")
+    assert switching.predict(heavy.shape, chat(100))[0]  # simulated to the end, it meets the target
+    assert switching.smallest().shape == {"prefill": 0, "decode": 1}
+    cfg = parse_config({"model": {"path": "m"}, "autoscale": {
+        "enabled": True, "profile": PROFILE, "prefill": {"min_instances": 0, "max_instances": 1},
+        "decode": {"max_instances": 2}}})
+    assert cfg.autoscale.planning_bounds(cfg.pools) == bounds

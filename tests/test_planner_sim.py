@@ -236,8 +236,11 @@ def test_bad_sim_config_names_the_field():
         SimConfig("split")
     with pytest.raises(SimConfigError, match="decode: required"):
         SimConfig("disaggregated", prefill=PoolPlan(1))
-    with pytest.raises(SimConfigError, match="prefill.instances"):
-        SimConfig("disaggregated", prefill=PoolPlan(0), decode=PoolPlan(1))
+    with pytest.raises(SimConfigError, match="prefill.instances: must be >= 0, got -1"):
+        SimConfig("disaggregated", prefill=PoolPlan(-1), decode=PoolPlan(1))
+    with pytest.raises(SimConfigError, match="decode.instances: must be >= 1, got 0"):
+        SimConfig("disaggregated", prefill=PoolPlan(1), decode=PoolPlan(0))
+    assert SimConfig("disaggregated", prefill=PoolPlan(0), decode=PoolPlan(1)).devices == 1  # decode prefills
 
 
 def test_planner_balances_the_phases():

@@ -83,3 +83,22 @@ def test_the_cluster_config_turns_it_on_and_bad_settings_name_the_field():
         SimConfig("colocated", colocated=disagg().prefill, load_aware=LoadAwarePolicy())
     with pytest.raises(SimConfigError, match="decode_prefill_tpot_s"):
         dataclasses.replace(disagg(), decode_prefill_tpot_s=0.0)
+
+
+def test_with_no_prefill_instance_the_decode_instances_prefill_every_prompt():
+    """The prefill pool emptied (``autoscale.prefill.min_instances: 0``, a role change to decode): two decode
+    instances prefill the burst themselves, each within its decoding requests' TPOT target, and every request
+    finishes; the same two devices as 1 prefill + 1 decode instance serve the burst's first tokens no later at
+    the worst, since both prefill."""
+    prof = make_profile()
+    split = load_aware(disagg())
+    empty = dataclasses.replace(split, prefill=dataclasses.replace(split.prefill, instances=0),
+                                decode=dataclasses.replace(split.decode, instances=2))
+    assert empty.devices == split.devices
+    res = simulate(prof, empty, burst())
+    assert all(r.finished and r.completion_tokens == 40 for r in res.records)
+    assert max(r.tpot_s for r in res.records) <= TPOT_S * 1.001
+    assert res.load_aware == {}  # nothing to decide: no prefill pool to weigh against
+    assert max(r.ttft_s for r in res.records) <= max(r.ttft_s for r in simulate(prof, split, burst()).records)
+    with pytest.raises(SimConfigError, match="decode.instances: must be >= 1, got 0"):
+        dataclasses.replace(empty, decode=dataclasses.replace(empty.decode, instances=0))
