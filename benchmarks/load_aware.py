@@ -18,6 +18,9 @@ prefill pool's token budget). Requests whose floor is past the TTFT target miss 
 Systems: ``static`` (1 prefill + 1 decode instance, every prompt computed in the prefill pool unless its decode
 instance holds it cached), ``load-aware`` (the same pools; a prompt the prefill pool would serve past the TTFT
 target is prefilled on the decode instance within its TPOT slack: ``controller/load_aware.py``),
+``role-changes`` (load-aware, and the online planner deciding every ``--autoscale-interval-s`` on the last
+``--autoscale-window-s`` over ``--profile`` between 1 + 1 and 0 + 2 instances, the prefill instance changing role:
+``autoscale.role_changes_only``),
 ``colocated`` (2 instances of the reference engine, chunked prefill beside decode) and ``vllm`` (its CPU build,
 the same KV tokens, prefix caching on). magicserve's ``slo:`` section is set to the benchmark's SLOs. Per system:
 TTFT and TPOT p50/p99 and goodput at ``--ttft-slo-ms`` / ``--tpot-slo-ms`` as ``vllm bench serve`` reports
@@ -51,7 +54,7 @@ from benchmarks.kv_tiers import add_trace_args, bench, sampled_trace, scrape, un
 from planner.profile import Profile, prefill_features  # noqa: E402
 from planner.profiler import cpu_model_name  # noqa: E402
 
-SYSTEMS = ("static", "load-aware", "colocated", "vllm")
+SYSTEMS = ("static", "load-aware", "role-changes", "colocated", "vllm")
 WORKLOADS = ("trace", "burst", "edge")
 DISTINCT = {"burst": (30, 2048, 6144, 64, 30.0), "edge": (60, 512, 1536, 64, 28.0)}  # requests, min, max, out, span
 PLACEMENTS = "magicserve:load_aware_placements_total"
@@ -124,8 +127,25 @@ def server_for(system: str, args, workdir: str):
                                                      "kv_cache_tokens": (args.prefill_kv + args.decode_kv) // 2})
     else:
         sections.update(prefill={"kv_cache_tokens": args.prefill_kv}, decode={"kv_cache_tokens": args.decode_kv},
-                        load_aware={"enabled": system == "load-aware"})
+                        load_aware={"enabled": system != "static"})
+    if system == "role-changes":  # the same two cores, as 1 + 1 or 0 + 2 instances
+        sections["autoscale"] = {
+            "enabled": True, "profile": os.path.abspath(args.profile), "interval_s": args.autoscale_interval_s,
+            "window_s": args.autoscale_window_s, "cooldown_s": args.autoscale_interval_s * 2,
+            "role_changes_only": True,
+            "prefill": {"min_instances": 0, "max_instances": 1}, "decode": {"min_instances": 1, "max_instances": 2}}
     return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s)
+
+
+def resizes(server) -> list[dict]:
+    """The pools' resizes during the run, oldest first, as ``magicserve status`` reports them."""
+    from frontend.client import Client
+
+    with Client(f"127.0.0.1:{server.argv[server.argv.index('--port') + 1]}") as c:
+        st = c.status()
+    return [{"pool": r.pool, "desired": r.desired, "current": r.current, "switched": list(r.switched),
+             "switch_from": r.switch_from, "added": list(r.added), "removed": list(r.removed), "error": r.error,
+             "seconds": round(r.seconds, 2)} for r in st.recent_scaling]
 
 
 def placements(before: dict, after: dict) -> dict[str, float]:
@@ -147,6 +167,8 @@ def run_system(system: str, workload: str, args, trace_path: str, n: int, workdi
             out["placements"] = placements(before, after)
             out["decode_local_prefills"] = after.get("magicserve:decode_local_prefills_total", 0.0) - \
                 before.get("magicserve:decode_local_prefills_total", 0.0)
+        if system == "role-changes":
+            out["resizes"] = resizes(server)
     print(f"[{name}] {json.dumps({k: v for k, v in out.items() if k != 'command'})}", file=sys.stderr, flush=True)
     return out
 
@@ -217,6 +239,11 @@ def write_md(result: dict, path: str) -> None:
                           f"TTFT p99 {ratio(la['p99_ttft_ms'], st['p99_ttft_ms'])}, TPOT p99 "
                           f"{ratio(la['p99_tpot_ms'], st['p99_tpot_ms'])}. Load-aware decisions: "
                           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(la.get("placements", {}).items())) + "."]
+        if "role-changes" in s:
+            lines += ["", "role-changes' resizes (the online planner's, in order): " + (", ".join(
+                f"{r['pool']} -> {r['desired']}" + (f" (role change of {', '.join(r['switched'])})" if r["switched"]
+                                                   else "") + (f", failed: {r['error']}" if r["error"] else "")
+                for r in s["role-changes"].get("resizes", [])) or "none") + "."]
         spread = spread_line(w)
         if spread:
             lines += ["", spread, "", "Each row above is the system's median run by goodput."]
@@ -234,7 +261,8 @@ def plot(result: dict, path: str) -> None:
 
     workloads = list(result["workloads"])
     fig, axes = plt.subplots(len(workloads), 3, figsize=(12, 3.4 * len(workloads)), squeeze=False)
-    colors = {"static": "tab:gray", "load-aware": "tab:blue", "colocated": "tab:green", "vllm": "tab:orange"}
+    colors = {"static": "tab:gray", "load-aware": "tab:blue", "role-changes": "tab:purple", "colocated": "tab:green",
+              "vllm": "tab:orange"}
     for row, workload in zip(axes, workloads):
         systems = result["workloads"][workload]["systems"]
         names = list(systems)
@@ -272,7 +300,10 @@ def main() -> int:
         ap.add_argument(f"--{workload}-max", type=int, default=hi)
         ap.add_argument(f"--{workload}-output", type=int, default=out)
         ap.add_argument(f"--{workload}-span-s", type=float, default=span)
-    ap.add_argument("--profile", default=PROFILE, help="hardware profile whose prefill model prices the TTFT floor")
+    ap.add_argument("--profile", default=PROFILE, help="hardware profile: its prefill model prices the TTFT floor, "
+                    "and role-changes' online planner simulates on it")
+    ap.add_argument("--autoscale-interval-s", type=float, default=5.0, help="role-changes: seconds between decisions")
+    ap.add_argument("--autoscale-window-s", type=float, default=20.0, help="role-changes: the window planned for")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="rounds: each runs every system once")
     ap.add_argument("--add-runs", action="store_true",

@@ -329,7 +329,10 @@ class AutoscaleSection:
     the ``slo:`` section's targets (each decision within ``decision_time_limit_s``); it grows a pool at once
     and shrinks one by an instance after ``scale_down_after`` decisions in a row asked for fewer, never
     twice within ``cooldown_s``, and leaves alone a pool sized by hand. A window of fewer than
-    ``min_window_requests`` requests asks for the smallest shape (the bounds' minimums)."""
+    ``min_window_requests`` requests asks for the smallest shape (the bounds' minimums). With
+    ``role_changes_only`` the planner keeps the cluster's instances and devices and only moves instances
+    between the prefill and decode pools (a role change) when the shape misses the targets; a window too small
+    to plan for leaves the shape as it is."""
 
     prefill: PoolBounds = field(default_factory=PoolBounds)
     decode: PoolBounds = field(default_factory=PoolBounds)
@@ -345,6 +348,7 @@ class AutoscaleSection:
     scale_down_after: int = 3
     min_window_requests: int = 10
     decision_time_limit_s: float = 5.0
+    role_changes_only: bool = False
 
     def __post_init__(self) -> None:
         raise_first(self.check())
@@ -353,7 +357,7 @@ class AutoscaleSection:
         errs = [(n, f"must be > 0, got {getattr(self, n)}") for n in (
             "placement_timeout_s", "drain_timeout_s", "interval_s", "window_s", "cooldown_s",
             "decision_time_limit_s") if not getattr(self, n) > 0]
-        errs += booleans(self, ("enabled",)) + integers(self, ("scale_down_after", "min_window_requests"), low=1)
+        errs += booleans(self, ("enabled", "role_changes_only")) + integers(self, ("scale_down_after", "min_window_requests"), low=1)
         if not self.headroom >= 1.0:
             errs.append(("headroom", f"must be >= 1.0 (1.2: plan for 20 % more load than seen), got {self.headroom}"))
         if self.enabled and not self.profile:
@@ -417,6 +421,9 @@ class ClusterConfig:
             except ConfigError as err:
                 name, _, why = str(err).partition(": ")
                 return [(name, why)]
+        if self.autoscale.role_changes_only and self.mode != "disaggregated":
+            return [("autoscale.role_changes_only", "moves instances between the prefill and decode pools; a "
+                                                    f"{self.mode} cluster has one pool")]
         for role in ("decode", "colocated"):
             if getattr(self.autoscale, role).min_instances < 1:
                 return [(f"autoscale.{role}.min_instances", f"must be >= 1 (only the prefill pool may empty), got "

@@ -156,13 +156,14 @@ class Router:
         its running requests away by live migration (a request that cannot move, one of several sequences or
         still prefilling, finishes there), a prefill instance finishes what it holds. Then it is no longer
         polled, and the caller stops its actors. Raises RouterError (the instance back in service) when it still
-        holds requests after ``timeout_s`` or is its pool's last alive instance."""
+        holds requests after ``timeout_s`` or is the last alive instance of a pool other than prefill (the
+        bounds say whether the prefill pool may empty)."""
         pool = self.context.pool_of(inst)
         if inst not in pool:
             raise RouterError("INVALID_ARGUMENT", f"instance: {inst.name} is not in the {inst.role} pool")
-        if not any(i.alive and not i.draining for i in pool if i is not inst):
+        if inst.role != "prefill" and not any(i.alive and not i.draining for i in pool if i is not inst):
             raise RouterError("FAILED_PRECONDITION", f"{inst.name} is the last {inst.role} instance in service")
-        await self._drain(inst, timeout_s)
+        await self._drain(inst, timeout_s)  # the prefill pool may empty: decode instances then prefill
         pool.remove(inst)
         self.instances.remove(inst)
         self.watch.unwatch(inst)

@@ -150,7 +150,7 @@ class Scaler:
                 summary = window.summary()
                 current = {role: len(insts) for role, insts in self.in_service().items()}
                 if summary["requests"] < min_requests:  # too little load to plan for: the smallest shape
-                    decision = planner.smallest(summary)
+                    decision = planner.smallest(summary, current)
                 else:
                     trace, measured = window.plan_inputs(headroom)
                     acceptance = summary["acceptance"] = window.acceptance()

@@ -203,13 +203,15 @@ class OnlinePlanner:
     (min, max)); ``time_limit_s`` bounds a decision."""
 
     def __init__(self, profile, base: SimConfig, slo: SLOTarget, bounds: dict[str, tuple[int, int]],
-                 time_limit_s: float = 5.0, switchable: bool = False):
+                 time_limit_s: float = 5.0, switchable: bool = False, role_changes_only: bool = False):
         self.profile = profile
         self.base = base
         self.slo = slo
         self.bounds = bounds
         self.time_limit_s = time_limit_s
         self.switchable = switchable  # an instance can change pools (same devices): the walk tries that too
+        # the cluster keeps its instances: the walk only moves one across while the shape misses
+        self.role_changes_only = role_changes_only
 
     def _config(self, shape: dict) -> SimConfig:
         changes = {pool: dataclasses.replace(getattr(self.base, pool), instances=n) for pool, n in shape.items()}
@@ -284,6 +286,8 @@ class OnlinePlanner:
             return verdicts[key]
 
         def steps(shape: dict, by: int) -> list[dict]:  # one instance more (by=1) or fewer in each pool
+            if self.role_changes_only:
+                return switches(shape) if by > 0 and self.switchable else []
             out = []
             for pool, (lo, hi) in sorted(self.bounds.items()):
                 n = shape[pool] + by
@@ -302,8 +306,10 @@ class OnlinePlanner:
             return out
 
         chosen, met = here, meets(here)
+        walked = {_key(here)}
         while time.perf_counter() < deadline:
-            tries = steps(chosen, -1 if met else 1)
+            # never back to a shape walked through: moves across could otherwise swap two shapes until the deadline
+            tries = [s for s in steps(chosen, -1 if met else 1) if _key(s) not in walked]
             passing = [s for s in tries if meets(s)]
             if time.perf_counter() > deadline:
                 break
@@ -320,10 +326,14 @@ class OnlinePlanner:
                     break  # an instance more helps nowhere (the binding pool is at its bound)
                 nxt = (favoured or sorted(close, key=lambda s: (-predicted[_key(s)], self._config(s).devices)))[0]
             chosen, met = nxt, bool(passing)
+            walked.add(_key(chosen))
         return Decision(chosen, predicted, dict(inputs or {}), time.perf_counter() - t0, met, correction)
 
-    def smallest(self, inputs: dict | None = None) -> Decision:
-        """The smallest shape the bounds allow, decided without simulating (too little load to plan for)."""
+    def smallest(self, inputs: dict | None = None, current: dict | None = None) -> Decision:
+        """The smallest shape the bounds allow, decided without simulating (too little load to plan for); with
+        ``role_changes_only``, ``current`` as it is."""
+        if self.role_changes_only and current is not None:
+            return Decision(dict(current), {}, dict(inputs or {}), 0.0, True)
         return Decision({pool: lo for pool, (lo, _) in self.bounds.items()}, {}, dict(inputs or {}), 0.0, True)
 
 

@@ -115,7 +115,7 @@ def simulate_elastic(profile: Profile, config: SimConfig, trace: list[RequestSpe
         if not lo <= n <= hi:
             raise ValueError(f"{pool}.instances: the starting shape's {n} is outside autoscale.{pool} [{lo}, {hi}]")
     planner = OnlinePlanner(profile, config, slo, bounds, autoscale.decision_time_limit_s,
-                            switchable=switch_s is not None)
+                            switchable=switch_s is not None, role_changes_only=autoscale.role_changes_only)
     policy = ScalePolicy(autoscale.cooldown_s, autoscale.scale_down_after, clock=lambda: sim.now)
     ticks: list[PlanTick] = []
     changed = [-math.inf]  # when the shape last changed (an added instance: once it serves)
@@ -128,7 +128,7 @@ def simulate_elastic(profile: Profile, config: SimConfig, trace: list[RequestSpe
         summary = window.summary()
         current = {pool: sim.pool_size(pool) for pool in bounds}
         if summary["requests"] < autoscale.min_window_requests:
-            decision = planner.smallest(summary)
+            decision = planner.smallest(summary, current)
         else:
             plan_trace, measured = window.plan_inputs(autoscale.headroom)
             acceptance = summary["acceptance"] = window.acceptance()

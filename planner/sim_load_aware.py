@@ -5,6 +5,7 @@ queues and measured speeds."""
 from __future__ import annotations
 
 from controller.load_aware import REFUSED, DecodeOption, Decision, decide, prefill_ttft_s
+from planner.sim_routing import cheapest_for, decode_order
 
 
 def prefill_on_decode(sim, req) -> bool:
@@ -16,8 +17,8 @@ def prefill_on_decode(sim, req) -> bool:
     def computed(inst) -> int:  # the prompt tokens ``inst`` would compute
         return req.prompt_tokens - (inst.cached(req, routing.tier_load_cost).tokens if routing is not None else 0)
 
-    prefill = sim._cheapest(req, sim.prefill)
-    order = sim._decode_order(req)
+    prefill = cheapest_for(sim, req, sim.prefill)
+    order = decode_order(sim, req)
     options = [DecodeOption(d.name, computed(d), d.prefill_queued_tokens(), d.prefill_tokens_per_s()) for d in order]
     decision = decide(sim.config.load_aware, prefill_ttft_s(prefill.queued_tokens(), computed(prefill), prefill.rate),
                       options)

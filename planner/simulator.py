@@ -55,10 +55,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from controller.kv_index import PrefixRouting, cached_first, cheapest
+from controller.kv_index import PrefixRouting
 from controller.load_aware import LoadAwarePolicy
-from controller.migration_policy import PolicyConfig, placement_order
-from controller.placement import blocks_for
 from planner.profile import Profile, calibration_threads
 from planner.sim_instances import ColocatedSim, DecodeSim, PrefillSim, SimRequest, StepCosts
 from planner.reuse_workload import ReuseRequest
@@ -66,6 +64,7 @@ from planner.sim_ahead import compute_ahead
 from planner.sim_load_aware import prefill_on_decode
 from planner.sim_migration import MigrationSim, MigrationStats, SimMigration
 from planner.sim_reuse import distinct_requests, reuse_requests
+from planner.sim_routing import cheapest_for, decode_order, hold_on_decode
 from planner.slo import AttainmentWatch, RequestOutcome
 from planner.sim_tiers import SimTierConfig, SimTiers
 from planner.workload import RequestSpec
@@ -423,7 +422,7 @@ class Simulation:
                 for index, seq in list(victim.seqs.items()):
                     if index in mover.moving or seq.request_id not in victim.scheduler.running:
                         continue  # moving already, or its KV not here yet: a later round
-                    dst = self._decode_order(seq.req)[0]
+                    dst = decode_order(self, seq.req)[0]
                     mover.begin(index, victim, dst)
             elif not victim.busy and not victim.scheduler.has_work():
                 stop(victim)
@@ -530,7 +529,7 @@ class Simulation:
 
     def _place(self, req: SimRequest) -> None:
         if self.config.mode == "colocated":
-            inst = self._cheapest(req, self.colocated)
+            inst = cheapest_for(self, req, self.colocated)
             self._assign(req, inst)
             inst.add(req)
             return
@@ -538,7 +537,7 @@ class Simulation:
             self._unplaced.append(req)
             self.compute_ahead()
             return
-        first = self._decode_order(req)[0]  # the router's first try
+        first = decode_order(self, req)[0]  # the router's first try
         routing = self.config.prefix_caching
         cached = first.cached(req, routing.tier_load_cost).tokens if routing is not None else 0
         if routing is not None and 0 < cached and req.prompt_tokens - cached <= routing.local_prefill_tokens \
@@ -546,7 +545,7 @@ class Simulation:
             self._assign(req, first)
             return
         if not self.prefill:  # the prefill pool is empty: decode instances prefill every prompt
-            if not self._hold_on_decode(req):
+            if not hold_on_decode(self, req):
                 self._unplaced.append(req)
             return
         if self.config.load_aware is not None and prefill_on_decode(self, req):
@@ -562,38 +561,6 @@ class Simulation:
         else:
             self._reserve_or_queue(req)
 
-    def _decode_order(self, req: SimRequest) -> list[DecodeSim]:
-        """The decode instances in the router's order (``controller/placement.py``): the rescheduling
-        policy's placement order over their loads (every simulated request has priority 0)."""
-        policy = self.config.migration.policy if self.config.migration is not None else PolicyConfig()
-        moving = self.migration.moving if self.migration is not None else frozenset()
-        by_name = {d.name: d for d in self.decode}
-        blocks = blocks_for(req.prompt_tokens + 1, self.config.block_size)
-        loads = {d.name: d.load(moving) for d in self.decode}
-        order = [by_name[n] for n in placement_order(list(loads.values()), blocks, policy)]
-        routing = self.config.prefix_caching
-        if routing is None or not routing.enabled:
-            return order
-        cached = {d.name: d.cached(req, routing.tier_load_cost).saved for d in order}
-        return cached_first(order, req.prompt_tokens + 1, self.config.block_size, lambda d: cached[d.name],
-                            lambda d: loads[d.name].used_blocks, lambda d: loads[d.name].free_blocks,
-                            routing.overlap_weight)
-
-    def _cheapest(self, req: SimRequest, pool: list):
-        """The instance to compute the prompt on (``Router._cheapest``): the fewest assigned requests, or with
-        a cached prefix somewhere the cheapest by blocks to compute against the prompt blocks queued there."""
-        routing = self.config.prefix_caching
-        on = routing is not None and routing.enabled
-        cached = {i.name: i.cached(req, routing.tier_load_cost).saved if on else 0 for i in pool}
-        bs = self.config.block_size
-        reqs = self._requests
-
-        def queued(inst) -> int:
-            return sum(blocks_for(reqs[r].prompt_tokens, bs) for r in inst.assigned)
-
-        return cheapest(pool, req.prompt_tokens, bs, lambda i: cached[i.name], queued,
-                        routing.overlap_weight if on else 1.0)
-
     def _reserve_or_queue(self, req: SimRequest) -> None:
         if self._unplaced or not self._reserve(req):
             self._unplaced.append(req)
@@ -607,19 +574,10 @@ class Simulation:
         while self._unplaced and self._reserve(self._unplaced[0]):
             self._unplaced.popleft()
 
-    def _hold_on_decode(self, req: SimRequest) -> bool:
-        """With no prefill instance, the first decode instance in the router's order that holds the prompt
-        prefills it (``Placer._place_without_prefill``); False when none has room."""
-        for d in self._decode_order(req):
-            if d.hold_prefill(req):
-                self._assign(req, d)
-                return True
-        return False
-
     def _reserve(self, req: SimRequest) -> bool:
         if not self.prefill:
-            return self._hold_on_decode(req)
-        for d in self._decode_order(req):
+            return hold_on_decode(self, req)
+        for d in decode_order(self, req):
             if d.reserve(req, kv_sent=True):
                 self._start(req, d)
                 return True
@@ -629,7 +587,7 @@ class Simulation:
         """``decode`` holds the request: it goes to the prefill instance with the fewest assigned requests."""
         req.decode = decode
         self._assign(req, decode)
-        p = self._cheapest(req, self.prefill)
+        p = cheapest_for(self, req, self.prefill)
         self._assign(req, p)
         p.add(req)
 

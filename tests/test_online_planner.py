@@ -257,3 +257,55 @@ def test_with_load_aware_prefill_the_prefill_pool_may_empty(planner):
         "enabled": True, "profile": PROFILE, "prefill": {"min_instances": 0, "max_instances": 1},
         "decode": {"max_instances": 2}}})
     assert cfg.autoscale.planning_bounds(cfg.pools) == bounds
+
+
+def test_role_changes_only_keeps_the_instances_and_moves_one_across_when_the_shape_misses(planner):
+    """``autoscale.role_changes_only``: a light load leaves 1 + 1 as it is (no shrink, and too small a window
+    changes nothing either), a decode-bound one moves the prefill instance to decode (the same two devices) and
+    never asks for a third; the config refuses it on a colocated cluster, naming the field."""
+    from controller.load_aware import LoadAwarePolicy
+
+    aware = dataclasses.replace(planner.base, load_aware=LoadAwarePolicy(True, 0.5), decode_prefill_tpot_s=0.05)
+    fixed = OnlinePlanner(planner.profile, aware, planner.slo, {"prefill": (0, 2), "decode": (1, 2)},
+                          time_limit_s=20.0, switchable=True, role_changes_only=True)
+    light = fixed.decide(chat(20), {"prefill": 1, "decode": 1})
+    assert light.met and light.shape == {"prefill": 1, "decode": 1}
+    assert fixed.smallest({"requests": 2}, {"prefill": 1, "decode": 1}).shape == {"prefill": 1, "decode": 1}
+    heavy = fixed.decide(chat(100), {"prefill": 1, "decode": 1})
+    assert heavy.shape == {"prefill": 0, "decode": 2} and set(heavy.predicted) <= {
+        "decode=1,prefill=1", "decode=2,prefill=0", "decode=0,prefill=2"}
+    over = fixed.decide(chat(400), {"prefill": 1, "decode": 1})  # both shapes miss: the walk ends, no swapping
+    assert not over.met and over.seconds < 10.0 and len(over.predicted) <= 3
+    stuck = OnlinePlanner(planner.profile, aware, planner.slo, fixed.bounds, time_limit_s=20.0, switchable=False,
+                          role_changes_only=True)
+    assert stuck.decide(chat(100), {"prefill": 1, "decode": 1}).shape == {"prefill": 1, "decode": 1}
+    with pytest.raises(ConfigError, match="autoscale.role_changes_only: moves instances between the prefill"):
+        parse_config({"model": {"path": "m"}, "mode": "colocated", "autoscale": {"role_changes_only": True}})
+
+
+def test_a_walk_of_moves_across_never_swaps_back_to_a_shape_it_left():
+    """On the CPU profile and the embedded default with load-aware on, a mixed window both shapes miss: the move
+    to 0 + 2 predicts more attainment, and the decision says so at once; a walk free to go back (to the shape
+    the missed TTFT favours) swapped between the two until its time limit and ended where it happened to be."""
+    import random
+
+    import yaml
+
+    from controller.config import LOCAL_CONFIG
+    from planner.workload import RequestSpec
+
+    with open(LOCAL_CONFIG, encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    raw["model"]["path"] = os.path.join(REPO, "models", "stdlib-llama-15m")
+    raw.update(slo={"ttft_ms": 3000, "tpot_ms": 50}, load_aware={"enabled": True})
+    base = SimConfig.from_cluster_config(parse_config(raw))
+    cpu = Profile.load(os.path.join(REPO, "benchmarks", "results", "profile_local_cpu.json"))
+    walk = OnlinePlanner(cpu, base, SLOTarget(3.0, 0.05, 0.9), {"prefill": (0, 1), "decode": (1, 2)},
+                         time_limit_s=5.0, switchable=True, role_changes_only=True)
+    rng = random.Random(0)
+    window = sorted((RequestSpec(rng.uniform(0, 16), rng.choice([300, 600, 1200, 2500, 5000]),
+                                 rng.choice([4, 20, 60, 200])) for _ in range(40)), key=lambda r: r.arrival_s)
+    d = walk.decide(window, {"prefill": 1, "decode": 1})
+    assert not d.met and d.seconds < 2.0
+    assert d.predicted["decode=2,prefill=0"] > d.predicted["decode=1,prefill=1"]
+    assert d.shape == {"prefill": 0, "decode": 2}
