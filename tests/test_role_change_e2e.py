@@ -63,6 +63,10 @@ def test_instances_change_role_while_requests_stream(llama_dir, reference, tp):
         with pytest.raises(grpc.RpcError) as err:
             c.scale("decode", 2, switch_from="draft")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "switch_from" in err.value.details()
+        if tp == 1:  # min_instances 0: the last prefill instance retires too, and the decode instance prefills
+            gone = c.scale("prefill", 0)
+            assert not gone.error and list(gone.removed) == [prefill] and gone.current == 0, gone
+            assert Stream(address, prompts[0], "role-6", **params).join() == want[0]
 
 
 def test_pools_of_different_tensor_parallel_degrees_do_not_exchange_instances(llama_dir):
