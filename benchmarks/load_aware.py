@@ -131,8 +131,7 @@ def server_for(system: str, args, workdir: str):
     if system == "role-changes":  # the same two cores, as 1 + 1 or 0 + 2 instances
         sections["autoscale"] = {
             "enabled": True, "profile": os.path.abspath(args.profile), "interval_s": args.autoscale_interval_s,
-            "window_s": args.autoscale_window_s, "cooldown_s": args.autoscale_interval_s * 2,
-            "role_changes_only": True,
+            "window_s": args.autoscale_window_s, "role_changes_only": True,
             "prefill": {"min_instances": 0, "max_instances": 1}, "decode": {"min_instances": 1, "max_instances": 2}}
     return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s)
 

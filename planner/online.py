@@ -197,6 +197,12 @@ def _key(shape: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(shape.items()))
 
 
+# with role_changes_only, between two shapes that both miss the target the planner moves an instance across
+# only for this much more predicted attainment: a move drains the instance (its requests migrate, its cache
+# empties), and near-equal shapes would otherwise swap at every decision
+MOVE_GAIN = 0.05
+
+
 class OnlinePlanner:
     """Chooses pool sizes for a trace: ``base`` is the served configuration's simulation
     (``SimConfig.from_cluster_config``), whose pools' instance counts are varied within ``bounds`` (pool ->
@@ -313,6 +319,8 @@ class OnlinePlanner:
             passing = [s for s in tries if meets(s)]
             if time.perf_counter() > deadline:
                 break
+            if self.role_changes_only and not passing:  # a move costs a drain: only for a clear gain
+                tries = [s for s in tries if predicted[_key(s)] >= predicted[_key(chosen)] + MOVE_GAIN]
             if passing:
                 nxt = min(passing, key=lambda s: (self._config(s).devices, -predicted[_key(s)]))
             elif met or not tries:

@@ -11,7 +11,7 @@ import pytest
 
 from controller.config import ConfigError, parse_config
 from decode_worker.config import SpeculationConfig
-from planner.online import Decision, LoadWindow, OnlinePlanner, ScalePolicy
+from planner.online import MOVE_GAIN, Decision, LoadWindow, OnlinePlanner, ScalePolicy
 from planner.profile import Profile
 from planner.search import SLOTarget
 from planner.simulator import PoolPlan, SimConfig, simulate
@@ -286,7 +286,8 @@ def test_role_changes_only_keeps_the_instances_and_moves_one_across_when_the_sha
 def test_a_walk_of_moves_across_never_swaps_back_to_a_shape_it_left():
     """On the CPU profile and the embedded default with load-aware on, a mixed window both shapes miss: the move
     to 0 + 2 predicts more attainment, and the decision says so at once; a walk free to go back (to the shape
-    the missed TTFT favours) swapped between the two until its time limit and ended where it happened to be."""
+    the missed TTFT favours) swapped between the two until its time limit and ended where it happened to be.
+    Over windows where both miss, the move is made exactly where it gains ``MOVE_GAIN`` or more."""
     import random
 
     import yaml
@@ -302,10 +303,22 @@ def test_a_walk_of_moves_across_never_swaps_back_to_a_shape_it_left():
     cpu = Profile.load(os.path.join(REPO, "benchmarks", "results", "profile_local_cpu.json"))
     walk = OnlinePlanner(cpu, base, SLOTarget(3.0, 0.05, 0.9), {"prefill": (0, 1), "decode": (1, 2)},
                          time_limit_s=5.0, switchable=True, role_changes_only=True)
-    rng = random.Random(0)
-    window = sorted((RequestSpec(rng.uniform(0, 16), rng.choice([300, 600, 1200, 2500, 5000]),
-                                 rng.choice([4, 20, 60, 200])) for _ in range(40)), key=lambda r: r.arrival_s)
-    d = walk.decide(window, {"prefill": 1, "decode": 1})
+    def window(rng, n):
+        return sorted((RequestSpec(rng.uniform(0, 16), rng.choice([300, 600, 1200, 2500, 5000]),
+                                   rng.choice([4, 20, 60, 200])) for _ in range(n)), key=lambda r: r.arrival_s)
+
+    d = walk.decide(window(random.Random(0), 40), {"prefill": 1, "decode": 1})
     assert not d.met and d.seconds < 2.0
-    assert d.predicted["decode=2,prefill=0"] > d.predicted["decode=1,prefill=1"]
+    assert d.predicted["decode=2,prefill=0"] > d.predicted["decode=1,prefill=1"] + MOVE_GAIN
     assert d.shape == {"prefill": 0, "decode": 2}
+    # between two missing shapes, the move is made only for MOVE_GAIN more predicted attainment: both ways seen
+    moved = {}
+    for seed in range(6):
+        rng = random.Random(seed)
+        for n in (40, 50, 60):
+            d = walk.decide(window(rng, n), {"prefill": 1, "decode": 1})
+            if not d.met and "decode=2,prefill=0" in d.predicted:
+                gains = d.predicted["decode=2,prefill=0"] >= d.predicted["decode=1,prefill=1"] + MOVE_GAIN
+                moved[(seed, n)] = (gains, d.shape == {"prefill": 0, "decode": 2})
+    assert all(want == got for want, got in moved.values()), moved
+    assert {want for want, _ in moved.values()} == {True, False}, moved
