@@ -210,7 +210,10 @@ def write_md(result: dict, path: str) -> None:
              f"by `vllm bench serve`; goodput counts requests within TTFT {a['ttft_slo_ms']:g} ms and TPOT "
              f"{a['tpot_slo_ms']:g} ms (magicserve's `slo:` section set to them). static and load-aware: 1 prefill + 1 "
              f"decode instance ({a['prefill_kv']} + {a['decode_kv']} KV tokens); colocated: 2 instances of "
-             f"{(a['prefill_kv'] + a['decode_kv']) // 2}; vLLM: their sum, prefix caching on.", ""]
+             f"{(a['prefill_kv'] + a['decode_kv']) // 2}; vLLM: their sum, prefix caching on. role-changes: load-aware "
+             f"on the same 1 + 1, the online planner (`autoscale.role_changes_only`, a decision every "
+             f"{a.get('autoscale_interval_s', 5.0):g} s on the last {a.get('autoscale_window_s', 20.0):g} s, simulated "
+             f"on `{os.path.basename(a.get('profile', PROFILE))}`) moving the prefill instance to decode and back.", ""]
     for workload, w in result["workloads"].items():
         lines += [f"## {workload}", "", w["description"], "",
                   "| system | goodput (req/s) | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | "
@@ -330,12 +333,13 @@ def main() -> int:
     os.makedirs(args.scratch, exist_ok=True)
     command = "python benchmarks/load_aware.py " + " ".join(
         shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:])
-    per_invocation = ("vllm", "scratch", "repeats", "add_runs", "systems", "workloads", "render", "profile")
+    per_invocation = ("vllm", "scratch", "repeats", "add_runs", "systems", "workloads", "render")
     settings = {k: v for k, v in vars(args).items() if k not in per_invocation}
     if args.add_runs:
         with open(args.out + ".json", encoding="utf-8") as f:
             result = json.load(f)
-        same = {"out": lambda a, b: True, "model": lambda a, b: os.path.basename(str(a)) == os.path.basename(str(b))}
+        by_name = lambda a, b: os.path.basename(str(a)) == os.path.basename(str(b))  # noqa: E731
+        same = {"out": lambda a, b: True, "model": by_name, "profile": by_name}
         differ = {k: (result["args"][k], v) for k, v in settings.items()
                   if k in result["args"] and not same.get(k, lambda a, b: a == b)(result["args"][k], v)}
         if differ:
