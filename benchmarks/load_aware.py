@@ -119,8 +119,9 @@ def server_for(system: str, args, workdir: str):
         port = free_port()
         extra = ["--block-size", "32", "--num-gpu-blocks-override", str((args.prefill_kv + args.decode_kv) // 32),
                  "--served-model-name", os.path.basename(os.path.abspath(args.model))]
-        return vllm_server(args.model, port, max(args.max_prompt, args.burst_max, args.edge_max) + 1024, 1, args.launch_timeout_s,
-                           extra, prefix_caching=True), f"http://127.0.0.1:{port}"
+        longest = max(args.max_prompt, args.burst_max, args.edge_max)
+        return vllm_server(args.model, port, longest + 1024, 1, args.launch_timeout_s, extra,
+                           prefix_caching=True), f"http://127.0.0.1:{port}"
     sections = {"slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}}
     if system == "colocated":
         sections.update(mode="colocated", colocated={"instances": 2, "threads": 1,
@@ -235,8 +236,8 @@ def write_md(result: dict, path: str) -> None:
             la, st = s["load-aware"], s["static"]
             slo_s = a["ttft_slo_ms"] / 1e3
             lines += ["", "TTFT p99 against the target: " + ", ".join(
-                f"{name} {s[name]['p99_ttft_ms'] / 1e3:.2f} s ({'within' if s[name]['p99_ttft_ms'] <= a['ttft_slo_ms'] else 'past'} "
-                f"{slo_s:g} s)" for name in s) + "."]
+                f"{name} {s[name]['p99_ttft_ms'] / 1e3:.2f} s "
+                f"({'within' if s[name]['p99_ttft_ms'] <= a['ttft_slo_ms'] else 'past'} {slo_s:g} s)" for name in s) + "."]
             lines += ["", f"Load-aware / static: goodput {ratio(la['request_goodput'], st['request_goodput'])}, "
                           f"TTFT p99 {ratio(la['p99_ttft_ms'], st['p99_ttft_ms'])}, TPOT p99 "
                           f"{ratio(la['p99_tpot_ms'], st['p99_tpot_ms'])}. Load-aware decisions: "

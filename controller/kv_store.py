@@ -8,9 +8,10 @@ a segment server of its own, started there by a Ray actor (:class:`NodeSegment`)
 with the cluster and objects can live near the instances that write them. The objects live in the segment
 servers, not in the instances, so a drained, retired or dead instance's blocks stay in the store; a node that
 leaves takes its segment's copies with it (``kv_tiers.store.replicas`` keeps each block on as many nodes, and
-:meth:`MooncakeStoreService.forget_lost` lets a later :meth:`~MooncakeStoreService.cover` serve that node again). The processes
-stop with the cluster (and with the process that started them); their logs go to temporary directories named in
-the log. What each segment holds, as the master reports it, is :meth:`MooncakeStoreService.occupancy`.
+:meth:`MooncakeStoreService.forget_lost` lets a later :meth:`~MooncakeStoreService.cover` serve that node
+again). The processes stop with the cluster (and with the process that started them); their logs go to
+temporary directories named in the log. What each segment holds, as the master reports it, is
+:meth:`MooncakeStoreService.occupancy`.
 """
 
 from __future__ import annotations
