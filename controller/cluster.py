@@ -350,7 +350,8 @@ class Cluster:
         except Exception as err:
             raise ClusterError(f"{inst.role} {inst.name}: its new ranks did not come up: {err}") from None
         if self.kv_store is not None:  # Ray may have placed the group again on another node
-            await asyncio.get_running_loop().run_in_executor(None, self.kv_store.cover, placement_nodes([launch.group]))
+            nodes = placement_nodes([launch.group])
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_store.cover, nodes)
         await self.rewire(inst)
 
     def switch_problem(self) -> str | None:

@@ -357,7 +357,8 @@ class AutoscaleSection:
         errs = [(n, f"must be > 0, got {getattr(self, n)}") for n in (
             "placement_timeout_s", "drain_timeout_s", "interval_s", "window_s", "cooldown_s",
             "decision_time_limit_s") if not getattr(self, n) > 0]
-        errs += booleans(self, ("enabled", "role_changes_only")) + integers(self, ("scale_down_after", "min_window_requests"), low=1)
+        errs += booleans(self, ("enabled", "role_changes_only"))
+        errs += integers(self, ("scale_down_after", "min_window_requests"), low=1)
         if not self.headroom >= 1.0:
             errs.append(("headroom", f"must be >= 1.0 (1.2: plan for 20 % more load than seen), got {self.headroom}"))
         if self.enabled and not self.profile:

@@ -501,11 +501,14 @@ def start_planner(config: ClusterConfig, router: Router, scaler: Scaler) -> asyn
     from planner.search import SLOTarget
     from planner.simulator import SimConfig
 
+    problem = scaler.cluster.switch_problem()
+    if a.role_changes_only and problem is not None:
+        log.warning("autoscale.role_changes_only: the pools cannot exchange instances (%s); the online planner "
+                    "leaves the shape as it is", problem)
     planner = OnlinePlanner(Profile.load(config.autoscale_profile), SimConfig.from_cluster_config(config),
                             SLOTarget(config.slo.ttft_ms / 1e3, config.slo.tpot_ms / 1e3, config.slo.attainment),
                             a.planning_bounds(config.pools), a.decision_time_limit_s,
-                            switchable=scaler.cluster.switch_problem() is None,
-                            role_changes_only=a.role_changes_only)
+                            switchable=problem is None, role_changes_only=a.role_changes_only)
     router.load_window = scaler.window = LoadWindow(a.window_s)
     policy = ScalePolicy(a.cooldown_s, a.scale_down_after)
     return asyncio.get_running_loop().create_task(
