@@ -271,6 +271,12 @@ class DisaggregatedActor(_LoopActor):
         with self._gate.call():
             return self.worker.abort(request_id)
 
+    def hand_back(self) -> list[str]:
+        """The requests the draining worker gives up before beginning them (``hand_back`` of either role): the
+        router places each anew elsewhere."""
+        with self._gate.call():
+            return self.worker.hand_back()
+
     def status(self) -> dict:
         with self._gate.call():
             w = self.worker

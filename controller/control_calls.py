@@ -55,6 +55,16 @@ class ControlCalls:
             self.failed(prefill, "abort", rid, err)
             return True
 
+    async def hand_back(self, inst: Instance) -> list[str]:
+        """Ask draining ``inst`` for the requests it has not begun (it frees them); none when the call failed."""
+        try:
+            return list(await asyncio.wait_for(inst.handle.hand_back.remote(), CALL_TIMEOUT_S))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # it keeps them: the drain waits for them as for the rest
+            self.failed(inst, "hand_back", "-", err)
+            return []
+
     def failed(self, inst: Instance, method: str, rid: str, error, run: RequestRun | None = None) -> None:
         """A call to ``inst`` about request ``rid`` failed: counted (``failures``, the metrics), logged as a
         WARNING naming the instance, the call and the error; with ``run``, the request avoids ``inst`` from now on

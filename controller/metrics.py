@@ -252,6 +252,9 @@ class ServingMetrics:
         self._resumes = Counter(PREFIX + "requests_resumed", "Requests continued on another decode instance after "
                                 "the one decoding them died, from the tokens already streamed.",
                                 m, registry=reg).labels(model_name)
+        self._handed_back = Counter(PREFIX + "requests_handed_back", "Requests a draining instance (leaving its pool "
+                                    "or changing role) gave up before computing any of them, placed anew elsewhere.",
+                                    m, registry=reg).labels(model_name)
         self._call_failures = Counter(PREFIX + "instance_call_failures", "Calls the router made to an instance "
                                       "about a request that failed there (raised, timed out, or found the request "
                                       "not as the router holds it), by instance and call.",
@@ -307,6 +310,9 @@ class ServingMetrics:
 
     def resumed(self) -> None:
         self._resumes.inc()
+
+    def handed_back(self) -> None:
+        self._handed_back.inc()
 
     def call_failed(self, instance: str, call: str) -> None:
         self._call_failures.labels(self.model_name, instance, call).inc()

@@ -35,11 +35,24 @@ class Recovery:
 
     async def retry_or_fail(self, run: RequestRun, reason: str) -> None:
         """Run the request again from the start elsewhere; raises RouterError UNAVAILABLE after ``MAX_RETRIES``."""
+        await self._run_again(run, reason, retry=True)
+
+    async def handed_back(self, run: RequestRun, source: Instance) -> None:
+        """``source``, draining, gave the request up before computing any of it: it runs from the start
+        elsewhere, not counted as a retry (nothing failed). Nothing to do once it has left ``source`` or streamed
+        output (it was handed back too late: it goes on where it is)."""
+        if run.state.terminal or run.tokens_streamed or source not in (run.prefill, run.decode):
+            return
+        if self.context.metrics is not None:
+            self.context.metrics.handed_back()
+        await self._run_again(run, f"{source.role} {source.name} handed it back while draining", retry=False)
+
+    async def _run_again(self, run: RequestRun, reason: str, retry: bool) -> None:
         # the aborts complete before any instance is asked to take it again under the same id
         await asyncio.gather(*self._detach(run))
-        if run.record.retries >= MAX_RETRIES:
+        if retry and run.record.retries >= MAX_RETRIES:
             raise RouterError("UNAVAILABLE", f"request {run.request_id} failed after {MAX_RETRIES} retries: {reason}")
-        run.restart(reason)
+        run.restart(reason, retry)
         await self.placer.place(run)
 
     async def resume(self, run: RequestRun, reason: str) -> None:

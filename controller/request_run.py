@@ -52,6 +52,13 @@ class RunFailed:
 
 
 @dataclass(frozen=True)
+class RunHandedBack:
+    """``source``, draining, gave the request up before computing any of it: it is placed anew elsewhere."""
+
+    source: Instance
+
+
+@dataclass(frozen=True)
 class MigrationEnded:
     """The request's live migration was committed or aborted: it decodes again."""
 
@@ -61,7 +68,7 @@ class RunCancelled:
     """The request was cancelled (its stream ends)."""
 
 
-RunEvent = Union[FirstTokenArrived, OutputArrived, RunFailed, MigrationEnded, RunCancelled]
+RunEvent = Union[FirstTokenArrived, OutputArrived, RunFailed, RunHandedBack, MigrationEnded, RunCancelled]
 
 
 @dataclass(frozen=True)
@@ -164,9 +171,10 @@ class RequestRun:
         self.prefill = self.decode = None
         return alive
 
-    def restart(self, reason: str) -> None:
-        """Queued again to run afresh elsewhere (nothing was streamed): its output starts over."""
-        self.record.to(RequestState.QUEUED, reason)
+    def restart(self, reason: str, retry: bool = True) -> None:
+        """Queued again to run afresh elsewhere (nothing was streamed): its output starts over. ``retry`` False:
+        not counted against its retries (an instance handed it back, nothing failed)."""
+        self.record.to(RequestState.QUEUED, reason, retry)
         self.order, self.decoders = OutputOrder(), set()
 
     def handed_off(self, prefill: Instance) -> None:

@@ -100,8 +100,9 @@ class RequestRecord:
         self.counters.move(None, self.state)
         log.debug("request %s: created (%s)", self.request_id, self.state.value)
 
-    def to(self, new: RequestState, reason: str = "") -> None:
-        """Move to ``new``; raises InvalidTransition for a move the table does not allow."""
+    def to(self, new: RequestState, reason: str = "", retry: bool = True) -> None:
+        """Move to ``new``; raises InvalidTransition for a move the table does not allow. ``retry`` False: a move
+        back to QUEUED is not counted against the request's retries (nothing failed)."""
         old = self.state
         if old.terminal:
             raise InvalidTransition(f"request {self.request_id}: already {old.value}, cannot become {new.value}")
@@ -110,7 +111,7 @@ class RequestRecord:
             raise InvalidTransition(f"request {self.request_id}: {old.value} -> {new.value} is not allowed")
         self.state = new
         self.history.append((new, time.monotonic()))
-        if new is RequestState.QUEUED:
+        if new is RequestState.QUEUED and retry:
             self.retries += 1
         if reason:
             self.error = reason

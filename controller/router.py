@@ -32,7 +32,7 @@ from controller.metrics import ServingMetrics
 from controller.migrations import MigrationCoordinator
 from controller.placer import Placer
 from controller.recovery import Recovery
-from controller.request_run import RequestRun, RunCancelled
+from controller.request_run import RequestRun, RunCancelled, RunHandedBack
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from controller.router_context import RouterContext
 from controller.routing import Delta, Final, Instance, RouterError
@@ -151,39 +151,43 @@ class Router:
         self.watch.watch(inst)
         log.warning("%s %s joined", inst.role, inst.name)
 
-    async def retire(self, inst: Instance, timeout_s: float = 600.0) -> None:
-        """Take ``inst`` out of its pool without losing a request: it gets no new ones; a decode instance moves
-        its running requests away by live migration (a request that cannot move, one of several sequences or
-        still prefilling, finishes there), a prefill instance finishes what it holds. Then it is no longer
-        polled, and the caller stops its actors. Raises RouterError (the instance back in service) when it still
-        holds requests after ``timeout_s`` or is the last alive instance of a pool other than prefill (the
+    async def retire(self, inst: Instance, timeout_s: float = 600.0) -> int:
+        """Take ``inst`` out of its pool without losing a request: it gets no new ones; the prompts it has not
+        begun are placed anew elsewhere; a decode instance moves its running requests away by live migration (a
+        request that cannot move, one of several sequences or still prefilling, finishes there), a prefill
+        instance finishes the prompts it has begun. Then it is no longer polled, and the caller stops its actors.
+        Returns how many requests it handed back. Raises RouterError (the instance back in service) when it
+        still holds requests after ``timeout_s`` or is the last alive instance of a pool other than prefill (the
         bounds say whether the prefill pool may empty)."""
         pool = self.context.pool_of(inst)
         if inst not in pool:
             raise RouterError("INVALID_ARGUMENT", f"instance: {inst.name} is not in the {inst.role} pool")
         if inst.role != "prefill" and not any(i.alive and not i.draining for i in pool if i is not inst):
             raise RouterError("FAILED_PRECONDITION", f"{inst.name} is the last {inst.role} instance in service")
-        await self._drain(inst, timeout_s)  # the prefill pool may empty: decode instances then prefill
+        handed = await self._drain(inst, timeout_s)  # the prefill pool may empty: decode instances then prefill
         pool.remove(inst)
         self.instances.remove(inst)
         self.watch.unwatch(inst)
         self.kv_index.drop(inst.name)
         log.warning("%s %s left", inst.role, inst.name)
+        return handed
 
-    async def switch(self, inst: Instance, role: str, become, timeout_s: float = 600.0) -> None:
+    async def switch(self, inst: Instance, role: str, become, timeout_s: float = 600.0) -> int:
         """Move ``inst`` to pool ``role`` without losing a request: drained as ``retire`` drains it (it gets no
-        new requests; a decode instance's running requests move away by live migration, a prefill instance
-        finishes its prompts), then ``become(inst, role)`` (``Cluster.switch_role``: its worker changes role and its
-        KV channels form), then it takes requests in its new pool. The decode pool keeps an instance in
-        service; the prefill pool may empty (decode instances then prefill every prompt themselves). Raises
-        RouterError with the instance back in its pool when it could not drain or its worker did not switch."""
+        new requests; the prompts it has not begun are placed anew elsewhere, a decode instance's running
+        requests move away by live migration, a prefill instance finishes the prompts it has begun), then
+        ``become(inst, role)`` (``Cluster.switch_role``: its worker changes role and its KV channels form), then it
+        takes requests in its new pool. The decode pool keeps an instance in service; the prefill pool may empty
+        (decode instances then prefill every prompt themselves). Returns how many requests it handed back.
+        Raises RouterError with the instance back in its pool when it could not drain or its worker did not
+        switch."""
         ctx, pool = self.context, self.context.pool_of(inst)
         if inst not in pool or role == inst.role or role not in ("prefill", "decode"):
             raise RouterError("INVALID_ARGUMENT", f"instance: {inst.name} is a {inst.role} instance; it can "
                                                   f"become a {'decode' if inst.role == 'prefill' else 'prefill'} one")
         if inst.role == "decode" and not any(i.alive and not i.draining for i in pool if i is not inst):
             raise RouterError("FAILED_PRECONDITION", f"{inst.name} is the last decode instance in service")
-        await self._drain(inst, timeout_s)
+        handed = await self._drain(inst, timeout_s)
         old = inst.role
         try:
             await become(inst, role)
@@ -196,14 +200,19 @@ class Router:
                 inst.load, inst.placed, inst.room, inst.draining = None, {}, True, False
                 ctx.pool_of(inst).append(inst)
                 log.warning("%s is a %s instance now", inst.name, inst.role)
+        return handed
 
-    async def _drain(self, inst: Instance, timeout_s: float) -> None:
-        """Stop sending ``inst`` requests and wait until it holds none (a decode instance's move away by live
-        migration); raises RouterError, the instance back in service, after ``timeout_s``."""
+    async def _drain(self, inst: Instance, timeout_s: float) -> int:
+        """Stop sending ``inst`` requests and wait until it holds none: the requests it has not begun are placed
+        anew elsewhere (``_hand_back``), a decode instance's running ones move away by live migration, the rest
+        finish there. Returns how many it handed back; raises RouterError, the instance back in service, after
+        ``timeout_s``."""
         ctx = self.context
         inst.draining = True
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         try:
+            handed = await self._hand_back(inst) if self.kv_transfer else 0
             while ctx.held_by(inst):
                 if time.monotonic() > deadline:
                     raise RouterError("DEADLINE_EXCEEDED", f"{inst.name} still holds {len(ctx.held_by(inst))} "
@@ -215,6 +224,18 @@ class Router:
         except BaseException:
             inst.draining = False
             raise
+        log.warning("%s %s drained in %.1f s, %d requests handed back", inst.role, inst.name,
+                    time.monotonic() - start, handed)
+        return handed
+
+    async def _hand_back(self, inst: Instance) -> int:
+        """The requests draining ``inst`` has not begun (prompts waiting in its queue) run from the start elsewhere
+        (``Recovery.handed_back``) rather than wait for it; how many."""
+        ids = await self.calls.hand_back(inst)
+        for rid in ids:
+            self.context.load_aware.forget(inst.name, rid)
+            self.context.send(rid, RunHandedBack(inst))
+        return len(ids)
 
     # -- requests ------------------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ class ScaleDecision:
     seconds: float = 0.0
     switched: tuple[str, ...] = ()  # instances that changed role, into ``pool`` or out of it to ``switch_from``
     switch_from: str = ""  # the pool that gave (or took) the switched instances
+    handed_back: int = 0  # requests the instances that left or switched had not begun, placed anew elsewhere
 
 
 @dataclass
@@ -103,13 +104,13 @@ class Scaler:
                 self._pools[switch_from].desired, self._pools[switch_from].held = other, state.held
             self._report()
             t0, at = time.monotonic(), time.time()
-            added, removed, switched, error = [], [], [], ""
+            added, removed, switched, error, handed = [], [], [], "", 0
             try:
                 while switch_from and len(self.in_service()[pool]) != instances:
                     grow = len(self.in_service()[pool]) < instances
                     victim = self._victim(switch_from if grow else pool)
-                    await self.router.switch(victim, pool if grow else switch_from, self.cluster.switch_role,
-                                             self.bounds.drain_timeout_s)
+                    handed += await self.router.switch(victim, pool if grow else switch_from,
+                                                       self.cluster.switch_role, self.bounds.drain_timeout_s)
                     switched.append(victim.name)
                     self._report()
                 while len(self.in_service()[pool]) < instances:
@@ -119,7 +120,7 @@ class Scaler:
                     self._report()
                 while len(self.in_service()[pool]) > instances:
                     victim = self._victim(pool)
-                    await self.router.retire(victim, self.bounds.drain_timeout_s)
+                    handed += await self.router.retire(victim, self.bounds.drain_timeout_s)
                     self.cluster.remove_instance(victim)
                     removed.append(victim.name)
                     self._report()
@@ -129,7 +130,7 @@ class Scaler:
             if (added or removed or switched) and self.window is not None:
                 self.window.shape_changed()
             decision = ScaleDecision(pool, instances, reason, at, tuple(added), tuple(removed), error,
-                                     time.monotonic() - t0, tuple(switched), switch_from)
+                                     time.monotonic() - t0, tuple(switched), switch_from, handed)
             self.decisions.append(decision)
             self._report()
             return decision

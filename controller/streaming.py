@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from controller.metrics import FinishedRequest
 from controller.recovery import MAX_RETRIES, Recovery
 from controller.request_run import (FirstTokenArrived, MigrationEnded, OutputArrived, RequestRun, RunCancelled,
-                                    RunFailed)
+                                    RunFailed, RunHandedBack)
 from controller.request_state import RequestState
 from controller.router_context import RouterContext
 from controller.routing import Delta, Final, RouterError
@@ -47,6 +47,9 @@ class Streaming:
                 continue
             if isinstance(event, RunFailed):
                 await self._failed(run, event)
+                continue
+            if isinstance(event, RunHandedBack):
+                await self.recovery.handed_back(run, event.source)
                 continue
             if isinstance(event, FirstTokenArrived):
                 if event.first.token_id is None:  # nothing to generate: the prompt was scored

@@ -63,6 +63,7 @@ class PrefillQueue:
         self.first_tokens = first_tokens
         self.last_seconds = 0.0  # the prompt passes of the latest ``step``
         self._failed_loads: list[str] = []
+        self._begun: set[str] = set()  # queued requests a step has computed a chunk of
 
     def __len__(self) -> int:
         return len(self.order)
@@ -82,6 +83,12 @@ class PrefillQueue:
     def cancel(self, request_id: str) -> None:
         """``request_id`` leaves the queue (the caller frees it)."""
         self.order.remove(request_id)
+        self._begun.discard(request_id)
+
+    def unbegun(self) -> list[str]:
+        """The queued requests no step has computed a chunk of (their prompt past its cached prefix untouched),
+        in queue order."""
+        return [rid for rid in self.order if rid not in self._begun]
 
     def take_failed_loads(self) -> list[str]:
         """The requests that left the queue since the last call because a block of their background tier load was
@@ -97,6 +104,7 @@ class PrefillQueue:
         for rid in [r for r in self.order if self._loading(r) and self.prefix_cache.load_done(r)]:
             if not self.prefix_cache.finish_load(self.requests[rid].seq):
                 self.order.remove(rid)
+                self._begun.discard(rid)
                 self._failed_loads.append(rid)
 
     def plan(self, decoding: bool, paces: Iterable[Pace] = (), arriving: Iterable[int] = ()) -> list[PrefillChunk]:
@@ -139,8 +147,10 @@ class PrefillQueue:
             seq = chunk.held.seq
             seq.num_computed = chunk.end
             if not chunk.done:
+                self._begun.add(seq.request_id)
                 continue
             self.order.remove(seq.request_id)
+            self._begun.discard(seq.request_id)
             self.prefix_cache.commit(seq, seq.num_prompt)
             out += self.first_tokens.after_prefill(chunk.held, logits[row:row + 1])
             row += 1

@@ -347,6 +347,14 @@ class DecodeWorker:
             self.output.finish(held, FinishReason.ABORT)
         return True
 
+    def hand_back(self) -> list[str]:
+        """Give up the local prefills no step has begun (``PrefillQueue.unbegun``), their blocks freed: the
+        instance is draining, and another computes them sooner than its queue would. Their request ids."""
+        ids = self.prefills.unbegun()
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def has_work(self) -> bool:
         """Requests running, preempted or waiting for their KV."""
         return bool(self.requests)

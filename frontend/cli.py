@@ -298,7 +298,8 @@ def _print_scale(r) -> None:
     changes = [f"+{n}" for n in r.added] + [f"-{n}" for n in r.removed] + \
         [f"~{n} (role changed, {r.switch_from} <-> {r.pool})" for n in r.switched]
     outcome = f"stopped: {r.error}" if r.error else "done"
-    print(f"scale {r.pool} -> {r.desired}: {' '.join(changes) or 'no change'}, {outcome} in {r.seconds:.1f} s")
+    handed = f", {r.handed_back} requests not begun placed anew" if r.handed_back else ""
+    print(f"scale {r.pool} -> {r.desired}: {' '.join(changes) or 'no change'}{handed}, {outcome} in {r.seconds:.1f} s")
 
 
 def cmd_scale(args) -> int:

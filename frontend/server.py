@@ -329,7 +329,7 @@ def _tier_statuses(status: dict) -> list:
 def _scale_result(d, scaler) -> pb.ScalePoolResult:
     return pb.ScalePoolResult(pool=d.pool, desired=d.desired, current=scaler.shape()[d.pool]["current"],
                               added=list(d.added), removed=list(d.removed), error=d.error, seconds=d.seconds,
-                              switched=list(d.switched), switch_from=d.switch_from)
+                              switched=list(d.switched), switch_from=d.switch_from, handed_back=d.handed_back)
 
 
 def _migration_result(m) -> pb.MigrationResult:

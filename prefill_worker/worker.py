@@ -201,6 +201,17 @@ class PrefillWorker:
         del self._requests[request_id]
         return True
 
+    def hand_back(self) -> list[str]:
+        """Give up the prompts still waiting for their first step (no pass ahead, none that only a prefill
+        instance serves: prompt log-probabilities, nothing to generate): the instance is draining, and another
+        computes them sooner than its queue would. Their request ids, freed here."""
+        ids = [s.request_id for s in self.scheduler.waiting
+               if self._requests[s.request_id].request.params.prompt_logprobs is None
+               and self._requests[s.request_id].request.params.max_tokens > 0]
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._ahead_ended)
 

@@ -1,11 +1,14 @@
 """Instances that change role, on a real local Ray cluster (``magicserve scale POOL N --from OTHER``): the
-prefill instance becomes a second decode instance while requests stream (it finishes its prompts first), the
-decode instances then prefill every prompt themselves; a decode instance becomes the prefill instance again
+prefill instance becomes a second decode instance while requests stream (it finishes the prompt it has begun and
+hands back those still waiting, which the decode instances prefill instead), the decode instances then prefill
+every prompt themselves; a decode instance becomes the prefill instance again
 (its running requests move away by live migration mid-stream). Every request ends with the reference engine's
 tokens (none lost, none repeated), and the pools' shapes, the instances' roles and the decisions show it; the same
 with instances of two tensor-parallel ranks."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -20,24 +23,34 @@ def roles(c) -> dict[str, str]:
     return {i.name: i.role for i in c.status().instances}
 
 
+def wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_instances_change_role_while_requests_stream(llama_dir, reference, tp):
-    """With ``tp`` 2, every rank of the instance changes role with its rank 0, over the same group."""
+    """With ``tp`` 2, every rank of the instance changes role with its rank 0, over the same group. The prefill
+    instance computes one prompt at a time in 4-token steps, so that prompts wait in its queue when it switches."""
     cfg = e2e_config(
         llama_dir,
-        prefill={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 128},
+        prefill={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 4,
+                 "max_num_seqs": 1},
         decode={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         autoscale={"prefill": {"min_instances": 0, "max_instances": 2}, "decode": {"max_instances": 2}},
     )
-    prompts = prompts_of([120, 90, 150, 60, 110, 80], seed=61)
+    prompts = prompts_of([500, 400, 550, 60, 110, 80], seed=61)
     params = dict(max_tokens=160, ignore_eos=True)
     want = [c.token_ids for c in reference.generate(prompts, SamplingParams(**params))]
     with running_server(cfg) as address, Client(address) as c:
         first = [Stream(address, p, f"role-{i}", **params) for i, p in enumerate(prompts[:3])]
-        first[0].wait_tokens(5)
+        wait_for(lambda: {i.name: i.queue_length for i in c.status().instances}["prefill-0"] >= 1)
         became = c.scale("decode", 2, switch_from="prefill")  # the prefill instance decodes from now on
         assert not became.error and list(became.switched) == ["prefill-0"] and became.current == 2, became
+        assert became.handed_back >= 1, became  # a prompt still waiting: a decode instance prefilled it
         assert roles(c) == {"prefill-0": "decode", "decode-0": "decode"}
         assert {p.pool: (p.current, p.desired) for p in c.status().pools} == {"prefill": (0, 0), "decode": (2, 2)}
         # no prefill instance: the decode instances prefill the prompts themselves (both take some)

@@ -31,7 +31,7 @@ class ScalePoolRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., instances: _Optional[int] = ..., hold: _Optional[bool] = ..., switch_from: _Optional[str] = ...) -> None: ...
 
 class ScalePoolResult(_message.Message):
-    __slots__ = ("pool", "desired", "current", "added", "removed", "error", "seconds", "switched", "switch_from")
+    __slots__ = ("pool", "desired", "current", "added", "removed", "error", "seconds", "switched", "switch_from", "handed_back")
     POOL_FIELD_NUMBER: _ClassVar[int]
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ScalePoolResult(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SWITCHED_FIELD_NUMBER: _ClassVar[int]
     SWITCH_FROM_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
     pool: str
     desired: int
     current: int
@@ -50,7 +51,8 @@ class ScalePoolResult(_message.Message):
     seconds: float
     switched: _containers.RepeatedScalarFieldContainer[str]
     switch_from: str
-    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., current: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., switched: _Optional[_Iterable[str]] = ..., switch_from: _Optional[str] = ...) -> None: ...
+    handed_back: int
+    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., current: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., switched: _Optional[_Iterable[str]] = ..., switch_from: _Optional[str] = ..., handed_back: _Optional[int] = ...) -> None: ...
 
 class PoolShape(_message.Message):
     __slots__ = ("pool", "current", "desired", "held", "instances")
