@@ -145,7 +145,15 @@ def resizes(server) -> list[dict]:
         st = c.status()
     return [{"pool": r.pool, "desired": r.desired, "current": r.current, "switched": list(r.switched),
              "switch_from": r.switch_from, "added": list(r.added), "removed": list(r.removed), "error": r.error,
-             "seconds": round(r.seconds, 2)} for r in st.recent_scaling]
+             "seconds": round(r.seconds, 2), "handed_back": r.handed_back} for r in st.recent_scaling]
+
+
+def resize_text(r: dict) -> str:
+    """One resize as the record words it: ``decode -> 2 (role change of prefill-0, 4.7 s, 2 prompts handed
+    back)``."""
+    what = [f"role change of {', '.join(r['switched'])}"] if r["switched"] else []
+    what += [f"{r['seconds']:.1f} s"] + ([f"{r['handed_back']} prompts handed back"] if r.get("handed_back") else [])
+    return f"{r['pool']} -> {r['desired']} ({', '.join(what)})" + (f", failed: {r['error']}" if r["error"] else "")
 
 
 def placements(before: dict, after: dict) -> dict[str, float]:
@@ -243,10 +251,9 @@ def write_md(result: dict, path: str) -> None:
                           f"{ratio(la['p99_tpot_ms'], st['p99_tpot_ms'])}. Load-aware decisions: "
                           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(la.get("placements", {}).items())) + "."]
         if "role-changes" in s:
-            lines += ["", "role-changes' resizes (the online planner's, in order): " + (", ".join(
-                f"{r['pool']} -> {r['desired']}" + (f" (role change of {', '.join(r['switched'])})" if r["switched"]
-                                                   else "") + (f", failed: {r['error']}" if r["error"] else "")
-                for r in s["role-changes"].get("resizes", [])) or "none") + "."]
+            lines += ["", "role-changes' resizes (the online planner's, in order; the seconds each took, its "
+                          "drain included): " + ("; ".join(map(resize_text, s["role-changes"].get("resizes", [])))
+                                                 or "none") + "."]
         spread = spread_line(w)
         if spread:
             lines += ["", spread, "", "Each row above is the system's median run by goodput."]

@@ -224,7 +224,7 @@ class Router:
         except BaseException:
             inst.draining = False
             raise
-        log.warning("%s %s drained in %.1f s, %d requests handed back", inst.role, inst.name,
+        log.warning("%s %s drained in %.1f s (prompts handed back: %d)", inst.role, inst.name,
                     time.monotonic() - start, handed)
         return handed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.load_aware import PROFILE, distinct_rows, floor_summary, ttft_floors
+from benchmarks.load_aware import PROFILE, distinct_rows, floor_summary, resize_text, ttft_floors
 from planner.profile import Profile, prefill_features
 
 
@@ -31,3 +31,10 @@ def test_a_prompt_whose_prefix_an_earlier_one_computed_is_floored_by_its_new_tok
     assert warm == model.predict(prefill_features([(1024, 64)])) < cold / 4
     summary = floor_summary([cold, warm, 5.0], 3000.0)
     assert summary["over_slo"] == 1 and summary["max_s"] == 5.0 and summary["requests"] == 3
+
+
+def test_a_resize_is_worded_with_its_seconds_and_the_prompts_it_handed_back():
+    switch = {"pool": "decode", "desired": 2, "switched": ["prefill-0"], "seconds": 4.74, "handed_back": 5, "error": ""}
+    assert resize_text(switch) == "decode -> 2 (role change of prefill-0, 4.7 s, 5 prompts handed back)"
+    grow = {"pool": "prefill", "desired": 1, "switched": [], "seconds": 30.0, "error": "RouterError: no room"}
+    assert resize_text(grow) == "prefill -> 1 (30.0 s), failed: RouterError: no room"  # older records: no count
