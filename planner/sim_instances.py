@@ -346,6 +346,13 @@ class PrefillSim(_Instance):
         self.scheduler.add(seq)
         self.kick()
 
+    def hand_back(self) -> list[SimRequest]:
+        """Give up the prompts still waiting for their first step (``PrefillWorker.hand_back``), freed here."""
+        reqs = [seq.req for seq in self.scheduler.waiting]
+        for req in reqs:
+            self.scheduler.release(str(req.index))
+        return reqs
+
     def idle(self) -> bool:
         """Nothing queued or running here, not even a pass ahead, and in service."""
         s = self.scheduler
@@ -458,6 +465,7 @@ class DecodeSim(_Instance):
         self.scheduler = DecodeScheduler(pool, max_num_seqs, self.prefix_cache)
         self.prefill_chunk = prefill_chunk
         self.prefilling: deque[SimSequence] = deque()  # requests prefilled here (a cache hit, a prefill backlog)
+        self._begun: set[int] = set()  # of them, those a step has computed a chunk of (by request index)
         self._loading: dict[str, float] = {}  # of them, those whose tier load runs beside the steps -> when it ends
         # the worker's own budget of local-prefill tokens per step, its cost model seeded as the start-up profile
         # seeds it (a few chunk sizes, here at a few contexts too: the simulated cost is exact)
@@ -519,6 +527,14 @@ class DecodeSim(_Instance):
         self.kick()
         return True
 
+    def hand_back(self) -> list[SimRequest]:
+        """Give up the local prefills no step has begun (``DecodeWorker.hand_back``), freed here."""
+        reqs = [seq.req for seq in self.prefilling if seq.req.index not in self._begun]
+        for req in reqs:
+            self.prefilling.remove(self.seqs[req.index])
+            self.release(req)
+        return reqs
+
     def prefill_queued_tokens(self) -> int:
         """Prompt tokens its local prefills have still to compute (``PoolLoad.prefill_queued_tokens``)."""
         return sum(seq.num_prompt - seq.num_computed for seq in self.prefilling)
@@ -555,6 +571,7 @@ class DecodeSim(_Instance):
     def release(self, req: SimRequest) -> None:
         """Free the request's blocks (reserved or live)."""
         self.arriving.discard(req.index)
+        self._begun.discard(req.index)
         self._loading.pop(str(req.index), None)
         self.scheduler.finish(self.seqs.pop(req.index))
 
@@ -621,7 +638,9 @@ class DecodeSim(_Instance):
             budget -= n
             self._prefilled += n
             if seq.num_computed < seq.num_prompt:
+                self._begun.add(seq.req.index)
                 break
+            self._begun.discard(seq.req.index)
             self.prefilling.remove(seq)
             done.append(seq)
         return seconds, done

@@ -391,9 +391,10 @@ class Simulation:
 
     def retire_instance(self, pool: str, round_s: float = 0.25, on_stopped=None) -> str:
         """Take an instance out of ``pool`` (the fewest assigned requests, the newest of those, as
-        ``Scaler._victim``; one still starting up first, stopped at once): it takes no new requests; a decode
-        instance live-migrates its running requests to the others every ``round_s``; its devices return once
-        it holds nothing (then ``on_stopped()``). Returns its name."""
+        ``Scaler._victim``; one still starting up first, stopped at once): it takes no new requests; the prompts
+        it has not begun are placed anew (``Router._hand_back``); a decode instance live-migrates its running
+        requests to the others every ``round_s``; its devices return once it holds nothing (then
+        ``on_stopped()``). Returns its name."""
         def stop(victim) -> None:
             victim.stopped_s = self.now
             if on_stopped is not None:
@@ -410,6 +411,8 @@ class Simulation:
         victim = min(reversed(insts), key=lambda i: len(i.assigned))
         insts.remove(victim)
         victim.leaving = True
+        for req in victim.hand_back():  # the prompts it has not begun: placed anew (``Router._hand_back``)
+            self._place_again(req)
         if self._drain_mover is None:
             self._drain_mover = self._mover(SimMigration())
         mover = self._drain_mover
@@ -560,6 +563,17 @@ class Simulation:
             first.after_step(lambda: self._reserve_or_queue(req))
         else:
             self._reserve_or_queue(req)
+
+    def _place_again(self, req: SimRequest) -> None:
+        """A draining instance handed ``req`` back, freed there: it leaves the instances that held it (its
+        reservation on a decode instance freed) and is placed as a new arrival is (``Recovery.handed_back``)."""
+        if req.decode is not None and req.index in req.decode.seqs:
+            req.decode.release(req)
+        for inst in req.placed:
+            inst.assigned.discard(req.index)
+        req.placed.clear()
+        req.decode = None
+        self._place(req)
 
     def _reserve_or_queue(self, req: SimRequest) -> None:
         if self._unplaced or not self._reserve(req):

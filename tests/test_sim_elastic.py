@@ -1,6 +1,6 @@
 """Resizing a simulated cluster: an added instance serves after its start-up and holds devices from the
 resize; a retired decode instance live-migrates its requests away and a retired prefill instance finishes
-its prompts, with every request completing; the online planner's walk on large bounds; and the closed loop
+its prompts, with every request completing; a leaving instance hands back the prompts it has not begun; the online planner's walk on large bounds; and the closed loop
 (``planner/sim_elastic.py``) growing a cluster under a step up in load and shrinking it after."""
 
 from __future__ import annotations
@@ -134,3 +134,50 @@ def test_an_instance_changes_role_on_the_devices_it_holds(profile):
     assert any(r.decode is new for r in sim.requests)  # it decodes requests in its new role
     assert all_complete(result)
     assert result.device_seconds == pytest.approx(3 * result.duration_s)
+
+
+def test_an_instance_leaving_its_pool_hands_back_the_prompts_it_has_not_begun(profile):
+    """A prefill instance switched to decoding under a backlog of long prompts: the ones waiting in its queue
+    are placed anew at once (on the other prefill instance), it finishes only the prompts it has begun, and
+    every request completes."""
+    trace = make_trace(workload_shape("long_doc"), 40.0, 300, seed=6)
+    sim = Simulation(profile, config(2, 1))
+    seen = {}
+
+    def switch():
+        victim = min(reversed(sim.prefill), key=lambda p: len(p.assigned))
+        seen.update(victim=victim, waiting=[s.req for s in victim.scheduler.waiting])
+        sim.switch_instance("prefill", "decode", switch_s=1.0)
+
+    def after():
+        victim, other = seen["victim"], sim.prefill[0]
+        seen.update(left=len(victim.scheduler.waiting), placed=all(r.index in other.assigned for r in seen["waiting"]),
+                    held=[r for r in seen["waiting"] if r.index in victim.assigned])
+
+    sim.at(2.0, switch)
+    sim.at(2.0 + 1e-6, after)
+    result = sim.run(trace)
+    assert len(seen["waiting"]) >= 2 and seen["left"] == 0 and seen["placed"] and not seen["held"]
+    assert all_complete(result)
+
+
+def test_a_decode_instance_leaving_hands_back_the_local_prefills_it_has_not_begun(profile):
+    """No prefill instance: the decode instances prefill every prompt. One leaves under a backlog: the prompts no
+    step of it has begun go to the other at once, it keeps the one it is computing, and every request completes."""
+    trace = make_trace(workload_shape("long_doc"), 40.0, 200, seed=7)
+    sim = Simulation(profile, config(0, 2))
+    seen = {}
+
+    def retire():
+        victim = min(reversed(sim.decode), key=lambda d: len(d.assigned))
+        seen.update(victim=victim, queued=[s.req for s in victim.prefilling],
+                    begun=[s.req for s in victim.prefilling if s.num_computed > s.req.decode_cached])
+        sim.retire_instance("decode")
+        other = sim.decode[0]
+        seen.update(kept=len(victim.prefilling), moved=[r for r in seen["queued"] if r.index in other.assigned])
+
+    sim.at(2.0, retire)
+    result = sim.run(trace)
+    assert len(seen["queued"]) >= 3 and seen["kept"] == len(seen["begun"]) == 1
+    assert len(seen["moved"]) == len(seen["queued"]) - 1
+    assert all_complete(result)
