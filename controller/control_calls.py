@@ -8,7 +8,7 @@ import asyncio
 import collections
 import logging
 
-from controller.request_run import RequestRun, RunFailed
+from controller.request_run import RequestRun, RunFailed, RunHandedBack
 from controller.router_context import RouterContext
 from controller.routing import Instance
 
@@ -55,15 +55,21 @@ class ControlCalls:
             self.failed(prefill, "abort", rid, err)
             return True
 
-    async def hand_back(self, inst: Instance) -> list[str]:
-        """Ask draining ``inst`` for the requests it has not begun (it frees them); none when the call failed."""
+    async def hand_back(self, inst: Instance) -> set[str]:
+        """Draining ``inst`` gives up the requests it has not begun (prompts waiting in its queue, freed there):
+        each run is told, and runs from the start elsewhere (``Recovery.handed_back``) rather than wait for it.
+        Their ids; none when the call failed (the drain then waits for them as for the rest)."""
         try:
-            return list(await asyncio.wait_for(inst.handle.hand_back.remote(), CALL_TIMEOUT_S))
+            ids = list(await asyncio.wait_for(inst.handle.hand_back.remote(), CALL_TIMEOUT_S))
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # it keeps them: the drain waits for them as for the rest
+        except Exception as err:
             self.failed(inst, "hand_back", "-", err)
-            return []
+            return set()
+        for rid in ids:
+            self.context.load_aware.forget(inst.name, rid)
+            self.context.send(rid, RunHandedBack(inst))
+        return set(ids)
 
     def failed(self, inst: Instance, method: str, rid: str, error, run: RequestRun | None = None) -> None:
         """A call to ``inst`` about request ``rid`` failed: counted (``failures``, the metrics), logged as a

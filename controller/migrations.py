@@ -42,12 +42,14 @@ class MigrationOutcome:
 @dataclass(frozen=True)
 class DrainOutcome:
     """How a drain ended: ``drained`` (the instance holds no request) or not (timed out), the migrations it
-    made, and the requests that finished on the instance before they could move."""
+    made, the requests that finished on the instance before they could move, and those it handed back before
+    beginning them (placed anew elsewhere)."""
 
     instance: str
     drained: bool
     migrations: tuple[MigrationOutcome, ...] = ()
     finished_in_place: int = 0
+    handed_back: int = 0
 
 
 @dataclass
@@ -219,8 +221,9 @@ class MigrationCoordinator:
                 log.exception("rescheduling round failed")
 
     async def drain(self, name: str, timeout_s: float = 600.0, undo: bool = False) -> DrainOutcome:
-        """Stop placing requests on decode instance ``name`` and migrate its requests away (each as soon as it
-        decodes there); returns once it holds none, or after ``timeout_s``. ``undo``: back into service."""
+        """Stop placing requests on decode instance ``name``, place the prompts it has not begun anew elsewhere
+        (``ControlCalls.hand_back``) and migrate its requests away (each as soon as it decodes there); returns once
+        it holds none, or after ``timeout_s``. ``undo``: back into service."""
         inst = next((d for d in self.context.decode if d.name == name), None)
         if inst is None:
             names = ", ".join(d.name for d in self.context.decode) or "none"
@@ -230,15 +233,16 @@ class MigrationCoordinator:
             return DrainOutcome(name, False)
         inst.draining = True
         log.warning("draining %s", name)
-        on_it = self._requests_on(inst)
+        handed = await self.calls.hand_back(inst)  # they leave it as their streams place them anew
+        on_it = self._requests_on(inst) - handed
         outcomes: list[MigrationOutcome] = []
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             here = self._requests_on(inst)
             if not here:
                 moved = {o.request_id for o in outcomes if o.committed}
-                return DrainOutcome(name, True, tuple(outcomes), len(on_it - moved))
-            on_it |= here
+                return DrainOutcome(name, True, tuple(outcomes), len(on_it - moved), len(handed))
+            on_it |= here - handed
             # a request of several sequences does not migrate: it finishes where it is
             movable = [rid for rid in here if self.context.runs[rid].record.state is RequestState.DECODING
                        and self.context.runs[rid].migration is None and self.context.runs[rid].params.num_sequences == 1]
@@ -256,7 +260,7 @@ class MigrationCoordinator:
             if not any(isinstance(r, MigrationOutcome) and r.committed for r in results):
                 await asyncio.sleep(0.05)  # nothing moved: wait for requests to reach decoding or room to free
         moved = {o.request_id for o in outcomes if o.committed}
-        return DrainOutcome(name, False, tuple(outcomes), len(on_it - moved - self._requests_on(inst)))
+        return DrainOutcome(name, False, tuple(outcomes), len(on_it - moved - self._requests_on(inst)), len(handed))
 
     def _requests_on(self, inst: Instance) -> set[str]:
         return {rid for rid, a in self.context.runs.items() if a.decode is inst and not a.record.state.terminal}

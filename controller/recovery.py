@@ -41,7 +41,7 @@ class Recovery:
         """``source``, draining, gave the request up before computing any of it: it runs from the start
         elsewhere, not counted as a retry (nothing failed). Nothing to do once it has left ``source`` or streamed
         output (it was handed back too late: it goes on where it is)."""
-        if run.state.terminal or run.tokens_streamed or source not in (run.prefill, run.decode):
+        if run.state.terminal or run.tokens_streamed or (source is not run.prefill and source is not run.decode):
             return
         if self.context.metrics is not None:
             self.context.metrics.handed_back()

@@ -32,7 +32,7 @@ from controller.metrics import ServingMetrics
 from controller.migrations import MigrationCoordinator
 from controller.placer import Placer
 from controller.recovery import Recovery
-from controller.request_run import RequestRun, RunCancelled, RunHandedBack
+from controller.request_run import RequestRun, RunCancelled
 from controller.request_state import RequestRecord, RequestState, StateCounters
 from controller.router_context import RouterContext
 from controller.routing import Delta, Final, Instance, RouterError
@@ -204,7 +204,7 @@ class Router:
 
     async def _drain(self, inst: Instance, timeout_s: float) -> int:
         """Stop sending ``inst`` requests and wait until it holds none: the requests it has not begun are placed
-        anew elsewhere (``_hand_back``), a decode instance's running ones move away by live migration, the rest
+        anew elsewhere (``ControlCalls.hand_back``), a decode instance's running ones move away by live migration, the rest
         finish there. Returns how many it handed back; raises RouterError, the instance back in service, after
         ``timeout_s``."""
         ctx = self.context
@@ -212,13 +212,15 @@ class Router:
         start = time.monotonic()
         deadline = start + timeout_s
         try:
-            handed = await self._hand_back(inst) if self.kv_transfer else 0
+            # a decode instance's drain (``MigrationCoordinator.drain``) hands back its own
+            handed = len(await self.calls.hand_back(inst)) if self.kv_transfer and inst.role == "prefill" else 0
             while ctx.held_by(inst):
                 if time.monotonic() > deadline:
                     raise RouterError("DEADLINE_EXCEEDED", f"{inst.name} still holds {len(ctx.held_by(inst))} "
                                       f"requests after {timeout_s:g} s")
                 if inst.role == "decode":
-                    await self.migrations.drain(inst.name, max(0.1, deadline - time.monotonic()))
+                    outcome = await self.migrations.drain(inst.name, max(0.1, deadline - time.monotonic()))
+                    handed += outcome.handed_back
                 else:
                     await asyncio.sleep(0.05)
         except BaseException:
@@ -227,15 +229,6 @@ class Router:
         log.warning("%s %s drained in %.1f s (prompts handed back: %d)", inst.role, inst.name,
                     time.monotonic() - start, handed)
         return handed
-
-    async def _hand_back(self, inst: Instance) -> int:
-        """The requests draining ``inst`` has not begun (prompts waiting in its queue) run from the start elsewhere
-        (``Recovery.handed_back``) rather than wait for it; how many."""
-        ids = await self.calls.hand_back(inst)
-        for rid in ids:
-            self.context.load_aware.forget(inst.name, rid)
-            self.context.send(rid, RunHandedBack(inst))
-        return len(ids)
 
     # -- requests ------------------------------------------------------------------------------------------
 

@@ -334,8 +334,9 @@ def cmd_drain(args) -> int:
         _print_migration(m)
     moved = sum(m.committed for m in res.migrations)
     state = "drained" if res.drained else "NOT drained (timed out; it still holds requests)"
-    print(f"{res.instance}: {state}; {moved} request(s) migrated, {res.finished_in_place} finished in place; "
-          f"no new requests go there until `magicserve drain {res.instance} --undo`")
+    print(f"{res.instance}: {state}; {moved} request(s) migrated, {res.finished_in_place} finished in place, "
+          f"{res.handed_back} not begun placed anew; no new requests go there until "
+          f"`magicserve drain {res.instance} --undo`")
     return 0 if res.drained else 1
 
 

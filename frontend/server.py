@@ -286,7 +286,7 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
         return pb.DrainResult(instance=outcome.instance, drained=outcome.drained,
                               migrations=[_migration_result(m) for m in outcome.migrations],
-                              finished_in_place=outcome.finished_in_place)
+                              finished_in_place=outcome.finished_in_place, handed_back=outcome.handed_back)
 
     async def DrainPassLog(self, request, context):
         if self.pass_log_fn is None:

@@ -1,7 +1,7 @@
 """Instances that change role, on a real local Ray cluster (``magicserve scale POOL N --from OTHER``): the
 prefill instance becomes a second decode instance while requests stream (it finishes the prompt it has begun and
 hands back those still waiting, which the decode instances prefill instead), the decode instances then prefill
-every prompt themselves; a decode instance becomes the prefill instance again
+every prompt themselves (one drained by ``magicserve drain`` hands back the prompts it has not begun); a decode instance becomes the prefill instance again
 (its running requests move away by live migration mid-stream). Every request ends with the reference engine's
 tokens (none lost, none repeated), and the pools' shapes, the instances' roles and the decisions show it; the same
 with instances of two tensor-parallel ranks."""
@@ -38,11 +38,11 @@ def test_instances_change_role_while_requests_stream(llama_dir, reference, tp):
         llama_dir,
         prefill={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch", "token_budget": 4,
                  "max_num_seqs": 1},
-        decode={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch",
+        decode={"tensor_parallel": tp, "kv_cache_tokens": 4096, "attention_backend": "torch", "prefill_chunk": 16,
                 "speculation": {"k_policy": "fixed", "k": 3, "budget": 32, "sink_tokens": 4}},
         autoscale={"prefill": {"min_instances": 0, "max_instances": 2}, "decode": {"max_instances": 2}},
     )
-    prompts = prompts_of([500, 400, 550, 60, 110, 80], seed=61)
+    prompts = prompts_of([500, 400, 550, 400, 420, 380, 450, 80], seed=61)
     params = dict(max_tokens=160, ignore_eos=True)
     want = [c.token_ids for c in reference.generate(prompts, SamplingParams(**params))]
     with running_server(cfg) as address, Client(address) as c:
@@ -53,22 +53,30 @@ def test_instances_change_role_while_requests_stream(llama_dir, reference, tp):
         assert became.handed_back >= 1, became  # a prompt still waiting: a decode instance prefilled it
         assert roles(c) == {"prefill-0": "decode", "decode-0": "decode"}
         assert {p.pool: (p.current, p.desired) for p in c.status().pools} == {"prefill": (0, 0), "decode": (2, 2)}
-        # no prefill instance: the decode instances prefill the prompts themselves (both take some)
-        middle = [Stream(address, p, f"role-{i + 3}", **params) for i, p in enumerate(prompts[3:5])]
+        # no prefill instance: the decode instances prefill the prompts themselves, 16 tokens a step; drained, the
+        # one that took more hands back those it has not begun
+        queries = lambda: {i.name: i.prefix_cache_queries for i in c.status().instances}  # noqa: E731
+        base = queries()
+        middle = [Stream(address, p, f"role-{i + 3}", **params) for i, p in enumerate(prompts[3:7])]
+        wait_for(lambda: sum(queries().values()) - sum(base.values()) >= sum(map(len, prompts[3:7])))
+        took = {n: q - base[n] for n, q in queries().items()}
+        busier = max(took, key=took.get)
+        assert took[busier] >= 2 * min(map(len, prompts[3:7])), took
+        drained = c.drain(busier)
+        assert drained.drained and drained.handed_back >= 1, drained
+        c.drain(busier, undo=True)
         for s in middle:
             s.wait_tokens(20)
-        running = {i.name: i.running for i in c.status().instances}
-        assert sum(running.values()) >= 2
         # back: a decode instance holding requests becomes the prefill instance, its requests moved away
         back = c.scale("prefill", 1, switch_from="decode")
         assert not back.error and len(back.switched) == 1 and back.current == 1, back
         assert sorted(roles(c).values()) == ["decode", "prefill"]
         prefill = next(n for n, r in roles(c).items() if r == "prefill")
         before = {i.name: i.prefix_cache_queries for i in c.status().instances}[prefill]
-        last = Stream(address, prompts[5], "role-5", **params)
+        last = Stream(address, prompts[7], "role-7", **params)
         assert [s.join() for s in first + middle + [last]] == want
         after = {i.name: i.prefix_cache_queries for i in c.status().instances}[prefill]
-        assert after - before == len(prompts[5])  # the new prefill instance computed the last prompt
+        assert after - before == len(prompts[7])  # the new prefill instance computed the last prompt
         assert cli_main(["status", "--address", address]) == 0
         with pytest.raises(grpc.RpcError) as err:  # the decode pool keeps an instance
             c.scale("prefill", 2, switch_from="decode")
@@ -79,7 +87,7 @@ def test_instances_change_role_while_requests_stream(llama_dir, reference, tp):
         if tp == 1:  # min_instances 0: the last prefill instance retires too, and the decode instance prefills
             gone = c.scale("prefill", 0)
             assert not gone.error and list(gone.removed) == [prefill] and gone.current == 0, gone
-            assert Stream(address, prompts[0], "role-6", **params).join() == want[0]
+            assert Stream(address, prompts[0], "role-8", **params).join() == want[0]
 
 
 def test_pools_of_different_tensor_parallel_degrees_do_not_exchange_instances(llama_dir):

@@ -107,16 +107,18 @@ class DrainRequest(_message.Message):
     def __init__(self, instance: _Optional[str] = ..., undo: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class DrainResult(_message.Message):
-    __slots__ = ("instance", "drained", "migrations", "finished_in_place")
+    __slots__ = ("instance", "drained", "migrations", "finished_in_place", "handed_back")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
     instance: str
     drained: bool
     migrations: _containers.RepeatedCompositeFieldContainer[MigrationResult]
     finished_in_place: int
-    def __init__(self, instance: _Optional[str] = ..., drained: _Optional[bool] = ..., migrations: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ..., finished_in_place: _Optional[int] = ...) -> None: ...
+    handed_back: int
+    def __init__(self, instance: _Optional[str] = ..., drained: _Optional[bool] = ..., migrations: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ..., finished_in_place: _Optional[int] = ..., handed_back: _Optional[int] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "n", "best_of", "json_schema", "json_object", "regex", "choice", "grammar")
