@@ -233,7 +233,8 @@ class MigrationCoordinator:
             return DrainOutcome(name, False)
         inst.draining = True
         log.warning("draining %s", name)
-        handed = await self.calls.hand_back(inst)  # they leave it as their streams place them anew
+        # they leave it as their streams place them anew (a colocated instance finishes its queue: no hand-back)
+        handed = await self.calls.hand_back(inst) if self.context.kv_transfer else set()
         on_it = self._requests_on(inst) - handed
         outcomes: list[MigrationOutcome] = []
         deadline = time.monotonic() + timeout_s

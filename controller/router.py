@@ -204,9 +204,9 @@ class Router:
 
     async def _drain(self, inst: Instance, timeout_s: float) -> int:
         """Stop sending ``inst`` requests and wait until it holds none: the requests it has not begun are placed
-        anew elsewhere (``ControlCalls.hand_back``), a decode instance's running ones move away by live migration, the rest
-        finish there. Returns how many it handed back; raises RouterError, the instance back in service, after
-        ``timeout_s``."""
+        anew elsewhere (``ControlCalls.hand_back``), a decode instance's running ones move away by live
+        migration, the rest finish there. Returns how many it handed back; raises RouterError, the instance back
+        in service, after ``timeout_s``."""
         ctx = self.context
         inst.draining = True
         start = time.monotonic()

@@ -1,8 +1,8 @@
 """Instances that change role, on a real local Ray cluster (``magicserve scale POOL N --from OTHER``): the
 prefill instance becomes a second decode instance while requests stream (it finishes the prompt it has begun and
 hands back those still waiting, which the decode instances prefill instead), the decode instances then prefill
-every prompt themselves (one drained by ``magicserve drain`` hands back the prompts it has not begun); a decode instance becomes the prefill instance again
-(its running requests move away by live migration mid-stream). Every request ends with the reference engine's
+every prompt themselves (one drained by ``magicserve drain`` hands back the prompts it has not begun); a decode
+instance becomes the prefill instance again (its running requests move away by live migration mid-stream). Every request ends with the reference engine's
 tokens (none lost, none repeated), and the pools' shapes, the instances' roles and the decisions show it; the same
 with instances of two tensor-parallel ranks."""
 

@@ -1,7 +1,8 @@
 """Resizing a simulated cluster: an added instance serves after its start-up and holds devices from the
 resize; a retired decode instance live-migrates its requests away and a retired prefill instance finishes
-its prompts, with every request completing; a leaving instance hands back the prompts it has not begun; the online planner's walk on large bounds; and the closed loop
-(``planner/sim_elastic.py``) growing a cluster under a step up in load and shrinking it after."""
+its prompts, with every request completing; a leaving instance hands back the prompts it has not begun; the
+online planner's walk on large bounds; and the closed loop (``planner/sim_elastic.py``) growing a cluster under
+a step up in load and shrinking it after."""
 
 from __future__ import annotations
 
