@@ -284,7 +284,8 @@ class DisaggregatedActor(_LoopActor):
                 return {**_scheduler_status(self.instance_id, "prefill", w), **w.transfer_stats()}
             m = w.metrics.summary()
             return {"name": self.instance_id, "role": "decode", "device": str(w.loaded.device),
-                    "queue_length": w.num_waiting_for_kv, "running": w.num_running, **_cache_status(w),
+                    "queue_length": w.num_waiting_for_kv, "running": w.num_running, "local_prefills": len(w.prefills),
+                    **_cache_status(w),
                     "acceptance_rate": m["acceptance_rate"], "mean_accepted_length": m["mean_accepted_length"],
                     "tokens_generated": m["tokens"], "draft_tokens": m["draft_tokens"],
                     "accepted_tokens": m["accepted_tokens"], "spec_steps": m["seq_spec_steps"],

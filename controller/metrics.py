@@ -149,6 +149,8 @@ class _InstanceCollector:
         queues = {"prefill": gauge("prefill_queue_length", "Prompts waiting on a prefill instance."),
                   "decode": gauge("decode_queue_length", "Requests on a decode instance waiting for their KV."),
                   "colocated": gauge("colocated_queue_length", "Prompts waiting on a colocated instance.")}
+        local = gauge("decode_local_prefills", "Prompts a decode instance prefills itself beside its batch (a cache "
+                      "hit, a prefill backlog, no prefill instance), queued or under way.")
         rate = gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens since the instance started.")
         mean_len = gauge("spec_decode_mean_accepted_length", "Draft tokens accepted per speculation round.")
         k_now = gauge("spec_decode_k", "Speculation length chosen for the instance's latest step.")
@@ -173,6 +175,7 @@ class _InstanceCollector:
             if st["role"] in queues:
                 queues[st["role"]].add_metric(lv, st.get("queue_length", 0))
             if st["role"] == "decode":
+                local.add_metric(lv, st.get("local_prefills", 0))
                 rate.add_metric(lv, st.get("acceptance_rate", 0.0))
                 mean_len.add_metric(lv, st.get("mean_accepted_length", 0.0))
                 k_now.add_metric(lv, st.get("last_k", 0))
@@ -187,8 +190,8 @@ class _InstanceCollector:
                     tier_counters[key].add_metric(lv + [tier], o._totals.total(st["name"], name))
                 elif name in counters:
                     counters[name].add_metric(lv, o._totals.total(st["name"], name))
-        yield from (used, total, usage, cached, alive, generation, running, *queues.values(), rate, mean_len, k_now, k_steps,
-                    *counters.values(), *tier_counters.values(), *tier_gauges.values())
+        yield from (used, total, usage, cached, alive, generation, running, *queues.values(), local, rate, mean_len, k_now,
+                    k_steps, *counters.values(), *tier_counters.values(), *tier_gauges.values())
 
 
 class ServingMetrics:

@@ -263,11 +263,14 @@ def cmd_status(args) -> int:
     print(f"model {st.model}: {st.running_requests} running, {st.queued_requests} queued")
     if st.dtype:
         print(f"dtype {st.dtype} ({st.dtype_reason})")
-    print(f"{'instance':<12} {'role':<10} {'device':<8} {'alive':<6} {'queue':>5} {'running':>7} "
+    # queue: a prefill instance's prompts waiting; a decode instance's requests waiting for their KV, and after
+    # "+" the prompts it prefills itself
+    print(f"{'instance':<12} {'role':<10} {'device':<8} {'alive':<6} {'queue':>7} {'running':>7} "
           f"{'free KV blocks':>16} {'cached':>7} {'prefix hits':>11} {'accept':>7} {'failed calls':>12}")
     for i in st.instances:
         hits = f"{i.prefix_cache_hits / i.prefix_cache_queries:.0%}" if i.prefix_cache_queries else "-"
-        print(f"{i.name:<12} {i.role:<10} {i.device:<8} {str(i.alive):<6} {i.queue_length:>5} {i.running:>7} "
+        queue = f"{i.queue_length}+{i.local_prefills}" if i.local_prefills else str(i.queue_length)
+        print(f"{i.name:<12} {i.role:<10} {i.device:<8} {str(i.alive):<6} {queue:>7} {i.running:>7} "
               f"{i.free_kv_blocks:>7}/{i.total_kv_blocks:<8} {i.cached_kv_blocks:>7} {hits:>11} "
               f"{i.acceptance_rate:>7.2f} {i.call_failures:>12}")
     for i in st.instances:

@@ -234,7 +234,8 @@ class MagicServeServicer(pb_grpc.MagicServeServicer):
                 tokens_generated=s.get("tokens_generated", 0), preemptions=s.get("preemptions", 0),
                 cached_kv_blocks=s.get("cached_kv_blocks", 0), prefix_cache_queries=s.get("prefix_cache_queries", 0),
                 prefix_cache_hits=s.get("prefix_cache_hits", 0), call_failures=failures.get(s["name"], 0),
-                prefix_cache_tier_hits=s.get("prefix_cache_tier_hits", 0), kv_tiers=_tier_statuses(s))
+                prefix_cache_tier_hits=s.get("prefix_cache_tier_hits", 0), kv_tiers=_tier_statuses(s),
+                local_prefills=s.get("local_prefills", 0))
                 for s in statuses],
             queued_requests=q["waiting"], running_requests=q["active"], model=self.model_name,
             migrations_committed=self.router.migrations.counts["committed"],

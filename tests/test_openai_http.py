@@ -665,6 +665,7 @@ def test_metrics_parse_and_count_what_was_served(client, http):
                        ("magicserve:num_requests_running", "gauge"), ("magicserve:num_requests_waiting", "gauge"),
                        ("magicserve:kv_cache_blocks_used", "gauge"), ("magicserve:kv_cache_blocks_total", "gauge"),
                        ("magicserve:prefill_queue_length", "gauge"), ("magicserve:decode_queue_length", "gauge"),
+                       ("magicserve:decode_local_prefills", "gauge"), ("magicserve:requests_handed_back", "counter"),
                        ("magicserve:spec_decode_num_draft_tokens", "counter"),
                        ("magicserve:spec_decode_num_accepted_tokens", "counter"),
                        ("magicserve:spec_decode_acceptance_rate", "gauge"),

@@ -326,7 +326,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated", "preemptions", "cached_kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "call_failures", "prefix_cache_tier_hits", "kv_tiers")
+    __slots__ = ("name", "role", "device", "alive", "queue_length", "running", "free_kv_blocks", "total_kv_blocks", "acceptance_rate", "mean_accepted_length", "tokens_generated", "preemptions", "cached_kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "call_failures", "prefix_cache_tier_hits", "kv_tiers", "local_prefills")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +345,7 @@ class InstanceStatus(_message.Message):
     CALL_FAILURES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_TIER_HITS_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     device: str
@@ -363,7 +364,8 @@ class InstanceStatus(_message.Message):
     call_failures: int
     prefix_cache_tier_hits: int
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStatus]
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., call_failures: _Optional[int] = ..., prefix_cache_tier_hits: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
+    local_prefills: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_generated: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., call_failures: _Optional[int] = ..., prefix_cache_tier_hits: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ..., local_prefills: _Optional[int] = ...) -> None: ...
 
 class KVTierStatus(_message.Message):
     __slots__ = ("tier", "hits", "load_bytes", "load_seconds", "stored", "evictions", "corrupt", "blocks", "bytes", "capacity_bytes", "read_ahead", "read_ahead_seconds")
