@@ -255,8 +255,9 @@ class ServingMetrics:
         self._resumes = Counter(PREFIX + "requests_resumed", "Requests continued on another decode instance after "
                                 "the one decoding them died, from the tokens already streamed.",
                                 m, registry=reg).labels(model_name)
-        self._handed_back = Counter(PREFIX + "requests_handed_back", "Requests a draining instance (leaving its pool "
-                                    "or changing role) gave up before computing any of them, placed anew elsewhere.",
+        self._handed_back = Counter(PREFIX + "requests_handed_back", "Requests a draining instance (leaving its pool, "
+                                    "changing role, or drained) gave up before computing any of them, placed anew "
+                                    "elsewhere.",
                                     m, registry=reg).labels(model_name)
         self._call_failures = Counter(PREFIX + "instance_call_failures", "Calls the router made to an instance "
                                       "about a request that failed there (raised, timed out, or found the request "
