@@ -392,7 +392,7 @@ class Simulation:
     def retire_instance(self, pool: str, round_s: float = 0.25, on_stopped=None) -> str:
         """Take an instance out of ``pool`` (the fewest assigned requests, the newest of those, as
         ``Scaler._victim``; one still starting up first, stopped at once): it takes no new requests; the prompts
-        it has not begun are placed anew (``Router._hand_back``); a decode instance live-migrates its running
+        it has not begun are placed anew (``ControlCalls.hand_back``); a decode instance live-migrates its running
         requests to the others every ``round_s``; its devices return once it holds nothing (then
         ``on_stopped()``). Returns its name."""
         def stop(victim) -> None:
@@ -411,7 +411,7 @@ class Simulation:
         victim = min(reversed(insts), key=lambda i: len(i.assigned))
         insts.remove(victim)
         victim.leaving = True
-        for req in victim.hand_back():  # the prompts it has not begun: placed anew (``Router._hand_back``)
+        for req in victim.hand_back():  # the prompts it has not begun: placed anew (``ControlCalls.hand_back``)
             self._place_again(req)
         if self._drain_mover is None:
             self._drain_mover = self._mover(SimMigration())

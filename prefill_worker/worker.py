@@ -206,8 +206,7 @@ class PrefillWorker:
         instance serves: prompt log-probabilities, nothing to generate): the instance is draining, and another
         computes them sooner than its queue would. Their request ids, freed here."""
         ids = [s.request_id for s in self.scheduler.waiting
-               if self._requests[s.request_id].request.params.prompt_logprobs is None
-               and self._requests[s.request_id].request.params.max_tokens > 0]
+               if (p := self._requests[s.request_id].request.params).prompt_logprobs is None and p.max_tokens > 0]
         for rid in ids:
             self.abort(rid)
         return ids
