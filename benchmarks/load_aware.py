@@ -51,6 +51,7 @@ sys.path.insert(0, ROOT)
 from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
 from benchmarks.kv_tiers import add_trace_args, bench, sampled_trace, scrape, unbounded_cached  # noqa: E402
+from controller.config import load_config  # noqa: E402
 from planner.profile import Profile, prefill_features  # noqa: E402
 from planner.profiler import cpu_model_name  # noqa: E402
 
@@ -59,7 +60,6 @@ WORKLOADS = ("trace", "burst", "edge")
 DISTINCT = {"burst": (30, 2048, 6144, 64, 30.0), "edge": (60, 512, 1536, 64, 28.0)}  # requests, min, max, out, span
 PLACEMENTS = "magicserve:load_aware_placements_total"
 PROFILE = os.path.join(ROOT, "benchmarks", "results", "profile_local_cpu.json")
-PREFILL_TOKEN_BUDGET = 512  # cluster_configs/local.yaml's prefill.token_budget, which every magicserve system keeps
 
 
 def distinct_rows(args, workload: str) -> list[dict]:
@@ -373,7 +373,9 @@ def main() -> int:
                 record(result, args.out, write_md)  # what finished so far survives a later failure
     for workload, w in result["workloads"].items():  # the record's workloads, whichever this invocation ran
         if workload != "trace" or args.trace:
-            floors = ttft_floors(workload_rows(args, workload)[0], args.chunk, args.profile, PREFILL_TOKEN_BUDGET)
+            # every magicserve system keeps the embedded default's prefill token budget
+            floors = ttft_floors(workload_rows(args, workload)[0], args.chunk, args.profile,
+                                 load_config().prefill.token_budget)
             w["ttft_floor"] = floor_summary(floors, args.ttft_slo_ms)
     record(result, args.out, write_md)
     plot(result, args.out + ".png")
