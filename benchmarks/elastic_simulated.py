@@ -84,7 +84,7 @@ def config_for(profile, tp: int, prefill: int, decode: int, load_aware: SLOTarge
     disaggregation on."""
     costs = profile.costs(tp, 1)
     aware = {} if load_aware is None else {
-        "load_aware": LoadAwarePolicy(True, load_aware.ttft_s * SLO_MARGIN),
+        "load_aware": LoadAwarePolicy(True, load_aware.ttft_s * SLO_MARGIN, load_aware.ttft_s),
         "decode_prefill_tpot_s": load_aware.tpot_s * SLO_MARGIN}
     return SimConfig(prefill=PoolPlan(prefill, tp, costs.prefill_kv_capacity_tokens, 8192, 256),
                      decode=PoolPlan(decode, tp, costs.kv_capacity_tokens, 1, 256),

@@ -323,10 +323,11 @@ class DisaggregatedActor(_LoopActor):
         with self._gate.call():
             return self._as("decode").admit(request, RemoteKV())
 
-    def add_prefill(self, request) -> bool:
-        """Prefill ``request`` here from its cached prefix, then decode it; False: no room."""
+    def add_prefill(self, request, late: bool = False) -> bool:
+        """Prefill ``request`` here from its cached prefix, then decode it (``late``: after the queued prompts
+        that are not, ``LocalPrefill``); False: no room."""
         with self._gate.call():
-            return self._as("decode").admit(request, LocalPrefill())
+            return self._as("decode").admit(request, LocalPrefill(late))
 
     def add_resume(self, request) -> bool:
         """Continue ``request`` (a ``ResumeRequest``) where a dead instance left it; False: no room."""

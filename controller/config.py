@@ -273,16 +273,19 @@ class LoadAwareSection:
     instance's TPOT slack computes it sooner. ``slo_margin``: the fraction of each SLO (``slo.ttft_ms``,
     ``slo.tpot_ms``) the decisions aim at, the rest absorbing the predictions' error. Whether or not
     ``enabled``, a decode instance never lets a prompt it prefills push its decoding sequences' time per output
-    token past ``slo.tpot_ms`` times ``slo_margin`` (``decode_worker/prefill_budget.py``)."""
+    token past ``slo.tpot_ms`` times ``slo_margin`` (``decode_worker/prefill_budget.py``). ``late_lane``: a prompt
+    that misses ``slo.ttft_ms`` itself wherever it goes is prefilled on a decode instance after the prompts that
+    can still meet it, rather than ahead of them in the prefill pool's queue (off: where it is sooner)."""
 
     enabled: bool = True
     slo_margin: float = 0.8
+    late_lane: bool = True
 
     def __post_init__(self) -> None:
         raise_first(self.check())
 
     def check(self) -> Problems:
-        errs = booleans(self, ("enabled",))
+        errs = booleans(self, ("enabled", "late_lane"))
         m = self.slo_margin
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
             errs.append(("slo_margin", f"must be a number in (0, 1], got {m!r}"))
@@ -290,7 +293,8 @@ class LoadAwareSection:
 
     def policy(self, slo: SLOSection) -> LoadAwarePolicy:
         """What the router reads of it."""
-        return LoadAwarePolicy(self.enabled, slo.ttft_ms / 1e3 * self.slo_margin)
+        return LoadAwarePolicy(self.enabled, slo.ttft_ms / 1e3 * self.slo_margin,
+                               slo.ttft_ms / 1e3 if self.late_lane else None)
 
 
 @dataclass(frozen=True)

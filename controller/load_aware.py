@@ -4,8 +4,9 @@ its decoding batch, rather than in the prefill pool.
 Each side's time to a first token is predicted from what the instances measured:
 
 * the prefill pool's: the prompt tokens queued on the prefill instance that would compute the prompt (placed
-  there, not yet prefilled) and the prompt's own, at that instance's measured seconds per token
-  (``PrefillRate``, from the tokens and seconds each of its steps reports);
+  there, not yet prefilled, late prompts not counted: they come after it) and the prompt's own, at that
+  instance's measured seconds per token (``PrefillRate``, from the tokens and seconds each of its steps
+  reports);
 * a decode instance's: its queued local-prefill tokens, those placed on it since its last report, and the
   prompt's, at the rate its steps compute them within the TPOT slack of the sequences decoding there
   (``PoolLoad.prefill_tokens_per_s``, ``decode_worker/prefill_budget.py``). An instance without slack reports
@@ -15,6 +16,16 @@ A prompt goes to a decode instance only when the prefill pool's prediction misse
 (``LoadAwarePolicy.ttft_s``) and that decode instance's prediction is shorter; it goes to the one whose
 prediction is shortest. Otherwise to the prefill pool, as without this policy. Every decision is counted by
 where the prompt went and why (``Decision.reason``).
+
+A prompt that misses the TTFT SLO itself (``LoadAwarePolicy.late_s``) wherever it goes, by both predictions, is
+late: it no longer counts towards goodput, but ahead of other prompts in a first-come queue each of them would
+wait for it, and miss in turn. So it is computed in a late lane, after every prompt that is not late: on the
+prefill instance (``PrefillRequest.late``, ``PrefillScheduler``), in the steps no prompt that is not late needs,
+or on the decode instance with slack (``LocalPrefill.late``) if that one is predicted sooner, every queued prompt
+counted. Under a backlog the prompts that can still be served in time are served first; a late prompt waits
+longer than it would have in a first-come queue, but never holds up a decoding request (the decode instance
+computes prompts within its TPOT slack) and never waits forever (each lane is computed whenever the one ahead
+of it leaves room).
 """
 
 from __future__ import annotations
@@ -31,16 +42,19 @@ UNMEASURED = "unmeasured"  # the prefill instance has not measured its speed yet
 MEETS_SLO = "prefill_meets_slo"  # the prefill pool's prediction is within the target
 NO_SLACK = "no_decode_slack"  # the prefill pool misses the target, and no decode instance would be sooner
 BACKLOG = "prefill_backlog"  # the prefill pool misses the target; a decode instance is sooner: it prefills
+LATE = "prefill_late"  # the prompt misses the SLO itself wherever it goes: computed in a late lane
 REFUSED = "decode_refused"  # that decode instance had no room after all (or could not be reached)
 
 
 @dataclass(frozen=True)
 class LoadAwarePolicy:
     """``enabled``: decide per prompt (off: every prompt not cached on its decode instance goes to the prefill
-    pool). ``ttft_s``: the time to first token a prompt's placement aims for (the SLO times its margin)."""
+    pool). ``ttft_s``: the time to first token a prompt's placement aims for (the SLO times its margin).
+    ``late_s``: a prompt predicted past it wherever it goes is late (the SLO itself; None: no prompt is)."""
 
     enabled: bool = True
     ttft_s: float = 1.6
+    late_s: float | None = None
 
 
 @dataclass
@@ -86,6 +100,11 @@ class Decision:
     prefill_ttft_s: float | None = None
     decode_ttft_s: float | None = None
 
+    @property
+    def late(self) -> bool:
+        """The prompt misses the SLO wherever it goes: the instance that computes it queues it in its late lane."""
+        return self.reason == LATE
+
 
 def prefill_ttft_s(queued_tokens: int, tokens: int, rate: PrefillRate | None) -> float | None:
     """The prefill instance's predicted time to the prompt's first token (None: its speed is not measured)."""
@@ -93,8 +112,10 @@ def prefill_ttft_s(queued_tokens: int, tokens: int, rate: PrefillRate | None) ->
     return None if spt is None else (queued_tokens + tokens) * spt
 
 
-def decide(policy: LoadAwarePolicy, prefill_s: float | None, options: list[DecodeOption]) -> Decision:
+def decide(policy: LoadAwarePolicy, prefill_s: float | None, options: list[DecodeOption],
+           prefill_late_s: float | None = None) -> Decision:
     """Where the prompt is prefilled (see the module doc), given the prefill pool's prediction ``prefill_s``
+    (behind the prompts queued there that are not late; ``prefill_late_s``: behind all of them, None: the same)
     and the decode instances that have room for it (in the placement's order: ties go to the earlier)."""
     if not policy.enabled:
         return Decision(None, OFF)
@@ -103,8 +124,12 @@ def decide(policy: LoadAwarePolicy, prefill_s: float | None, options: list[Decod
     if prefill_s <= policy.ttft_s:
         return Decision(None, MEETS_SLO, prefill_s)
     best = min(options, key=lambda o: o.ttft_s, default=None)
+    decode_s = None if best is None or best.ttft_s == float("inf") else best.ttft_s
+    if policy.late_s is not None and prefill_s > policy.late_s and (decode_s is None or decode_s > policy.late_s):
+        behind = prefill_s if prefill_late_s is None else max(prefill_s, prefill_late_s)
+        return Decision(best.name if decode_s is not None and decode_s < behind else None, LATE, prefill_s, decode_s)
     if best is None or not best.ttft_s < prefill_s:
-        return Decision(None, NO_SLACK, prefill_s, None if best is None or best.ttft_s == float("inf") else best.ttft_s)
+        return Decision(None, NO_SLACK, prefill_s, decode_s)
     return Decision(best.name, BACKLOG, prefill_s, best.ttft_s)
 
 

@@ -81,31 +81,40 @@ class Placer:
                                  order: list[Instance], cached: dict[str, Cached]) -> bool:
         """Load-aware disaggregation (``controller/load_aware.py``): True when a decode instance holds the
         request to prefill it beside its decoding batch, because ``prefill`` would miss the TTFT target and that
-        instance's TPOT slack computes the prompt sooner; False: the prefill pool computes it."""
+        instance's TPOT slack computes the prompt sooner, or the prompt misses the SLO wherever it goes and
+        comes sooner there, in its late lane; False: the prefill pool computes it (``run.late``: in its late
+        lane)."""
         ctx, rid, la = self.context, run.request_id, self.context.load_aware
         n = len(run.prompt_ids)
+        run.late = False
         if not la.policy.enabled or run.params.prompt_logprobs is not None:
             self._decided(Decision(None, OFF))
             return False
-        queued = sum(ctx.runs[r].prefill_tokens for r in prefill.assigned
-                     if r in ctx.runs and ctx.runs[r].state in (RequestState.QUEUED, RequestState.PREFILLING))
+        queued = [ctx.runs[r] for r in prefill.assigned
+                  if r in ctx.runs and ctx.runs[r].state in (RequestState.QUEUED, RequestState.PREFILLING)]
+        on_time = sum(q.prefill_tokens for q in queued if not q.late)
+        rate = la.rates.get(prefill.name)
         options = [DecodeOption(i.name, n - cached[i.name].tokens,
                                 i.load.prefill_queued_tokens + la.placed_since_report(i.name, i.load.holds, ctx.runs),
                                 i.load.prefill_tokens_per_s)
                    for i in order if i.load is not None and i.room and i.name in cached]
-        decision = decide(la.policy, prefill_ttft_s(queued, run.prefill_tokens, la.rates.get(prefill.name)), options)
+        decision = decide(la.policy, prefill_ttft_s(on_time, run.prefill_tokens, rate), options,
+                          prefill_ttft_s(sum(q.prefill_tokens for q in queued), run.prefill_tokens, rate))
         if decision.decode is None:
+            run.late = decision.late  # computed in the prefill instance's late lane
             self._decided(decision)
             return False
         inst = next(i for i in order if i.name == decision.decode)
         la.placing(inst.name, rid, n - cached[inst.name].tokens)
-        if not await self._hold_prefill(run, request, inst):
+        if not await self._hold_prefill(run, request, inst, decision.late):
             la.forget(inst.name, rid)
+            run.late = decision.late
             self._decided(Decision(None, REFUSED, decision.prefill_ttft_s, decision.decode_ttft_s))
             return False
         self._decided(decision)
-        log.info("%s: the prefill pool would take %.2f s to its first token, %s %.2f s: prefilled on %s", rid,
-                 decision.prefill_ttft_s, inst.name, decision.decode_ttft_s, inst.name)
+        log.info("%s: the prefill pool would take %.2f s to its first token, %s %.2f s: prefilled on %s%s", rid,
+                 decision.prefill_ttft_s, inst.name, decision.decode_ttft_s, inst.name,
+                 " (late: after the prompts that can still meet the SLO)" if decision.late else "")
         if ctx.load_window is not None:
             ctx.load_window.cached(rid, cached[inst.name].tokens)
         return True
@@ -163,12 +172,13 @@ class Placer:
         """Whether a decode instance holds enough of the prompt to prefill the rest itself, once it has room."""
         return any(self._prefills_there(run, self.context.cached(run, d).tokens) for d in self.context.decode)
 
-    async def _hold_prefill(self, run: RequestRun, request: DecodeRequest, decode: Instance) -> bool:
-        """Have ``decode`` prefill the request from its cache; False (it holds nothing) when it has no room or
-        cannot be reached."""
+    async def _hold_prefill(self, run: RequestRun, request: DecodeRequest, decode: Instance,
+                            late: bool = False) -> bool:
+        """Have ``decode`` prefill the request from its cache (``late``: in its late lane, ``LocalPrefill``);
+        False (it holds nothing) when it has no room or cannot be reached."""
         run.place(decode)
         try:
-            held = await decode.handle.add_prefill.remote(request)
+            held = await decode.handle.add_prefill.remote(request, late)
         except Exception as err:
             self.calls.failed(decode, "add_prefill", run.request_id, err, run)
             held = None
@@ -250,7 +260,7 @@ class Placer:
     @staticmethod
     def _prefill_request(run: RequestRun, decode: Instance) -> PrefillRequest:
         return PrefillRequest(run.request_id, tuple(run.prompt_ids), run.params,
-                              KVDestination(decode.name, reserved=True))
+                              KVDestination(decode.name, reserved=True), late=run.late)
 
     def decode_order(self, run: RequestRun, cached: dict[str, Cached]) -> tuple[list[Instance], bool]:
         """The decode instances in the order the request tries them, by the rescheduling policy (the one that

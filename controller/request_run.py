@@ -109,6 +109,7 @@ class RequestRun:
     resumes: int = 0  # times it continued on another decode instance after its own died
     avoid: set = field(default_factory=set)
     prefill_tokens: int = 0  # prompt tokens its prefill instance computes (the prompt less what it holds cached)
+    late: bool = False  # its prompt misses the TTFT SLO wherever it goes: computed in a late lane (load_aware)
     cached: CachedPrompt | None = None  # what the instance that computed its prompt found of it instead
 
     @property

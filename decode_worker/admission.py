@@ -67,8 +67,8 @@ class Admission:
                 return self._await_kv(request, len(request.prompt_ids))
             case MigrationIn(capacity_tokens=capacity):
                 return self._await_kv(request, capacity)
-            case LocalPrefill():
-                return self._prefill_here(request)
+            case LocalPrefill(late=late):
+                return self._prefill_here(request, late)
             case Resume():
                 return self._resume(request)
             case Fork():
@@ -112,13 +112,14 @@ class Admission:
             raise
         return True
 
-    def _prefill_here(self, request: DecodeRequest) -> bool:
+    def _prefill_here(self, request: DecodeRequest, late: bool) -> bool:
         """LocalPrefill: blocks for the prompt and the first step from its longest cached prefix on (a
         conversation's earlier turns, left by the requests that served them), every further sequence's room
         with them; the worker's steps compute the rest. What the tiers hold of it is loaded beside the worker's
         steps where they can, unless that is a mere copy within host memory on CPU: the request's first chunk
         waits for it (``PrefillQueue``), the decoding batch does not."""
         held = self._new_held(request, SequenceStatus.PREFILLING)
+        held.late = late
         beside = not self.scheduler.prefix_cache.loads_from_memory(held.seq.prompt_ids)
         if self._reserve(held, held.seq.num_prompt, load_in_background=beside) is None:
             return False

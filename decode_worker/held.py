@@ -22,3 +22,4 @@ class HeldRequest:
     first_token_at: float | None = None  # time.time() when the client got its first token (its TPOT counts from it)
     steps_here: int = 0  # decode steps this instance ran for the sequence ...
     tokens_here: int = 0  # ... and the tokens they gave it (its pace's tokens per step)
+    late: bool = False  # prefilled here past its TTFT SLO: after every queued prompt that is not (``LocalPrefill``)

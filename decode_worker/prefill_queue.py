@@ -49,7 +49,8 @@ class PrefillChunk:
 
 class PrefillQueue:
     """The requests in ``order`` (admitted ``prefilling``; the fewest remaining tokens first, ties first come first
-    served), computed ``budget``'s tokens per step in all (at most ``budget.chunk``)."""
+    served, a late request after every one that is not: ``LocalPrefill.late``), computed ``budget``'s tokens per
+    step in all (at most ``budget.chunk``)."""
 
     def __init__(self, runner: ModelRunner, requests: dict[str, HeldRequest], order: deque[str],
                  prefix_cache: PrefixCache, budget: PrefillBudget, pass_log: PassLog, first_tokens: FirstTokens):
@@ -114,7 +115,7 @@ class PrefillQueue:
         prompt."""
         self._settle_loads()
         if len(self.order) > 1:  # shortest remaining first: a conversation's next turn does not wait on a document
-            ranked = sorted(self.order, key=self._remaining)
+            ranked = sorted(self.order, key=lambda rid: (self.requests[rid].late, self._remaining(rid)))
             self.order.clear()
             self.order.extend(ranked)
         paces, arriving = list(paces), list(arriving)

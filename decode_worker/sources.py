@@ -22,7 +22,11 @@ class RemoteKV:
 @dataclass(frozen=True)
 class LocalPrefill:
     """The prompt is computed here, from its longest cached prefix on, ``prefill_chunk`` tokens per step
-    (``prefilling``), with no prefill instance involved. The request is a ``DecodeRequest``."""
+    (``prefilling``), with no prefill instance involved. The request is a ``DecodeRequest``. ``late``: it misses
+    its TTFT SLO wherever it is computed (the router's load-aware decision, ``controller/load_aware.py``): it is
+    computed after every queued prompt that is not late."""
+
+    late: bool = False
 
 
 @dataclass(frozen=True)

@@ -141,11 +141,11 @@ class DecodeWorker:
         the request id)."""
         return self.admit(request, RemoteKV())
 
-    def add_prefill(self, request: DecodeRequest) -> bool:
-        """``admit(request, LocalPrefill())``: prefill ``request`` here from its prompt's longest cached prefix
+    def add_prefill(self, request: DecodeRequest, late: bool = False) -> bool:
+        """``admit(request, LocalPrefill(late))``: prefill ``request`` here from its prompt's longest cached prefix
         (a conversation's earlier turns), ``prefill_chunk`` tokens per step, before it decodes (its first
-        delta carries its first token)."""
-        return self.admit(request, LocalPrefill())
+        delta carries its first token); ``late``: after the queued prompts that are not."""
+        return self.admit(request, LocalPrefill(late))
 
     def add_resume(self, request: ResumeRequest) -> bool:
         """``admit(request, Resume())``: continue a request another decode instance streamed part of (it

@@ -82,6 +82,7 @@ class SimRequest:
     cached_tokens: int = 0  # prompt tokens its prefill instance holds cached (the trace says; not computed)
     ahead_on: str = ""  # the prefill instance given its prompt to compute ahead while it waited for decode room
     found_ahead: CachedPrompt | None = None  # what that pass found of the prompt cached there
+    late: bool = False  # its prompt misses the TTFT SLO wherever it goes: computed in a late lane (load_aware)
 
     @property
     def context(self) -> int:
@@ -128,6 +129,7 @@ class SimSequence:
     model: they only identify the KV)."""
 
     ahead = False  # a pass computing the prompt's full blocks ahead (``PrefillSim.add_ahead``)
+    late = False  # prefilled on a decode instance past its TTFT SLO (``LocalPrefill.late``)
 
     def __init__(self, req: SimRequest, block_size: int):
         self.req = req
@@ -327,9 +329,9 @@ class PrefillSim(_Instance):
         self.channel_free_at: dict[str, float] = {}  # decode instance name -> when its channel is idle
         self.rate = PrefillRate()  # its measured speed, as the router keeps it (``controller/load_aware.py``)
 
-    def queued_tokens(self) -> int:
-        """Prompt tokens placed here and not computed yet."""
-        return sum(s.num_prompt - s.num_computed for s in [*self.scheduler.running, *self.scheduler.waiting])
+    def queued_tokens(self, late: bool = True) -> int:
+        """Prompt tokens placed here and not computed yet (``late`` False: of the prompts that are not late)."""
+        return self.scheduler.queued_tokens(late)
 
     def add(self, req: SimRequest) -> None:
         if self.pool.blocks_for_tokens(req.prompt_tokens) > self.pool.num_blocks:
@@ -343,7 +345,7 @@ class PrefillSim(_Instance):
         seq.num_computed = req.cached_tokens
         if req.found_ahead is not None and req.ahead_on == self.name:
             self.prefix_cache.found_before(rid, req.found_ahead)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, late=req.late)
         self.kick()
 
     def hand_back(self) -> list[SimRequest]:
@@ -509,13 +511,15 @@ class DecodeSim(_Instance):
         self.seqs[req.index] = seq
         return True
 
-    def hold_prefill(self, req: SimRequest) -> bool:
-        """Hold the request and prefill the rest of its prompt here (``DecodeWorker.add_prefill``): what the tiers
-        hold of it loads beside the steps, and its first chunk waits for that."""
+    def hold_prefill(self, req: SimRequest, late: bool = False) -> bool:
+        """Hold the request and prefill the rest of its prompt here (``DecodeWorker.add_prefill``; ``late``: after
+        the queued prompts that are not): what the tiers hold of it loads beside the steps, and its first chunk
+        waits for that."""
         if not self.reserve(req, kv_sent=True):
             return False
         req.decode = self
         seq = self.seqs[req.index]
+        seq.late = late
         self.prefilling.append(seq)
         load_s = self.prefix_cache.tiers.background_seconds(seq.request_id) \
             if self.prefix_cache is not None and self.prefix_cache.tiers is not None else 0.0
@@ -619,8 +623,9 @@ class DecodeSim(_Instance):
         for seq in [s for s in self.prefilling if self._loading.get(s.request_id, math.inf) <= self.sim.now]:
             del self._loading[seq.request_id]
             self.prefix_cache.finish_load(seq)  # its blocks from the tiers are in (``PrefillQueue``)
-        if len(self.prefilling) > 1:  # the fewest remaining tokens first, as the worker's queue
-            self.prefilling = deque(sorted(self.prefilling, key=lambda seq: seq.num_prompt - seq.num_computed))
+        if len(self.prefilling) > 1:  # the fewest remaining tokens first, the late last, as the worker's queue
+            self.prefilling = deque(sorted(self.prefilling,
+                                           key=lambda seq: (seq.late, seq.num_prompt - seq.num_computed)))
         ready = [seq for seq in self.prefilling if seq.request_id not in self._loading]
         budget = 0
         if ready:

@@ -39,7 +39,10 @@ class PrefillRequest:
     ``ahead``: a pass computed ahead, while the request waits for room on a decode instance, only so its prompt's
     full blocks are cached here when it comes back under the same id: no destination, no first token, no
     sampling; it runs in steps no other prompt needs and gives way to any that needs its blocks (reported in
-    ``PrefillStepOutput.ahead_ended``). The request itself, arriving, takes over a pass still running."""
+    ``PrefillStepOutput.ahead_ended``). The request itself, arriving, takes over a pass still running.
+
+    ``late``: the prompt misses its TTFT SLO wherever it is computed (the router's load-aware decision,
+    ``controller/load_aware.py``): it is computed after every prompt that is not (``PrefillScheduler``)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -47,11 +50,14 @@ class PrefillRequest:
     destination: KVDestination | None
     arrival_time: float | None = None
     ahead: bool = False
+    late: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         if self.ahead and self.destination is not None:
             raise ValueError("destination: a pass computed ahead hands no KV off (must be None)")
+        if self.ahead and self.late:
+            raise ValueError("late: a pass computed ahead already runs only when no other prompt needs a step")
 
 
 @dataclass(frozen=True)

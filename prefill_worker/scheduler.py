@@ -1,7 +1,9 @@
 """Chunked-prefill scheduling for a prefill-only worker. Pure Python (no torch).
 
 Each step fills a token budget: prompts already mid-prefill continue first (oldest first), then
-waiting prompts are admitted while the budget, ``max_num_seqs`` and free blocks allow. A prompt gets
+waiting prompts are admitted while the budget, ``max_num_seqs`` and free blocks allow. A late prompt
+(``add(seq, late=True)``: past its TTFT SLO wherever it goes, the router's load-aware decision) gets a step only
+when no prompt that is not late has a chunk to run, and is not admitted while one waits for blocks. A prompt gets
 all of its blocks at admission, so it never runs out mid-prompt and nothing it needs is ever preempted. After
 its last chunk a prompt leaves the running set but keeps its blocks until the KV transfer is
 acknowledged (:meth:`PrefillScheduler.release`): blocks held by transfers are the back-pressure that
@@ -38,13 +40,21 @@ class PrefillScheduler:
         self.running_ahead: list[Sequence] = []
         self._dropped: list[tuple[Sequence, CachedPrompt | None]] = []  # passes ahead that gave their blocks up,
         # and what each found of its prompt cached (None: not looked up yet), not yet taken
+        self.late: set[str] = set()  # the request ids of the late prompts, waiting or running
 
-    def add(self, seq: Sequence, ahead: bool = False) -> None:
-        """Queue a prompt (``ahead``: a pass computed ahead, see the module doc); the blocks of it only slower KV
-        tiers hold are read ahead while it waits."""
+    def add(self, seq: Sequence, ahead: bool = False, late: bool = False) -> None:
+        """Queue a prompt (``ahead``: a pass computed ahead; ``late``: after every prompt that is not; see the
+        module doc); the blocks of it only slower KV tiers hold are read ahead while it waits."""
         if self.prefix_cache is not None:
             self.prefix_cache.read_ahead(seq)
+        if late:
+            self.late.add(seq.request_id)
         (self.waiting_ahead if ahead else self.waiting).append(seq)
+
+    def queued_tokens(self, late: bool = True) -> int:
+        """Prompt tokens waiting or running, not computed yet (``late`` False: of the prompts that are not late)."""
+        return sum(s.num_prompt - s.num_computed for s in [*self.running, *self.waiting]
+                   if late or s.request_id not in self.late)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.handed_off or self.waiting_ahead or self.running_ahead)
@@ -58,20 +68,32 @@ class PrefillScheduler:
         return self._fill(self.running_ahead, self.waiting_ahead)
 
     def _fill(self, running: list[Sequence], waiting: deque[Sequence]) -> list[ScheduledChunk]:
-        budget = self.config.token_budget
+        """The prompts that are not late, running then waiting; only when none of them has a chunk, the late ones
+        likewise (a step's time grows with its tokens: a late chunk beside theirs would delay them)."""
         chunks: list[ScheduledChunk] = []
-        for seq in running:
+        blocked = self._fill_lane(running, waiting, False, chunks, admit=True)
+        if not chunks:
+            self._fill_lane(running, waiting, True, chunks, admit=not blocked)
+        return chunks
+
+    def _fill_lane(self, running: list[Sequence], waiting: deque[Sequence], late: bool, chunks: list[ScheduledChunk],
+                   admit: bool) -> bool:
+        """Chunks for the prompts of one lane (``late`` or not), running first, then those waiting admitted (with
+        ``admit``) while the budget, the seats and the blocks allow; whether one waits for blocks."""
+        budget = self.config.token_budget
+        for seq in [s for s in running if (s.request_id in self.late) is late]:
             if budget == 0:
-                break
+                return False
             budget -= self._chunk(seq, budget, chunks)
-        while budget > 0 and waiting and len(self.running) + len(self.running_ahead) < self.config.max_num_seqs:
-            seq = waiting[0]
-            if not self._allocate(seq):
+        for seq in [s for s in waiting if (s.request_id in self.late) is late] if admit else []:
+            if budget <= 0 or len(self.running) + len(self.running_ahead) >= self.config.max_num_seqs:
                 break
-            waiting.popleft()
+            if not self._allocate(seq):
+                return True
+            waiting.remove(seq)
             running.append(seq)
             budget -= self._chunk(seq, budget, chunks)
-        return chunks
+        return False
 
     def _allocate(self, seq: Sequence) -> bool:
         """Give ``seq`` blocks for its whole prompt, from its cached prefix on; False when the pool lacks room."""
@@ -122,6 +144,7 @@ class PrefillScheduler:
         seq.block_table.release(self.pool)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request_id)
+        self.late.discard(request_id)
         seq.status = SequenceStatus.FINISHED
         return seq
 

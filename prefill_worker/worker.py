@@ -157,7 +157,7 @@ class PrefillWorker:
         found = self._found_ahead.pop(request.request_id, None)
         if found is not None:
             self.prefix_cache.found_before(request.request_id, found)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, late=request.late)
 
     def _add_ahead(self, request: PrefillRequest) -> None:
         """Queue a pass ahead over the prompt's full blocks but its last token (what a lookup can find; the

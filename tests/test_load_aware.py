@@ -8,8 +8,8 @@ import math
 import pytest
 
 from controller.config import ConfigError, load_config
-from controller.load_aware import (BACKLOG, MEETS_SLO, NO_SLACK, OFF, UNMEASURED, DecodeOption, LoadAwarePolicy,
-                                   LoadAwareState, PrefillRate, decide, prefill_ttft_s)
+from controller.load_aware import (BACKLOG, LATE, MEETS_SLO, NO_SLACK, OFF, UNMEASURED, DecodeOption,
+                                   LoadAwarePolicy, LoadAwareState, PrefillRate, decide, prefill_ttft_s)
 from decode_worker.prefill_budget import (MIN_PACE_STEPS, PACE_HORIZON_TOKENS, PROBE_TOKENS, RATE_WINDOW_S, Pace,
                                          PrefillBudget, arrival_limit_s, pace_limit_s)
 
@@ -61,6 +61,30 @@ def test_no_decode_instance_takes_a_prompt_it_would_serve_later_or_has_no_slack_
     assert decide(POLICY, predicted, []).reason == NO_SLACK
 
 
+def test_a_prompt_past_the_slo_wherever_it_goes_is_late_where_it_comes_soonest():
+    policy = LoadAwarePolicy(enabled=True, ttft_s=1.0, late_s=2.0)  # target 1 s, SLO 2 s
+    predicted = prefill_ttft_s(3000, 300, rate(0.001))  # 3.3 s behind the prompts that are not late: past the SLO
+    options = [DecodeOption("d0", 300, 0, 0.0), DecodeOption("d1", 300, 0, 50.0)]  # no slack; 6 s
+    prefill = decide(policy, predicted, options)  # the prefill instance's late lane, behind nothing late: 3.3 s
+    assert (prefill.decode, prefill.reason, prefill.late, prefill.decode_ttft_s) == (None, LATE, True,
+                                                                                    pytest.approx(6.0))
+    behind_late = prefill_ttft_s(8000, 300, rate(0.001))  # 8.3 s behind every queued prompt, the late ones too
+    decode = decide(policy, predicted, options, behind_late)
+    assert (decode.decode, decode.reason, decode.late) == ("d1", LATE, True)
+    sooner_but_late = decide(policy, predicted, [DecodeOption("d0", 300, 0, 120.0)])  # 2.5 s: sooner, still past
+    assert (sooner_but_late.decode, sooner_but_late.reason) == ("d0", LATE)
+    in_time = decide(policy, predicted, [DecodeOption("d0", 300, 0, 200.0)])  # 1.5 s: within the SLO, not late
+    assert (in_time.decode, in_time.reason, in_time.late) == ("d0", BACKLOG, False)
+    # within the SLO at the prefill pool (past the target only): where it is sooner, as without the lane
+    near = prefill_ttft_s(1500, 300, rate(0.001))  # 1.8 s
+    assert decide(policy, near, [DecodeOption("d0", 300, 0, 50.0)]).reason == NO_SLACK
+    # no decode instance computes prompts now: the prefill instance's late lane
+    no_slack = decide(policy, predicted, [DecodeOption("d0", 300, 0, 0.0)], behind_late)
+    assert (no_slack.decode, no_slack.reason, no_slack.decode_ttft_s) == (None, LATE, None)
+    assert decide(policy, predicted, []).late
+    assert decide(POLICY, predicted, options[1:]).reason == NO_SLACK  # no lane: late_s None
+
+
 def test_unmeasured_or_off_goes_to_the_prefill_pool():
     options = [DecodeOption("d0", 300, 0, 10_000.0)]
     assert prefill_ttft_s(100, 300, None) is None and prefill_ttft_s(100, 300, PrefillRate()) is None
@@ -88,10 +112,12 @@ def test_local_prefills_count_queued_until_the_instance_reports_them():
 
 def test_the_config_sets_the_targets_from_the_slo_section():
     cfg = load_config(overrides={"slo": {"ttft_ms": 3000, "tpot_ms": 50}, "load_aware": {"slo_margin": 0.5}})
-    assert cfg.load_aware.policy(cfg.slo) == LoadAwarePolicy(True, 1.5)
+    assert cfg.load_aware.policy(cfg.slo) == LoadAwarePolicy(True, 1.5, 3.0)
+    off = load_config(overrides={"slo": {"ttft_ms": 3000}, "load_aware": {"late_lane": False}})
+    assert off.load_aware.policy(off.slo).late_s is None
     assert cfg.decode.prefill_tpot_slo_ms == 25
     for bad, field in (({"slo_margin": 0}, "load_aware.slo_margin"), ({"slo_margin": 1.5}, "load_aware.slo_margin"),
-                       ({"enabled": "yes"}, "load_aware.enabled")):
+                       ({"enabled": "yes"}, "load_aware.enabled"), ({"late_lane": 1}, "load_aware.late_lane")):
         with pytest.raises(ConfigError, match=field):
             load_config(overrides={"load_aware": bad})
     with pytest.raises(ConfigError, match="prefill_tpot_slo_ms"):  # set from slo.tpot_ms, not by hand
@@ -257,7 +283,7 @@ def test_a_step_of_several_chunks_sizes_each_at_its_own_depth():
     b.observe_step(0.02)
 
     def held(computed, prompt):
-        return SimpleNamespace(seq=SimpleNamespace(num_computed=computed, num_prompt=prompt))
+        return SimpleNamespace(seq=SimpleNamespace(num_computed=computed, num_prompt=prompt), late=False)
 
     requests = {"short": held(0, 100), "deep": held(6000, 8000)}
     queue = PrefillQueue(None, requests, deque(["short", "deep"]), None, b, None, None)
@@ -268,6 +294,25 @@ def test_a_step_of_several_chunks_sizes_each_at_its_own_depth():
     head_tokens = b.tokens(0, True)
     assert chunks[1].end - chunks[1].start < head_tokens - 100  # what the head's start would have given it
     assert b.fused_s(0, 100) + b.fused_s(6000, head_tokens - 100) > b.slack_s()
+
+
+def test_the_local_queue_computes_late_prompts_after_every_other():
+    """Fewest remaining tokens first, but a late prompt (``LocalPrefill.late``) after every prompt that is not,
+    however short it is; the late among themselves fewest remaining first too."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from decode_worker.prefill_queue import PrefillQueue
+
+    def held(prompt, late=False):
+        return SimpleNamespace(seq=SimpleNamespace(num_computed=0, num_prompt=prompt), late=late)
+
+    requests = {"late_short": held(50, late=True), "late_long": held(900, late=True), "long": held(2000),
+                "short": held(200)}
+    queue = PrefillQueue(None, requests, deque(requests), None, PrefillBudget(1000, 0.1), None, None)
+    chunks = queue.plan(False)  # nothing decodes: the whole chunk, in queue order
+    assert list(queue.order) == ["short", "long", "late_short", "late_long"]
+    assert [(c.held, c.start, c.end) for c in chunks] == [(requests["short"], 0, 200), (requests["long"], 0, 800)]
 
 
 def test_the_reported_rate_counts_the_steps_held_back():

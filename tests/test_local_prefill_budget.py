@@ -124,3 +124,26 @@ def test_a_requests_pace_counts_from_the_first_token_its_client_got(llama_dir):
     # its tokens after the first came from the two decode steps here: too few to count (one token a step)
     assert held.steps_here == 2 and held.tokens_here == out - 1 and pace.tokens_per_step == 1.0
     drain(worker)
+
+
+def test_a_late_prompt_is_prefilled_after_the_prompts_that_are_not(llama_dir):
+    """``add_prefill(late=True)`` (the router's load-aware decision for a prompt past its TTFT SLO wherever it goes):
+    a short late prompt waits while a longer one that is not late takes the 512-token chunks (fewest remaining
+    first would have put the short one ahead), then both end with the reference engine's tokens."""
+    late, on_time = prompts_of([200, 900], seed=11)
+    worker = worker_with_slo(llama_dir, tpot_slo_ms=None)
+    assert worker.add_prefill(DecodeRequest("late", tuple(late), PARAMS), late=True)
+    assert worker.add_prefill(DecodeRequest("on_time", tuple(on_time), PARAMS))
+    outs = {}
+
+    def step():
+        for d in worker.step():
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+
+    step()
+    assert (worker.requests["on_time"].seq.num_computed, worker.requests["late"].seq.num_computed) == (512, 0)
+    step()  # the rest of the one not late (its first token out), then the late one from what the chunk has left
+    assert "on_time" in outs and "late" not in outs and worker.requests["late"].seq.num_computed == 512 - 388
+    drain(worker, outs)
+    assert outs == dict(zip(["late", "on_time"], reference(llama_dir, [late, on_time], PARAMS)))
+    assert_idle(worker)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from controller.load_aware import BACKLOG, MEETS_SLO, UNMEASURED, LoadAwarePolicy
+from controller.load_aware import BACKLOG, LATE, MEETS_SLO, UNMEASURED, LoadAwarePolicy
 from controller.config import load_config
 from planner.profile import Calibration
 from planner.sim_instances import StepCosts
@@ -45,6 +45,24 @@ def test_a_saturated_prefill_pool_shares_its_backlog_with_the_decode_instance():
     assert max(r.tpot_s for r in aware.records) <= TPOT_S * 1.001
 
 
+def test_prompts_late_wherever_they_go_leave_the_prefill_queue_to_those_that_can_be_served_in_time():
+    """50 prompts of 2000 tokens, one every 100 ms: twice what the prefill instance computes (0.2 s each). With
+    the late lane, a prompt predicted past the 0.5 s SLO both in the prefill pool and on the decode instance is
+    prefilled on the decode instance after the prompts that can still make it, instead of holding up every prompt
+    after it in the prefill queue: more than twice as many first tokens within the SLO, every request complete,
+    no decoding request's TPOT past the target."""
+    prof = make_profile()
+    trace = burst(50, output=20, gap_s=0.1)
+    runs = {late: simulate(prof, dataclasses.replace(disagg(), load_aware=LoadAwarePolicy(True, 0.4, late),
+                                                     decode_prefill_tpot_s=TPOT_S), trace) for late in (None, 0.5)}
+    within = {late: sum(r.ttft_s <= 0.5 for r in res.records) for late, res in runs.items()}
+    assert within[0.5] > 2 * within[None]
+    assert runs[0.5].load_aware[("decode", LATE)] >= 10 and ("decode", LATE) not in runs[None].load_aware
+    for res in runs.values():
+        assert all(r.finished and r.completion_tokens == 20 for r in res.records)
+        assert max(r.tpot_s for r in res.records) <= TPOT_S * 1.001
+
+
 def test_a_chunk_riding_in_the_decode_pass_costs_its_tokens_not_a_pass():
     """The decode worker computes its local-prefill chunk in its decode pass, which already pays the fixed
     per-pass cost (5 ms here, the smaller of the two models')."""
@@ -76,7 +94,7 @@ def test_no_slack_keeps_the_decode_instance_to_decoding():
 def test_the_cluster_config_turns_it_on_and_bad_settings_name_the_field():
     cfg = load_config(overrides={"slo": {"ttft_ms": 1000, "tpot_ms": 50}})
     sim = SimConfig.from_cluster_config(cfg)
-    assert sim.load_aware == LoadAwarePolicy(True, 0.8) and sim.decode_prefill_tpot_s == pytest.approx(0.04)
+    assert sim.load_aware == LoadAwarePolicy(True, 0.8, 1.0) and sim.decode_prefill_tpot_s == pytest.approx(0.04)
     off = SimConfig.from_cluster_config(load_config(overrides={"load_aware": {"enabled": False}}))
     assert off.load_aware is None
     with pytest.raises(SimConfigError, match="load_aware"):
