@@ -291,7 +291,7 @@ def plot(result: dict, path: str) -> None:
                 ax.axhline(result["args"]["tpot_slo_ms"], color="k", ls="--", lw=1, label="SLO")
                 ax.legend(fontsize=8)
             ax.set_title(f"{workload}: {label}", fontsize=10)
-            ax.tick_params(axis="x", labelsize=8)
+            ax.tick_params(axis="x", labelsize=8, labelrotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
