@@ -274,8 +274,9 @@ class LoadAwareSection:
     ``slo.tpot_ms``) the decisions aim at, the rest absorbing the predictions' error. Whether or not
     ``enabled``, a decode instance never lets a prompt it prefills push its decoding sequences' time per output
     token past ``slo.tpot_ms`` times ``slo_margin`` (``decode_worker/prefill_budget.py``). ``late_lane``: a prompt
-    that misses ``slo.ttft_ms`` itself wherever it goes is prefilled on a decode instance after the prompts that
-    can still meet it, rather than ahead of them in the prefill pool's queue (off: where it is sooner)."""
+    that misses ``slo.ttft_ms`` itself wherever it goes is computed after the prompts that can still meet it (in
+    the late lane of the prefill instance or of a decode instance, whichever is predicted sooner), rather than
+    ahead of them in a first-come queue (off: where it is sooner, in turn)."""
 
     enabled: bool = True
     slo_margin: float = 0.8

@@ -100,15 +100,14 @@ class Placer:
                    for i in order if i.load is not None and i.room and i.name in cached]
         decision = decide(la.policy, prefill_ttft_s(on_time, run.prefill_tokens, rate), options,
                           prefill_ttft_s(sum(q.prefill_tokens for q in queued), run.prefill_tokens, rate))
+        run.late = decision.late  # in the late lane of whichever instance computes it
         if decision.decode is None:
-            run.late = decision.late  # computed in the prefill instance's late lane
             self._decided(decision)
             return False
         inst = next(i for i in order if i.name == decision.decode)
         la.placing(inst.name, rid, n - cached[inst.name].tokens)
         if not await self._hold_prefill(run, request, inst, decision.late):
             la.forget(inst.name, rid)
-            run.late = decision.late
             self._decided(Decision(None, REFUSED, decision.prefill_ttft_s, decision.decode_ttft_s))
             return False
         self._decided(decision)
