@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
 # The KV tiers' disk directories of every instance the tests start (workers inherit the environment), away from
-# the user's cache directory.
-os.environ.setdefault("MAGICSERVE_KV_DIR", tempfile.mkdtemp(prefix="magicserve-kv-tests-"))
+# the user's cache directory, and removed when the test process exits (a run writes megabytes of KV blocks there).
+if "MAGICSERVE_KV_DIR" not in os.environ:
+    os.environ["MAGICSERVE_KV_DIR"] = tempfile.mkdtemp(prefix="magicserve-kv-tests-")
+    atexit.register(shutil.rmtree, os.environ["MAGICSERVE_KV_DIR"], True)
 # Tests use tiny tensors: one thread avoids OpenMP oversubscription on small CI machines.
 torch.set_num_threads(1)
 # Without CUDA, Triton kernels run in Triton's CPU interpreter (read when Triton is first imported).
