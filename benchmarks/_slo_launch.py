@@ -139,11 +139,11 @@ def http_healthy(url: str) -> Callable[[], bool]:
     return check
 
 
-def fresh_kv_dir() -> str:
-    """An empty directory for one launched server's disk KV tier (removed when this process exits): the default
-    one persists across runs, so a server launched after another on the same prompts would start warm. A config
-    that names ``kv_tiers.disk_dir`` keeps its own."""
-    path = tempfile.mkdtemp(prefix="magicserve-kv-")
+def fresh_kv_dir(parent: str | None = None) -> str:
+    """An empty directory for one launched server's disk KV tier, in ``parent`` (None: the system's temporary
+    directory), removed when this process exits: the default one persists across runs, so a server launched after
+    another on the same prompts would start warm, and a benchmark's blocks would pile up run after run."""
+    path = tempfile.mkdtemp(prefix="magicserve-kv-", dir=parent)
     atexit.register(shutil.rmtree, path, True)
     return path
 

@@ -35,7 +35,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
@@ -44,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks._record import record  # noqa: E402
-from benchmarks._slo_launch import free_port, local_magicserve, vllm_server  # noqa: E402
+from benchmarks._slo_launch import free_port, fresh_kv_dir, local_magicserve, vllm_server  # noqa: E402
 from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from planner.profiler import cpu_model_name  # noqa: E402
 
@@ -179,7 +178,7 @@ def server_for(system: str, args, workdir: str):
         return vllm_server(args.model, port, args.max_prompt + 1024, 1, args.launch_timeout_s, blocks,
                            prefix_caching=True), f"http://127.0.0.1:{port}"
     sections = {"prefill": {"kv_cache_tokens": args.prefill_kv}, "decode": {"kv_cache_tokens": args.decode_kv},
-                "kv_tiers": {"enabled": system == "magicserve-tiers", "disk_dir": tempfile.mkdtemp(dir=workdir)}}
+                "kv_tiers": {"enabled": system == "magicserve-tiers", "disk_dir": fresh_kv_dir(workdir)}}
     return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s)
 
 
