@@ -60,10 +60,11 @@ def plot_attainment_vs_scale(path: str, scales: list[float], attainment: dict[st
 
 
 def plot_compare(path: str, systems: list[dict], target: float, title: str, xlabel: str) -> None:
-    """``systems``: dicts with 'label', 'x' (rates or per-core rates) and 'both' (shares)."""
+    """``systems``: dicts with 'label', 'x' (rates or per-core rates), 'both' (shares) and optionally 'color'."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))
     markers = "osD^v<>px*"
     for i, s in enumerate(systems):
-        ax.plot(s["x"], [100 * a for a in s["both"]], "-", marker=markers[i % len(markers)], label=s["label"])
+        ax.plot(s["x"], [100 * a for a in s["both"]], "-", marker=markers[i % len(markers)], label=s["label"],
+                color=s.get("color"))
     _finish(plt, fig, ax, target, title, xlabel, path)

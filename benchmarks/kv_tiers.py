@@ -21,9 +21,15 @@ the instance that computed each prompt found, prefill or decode), TTFT p50/p99, 
 ``--ttft-slo-ms`` / ``--tpot-slo-ms`` as ``vllm bench serve`` reports it; beside them the hit rate of an
 unbounded cache on the same requests, and magicserve's prefill pool's own hit rate.
 
-    python benchmarks/kv_tiers.py --trace PATH/conversation_trace.jsonl
+A goodput at one load is capped by the load: where a system already serves most requests within the SLOs, no
+other can serve many more. ``--sweep`` replays the trace at more time compressions (``--sweep-systems``, each on
+a fresh server) and adds each system's goodput as the project defines it (``planner.slo.goodput``,
+DistServe's): the highest offered rate at which ``--attainment-target`` of the requests meet both SLOs.
 
-Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``benchmarks/results/kv_tiers``).
+    python benchmarks/kv_tiers.py --trace PATH/conversation_trace.jsonl [--sweep 15,20,30,60,80]
+
+Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``benchmarks/results/kv_tiers``), and
+``<out>_sweep.png`` with a sweep.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from controller.defaults import DEFAULT_MODEL_DIR  # noqa: E402
 from planner.profiler import cpu_model_name  # noqa: E402
 
 SYSTEMS = ("magicserve-tiers", "magicserve-no-tiers", "vllm")
+COLORS = {"magicserve-tiers": "tab:blue", "magicserve-no-tiers": "tab:gray", "vllm": "tab:orange"}
 TRACE_BLOCK = 512  # tokens per hash in Mooncake's traces
 VLLM = os.path.join(ROOT, ".peers", "vllm", "bin", "vllm")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
@@ -142,12 +149,15 @@ def chosen_systems(ap, value: str, allowed: tuple[str, ...]) -> list[str]:
     return systems
 
 
-def replay_trace(args) -> tuple[list[dict], str]:
-    """The sampled, scaled and compressed trace (``sampled_trace`` with the flags), and the path of its copy in
-    the scratch folder that ``vllm bench serve`` reads."""
-    os.makedirs(args.scratch, exist_ok=True)
-    rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt, args.speedup)
-    trace_path = os.path.join(args.scratch, "trace.jsonl")
+def replay_trace(args, speedup: float | None = None, folder: str | None = None) -> tuple[list[dict], str]:
+    """The sampled, scaled and compressed trace (``sampled_trace`` with the flags; ``speedup``: another time
+    compression than ``--speedup``), and the path of its copy in ``folder`` (default: the scratch folder) that
+    ``vllm bench serve`` reads."""
+    folder = folder or args.scratch
+    os.makedirs(folder, exist_ok=True)
+    rows = sampled_trace(args.trace, args.sample, args.chunk, args.max_prompt,
+                         args.speedup if speedup is None else speedup)
+    trace_path = os.path.join(folder, "trace.jsonl")
     with open(trace_path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return rows, trace_path
@@ -232,6 +242,78 @@ def run_system(system: str, args, trace_path: str, n: int, workdir: str) -> dict
     return out
 
 
+def sweep_point(run: dict, rows: list[dict], speedup: float) -> dict:
+    """One system's run at one time compression as a point of the load sweep: the offered rate (requests over
+    the replay's span) and the share of requests within both SLOs (``vllm bench serve``'s goodput times its
+    duration: the requests it counted good)."""
+    good = round((run["request_goodput"] or 0.0) * run["duration"])
+    return {"speedup": speedup, "offered_rate": len(rows) / rows[-1]["timestamp"], "attainment": good / len(rows),
+            **{k: run[k] for k in ("request_goodput", "median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "hit_rate",
+                                   "completed", "failed")}}
+
+
+def load_sweep(args, systems: list[str], main_runs: dict[str, dict], main_rows: list[dict]) -> dict:
+    """Each of ``systems`` replayed at every ``--sweep`` time compression (a fresh server each, so no run
+    starts with another's cache; the main run stands for ``--speedup``), and each system's goodput at
+    ``--attainment-target`` as the project defines it (:func:`planner.slo.goodput`, DistServe's: the highest
+    offered rate still meeting the target, interpolated between swept rates)."""
+    from planner.slo import goodput
+
+    speedups = sorted(set(args.sweep) | {args.speedup})
+    points: dict[str, list[dict]] = {s: [] for s in systems}
+    for speedup in speedups:
+        if speedup == args.speedup:
+            rows = main_rows
+        else:
+            folder = os.path.join(args.scratch, f"x{speedup:g}")
+            rows, trace_path = replay_trace(args, speedup, folder)
+            print(f"sweep: {speedup:g}x, {len(rows) / rows[-1]['timestamp']:.2f} req/s offered", file=sys.stderr,
+                  flush=True)
+        for system in systems:
+            run = main_runs[system] if speedup == args.speedup else \
+                run_system(system, args, trace_path, len(rows), folder)
+            points[system].append(sweep_point(run, rows, speedup))
+    return {"speedups": speedups, "target": args.attainment_target, "points": points,
+            "goodput_at_target": {s: goodput([p["offered_rate"] for p in pts], [p["attainment"] for p in pts],
+                                             args.attainment_target) for s, pts in points.items()}}
+
+
+def sweep_lines(sweep: dict) -> list[str]:
+    """The load sweep's section of the record: attainment and goodput by offered rate, and the goodput at the
+    target attainment per system."""
+    names = list(sweep["points"])
+    target = sweep["target"]
+    lines = ["", "## Load sweep", "",
+             f"The same replay compressed {', '.join(f'{x:g}x' for x in sweep['speedups'])}, each system on a fresh "
+             f"server at each: the share of the requests within both SLOs, and `vllm bench serve`'s goodput "
+             f"(requests within both SLOs per second of the run).", "",
+             "| compression | offered (req/s) | " + " | ".join(f"{n}: within SLOs / goodput (req/s) / TTFT p99 (s)"
+                                                          for n in names) + " |",
+             "|---:|---:|" + "---:|" * len(names)]
+    for i, speedup in enumerate(sweep["speedups"]):
+        cells = []
+        for n in names:
+            p = sweep["points"][n][i]
+            cells.append(f"{p['attainment']:.0%} / {p['request_goodput']:.3f} / {p['p99_ttft_ms'] / 1000:.2f}")
+        offered = sweep["points"][names[0]][i]["offered_rate"]
+        lines.append(f"| {speedup:g}x | {offered:.2f} | " + " | ".join(cells) + " |")
+    at = sweep["goodput_at_target"]
+    lines += ["", f"Goodput at {target:.0%} attainment (`planner.slo.goodput`, DistServe's: the highest offered rate "
+                  f"at which {target:.0%} of the requests meet both SLOs, interpolated between swept rates; 0 where "
+                  f"the lowest rate misses): " + ", ".join(f"{n} {at[n]:.2f} req/s" for n in names) + "."]
+    if at.get("magicserve-tiers") and at.get("magicserve-no-tiers"):
+        lines[-1] += f" With tiers / without: {at['magicserve-tiers'] / at['magicserve-no-tiers']:.2f}x."
+    return lines
+
+
+def plot_sweep(sweep: dict, path: str) -> None:
+    from benchmarks._slo_plots import plot_compare
+
+    plot_compare(path, [{"label": n, "x": [p["offered_rate"] for p in pts], "both": [p["attainment"] for p in pts],
+                         "color": COLORS[n]} for n, pts in sweep["points"].items()], sweep["target"],
+                 "KV tiers: Mooncake's trace at rising compression", "offered rate (req/s)")
+
+
 def write_md(result: dict, path: str) -> None:
     a = result["args"]
     lines = ["# KV tiers on a production conversation trace", "", f"Command: `{result['command']}`", "",
@@ -270,6 +352,8 @@ def write_md(result: dict, path: str) -> None:
               "in its pool or its tiers, a prefill instance or, for a turn prefilled where it decodes, a decode "
               "instance). The prefill pool's hit rate counts only the prompts prefill instances computed.", "",
               "Each system's `vllm bench serve` command is in the JSON.", "", f"![kv tiers]({os.path.basename(path[:-3])}.png)"]
+    if result.get("sweep"):
+        lines += sweep_lines(result["sweep"]) + ["", f"![load sweep]({os.path.basename(path[:-3])}_sweep.png)"]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -286,7 +370,7 @@ def plot(result: dict, path: str) -> None:
                                               ("median_ttft_ms", "TTFT p50 (s)", 1e-3),
                                               ("request_goodput", "goodput (req/s)", 1.0))):
         vals = [(result["systems"][n][key] or 0.0) * scale for n in names]
-        ax.bar(names, vals, color=["tab:blue", "tab:gray", "tab:orange"][:len(names)])
+        ax.bar(names, vals, color=[COLORS[n] for n in names])
         if key == "hit_rate":
             ax.axhline(result["unbounded_hit_rate"], color="k", ls="--", lw=1, label="unbounded cache")
             ax.legend(fontsize=8)
@@ -304,8 +388,24 @@ def main() -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     add_trace_args(ap, chunk=32, max_prompt=3072, speedup=40.0, prefill_kv=4096, decode_kv=8192)
     ap.add_argument("--scratch", default=os.path.join(ROOT, "runs", "kv_tiers"))
+    ap.add_argument("--sweep", default="", help="more time compressions (comma-separated, e.g. 15,20,30,60) at "
+                    "which --sweep-systems are replayed too, for goodput at --attainment-target")
+    ap.add_argument("--sweep-systems", default="magicserve-tiers,magicserve-no-tiers")
+    ap.add_argument("--attainment-target", type=float, default=0.9)
     args = ap.parse_args()
     systems = chosen_systems(ap, args.systems, SYSTEMS)
+    try:
+        args.sweep = [float(x) for x in args.sweep.split(",") if x]
+    except ValueError:
+        ap.error(f"--sweep: {args.sweep!r} is not a comma-separated list of numbers")
+    if any(x <= 0 for x in args.sweep):
+        ap.error("--sweep: every time compression must be above 0")
+    if not 0 < args.attainment_target <= 1:
+        ap.error(f"--attainment-target: {args.attainment_target} is not in (0, 1]")
+    sweep_systems = chosen_systems(ap, args.sweep_systems, SYSTEMS) if args.sweep else []
+    missing = [s for s in sweep_systems if s not in systems]
+    if missing:
+        ap.error(f"--sweep-systems: {', '.join(missing)} not in --systems")
     rows, trace_path = replay_trace(args)
     result = {"command": "python benchmarks/kv_tiers.py " + " ".join(
                   shlex.quote(os.path.relpath(a, ROOT) if os.path.isabs(a) else a) for a in sys.argv[1:]),
@@ -319,8 +419,12 @@ def main() -> int:
           f"{result['unbounded_hit_rate']:.1%}", file=sys.stderr, flush=True)
     for system in systems:
         result["systems"][system] = run_system(system, args, trace_path, len(rows), args.scratch)
+    if sweep_systems:
+        result["sweep"] = load_sweep(args, sweep_systems, result["systems"], rows)
     record(result, args.out, write_md)
     plot(result, args.out + ".png")
+    if sweep_systems:
+        plot_sweep(result["sweep"], args.out + "_sweep.png")
     return 0
 
 
