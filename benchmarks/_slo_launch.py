@@ -184,11 +184,12 @@ def vllm_server(model_dir: str, port: int, max_model_len: int, kv_space_gib: flo
                          stop_grace_s=30.0)
 
 
-def local_magicserve(name: str, model_dir: str, sections: dict, workdir: str,
-                     startup_timeout_s: float) -> tuple[ManagedServer, str]:
+def local_magicserve(name: str, model_dir: str, sections: dict, workdir: str, startup_timeout_s: float, *,
+                     slo_ms: tuple[float, float]) -> tuple[ManagedServer, str]:
     """``cluster_configs/local.yaml`` serving ``model_dir`` with ``sections`` replacing its top-level sections
     (a pool's section is merged into the file's), written to ``workdir/NAME.yaml``, its HTTP front on a free
-    port: (the server, its base URL)."""
+    port: (the server, its base URL). ``slo_ms``: the (TTFT, TPOT) the run is graded at, the server's ``slo``
+    (its load-aware placement and decode instances' local prefills aim at them, not at the file's own)."""
     import yaml
 
     from controller.config import LOCAL_CONFIG
@@ -198,6 +199,7 @@ def local_magicserve(name: str, model_dir: str, sections: dict, workdir: str,
     cfg["model"]["path"] = os.path.abspath(model_dir)
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value} if key in ("prefill", "decode", "colocated") else value
+    cfg["slo"] = {**cfg.get("slo", {}), "ttft_ms": slo_ms[0], "tpot_ms": slo_ms[1]}
     http = free_port()
     cfg["server"]["http_port"] = http
     path = os.path.join(workdir, f"{name}.yaml")

@@ -180,12 +180,6 @@ def prefill_pool_hit_rate(before: dict, after: dict) -> float | None:
                   before, after)
 
 
-def served_slo(args) -> dict:
-    """The server's ``slo`` section: the SLOs the replay is graded at, which the load-aware placement and the
-    decode instances' local prefills aim at (without it the server aims at its config's own)."""
-    return {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}
-
-
 def server_for(system: str, args, workdir: str):
     if system == "vllm":
         port = free_port()  # the same KV tokens: its space is whole GiB, so the block count is set instead
@@ -193,10 +187,10 @@ def server_for(system: str, args, workdir: str):
                   "--served-model-name", os.path.basename(os.path.abspath(args.model))]
         return vllm_server(args.model, port, args.max_prompt + 1024, 1, args.launch_timeout_s, blocks,
                            prefix_caching=True), f"http://127.0.0.1:{port}"
-    sections = {"slo": served_slo(args), "prefill": {"kv_cache_tokens": args.prefill_kv},
-                "decode": {"kv_cache_tokens": args.decode_kv},
+    sections = {"prefill": {"kv_cache_tokens": args.prefill_kv}, "decode": {"kv_cache_tokens": args.decode_kv},
                 "kv_tiers": {"enabled": system == "magicserve-tiers", "disk_dir": fresh_kv_dir(workdir)}}
-    return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s)
+    return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s,
+                            slo_ms=(args.ttft_slo_ms, args.tpot_slo_ms))
 
 
 def bench(args, url: str, trace_path: str, n: int, name: str, workdir: str) -> dict:

@@ -122,7 +122,7 @@ def server_for(system: str, args, workdir: str):
         longest = max(args.max_prompt, args.burst_max, args.edge_max)
         return vllm_server(args.model, port, longest + 1024, 1, args.launch_timeout_s, extra,
                            prefix_caching=True), f"http://127.0.0.1:{port}"
-    sections = {"slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}}
+    sections: dict = {}
     if system == "colocated":
         sections.update(mode="colocated", colocated={"instances": 2, "threads": 1,
                                                      "kv_cache_tokens": (args.prefill_kv + args.decode_kv) // 2})
@@ -134,7 +134,8 @@ def server_for(system: str, args, workdir: str):
             "enabled": True, "profile": os.path.abspath(args.profile), "interval_s": args.autoscale_interval_s,
             "window_s": args.autoscale_window_s, "role_changes_only": True,
             "prefill": {"min_instances": 0, "max_instances": 1}, "decode": {"min_instances": 1, "max_instances": 2}}
-    return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s)
+    return local_magicserve(system, args.model, sections, workdir, args.launch_timeout_s,
+                            slo_ms=(args.ttft_slo_ms, args.tpot_slo_ms))
 
 
 def resizes(server) -> list[dict]:

@@ -37,8 +37,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._record import record, write_lines  # noqa: E402
 from benchmarks._slo_launch import free_port, fresh_kv_dir, local_magicserve, vllm_server  # noqa: E402
-from benchmarks.kv_tiers import (add_trace_args, bench, chosen_systems, hit_rate, replay_trace, scrape,  # noqa: E402
-                                 served_slo)
+from benchmarks.kv_tiers import add_trace_args, bench, chosen_systems, hit_rate, replay_trace, scrape  # noqa: E402
 from planner.profiler import cpu_model_name  # noqa: E402
 
 SYSTEMS = ("magicserve-ahead", "magicserve-no-ahead", "vllm")
@@ -52,11 +51,11 @@ def server_for(system: str, args, decode_kv: int, workdir: str):
                   "--served-model-name", os.path.basename(os.path.abspath(args.model))]
         return vllm_server(args.model, port, args.max_prompt + 1024, 1, args.launch_timeout_s, blocks,
                            prefix_caching=True), f"http://127.0.0.1:{port}"
-    sections = {"slo": served_slo(args), "prefill": {"kv_cache_tokens": args.prefill_kv},
-                "decode": {"kv_cache_tokens": decode_kv},
+    sections = {"prefill": {"kv_cache_tokens": args.prefill_kv}, "decode": {"kv_cache_tokens": decode_kv},
                 "kv_tiers": {"disk_dir": fresh_kv_dir(workdir)},
                 "prefix_caching": {"prefill_ahead": system == "magicserve-ahead"}}
-    return local_magicserve(f"{system}-{decode_kv}", args.model, sections, workdir, args.launch_timeout_s)
+    return local_magicserve(f"{system}-{decode_kv}", args.model, sections, workdir, args.launch_timeout_s,
+                            slo_ms=(args.ttft_slo_ms, args.tpot_slo_ms))
 
 
 def run_system(system: str, args, decode_kv: int, trace_path: str, n: int, workdir: str) -> dict:

@@ -49,8 +49,8 @@ def test_prompts_late_wherever_they_go_leave_the_prefill_queue_to_those_that_can
     """50 prompts of 2000 tokens, one every 100 ms: twice what the prefill instance computes (0.2 s each). With
     the late lanes, a prompt predicted past the 0.5 s SLO both in the prefill pool and on the decode instance is
     computed after the prompts that can still make it (on the decode instance at least ten times), instead of
-    holding up every prompt after it in the prefill queue: more than twice as many first tokens within the SLO, every request complete,
-    no decoding request's TPOT past the target."""
+    holding up every prompt after it in the prefill queue: more than twice as many first tokens within the SLO,
+    every request complete, no decoding request's TPOT past the target."""
     prof = make_profile()
     trace = burst(50, output=20, gap_s=0.1)
     runs = {late: simulate(prof, dataclasses.replace(disagg(), load_aware=LoadAwarePolicy(True, 0.4, late),
